@@ -1,0 +1,93 @@
+"""The artefact's on-disk format, shared by the writer (compiler) and the reader (runtime).
+
+art/
+  manifest.json            versions, target, model, compile args, cache key, pass log, checksums
+  graph.json               the IR after all passes
+  weights/rank0.safetensors
+  tokenizer/               tokenizer files and chat template copied from the checkpoint
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+GRAPH = "graph.json"
+WEIGHTS = "weights/rank0.safetensors"
+TOKENIZER_DIR = "tokenizer"
+
+# Tokenizer-side files worth carrying; whichever of them the checkpoint has.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+    "chat_template.json", "generation_config.json",
+)
+
+
+class ArtefactError(RuntimeError):
+    """The artefact is missing, damaged or made for another machine; one line says which."""
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_entry(root: Path, rel: str) -> dict[str, Any]:
+    p = root / rel
+    return {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+
+
+def read_manifest(root: Path) -> dict[str, Any]:
+    path = root / MANIFEST
+    if not root.is_dir():
+        raise ArtefactError(f"{root} is not a folder: expected a kiln artefact")
+    if not path.is_file():
+        raise ArtefactError(f"{root} has no {MANIFEST}: not a kiln artefact "
+                            "(make one with `kiln compile`)")
+    try:
+        manifest: dict[str, Any] = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtefactError(f"{path} is damaged: {e}") from e
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ArtefactError(f"{root}: artefact format {version}, this kiln reads format "
+                            f"{FORMAT_VERSION}; recompile with this kiln")
+    return manifest
+
+
+def verify_files(root: Path, manifest: dict[str, Any]) -> None:
+    """Check every file the manifest lists: present, right size, right checksum."""
+    for rel, entry in manifest["files"].items():
+        p = root / rel
+        if not p.is_file():
+            raise ArtefactError(f"{root}: {rel} is missing")
+        if p.stat().st_size != entry["bytes"]:
+            raise ArtefactError(f"{root}: {rel} is damaged ({p.stat().st_size} bytes, "
+                                f"manifest says {entry['bytes']})")
+        if sha256_file(p) != entry["sha256"]:
+            raise ArtefactError(f"{root}: {rel} is damaged (checksum mismatch)")
+
+
+def publish(tmp: Path, out: Path) -> None:
+    """Move a finished artefact from `tmp` to `out`, replacing an older artefact there."""
+    if out.exists():
+        if not (out / MANIFEST).is_file() and any(out.iterdir()):
+            raise ArtefactError(f"-o {out}: folder exists and is not a kiln artefact; "
+                                "refusing to overwrite it")
+        old = Path(tempfile.mkdtemp(prefix=".old-", dir=out.parent))
+        os.replace(out, old / "art")
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)

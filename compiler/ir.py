@@ -1,0 +1,254 @@
+"""The kiln graph IR: a straight-line list of nodes over a small, fixed op vocabulary.
+
+A node names its tensor inputs (`args`, other nodes), its static attributes (`attrs`,
+JSON-serialisable) and free-form pass notes (`meta`, e.g. the kernel backend chosen).
+Weights are `param` nodes that refer to an entry of `Graph.weights` by name; the tensor
+bytes live outside the graph (in the checkpoint at compile time, in the artefact after).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class OpSchema:
+    """Arity and attribute names of an op. `max_args=None` means variadic."""
+
+    min_args: int
+    max_args: int | None
+    attrs: tuple[str, ...] = ()
+    outputs: int = 1
+
+
+OPS: dict[str, OpSchema] = {
+    "input": OpSchema(0, 0, ("name",)),
+    "param": OpSchema(0, 0, ("name",)),
+    "output": OpSchema(1, None),
+    "getitem": OpSchema(1, 1, ("index",)),
+    "embedding": OpSchema(2, 2),
+    "linear": OpSchema(2, 3),
+    "rmsnorm": OpSchema(2, 2, ("eps", "group")),
+    "add_rmsnorm": OpSchema(3, 3, ("eps",), outputs=2),
+    "add": OpSchema(2, 2),
+    "mul": OpSchema(2, 2),
+    "silu": OpSchema(1, 1),
+    "silu_and_mul": OpSchema(1, 1),
+    "split": OpSchema(1, 1, ("sizes",), outputs=-1),
+    "rope_cos_sin": OpSchema(2, 2),
+    "rope": OpSchema(2, 2, ("head_dim",)),
+    "attention": OpSchema(
+        3, 3, ("layer", "num_heads", "num_kv_heads", "head_dim", "scale", "sliding_window")
+    ),
+    "index_select": OpSchema(2, 2),
+}
+
+# Runtime-provided graph inputs, in the order the executor passes them.
+GRAPH_INPUTS = ("input_ids", "positions", "logits_indices")
+
+
+class IRError(ValueError):
+    """The graph breaks an IR invariant; the message names the node."""
+
+
+@dataclass(eq=False)
+class Node:
+    name: str
+    op: str
+    args: list[Node] = field(default_factory=list)
+    attrs: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return f"%{self.name}"
+
+    def format(self) -> str:
+        args = ", ".join(f"%{a.name}" for a in self.args)
+        attrs = ", ".join(f"{k}={v!r}" for k, v in self.attrs.items())
+        inner = ", ".join(x for x in (args, attrs) if x)
+        backend = f"  # {self.meta['backend']}" if "backend" in self.meta else ""
+        return f"%{self.name} = {self.op}({inner}){backend}"
+
+
+@dataclass
+class WeightSpec:
+    """Shape and dtype of a weight, and how the compiler materialises it (`source`).
+
+    `source` is a small recipe tree: {"load": hf_name}, {"concat": [recipes], "dim": 0},
+    {"constant": key} for tensors computed by the model definition (e.g. rope frequencies).
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    source: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "dtype": self.dtype, "source": self.source}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> WeightSpec:
+        return cls(tuple(d["shape"]), d["dtype"], d["source"])
+
+
+class Graph:
+    """An ordered node list (topological by construction) plus the weight table."""
+
+    def __init__(self) -> None:
+        self.nodes: list[Node] = []
+        self.weights: dict[str, WeightSpec] = {}
+        self._names: set[str] = set()
+        self._counter = 0
+
+    # -- building -----------------------------------------------------------------------
+    def fresh_name(self, hint: str = "v") -> str:
+        while True:
+            self._counter += 1
+            name = f"{hint}{self._counter}"
+            if name not in self._names:
+                return name
+
+    def add(
+        self,
+        op: str,
+        args: list[Node] | None = None,
+        attrs: dict[str, Any] | None = None,
+        name: str | None = None,
+        before: Node | None = None,
+    ) -> Node:
+        """Create a node; appended, or inserted just before `before` when given."""
+        node = Node(name or self.fresh_name(), op, list(args or []), dict(attrs or {}))
+        if node.name in self._names:
+            raise IRError(f"duplicate node name %{node.name}")
+        self._names.add(node.name)
+        if before is None:
+            self.nodes.append(node)
+        else:
+            self.nodes.insert(self.nodes.index(before), node)
+        return node
+
+    def param(self, weight: str, before: Node | None = None) -> Node:
+        """The param node of `weight`, created if the graph has none yet."""
+        for n in self.nodes:
+            if n.op == "param" and n.attrs["name"] == weight:
+                return n
+        anchor = before
+        if anchor is None:
+            anchor = next((n for n in self.nodes if n.op not in ("input", "param")), None)
+        return self.add("param", attrs={"name": weight}, before=anchor)
+
+    def remove(self, node: Node) -> None:
+        self.nodes.remove(node)
+        self._names.discard(node.name)
+
+    # -- queries ------------------------------------------------------------------------
+    def users(self) -> dict[Node, list[Node]]:
+        users: dict[Node, list[Node]] = {n: [] for n in self.nodes}
+        for n in self.nodes:
+            for a in n.args:
+                users.setdefault(a, []).append(n)
+        return users
+
+    def replace_all_uses(self, old: Node, new: Node) -> None:
+        for n in self.nodes:
+            n.args = [new if a is old else a for a in n.args]
+
+    @property
+    def output(self) -> Node:
+        return self.nodes[-1]
+
+    def weight_of(self, node: Node) -> WeightSpec | None:
+        return self.weights.get(node.attrs["name"]) if node.op == "param" else None
+
+    def count(self, op: str) -> int:
+        return sum(1 for n in self.nodes if n.op == op)
+
+    # -- invariants ---------------------------------------------------------------------
+    def lint(self) -> None:
+        """Raise IRError on the first broken invariant."""
+        seen: set[int] = set()
+        names: set[str] = set()
+        params: set[str] = set()
+        for i, n in enumerate(self.nodes):
+            schema = OPS.get(n.op)
+            if schema is None:
+                raise IRError(f"%{n.name}: unknown op {n.op!r}")
+            if n.name in names:
+                raise IRError(f"%{n.name}: duplicate node name")
+            names.add(n.name)
+            nargs = len(n.args)
+            if nargs < schema.min_args or (schema.max_args is not None and nargs > schema.max_args):
+                raise IRError(f"%{n.name}: {n.op} takes {schema.min_args}..{schema.max_args} "
+                              f"args, got {nargs}")
+            missing = [a for a in schema.attrs if a not in n.attrs]
+            if missing:
+                raise IRError(f"%{n.name}: {n.op} is missing attrs {missing}")
+            for a in n.args:
+                if id(a) not in seen:
+                    raise IRError(f"%{n.name}: uses %{a.name} before it is defined")
+                if a.op == "output":
+                    raise IRError(f"%{n.name}: uses the output node")
+                if OPS[a.op].outputs != 1 and n.op != "getitem":
+                    raise IRError(f"%{n.name}: uses multi-output %{a.name} without getitem")
+            if n.op == "param":
+                wname = n.attrs["name"]
+                if wname not in self.weights:
+                    raise IRError(f"%{n.name}: param {wname!r} has no weight spec")
+                if wname in params:
+                    raise IRError(f"%{n.name}: second param node for {wname!r}")
+                params.add(wname)
+            if n.op == "input" and n.attrs["name"] not in GRAPH_INPUTS:
+                raise IRError(f"%{n.name}: unknown graph input {n.attrs['name']!r}")
+            if n.op == "output" and i != len(self.nodes) - 1:
+                raise IRError(f"%{n.name}: output must be the last node")
+            seen.add(id(n))
+        if not self.nodes or self.nodes[-1].op != "output":
+            raise IRError("graph has no output node")
+        unused = set(self.weights) - params
+        if unused:
+            raise IRError(f"weights without a param node: {sorted(unused)[:5]}")
+
+    # -- printing and serialisation -------------------------------------------------------
+    def format(self) -> str:
+        return "\n".join(n.format() for n in self.nodes)
+
+    def __str__(self) -> str:
+        return self.format()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "nodes": [
+                {
+                    "name": n.name,
+                    "op": n.op,
+                    "args": [a.name for a in n.args],
+                    "attrs": n.attrs,
+                    "meta": n.meta,
+                }
+                for n in self.nodes
+            ],
+            "weights": {k: w.to_json() for k, w in self.weights.items()},
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Graph:
+        g = cls()
+        by_name: dict[str, Node] = {}
+        for nd in d["nodes"]:
+            try:
+                args = [by_name[a] for a in nd["args"]]
+            except KeyError as e:
+                raise IRError(f"%{nd['name']}: unknown argument %{e.args[0]}") from None
+            node = g.add(nd["op"], args, nd.get("attrs"), name=nd["name"])
+            node.meta = dict(nd.get("meta") or {})
+            by_name[node.name] = node
+        g.weights = {k: WeightSpec.from_json(w) for k, w in d["weights"].items()}
+        return g
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1)
+
+    @classmethod
+    def loads(cls, text: str) -> Graph:
+        return cls.from_json(json.loads(text))

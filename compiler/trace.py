@@ -1,0 +1,106 @@
+"""Tracing: run a model definition on symbolic values and record kiln ops into a Graph.
+
+Model definitions are ordinary `torch.nn.Module`s built on the meta device; their
+parameters carry the checkpoint's names and shapes but no data. Their `forward` calls the
+op front-ends in `kiln.compiler.ops`, which append nodes to the active tracer's graph.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from kiln.compiler.ir import GRAPH_INPUTS, Graph, IRError, Node, WeightSpec
+
+
+class Value:
+    """A symbolic tensor during tracing: a handle on the node that produces it."""
+
+    __slots__ = ("node",)
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    def __repr__(self) -> str:
+        return f"Value(%{self.node.name})"
+
+
+_ACTIVE: contextvars.ContextVar[Tracer | None] = contextvars.ContextVar("kiln_tracer", default=None)
+
+
+class Tracer:
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.graph = Graph()
+        self.constants: dict[str, torch.Tensor] = {}
+        self._param_names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+        self._param_nodes: dict[str, Node] = {}
+
+    def emit(self, op: str, args: list[Any], attrs: dict[str, Any] | None = None) -> Node:
+        return self.graph.add(op, [self.as_node(a) for a in args], attrs)
+
+    def as_node(self, x: Any) -> Node:
+        if isinstance(x, Value):
+            return x.node
+        if isinstance(x, torch.nn.Parameter):
+            name = self._param_names.get(id(x))
+            if name is None:
+                raise IRError("a parameter that does not belong to the traced module")
+            shape = tuple(x.shape)
+            return self._param(name, shape, _dtype_name(x.dtype), {"load": name, "shape": list(shape)})
+        raise IRError(f"cannot trace a {type(x).__name__} as an op argument")
+
+    def constant(self, name: str, value: torch.Tensor) -> Value:
+        """A tensor computed by the model definition, stored in the artefact as a weight."""
+        self.constants[name] = value
+        return Value(self._param(name, tuple(value.shape), _dtype_name(value.dtype),
+                                 {"constant": name}))
+
+    def _param(self, name: str, shape: tuple[int, ...], dtype: str, source: dict) -> Node:
+        node = self._param_nodes.get(name)
+        if node is None:
+            self.graph.weights[name] = WeightSpec(shape, dtype, source)
+            node = self.graph.add("param", attrs={"name": name})
+            self._param_nodes[name] = node
+        return node
+
+
+def active_tracer() -> Tracer:
+    tracer = _ACTIVE.get()
+    if tracer is None:
+        raise RuntimeError("kiln ops only run under kiln.compiler.trace.trace()")
+    return tracer
+
+
+@contextmanager
+def _activate(tracer: Tracer) -> Iterator[None]:
+    token = _ACTIVE.set(tracer)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def trace(module: torch.nn.Module) -> tuple[Graph, dict[str, torch.Tensor]]:
+    """Trace `module.forward(input_ids, positions, logits_indices)` into a graph.
+
+    Returns the graph and the constants the definition computed (keyed by weight name).
+    Param nodes are placed first, in first-use order, so the printout reads top-down.
+    """
+    tracer = Tracer(module)
+    inputs = [Value(tracer.graph.add("input", attrs={"name": n}, name=n)) for n in GRAPH_INPUTS]
+    with _activate(tracer), torch.no_grad():
+        out = module(*inputs)
+    outs = out if isinstance(out, tuple) else (out,)
+    tracer.graph.add("output", [tracer.as_node(o) for o in outs], name="output")
+    graph = tracer.graph
+    graph.nodes.sort(key=lambda n: {"input": 0, "param": 1}.get(n.op, 2))
+    graph.lint()
+    return graph, tracer.constants
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,1 @@
+"""Kernels: a registry of op implementations per backend (see `kiln.kernels.registry`)."""

@@ -1,0 +1,68 @@
+"""Kernel registry: op name -> backend name -> implementation.
+
+`select_backends` (a compiler pass) records one backend per node; the runtime looks the
+kernel up by (op, backend) and never branches on the device itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+BACKENDS = ("torch_native", "triton", "flashinfer")
+
+
+@dataclass(frozen=True)
+class Kernel:
+    op: str
+    backend: str
+    fn: Callable[..., Any]
+    devices: tuple[str, ...]
+    # Kernels that read per-step runtime state (the KV cache, sequence layout) take the
+    # step's context as their first argument.
+    needs_ctx: bool = False
+
+
+_KERNELS: dict[str, dict[str, Kernel]] = {}
+
+
+def register(
+    op: str,
+    backend: str = "torch_native",
+    devices: tuple[str, ...] = ("cpu", "cuda"),
+    needs_ctx: bool = False,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}")
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        _KERNELS.setdefault(op, {})[backend] = Kernel(op, backend, fn, devices, needs_ctx)
+        return fn
+
+    return deco
+
+
+def _load_backends() -> None:
+    # Importing the backend modules runs their @register decorators.
+    from kiln.kernels import attention, torch_native  # noqa: F401
+
+
+def get(op: str, backend: str) -> Kernel:
+    _load_backends()
+    try:
+        return _KERNELS[op][backend]
+    except KeyError:
+        have = ", ".join(sorted(_KERNELS.get(op, {}))) or "none"
+        raise KeyError(f"no {backend!r} kernel for op {op!r} (registered: {have})") from None
+
+
+def available(op: str, device: str) -> list[str]:
+    """Backends that implement `op` on `device`, in registration order."""
+    _load_backends()
+    return [k.backend for k in _KERNELS.get(op, {}).values() if device in k.devices]
+
+
+def ops_with_kernels() -> set[str]:
+    _load_backends()
+    return set(_KERNELS)

@@ -1,0 +1,83 @@
+"""Reference kernels in plain torch: every op, every device. Numerics follow transformers."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kiln.kernels.registry import register
+
+
+@register("embedding")
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.embedding(ids, weight)
+
+
+@register("linear")
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+@register("rmsnorm")
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int = 0) -> torch.Tensor:
+    shape = x.shape
+    if group:
+        x = x.reshape(-1, group)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h.to(x.dtype)).reshape(shape)
+
+
+@register("add_rmsnorm")
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    total = x + residual
+    return rmsnorm(total, weight, eps), total
+
+
+@register("add")
+def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a + b
+
+
+@register("mul")
+def mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a * b
+
+
+@register("silu")
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return F.silu(x)
+
+
+@register("silu_and_mul")
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+@register("split")
+def split(x: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
+    return torch.split(x, sizes, dim=-1)
+
+
+@register("index_select")
+def index_select(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return x.index_select(0, index)
+
+
+@register("rope_cos_sin")
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    # [tokens, 1, rotary_dim / 2]: broadcast over heads in `rope`.
+    return freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1)
+
+
+@register("rope")
+def rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], head_dim: int) -> torch.Tensor:
+    cos, sin = (t.to(x.dtype) for t in cos_sin)
+    t = x.shape[0]
+    xh = x.view(t, -1, head_dim)
+    x1, x2 = xh.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).view(t, -1)

@@ -1,0 +1,84 @@
+"""The `kiln` command: compile, generate (and, as they land, serve and launch)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from kiln.args import ServerArgs, add_cli_args
+
+
+def _compile_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compile", help="compile a Hugging Face checkpoint into an artefact")
+    add_cli_args(p)
+    p.add_argument("-o", "--output", required=True, help="artefact folder to write")
+    p.set_defaults(func=_cmd_compile)
+
+
+def _generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text from an artefact (offline engine)")
+    p.add_argument("artefact", help="artefact folder made by `kiln compile`")
+    p.add_argument("--prompt", action="append", required=True,
+                   help="prompt text; repeat the flag for a batch")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="print each result as a JSON line")
+    add_cli_args(p, stages=("runtime",))
+    p.set_defaults(func=_cmd_generate)
+
+
+def _cmd_compile(ns: argparse.Namespace) -> int:
+    from kiln.compiler.compile import compile_model
+
+    args = ServerArgs.from_namespace(ns)
+    result = compile_model(args, ns.output)
+    state = "cache hit" if result.cache_hit else "compiled"
+    print(f"{state}: {result.path} (key {result.cache_key[:16]}, {result.seconds:.2f}s)")
+    return 0
+
+
+def _cmd_generate(ns: argparse.Namespace) -> int:
+    from kiln.runtime.engine import Engine
+
+    runtime = ServerArgs.from_namespace(ns).stage_values("runtime")
+    engine = Engine(ns.artefact, **runtime)
+    params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature,
+              "top_p": ns.top_p, "top_k": ns.top_k, "min_p": ns.min_p, "seed": ns.seed,
+              "ignore_eos": ns.ignore_eos}
+    results = engine.generate(ns.prompt, params)
+    for prompt, r in zip(ns.prompt, results, strict=True):
+        if ns.json:
+            print(json.dumps({"prompt": prompt, **r}))
+        else:
+            print(f"{prompt}{r['text']}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kiln", description="compile and serve LLMs")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _compile_parser(sub)
+    _generate_parser(sub)
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(ns, "log_level", "info").upper(),
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(ns.func(ns))
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, RuntimeError, OSError, MemoryError) as e:
+        # Our errors are one line that names the flag or file; no traceback for users.
+        print(f"kiln {ns.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""A small example checkpoint, made locally (no model hub): `python -m kiln.example DIR`.
+
+A byte-level BPE tokenizer is trained on a short built-in text with `tokenizers`, and a
+model of the requested family gets random weights through transformers' `from_config`.
+The README's first command and the tests use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+_TEXT = """\
+The kiln turns clay into stone. A potter shapes the clay, lets it dry, and fires it once.
+Compilers do the same for programs: shape once, fire once, and serve many times.
+The capital of France is Paris. The capital of Italy is Rome. The capital of Japan is Tokyo.
+Hello, world! Hello there. How are you today? I am fine, thank you, and you?
+One, two, three, four, five, six, seven, eight, nine, ten.
+Large language models predict the next token from the tokens before it.
+A batch holds requests of different lengths; the scheduler adds and removes them each step.
+"""
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {"model_type": "llama"},
+    "llama3": {"model_type": "llama", "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    "mistral": {"model_type": "mistral", "sliding_window": 16},
+    "qwen2": {"model_type": "qwen2"},
+    "qwen3": {"model_type": "qwen3", "head_dim": 24},
+}
+
+
+def train_tokenizer(vocab_size: int = 384) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_TEXT.splitlines() * 4, trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        chat_template=CHAT_TEMPLATE)
+
+
+def make_checkpoint(
+    path: str | Path,
+    family: str = "llama",
+    *,
+    hidden_size: int = 96,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 192,
+    tie_word_embeddings: bool = False,
+    init_std: float = 0.2,
+    seed: int = 0,
+    **overrides: Any,
+) -> Path:
+    """Write a random-weight checkpoint (config, safetensors, tokenizer) to `path`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    tokenizer = train_tokenizer()
+    fam = dict(FAMILIES[family])
+    model_type = fam.pop("model_type")
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=256,
+        initializer_range=init_std,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **{**fam, **overrides},
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomise_norms(model, seed)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _randomise_norms(model: Any, seed: int) -> None:
+    # from_config leaves norm weights at 1 and biases at 0; random values make the tests
+    # able to tell a missing norm or bias from a present one.
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name
+                        else 0.1 * torch.randn(p.shape, generator=g))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m kiln.example", description=__doc__)
+    parser.add_argument("path", help="folder to write the checkpoint to")
+    parser.add_argument("--family", default="llama", choices=sorted(FAMILIES))
+    ns = parser.parse_args(argv)
+    print(make_checkpoint(ns.path, ns.family))
+
+
+if __name__ == "__main__":
+    main()

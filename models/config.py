@@ -1,0 +1,178 @@
+"""ModelConfig: the one typed view of a Hugging Face `config.json` that kiln reads."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# model_type -> the family flags our single decoder definition needs.
+_FAMILIES: dict[str, dict[str, bool]] = {
+    "llama": {"qkv_bias": False, "qk_norm": False},
+    "mistral": {"qkv_bias": False, "qk_norm": False},
+    "qwen2": {"qkv_bias": True, "qk_norm": False},
+    "qwen3": {"qkv_bias": False, "qk_norm": True},
+}
+
+SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
+
+
+class ModelConfigError(ValueError):
+    """The checkpoint's config.json describes a model kiln cannot build."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> RopeConfig:
+        # transformers >= 5 writes `rope_parameters` (theta inside); older files write a
+        # top-level `rope_theta` and an optional `rope_scaling`.
+        params = dict(cfg.get("rope_parameters") or {})
+        scaling = dict(cfg.get("rope_scaling") or {})
+        merged = {**scaling, **params}
+        theta = merged.get("rope_theta", cfg.get("rope_theta"))
+        if theta is None:
+            theta = 10000.0
+        rope_type = merged.get("rope_type", merged.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ModelConfigError(
+                f"rope type {rope_type!r} is not supported yet (supported: default, linear, llama3)"
+            )
+        return cls(
+            theta=float(theta),
+            rope_type=rope_type,
+            factor=float(merged.get("factor", 1.0)),
+            low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=merged.get("original_max_position_embeddings"),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and numerics of a decoder-only transformer, read once from config.json."""
+
+    model_type: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    # One entry per layer: the window in tokens, or None for full attention.
+    sliding_windows: tuple[int | None, ...]
+    torch_dtype: str
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, path: str | Path) -> ModelConfig:
+        """Read `config.json` from a checkpoint folder (or the file itself)."""
+        path = Path(path)
+        file = path / "config.json" if path.is_dir() else path
+        if not file.is_file():
+            raise ModelConfigError(f"no config.json in {path}: not a Hugging Face checkpoint")
+        try:
+            cfg = json.loads(file.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelConfigError(f"{file} is not valid JSON: {e}") from e
+        return cls.from_dict(cfg)
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        model_type = cfg.get("model_type", "")
+        if model_type not in _FAMILIES:
+            raise ModelConfigError(
+                f"model_type {model_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelConfigError(f"hidden_act {act!r} is not supported (only silu)")
+        if cfg.get("mlp_bias"):
+            raise ModelConfigError("mlp_bias=true is not supported yet")
+        family = _FAMILIES[model_type]
+        num_heads = int(cfg["num_attention_heads"])
+        num_layers = int(cfg["num_hidden_layers"])
+        hidden = int(cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        qkv_bias = family["qkv_bias"] or bool(cfg.get("attention_bias", False))
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            model_type=model_type,
+            architecture=(cfg.get("architectures") or [""])[0],
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rope=RopeConfig.from_hf(cfg),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            qk_norm=family["qk_norm"],
+            sliding_windows=_sliding_windows(cfg, num_layers),
+            torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_manifest(cls, d: dict[str, Any]) -> ModelConfig:
+        d = dict(d)
+        d["rope"] = RopeConfig(**d["rope"])
+        d["sliding_windows"] = tuple(d["sliding_windows"])
+        d["eos_token_ids"] = tuple(d["eos_token_ids"])
+        return cls(**d)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def attention_scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+
+def _sliding_windows(cfg: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    window = cfg.get("sliding_window")
+    layer_types = cfg.get("layer_types")
+    if layer_types:
+        if len(layer_types) != num_layers:
+            raise ModelConfigError(
+                f"layer_types has {len(layer_types)} entries for {num_layers} layers"
+            )
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    # Qwen2 writes a window but only applies it with use_sliding_window; Mistral always does.
+    if window is None or cfg.get("use_sliding_window") is False:
+        return (None,) * num_layers
+    return (int(window),) * num_layers

@@ -1,0 +1,123 @@
+"""The decoder-only transformer behind Llama 2/3, Mistral, Qwen2 and Qwen3.
+
+Written for one device and traced, never run eagerly: build it on the meta device and
+hand it to `kiln.compiler.trace.trace`. Parameter names match the Hugging Face
+checkpoints, so weights are loaded by name. Activations are [tokens, features] for the
+whole batch; attention knows where each sequence begins from the runtime's metadata.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kiln.compiler import ops
+from kiln.compiler.trace import Value
+from kiln.models.config import ModelConfig
+from kiln.models.rope import inv_freq
+
+
+def _weight(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, cfg.q_size, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, cfg.kv_size, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.q_size, h, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = nn.RMSNorm(cfg.head_dim)
+            self.k_norm = nn.RMSNorm(cfg.head_dim)
+
+    def forward(self, x: Value, cos_sin: Value) -> Value:
+        cfg = self.cfg
+        q = ops.linear(x, self.q_proj.weight, self.q_proj.bias)
+        k = ops.linear(x, self.k_proj.weight, self.k_proj.bias)
+        v = ops.linear(x, self.v_proj.weight, self.v_proj.bias)
+        if cfg.qk_norm:
+            q = ops.rmsnorm(q, self.q_norm.weight, cfg.rms_norm_eps, group=cfg.head_dim)
+            k = ops.rmsnorm(k, self.k_norm.weight, cfg.rms_norm_eps, group=cfg.head_dim)
+        q = ops.rope(q, cos_sin, head_dim=cfg.head_dim)
+        k = ops.rope(k, cos_sin, head_dim=cfg.head_dim)
+        o = ops.attention(
+            q, k, v,
+            layer=self.layer,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            scale=cfg.attention_scale,
+            sliding_window=cfg.sliding_windows[self.layer],
+        )
+        return ops.linear(o, self.o_proj.weight)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Value) -> Value:
+        gate = ops.silu(ops.linear(x, self.gate_proj.weight))
+        return ops.linear(ops.mul(gate, ops.linear(x, self.up_proj.weight)), self.down_proj.weight)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size)
+
+    def forward(self, h: Value, cos_sin: Value) -> Value:
+        h = ops.add(h, self.self_attn(ops.rmsnorm(h, self.input_layernorm.weight, self.eps),
+                                      cos_sin))
+        return ops.add(h, self.mlp(ops.rmsnorm(h, self.post_attention_layernorm.weight, self.eps)))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = nn.RMSNorm(cfg.hidden_size)
+
+
+class CausalLM(nn.Module):
+    """forward(input_ids, positions, logits_indices) -> logits of the selected rows."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> nn.Parameter:
+        tied = self.cfg.tie_word_embeddings
+        return self.model.embed_tokens.weight if tied else self.lm_head.weight
+
+    def forward(self, input_ids: Value, positions: Value, logits_indices: Value) -> Value:
+        cfg = self.cfg
+        freqs = ops.constant("rope.inv_freq", inv_freq(cfg.rope, cfg.head_dim))
+        cos_sin = ops.rope_cos_sin(positions, freqs)
+        h = ops.embedding(input_ids, self.model.embed_tokens.weight)
+        for layer in self.model.layers:
+            h = layer(h, cos_sin)
+        h = ops.rmsnorm(ops.index_select(h, logits_indices), self.model.norm.weight, cfg.rms_norm_eps)
+        return ops.linear(h, self.lm_head_weight)
+
+
+def build(cfg: ModelConfig) -> CausalLM:
+    """The definition on the meta device: names and shapes, no memory."""
+    with torch.device("meta"):
+        return CausalLM(cfg)

@@ -1,0 +1,32 @@
+"""Compiler passes over the kiln IR; each is `(graph, ctx) -> PassResult(graph, changed)`."""
+
+from __future__ import annotations
+
+from kiln.passes.base import Pass, PassContext, PassError, PassResult, run_passes
+from kiln.passes.dce import dce
+from kiln.passes.fuse_add_rmsnorm import fuse_add_rmsnorm
+from kiln.passes.fuse_gate_up import fuse_gate_up
+from kiln.passes.fuse_qkv import fuse_qkv
+from kiln.passes.select_backends import select_backends
+from kiln.passes.verify import verify
+
+# Named pipelines: the compile driver picks one from the compile-time arguments.
+PIPELINES: dict[str, list[Pass]] = {
+    "default": [dce, fuse_qkv, fuse_gate_up, fuse_add_rmsnorm, dce, select_backends, verify],
+    "unfused": [dce, select_backends, verify],
+}
+
+__all__ = [
+    "PIPELINES",
+    "Pass",
+    "PassContext",
+    "PassError",
+    "PassResult",
+    "dce",
+    "fuse_add_rmsnorm",
+    "fuse_gate_up",
+    "fuse_qkv",
+    "run_passes",
+    "select_backends",
+    "verify",
+]

@@ -1,0 +1,59 @@
+"""The pass interface and the pass manager."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln.compiler.ir import Graph, IRError
+
+
+@dataclass(frozen=True)
+class PassContext:
+    """What passes may read: the compile target and the compile-time arguments."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PassResult:
+    graph: Graph
+    changed: bool
+
+
+Pass = Callable[[Graph, PassContext], PassResult]
+
+
+class PassError(RuntimeError):
+    """A pass failed, or left the graph broken; the message names the passes before it."""
+
+
+def run_passes(
+    graph: Graph, ctx: PassContext, passes: Sequence[Pass], lint_each: bool = True
+) -> tuple[Graph, list[dict[str, Any]]]:
+    """Run `passes` in order; return the final graph and one log entry per pass."""
+    log: list[dict[str, Any]] = []
+    for p in passes:
+        name = getattr(p, "__name__", repr(p))
+        before = len(graph.nodes)
+        t0 = time.perf_counter()
+        try:
+            result = p(graph, ctx)
+            if lint_each:
+                result.graph.lint()
+        except (IRError, ValueError, KeyError) as e:
+            ran = ", ".join(e["pass"] for e in log) or "none"
+            raise PassError(f"pass {name} failed: {e} (passes before it: {ran})") from e
+        graph = result.graph
+        log.append({
+            "pass": name,
+            "changed": result.changed,
+            "nodes_before": before,
+            "nodes_after": len(graph.nodes),
+            "seconds": round(time.perf_counter() - t0, 4),
+        })
+    return graph, log

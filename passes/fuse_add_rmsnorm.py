@@ -1,0 +1,24 @@
+"""Residual add + RMSNorm fusion: rmsnorm(a + b) -> add_rmsnorm(a, b) = (normed, a + b)."""
+
+from __future__ import annotations
+
+from kiln.compiler.ir import Graph
+from kiln.passes.base import PassContext, PassResult
+
+
+def fuse_add_rmsnorm(graph: Graph, ctx: PassContext) -> PassResult:
+    changed = False
+    for norm in [n for n in graph.nodes if n.op == "rmsnorm"]:
+        total, weight = norm.args
+        if total.op != "add" or norm.attrs["group"]:
+            continue
+        fused = graph.add("add_rmsnorm", [*total.args, weight], {"eps": norm.attrs["eps"]},
+                          before=total)
+        normed = graph.add("getitem", [fused], {"index": 0}, before=total)
+        summed = graph.add("getitem", [fused], {"index": 1}, before=total)
+        graph.replace_all_uses(norm, normed)
+        graph.replace_all_uses(total, summed)
+        graph.remove(norm)
+        graph.remove(total)
+        changed = True
+    return PassResult(graph, changed)

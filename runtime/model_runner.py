@@ -1,0 +1,45 @@
+"""The model runner owns device state (weights, KV cache) and runs one batch per call."""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.kernels.attention import AttentionBatch, SeqSpan
+from kiln.runtime.artefact import Artefact
+from kiln.runtime.executor import Executor
+from kiln.runtime.kv_cache import KVCache, PagePool
+from kiln.runtime.scheduler import Batch
+
+
+class ModelRunner:
+    def __init__(self, art: Artefact, max_total_tokens: int) -> None:
+        spec = art.spec
+        self.spec = spec
+        self.device = art.manifest["target"]["device"]
+        self.executor = Executor(art.graph, art.weights)
+        self.pool = PagePool(max(1, max_total_tokens // spec.page_size), spec.page_size)
+        self.kv = KVCache(spec.num_layers, self.pool.num_pages * spec.page_size,
+                          spec.num_kv_heads, spec.head_dim, spec.torch_dtype, self.device)
+
+    def forward(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:
+        """Logits of each request's last fed token ([requests, vocab]), or of every fed
+        token ([tokens, vocab]) when `all_logits`."""
+        ids: list[int] = []
+        positions: list[int] = []
+        last: list[int] = []
+        seqs: list[SeqSpan] = []
+        for req, fed in zip(batch.requests, batch.new_tokens, strict=True):
+            start, kv_len = len(ids), req.kv_len + len(fed)
+            ids += fed
+            positions += range(req.kv_len, kv_len)
+            last.append(len(ids) - 1)
+            seqs.append(SeqSpan(start, len(fed), kv_len, self.pool.slots(req.pages, kv_len)))
+        dev = self.device
+        ctx = AttentionBatch.build(self.kv.k, self.kv.v, seqs)
+        rows = range(len(ids)) if all_logits else last
+        return self.executor(
+            ctx,
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            torch.tensor(list(rows), dtype=torch.long, device=dev),
+        )
