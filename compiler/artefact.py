@@ -25,9 +25,16 @@ TOKENIZER_DIR = "tokenizer"
 
 # Tokenizer-side files worth carrying; whichever of them the checkpoint has.
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
-    "chat_template.json", "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
 )
 
 
@@ -53,16 +60,19 @@ def read_manifest(root: Path) -> dict[str, Any]:
     if not root.is_dir():
         raise ArtefactError(f"{root} is not a folder: expected a kiln artefact")
     if not path.is_file():
-        raise ArtefactError(f"{root} has no {MANIFEST}: not a kiln artefact "
-                            "(make one with `kiln compile`)")
+        raise ArtefactError(
+            f"{root} has no {MANIFEST}: not a kiln artefact (make one with `kiln compile`)"
+        )
     try:
         manifest: dict[str, Any] = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ArtefactError(f"{path} is damaged: {e}") from e
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
-        raise ArtefactError(f"{root}: artefact format {version}, this kiln reads format "
-                            f"{FORMAT_VERSION}; recompile with this kiln")
+        raise ArtefactError(
+            f"{root}: artefact format {version}, this kiln reads format "
+            f"{FORMAT_VERSION}; recompile with this kiln"
+        )
     return manifest
 
 
@@ -73,8 +83,10 @@ def verify_files(root: Path, manifest: dict[str, Any]) -> None:
         if not p.is_file():
             raise ArtefactError(f"{root}: {rel} is missing")
         if p.stat().st_size != entry["bytes"]:
-            raise ArtefactError(f"{root}: {rel} is damaged ({p.stat().st_size} bytes, "
-                                f"manifest says {entry['bytes']})")
+            raise ArtefactError(
+                f"{root}: {rel} is damaged ({p.stat().st_size} bytes, "
+                f"manifest says {entry['bytes']})"
+            )
         if sha256_file(p) != entry["sha256"]:
             raise ArtefactError(f"{root}: {rel} is damaged (checksum mismatch)")
 
@@ -83,8 +95,9 @@ def publish(tmp: Path, out: Path) -> None:
     """Move a finished artefact from `tmp` to `out`, replacing an older artefact there."""
     if out.exists():
         if not (out / MANIFEST).is_file() and any(out.iterdir()):
-            raise ArtefactError(f"-o {out}: folder exists and is not a kiln artefact; "
-                                "refusing to overwrite it")
+            raise ArtefactError(
+                f"-o {out}: folder exists and is not a kiln artefact; refusing to overwrite it"
+            )
         old = Path(tempfile.mkdtemp(prefix=".old-", dir=out.parent))
         os.replace(out, old / "art")
         os.replace(tmp, out)

@@ -13,22 +13,27 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
-from tqdm import tqdm
-
-import kiln
-from kiln.args import ArgError, ServerArgs
 from kiln.compiler import artefact as fmt
 from kiln.compiler.checkpoint import CheckpointReader
 from kiln.compiler.ir import Graph
 from kiln.compiler.trace import trace
 from kiln.models import ModelConfig, build
 from kiln.passes import PIPELINES, PassContext, run_passes
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+import kiln
+from kiln.args import ArgError, ServerArgs
 
 log = logging.getLogger("kiln.compile")
 
-_DTYPE_NAMES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16",
-                "float": "float32", "float32": "float32"}
+_DTYPE_NAMES = {
+    "half": "float16",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float": "float32",
+    "float32": "float32",
+}
 
 
 @dataclass(frozen=True)
@@ -117,8 +122,11 @@ def explain_miss(old_manifest: dict[str, Any], factors: dict[str, Any]) -> list[
     changed = []
     for k, v in factors.items():
         if k == "compile_args" and isinstance(old.get(k), dict):
-            changed += [f"compile_args.{a}" for a in sorted(set(v) | set(old[k]))
-                        if v.get(a) != old[k].get(a)]
+            changed += [
+                f"compile_args.{a}"
+                for a in sorted(set(v) | set(old[k]))
+                if v.get(a) != old[k].get(a)
+            ]
         elif old.get(k) != v:
             changed.append(k)
     return changed
@@ -128,8 +136,9 @@ def _hash_files(files: list[Path], root: Path) -> dict[str, str]:
     return {str(f.relative_to(root)): fmt.sha256_file(f) for f in files}
 
 
-def _cache_factors(args: ServerArgs, ckpt: Path, tok_dir: Path, reader: CheckpointReader,
-                   dtype: str, device: str) -> dict[str, Any]:
+def _cache_factors(
+    args: ServerArgs, ckpt: Path, tok_dir: Path, reader: CheckpointReader, dtype: str, device: str
+) -> dict[str, Any]:
     """Everything the artefact depends on; stored whole so a miss can be explained."""
     compile_args = _portable_args(args)
     compile_args.update(dtype=dtype, device=device)
@@ -140,7 +149,8 @@ def _cache_factors(args: ServerArgs, ckpt: Path, tok_dir: Path, reader: Checkpoi
         "torch_version": torch.__version__,
         "compile_args": compile_args,
         "config_sha256": fmt.sha256_file(ckpt / "config.json"),
-        "weights_sha256": {} if reader.load_format == "dummy"
+        "weights_sha256": {}
+        if reader.load_format == "dummy"
         else _hash_files(list(reader.iter_files()), ckpt),
         "tokenizer_sha256": _hash_files(tok_files, tok_dir),
     }
@@ -155,8 +165,9 @@ def _portable_args(args: ServerArgs) -> dict[str, Any]:
     return values
 
 
-def _materialise(src: dict[str, Any], reader: CheckpointReader,
-                 constants: dict[str, torch.Tensor]) -> torch.Tensor:
+def _materialise(
+    src: dict[str, Any], reader: CheckpointReader, constants: dict[str, torch.Tensor]
+) -> torch.Tensor:
     if "load" in src:
         return reader.get(src["load"], tuple(src["shape"]))
     if "constant" in src:
@@ -167,8 +178,9 @@ def _materialise(src: dict[str, Any], reader: CheckpointReader,
     raise ValueError(f"unknown weight recipe {src}")
 
 
-def _write_weights(path: Path, graph: Graph, reader: CheckpointReader,
-                   constants: dict[str, torch.Tensor]) -> None:
+def _write_weights(
+    path: Path, graph: Graph, reader: CheckpointReader, constants: dict[str, torch.Tensor]
+) -> None:
     tensors: dict[str, torch.Tensor] = {}
     bar = tqdm(graph.weights.items(), desc="weights", unit="tensor", disable=None, leave=False)
     for name, spec in bar:
@@ -176,7 +188,9 @@ def _write_weights(path: Path, graph: Graph, reader: CheckpointReader,
         dtype = getattr(torch, spec.dtype)
         t = t.to(dtype).contiguous()
         if tuple(t.shape) != spec.shape:
-            raise ValueError(f"weight {name}: built shape {tuple(t.shape)}, graph wants {spec.shape}")
+            raise ValueError(
+                f"weight {name}: built shape {tuple(t.shape)}, graph wants {spec.shape}"
+            )
         tensors[name] = t
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata={"format": "pt", "producer": "kiln"})
@@ -202,9 +216,17 @@ def _eos_ids(cfg: ModelConfig, tok_dir: Path) -> list[int]:
     return ids
 
 
-def _manifest(args: ServerArgs, cfg: ModelConfig, graph: Graph, root: Path, dtype: str,
-              device: str, key: str, factors: dict[str, Any],
-              pass_log: list[dict[str, Any]]) -> dict[str, Any]:
+def _manifest(
+    args: ServerArgs,
+    cfg: ModelConfig,
+    graph: Graph,
+    root: Path,
+    dtype: str,
+    device: str,
+    key: str,
+    factors: dict[str, Any],
+    pass_log: list[dict[str, Any]],
+) -> dict[str, Any]:
     files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
     return {
         "format_version": fmt.FORMAT_VERSION,

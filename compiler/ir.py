@@ -179,8 +179,10 @@ class Graph:
             names.add(n.name)
             nargs = len(n.args)
             if nargs < schema.min_args or (schema.max_args is not None and nargs > schema.max_args):
-                raise IRError(f"%{n.name}: {n.op} takes {schema.min_args}..{schema.max_args} "
-                              f"args, got {nargs}")
+                raise IRError(
+                    f"%{n.name}: {n.op} takes {schema.min_args}..{schema.max_args} "
+                    f"args, got {nargs}"
+                )
             missing = [a for a in schema.attrs if a not in n.attrs]
             if missing:
                 raise IRError(f"%{n.name}: {n.op} is missing attrs {missing}")

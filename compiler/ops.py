@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
 from kiln.compiler.trace import Value, active_tracer
 
 
@@ -62,9 +61,18 @@ def attention(
     scale: float,
     sliding_window: int | None,
 ) -> Value:
-    return _op("attention", q, k, v, layer=layer, num_heads=num_heads,
-               num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale,
-               sliding_window=sliding_window)
+    return _op(
+        "attention",
+        q,
+        k,
+        v,
+        layer=layer,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        scale=scale,
+        sliding_window=sliding_window,
+    )
 
 
 def index_select(x: Value, index: Value) -> Value:
@@ -78,5 +86,6 @@ def constant(name: str, value: torch.Tensor) -> Value:
 def split(x: Value, sizes: Sequence[int]) -> tuple[Value, ...]:
     tracer = active_tracer()
     parts = tracer.emit("split", [x], {"sizes": list(sizes)})
-    return tuple(Value(tracer.emit("getitem", [Value(parts)], {"index": i}))
-                 for i in range(len(sizes)))
+    return tuple(
+        Value(tracer.emit("getitem", [Value(parts)], {"index": i})) for i in range(len(sizes))
+    )

@@ -13,7 +13,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-
 from kiln.compiler.ir import GRAPH_INPUTS, Graph, IRError, Node, WeightSpec
 
 
@@ -50,14 +49,17 @@ class Tracer:
             if name is None:
                 raise IRError("a parameter that does not belong to the traced module")
             shape = tuple(x.shape)
-            return self._param(name, shape, _dtype_name(x.dtype), {"load": name, "shape": list(shape)})
+            return self._param(
+                name, shape, _dtype_name(x.dtype), {"load": name, "shape": list(shape)}
+            )
         raise IRError(f"cannot trace a {type(x).__name__} as an op argument")
 
     def constant(self, name: str, value: torch.Tensor) -> Value:
         """A tensor computed by the model definition, stored in the artefact as a weight."""
         self.constants[name] = value
-        return Value(self._param(name, tuple(value.shape), _dtype_name(value.dtype),
-                                 {"constant": name}))
+        return Value(
+            self._param(name, tuple(value.shape), _dtype_name(value.dtype), {"constant": name})
+        )
 
     def _param(self, name: str, shape: tuple[int, ...], dtype: str, source: dict) -> Node:
         node = self._param_nodes.get(name)

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-
 from kiln.kernels.registry import register
 
 
@@ -119,13 +118,15 @@ def attention(
             ks, vs = k_cache[s.kv_slots], v_cache[s.kv_slots]
         ks, vs = ks.transpose(0, 1), vs.transpose(0, 1)
         if fresh and sliding_window is None:
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                               enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa
+            )
         elif s.q_len == 1 and (sliding_window is None or s.kv_len <= sliding_window):
             o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale, enable_gqa=gqa)
         else:
             mask = _causal_mask(s.q_len, s.kv_len, sliding_window)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
-                                               enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa
+            )
         outs.append(o.transpose(0, 1).reshape(s.q_len, num_heads * head_dim))
     return outs[0] if len(outs) == 1 else torch.cat(outs)

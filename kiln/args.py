@@ -42,48 +42,83 @@ class ArgError(ValueError):
 class ServerArgs:
     # -- model and tokenizer --------------------------------------------------------------
     model_path: str | None = arg(
-        None, "--model-path", "--model", stage="compile",
-        help="Hugging Face checkpoint folder (config.json, weights, tokenizer files).")
+        None,
+        "--model-path",
+        "--model",
+        stage="compile",
+        help="Hugging Face checkpoint folder (config.json, weights, tokenizer files).",
+    )
     tokenizer_path: str | None = arg(
-        None, "--tokenizer-path", stage="compile",
-        help="Tokenizer folder; defaults to --model-path.")
+        None,
+        "--tokenizer-path",
+        stage="compile",
+        help="Tokenizer folder; defaults to --model-path.",
+    )
     load_format: str = arg(
-        "auto", "--load-format", stage="compile", choices=LOAD_FORMATS,
-        help="Weight format; 'dummy' makes random weights of the right shapes.")
+        "auto",
+        "--load-format",
+        stage="compile",
+        choices=LOAD_FORMATS,
+        help="Weight format; 'dummy' makes random weights of the right shapes.",
+    )
     dtype: str = arg(
-        "auto", "--dtype", stage="compile", choices=DTYPES,
+        "auto",
+        "--dtype",
+        stage="compile",
+        choices=DTYPES,
         help="Weight and activation dtype. 'auto': FP16 for FP32/FP16 checkpoints, "
-             "BF16 for BF16 checkpoints (as SGLang).")
+        "BF16 for BF16 checkpoints (as SGLang).",
+    )
     trust_remote_code: bool = arg(
-        False, "--trust-remote-code", stage="compile",
-        help="Accepted for compatibility; kiln runs its own model definitions only.")
+        False,
+        "--trust-remote-code",
+        stage="compile",
+        help="Accepted for compatibility; kiln runs its own model definitions only.",
+    )
     context_length: int | None = arg(
-        None, "--context-length", stage="runtime",
-        help="Maximum tokens per request (prompt + output); defaults to the model's.")
+        None,
+        "--context-length",
+        stage="runtime",
+        help="Maximum tokens per request (prompt + output); defaults to the model's.",
+    )
     # -- compiler and kernels ---------------------------------------------------------------
     device: str | None = arg(
-        None, "--device", stage="compile", choices=DEVICES,
-        help="Target device; defaults to cuda when available, else cpu.")
-    page_size: int = arg(
-        1, "--page-size", stage="compile", help="Tokens per KV-cache page.")
+        None,
+        "--device",
+        stage="compile",
+        choices=DEVICES,
+        help="Target device; defaults to cuda when available, else cpu.",
+    )
+    page_size: int = arg(1, "--page-size", stage="compile", help="Tokens per KV-cache page.")
     # -- memory and scheduling ----------------------------------------------------------------
     mem_fraction_static: float | None = arg(
-        None, "--mem-fraction-static", stage="runtime",
-        help="Fraction of memory for weights and the KV pool (CPU: of available RAM).")
+        None,
+        "--mem-fraction-static",
+        stage="runtime",
+        help="Fraction of memory for weights and the KV pool (CPU: of available RAM).",
+    )
     max_total_tokens: int | None = arg(
-        None, "--max-total-tokens", stage="runtime",
-        help="KV-pool size in tokens; overrides --mem-fraction-static.")
+        None,
+        "--max-total-tokens",
+        stage="runtime",
+        help="KV-pool size in tokens; overrides --mem-fraction-static.",
+    )
     max_running_requests: int | None = arg(
-        None, "--max-running-requests", stage="runtime",
-        help="Most requests decoding at once.")
+        None, "--max-running-requests", stage="runtime", help="Most requests decoding at once."
+    )
     max_prefill_tokens: int = arg(
-        16384, "--max-prefill-tokens", stage="runtime",
-        help="Token budget of one prefill batch.")
+        16384, "--max-prefill-tokens", stage="runtime", help="Token budget of one prefill batch."
+    )
     random_seed: int | None = arg(
-        None, "--random-seed", stage="runtime", help="Seed for sampling without a per-request seed.")
+        None, "--random-seed", stage="runtime", help="Seed for sampling without a per-request seed."
+    )
     log_level: str = arg(
-        "info", "--log-level", stage="runtime",
-        choices=("debug", "info", "warning", "error", "critical"), help="Logging level.")
+        "info",
+        "--log-level",
+        stage="runtime",
+        choices=("debug", "info", "warning", "error", "critical"),
+        help="Logging level.",
+    )
 
     # -- construction -----------------------------------------------------------------------
     @classmethod
@@ -94,7 +129,9 @@ class ServerArgs:
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServerArgs:
-        values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)}
+        values = {
+            f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)
+        }
         return cls(**values)
 
     def __post_init__(self) -> None:
@@ -103,19 +140,29 @@ class ServerArgs:
             value = getattr(self, f.name)
             if choices and value is not None and value not in choices:
                 raise ArgError(f"{flag_of(f.name)}: {value!r} is not one of {list(choices)}")
-        positive = ("page_size", "max_total_tokens", "max_running_requests",
-                    "max_prefill_tokens", "context_length")
+        positive = (
+            "page_size",
+            "max_total_tokens",
+            "max_running_requests",
+            "max_prefill_tokens",
+            "context_length",
+        )
         for name in positive:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ArgError(f"{flag_of(name)}: must be > 0, got {value}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
-            raise ArgError(f"--mem-fraction-static: must be in (0, 1], got {self.mem_fraction_static}")
+            raise ArgError(
+                f"--mem-fraction-static: must be in (0, 1], got {self.mem_fraction_static}"
+            )
 
     # -- views ------------------------------------------------------------------------------
     def stage_values(self, stage: Stage) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.metadata.get("stage") == stage}
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.metadata.get("stage") == stage
+        }
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)
@@ -125,7 +172,9 @@ def flag_of(name: str) -> str:
     return ServerArgs.__dataclass_fields__[name].metadata["flags"][0]
 
 
-def add_cli_args(parser: argparse.ArgumentParser, stages: Sequence[Stage] = ("compile", "runtime")) -> None:
+def add_cli_args(
+    parser: argparse.ArgumentParser, stages: Sequence[Stage] = ("compile", "runtime")
+) -> None:
     """Add every ServerArgs field of the given stages to `parser`."""
     for f in dataclasses.fields(ServerArgs):
         meta = f.metadata

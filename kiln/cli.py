@@ -21,8 +21,9 @@ def _compile_parser(sub: argparse._SubParsersAction) -> None:
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from an artefact (offline engine)")
     p.add_argument("artefact", help="artefact folder made by `kiln compile`")
-    p.add_argument("--prompt", action="append", required=True,
-                   help="prompt text; repeat the flag for a batch")
+    p.add_argument(
+        "--prompt", action="append", required=True, help="prompt text; repeat the flag for a batch"
+    )
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -50,9 +51,15 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 
     runtime = ServerArgs.from_namespace(ns).stage_values("runtime")
     engine = Engine(ns.artefact, **runtime)
-    params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature,
-              "top_p": ns.top_p, "top_k": ns.top_k, "min_p": ns.min_p, "seed": ns.seed,
-              "ignore_eos": ns.ignore_eos}
+    params = {
+        "max_new_tokens": ns.max_new_tokens,
+        "temperature": ns.temperature,
+        "top_p": ns.top_p,
+        "top_k": ns.top_k,
+        "min_p": ns.min_p,
+        "seed": ns.seed,
+        "ignore_eos": ns.ignore_eos,
+    }
     results = engine.generate(ns.prompt, params)
     for prompt, r in zip(ns.prompt, results, strict=True):
         if ns.json:
@@ -68,8 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _compile_parser(sub)
     _generate_parser(sub)
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(ns, "log_level", "info").upper(),
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(ns, "log_level", "info").upper(), format="%(levelname)s %(name)s: %(message)s"
+    )
     try:
         return int(ns.func(ns))
     except KeyboardInterrupt:

@@ -29,9 +29,16 @@ CHAT_TEMPLATE = (
 
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": {"model_type": "llama"},
-    "llama3": {"model_type": "llama", "rope_scaling": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    "llama3": {
+        "model_type": "llama",
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    },
     "mistral": {"model_type": "mistral", "sliding_window": 16},
     "qwen2": {"model_type": "qwen2"},
     "qwen3": {"model_type": "qwen3", "head_dim": 24},
@@ -45,15 +52,23 @@ def train_tokenizer(vocab_size: int = 384) -> Any:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(_TEXT.splitlines() * 4, trainer)
     bos = tok.token_to_id("<s>")
     tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-        chat_template=CHAT_TEMPLATE)
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        chat_template=CHAT_TEMPLATE,
+    )
 
 
 def make_checkpoint(
@@ -110,8 +125,11 @@ def _randomise_norms(model: Any, seed: int) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if "norm" in name
-                        else 0.1 * torch.randn(p.shape, generator=g))
+                p.copy_(
+                    1.0 + 0.1 * torch.randn(p.shape, generator=g)
+                    if "norm" in name
+                    else 0.1 * torch.randn(p.shape, generator=g)
+                )
 
 
 def main(argv: list[str] | None = None) -> None:

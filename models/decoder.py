@@ -9,12 +9,11 @@ whole batch; attention knows where each sequence begins from the runtime's metad
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from kiln.compiler import ops
 from kiln.compiler.trace import Value
 from kiln.models.config import ModelConfig
 from kiln.models.rope import inv_freq
+from torch import nn
 
 
 def _weight(*shape: int) -> nn.Parameter:
@@ -45,7 +44,9 @@ class Attention(nn.Module):
         q = ops.rope(q, cos_sin, head_dim=cfg.head_dim)
         k = ops.rope(k, cos_sin, head_dim=cfg.head_dim)
         o = ops.attention(
-            q, k, v,
+            q,
+            k,
+            v,
             layer=self.layer,
             num_heads=cfg.num_heads,
             num_kv_heads=cfg.num_kv_heads,
@@ -78,8 +79,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size)
 
     def forward(self, h: Value, cos_sin: Value) -> Value:
-        h = ops.add(h, self.self_attn(ops.rmsnorm(h, self.input_layernorm.weight, self.eps),
-                                      cos_sin))
+        h = ops.add(
+            h, self.self_attn(ops.rmsnorm(h, self.input_layernorm.weight, self.eps), cos_sin)
+        )
         return ops.add(h, self.mlp(ops.rmsnorm(h, self.post_attention_layernorm.weight, self.eps)))
 
 
@@ -102,7 +104,7 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @property
-    def lm_head_weight(self) -> nn.Parameter:
+    def lm_head_weight(self) -> torch.Tensor:
         tied = self.cfg.tie_word_embeddings
         return self.model.embed_tokens.weight if tied else self.lm_head.weight
 
@@ -113,7 +115,9 @@ class CausalLM(nn.Module):
         h = ops.embedding(input_ids, self.model.embed_tokens.weight)
         for layer in self.model.layers:
             h = layer(h, cos_sin)
-        h = ops.rmsnorm(ops.index_select(h, logits_indices), self.model.norm.weight, cfg.rms_norm_eps)
+        h = ops.rmsnorm(
+            ops.index_select(h, logits_indices), self.model.norm.weight, cfg.rms_norm_eps
+        )
         return ops.linear(h, self.lm_head_weight)
 
 

@@ -49,11 +49,13 @@ def run_passes(
             ran = ", ".join(e["pass"] for e in log) or "none"
             raise PassError(f"pass {name} failed: {e} (passes before it: {ran})") from e
         graph = result.graph
-        log.append({
-            "pass": name,
-            "changed": result.changed,
-            "nodes_before": before,
-            "nodes_after": len(graph.nodes),
-            "seconds": round(time.perf_counter() - t0, 4),
-        })
+        log.append(
+            {
+                "pass": name,
+                "changed": result.changed,
+                "nodes_before": before,
+                "nodes_after": len(graph.nodes),
+                "seconds": round(time.perf_counter() - t0, 4),
+            }
+        )
     return graph, log

@@ -12,8 +12,9 @@ def fuse_add_rmsnorm(graph: Graph, ctx: PassContext) -> PassResult:
         total, weight = norm.args
         if total.op != "add" or norm.attrs["group"]:
             continue
-        fused = graph.add("add_rmsnorm", [*total.args, weight], {"eps": norm.attrs["eps"]},
-                          before=total)
+        fused = graph.add(
+            "add_rmsnorm", [*total.args, weight], {"eps": norm.attrs["eps"]}, before=total
+        )
         normed = graph.add("getitem", [fused], {"index": 0}, before=total)
         summed = graph.add("getitem", [fused], {"index": 1}, before=total)
         graph.replace_all_uses(norm, normed)

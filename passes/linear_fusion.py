@@ -62,7 +62,7 @@ def fuse_linears(graph: Graph, linears: list[Node], module: str) -> Node:
     sizes = [graph.weights[w.attrs["name"]].shape[0] for w in weights]
     parts = graph.add("split", [fused], {"sizes": sizes}, before=first)
     pieces = [graph.add("getitem", [parts], {"index": i}, before=first) for i in range(len(sizes))]
-    for old, piece in zip(linears, pieces):
+    for old, piece in zip(linears, pieces, strict=True):
         graph.replace_all_uses(old, piece)
         graph.remove(old)
     return fused

@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
-
 from kiln.compiler import artefact as fmt
 from kiln.compiler.ir import Graph, IRError
+from safetensors.torch import load_file
 
 
 @dataclass(frozen=True)
@@ -34,7 +33,7 @@ class ModelSpec:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)  # type: ignore[no-any-return]
+        return getattr(torch, self.dtype)
 
 
 @dataclass
@@ -56,8 +55,10 @@ class Artefact:
         manifest = fmt.read_manifest(root)
         device = manifest["target"]["device"]
         if device == "cuda" and not torch.cuda.is_available():
-            raise fmt.ArtefactError(f"{root} was compiled for cuda; this machine has no CUDA "
-                                    "device (recompile with --device cpu)")
+            raise fmt.ArtefactError(
+                f"{root} was compiled for cuda; this machine has no CUDA "
+                "device (recompile with --device cpu)"
+            )
         if verify:
             fmt.verify_files(root, manifest)
         try:

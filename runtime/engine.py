@@ -11,8 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from kiln.args import ArgError, ServerArgs
 from kiln.runtime.artefact import Artefact
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.model_runner import ModelRunner
@@ -20,6 +18,8 @@ from kiln.runtime.request import Request
 from kiln.runtime.sampler import sample
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler
+
+from kiln.args import ArgError, ServerArgs
 
 log = logging.getLogger("kiln.engine")
 
@@ -37,28 +37,35 @@ class Engine:
     def __init__(self, artefact: str | Path, **runtime_args: Any) -> None:
         compile_time = set(runtime_args) & set(ServerArgs().stage_values("compile"))
         if compile_time:
-            raise ArgError(f"{sorted(compile_time)} are compile-time arguments: they are fixed "
-                           f"in the artefact (recompile to change them)")
+            raise ArgError(
+                f"{sorted(compile_time)} are compile-time arguments: they are fixed "
+                f"in the artefact (recompile to change them)"
+            )
         self.args = ServerArgs(**runtime_args)
         self.art = Artefact.open(artefact)
         spec = self.art.spec
-        self.context_length = min(self.args.context_length or spec.context_length,
-                                  spec.context_length)
+        self.context_length = min(
+            self.args.context_length or spec.context_length, spec.context_length
+        )
         self.tokenizer = _load_tokenizer(self.art.tokenizer_dir)
         max_running = self.args.max_running_requests or DEFAULT_MAX_RUNNING
         self.runner = ModelRunner(self.art, self._kv_tokens(max_running))
         self.scheduler = Scheduler(self.runner.pool, max_running, self.args.max_prefill_tokens)
         self._eos = set(spec.eos_token_ids)
         self._ids = itertools.count()
-        self._rng = (torch.Generator().manual_seed(self.args.random_seed)
-                     if self.args.random_seed is not None else None)
+        self._rng = (
+            torch.Generator().manual_seed(self.args.random_seed)
+            if self.args.random_seed is not None
+            else None
+        )
 
     def _kv_tokens(self, max_running: int) -> int:
         if self.args.max_total_tokens:
             return self.args.max_total_tokens
         spec = self.art.spec
-        per_token = KVCache.bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
-                                            spec.torch_dtype)
+        per_token = KVCache.bytes_per_token(
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.torch_dtype
+        )
         fraction = self.args.mem_fraction_static or DEFAULT_CPU_MEM_FRACTION
         budget = int(_available_memory() * fraction) // per_token
         # No request can use more than the context, so a larger pool would stay empty.
@@ -75,7 +82,8 @@ class Engine:
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
         single = isinstance(prompt, str) or (
-            input_ids is not None and len(input_ids) > 0 and isinstance(input_ids[0], int))
+            input_ids is not None and (not input_ids or isinstance(input_ids[0], int))
+        )
         if prompt is not None:
             prompts = [prompt] if isinstance(prompt, str) else list(prompt)
             ids_list = [self._encode(p) for p in prompts]
@@ -83,8 +91,9 @@ class Engine:
             ids_list = [input_ids] if single else list(input_ids)  # type: ignore[list-item, arg-type]
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(ids_list):
-                raise ValueError(f"{len(sampling_params)} sampling_params for "
-                                 f"{len(ids_list)} prompts")
+                raise ValueError(
+                    f"{len(sampling_params)} sampling_params for {len(ids_list)} prompts"
+                )
             params = [SamplingParams.from_dict(p) for p in sampling_params]
         else:
             params = [SamplingParams.from_dict(sampling_params)] * len(ids_list)
@@ -109,12 +118,14 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             if self.scheduler.waiting:
-                raise MemoryError("the KV pool cannot fit the next waiting request; "
-                                  "raise --max-total-tokens")
+                raise MemoryError(
+                    "the KV pool cannot fit the next waiting request; raise --max-total-tokens"
+                )
             return []
         logits = self.runner.forward(batch)
-        tokens = sample(logits, [r.params for r in batch.requests],
-                        [r.generator for r in batch.requests])
+        tokens = sample(
+            logits, [r.params for r in batch.requests], [r.generator for r in batch.requests]
+        )
         self.scheduler.commit(batch, tokens)
         now = time.perf_counter()
         done = []
@@ -139,13 +150,16 @@ class Engine:
         if bad:
             raise ValueError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         if len(ids) >= self.context_length:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the context length is "
-                             f"{self.context_length}")
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; the context length is {self.context_length}"
+            )
         gen = None
         if params.sampling_seed is not None:
             gen = torch.Generator().manual_seed(params.sampling_seed + index)
         elif self._rng is not None:
-            gen = torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=self._rng)))
+            gen = torch.Generator().manual_seed(
+                int(torch.randint(2**62, (1,), generator=self._rng))
+            )
         return Request(f"req-{next(self._ids)}", ids, params, generator=gen)
 
     def _finish_if_done(self, req: Request) -> bool:
@@ -153,12 +167,11 @@ class Engine:
         reason: dict[str, Any] | None = None
         if req.output_ids:
             last = req.output_ids[-1]
-            if not p.ignore_eos and last in self._eos:
+            if (not p.ignore_eos and last in self._eos) or last in p.stop_token_ids:
                 reason = {"type": "stop", "matched": last}
-            elif last in p.stop_token_ids:
-                reason = {"type": "stop", "matched": last}
-        if reason is None and (len(req.output_ids) >= p.max_new_tokens
-                               or req.num_tokens >= self.context_length):
+        if reason is None and (
+            len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= self.context_length
+        ):
             reason = {"type": "length", "length": len(req.output_ids)}
         if reason is None:
             return False
@@ -168,8 +181,9 @@ class Engine:
     def _result(self, req: Request) -> dict[str, Any]:
         text = ""
         if self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_ids,
-                                         skip_special_tokens=req.params.skip_special_tokens)
+            text = self.tokenizer.decode(
+                req.output_ids, skip_special_tokens=req.params.skip_special_tokens
+            )
         end = time.perf_counter()
         return {
             "text": text,

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
 from kiln.compiler.ir import GRAPH_INPUTS, Graph, Node
 from kiln.kernels import registry
 
@@ -39,8 +38,9 @@ def generate_source(graph: Graph) -> tuple[str, dict[str, Any]]:
             continue
         args = [names[id(a)] for a in n.args]
         if n.op == "output":
-            lines.append(f"    return {args[0]}" if len(args) == 1
-                         else f"    return ({', '.join(args)},)")
+            lines.append(
+                f"    return {args[0]}" if len(args) == 1 else f"    return ({', '.join(args)},)"
+            )
             break
         var = f"v_{n.name}"
         names[id(n)] = var
@@ -48,8 +48,11 @@ def generate_source(graph: Graph) -> tuple[str, dict[str, Any]]:
             lines.append(f"    {var} = {args[0]}[{n.attrs['index']}]")
         else:
             lines.append(f"    {var} = {_call(n, args, env, kernel_names)}")
-        dead = [names[id(a)] for a in _unique(n.args)
-                if last_use.get(id(a)) == i and a.op not in ("param", "input")]
+        dead = [
+            names[id(a)]
+            for a in _unique(n.args)
+            if last_use.get(id(a)) == i and a.op not in ("param", "input")
+        ]
         if dead:
             lines.append(f"    del {', '.join(dead)}")
     return "\n".join(lines) + "\n", env
@@ -88,6 +91,11 @@ class Executor:
         self._forward: Callable[..., Any] = namespace["forward"]
 
     @torch.inference_mode()
-    def __call__(self, ctx: Any, input_ids: torch.Tensor, positions: torch.Tensor,
-                 logits_indices: torch.Tensor) -> torch.Tensor:
-        return self._forward(ctx, input_ids, positions, logits_indices)  # type: ignore[no-any-return]
+    def __call__(
+        self,
+        ctx: Any,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        return self._forward(ctx, input_ids, positions, logits_indices)

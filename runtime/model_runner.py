@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from kiln.kernels.attention import AttentionBatch, SeqSpan
 from kiln.runtime.artefact import Artefact
 from kiln.runtime.executor import Executor
@@ -18,8 +17,14 @@ class ModelRunner:
         self.device = art.manifest["target"]["device"]
         self.executor = Executor(art.graph, art.weights)
         self.pool = PagePool(max(1, max_total_tokens // spec.page_size), spec.page_size)
-        self.kv = KVCache(spec.num_layers, self.pool.num_pages * spec.page_size,
-                          spec.num_kv_heads, spec.head_dim, spec.torch_dtype, self.device)
+        self.kv = KVCache(
+            spec.num_layers,
+            self.pool.num_pages * spec.page_size,
+            spec.num_kv_heads,
+            spec.head_dim,
+            spec.torch_dtype,
+            self.device,
+        )
 
     def forward(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:
         """Logits of each request's last fed token ([requests, vocab]), or of every fed

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import torch
-
 from kiln.runtime.sampling_params import SamplingParams
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[int]:
     """One token per row. Greedy rows take the argmax; the others sample after
     temperature, top-k, top-p and min-p, each with its request's own generator."""
     logits = logits.float()
     greedy = logits.argmax(dim=-1).tolist()
     if all(p.greedy for p in params):
-        return greedy  # type: ignore[no-any-return]
+        return greedy
     out = list(greedy)
     for i, p in enumerate(params):
         if p.greedy:

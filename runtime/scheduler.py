@@ -32,8 +32,10 @@ class Scheduler:
     def add(self, req: Request) -> None:
         needed = self.pool.pages_for(req.num_tokens + 1)
         if needed > self.pool.num_pages:
-            raise ValueError(f"request {req.rid} needs {req.num_tokens + 1} KV tokens; the "
-                             f"pool holds {self.pool.num_pages * self.pool.page_size}")
+            raise ValueError(
+                f"request {req.rid} needs {req.num_tokens + 1} KV tokens; the "
+                f"pool holds {self.pool.num_pages * self.pool.page_size}"
+            )
         self.waiting.append(req)
 
     @property

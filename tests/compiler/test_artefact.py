@@ -1,0 +1,148 @@
+"""The artefact: layout, cache hits, relocation, load formats, damage detection."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from kiln.compiler.artefact import ArtefactError
+from kiln.compiler.checkpoint import CheckpointError
+from kiln.compiler.compile import compile_model
+from safetensors.torch import load_file
+
+from kiln import Engine
+from kiln.args import ArgError, ServerArgs
+
+GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+PROMPT = [1, 4, 9, 16, 25]
+
+
+def compile_(ckpt: Path, out: Path, **kw):
+    return compile_model(ServerArgs(model_path=str(ckpt), **{"dtype": "float32", **kw}), out)
+
+
+def test_layout_and_manifest(artefact) -> None:
+    art = artefact("qwen2")
+    for rel in (
+        "manifest.json",
+        "graph.json",
+        "weights/rank0.safetensors",
+        "tokenizer/tokenizer.json",
+        "tokenizer/tokenizer_config.json",
+    ):
+        assert (art / rel).is_file(), rel
+    m = json.loads((art / "manifest.json").read_text())
+    assert m["format_version"] == 1 and m["target"] == {"device": "cpu"}
+    assert m["torch_version"] == torch.__version__
+    assert m["compile_args"]["dtype"] == "float32"
+    assert [p["pass"] for p in m["passes"]][:2] == ["dce", "fuse_qkv"]
+    assert set(m["files"]) >= {"graph.json", "weights/rank0.safetensors"}
+    weights = load_file(art / "weights/rank0.safetensors")
+    # Weights are stored as the graph wants them: fused.
+    assert "model.layers.0.self_attn.qkv_proj.weight" in weights
+    assert "model.layers.0.self_attn.q_proj.weight" not in weights
+    assert "model.layers.0.mlp.gate_up_proj.weight" in weights
+
+
+def test_no_absolute_paths_inside(artefact, checkpoint) -> None:
+    art = artefact("llama")
+    ckpt = checkpoint("llama")
+    for name in ("manifest.json", "graph.json"):
+        text = (art / name).read_text()
+        assert str(ckpt) not in text and str(art) not in text
+
+
+def test_second_compile_is_a_cache_hit_and_a_change_is_not(checkpoint, tmp_path) -> None:
+    ckpt = checkpoint("llama")
+    first = compile_(ckpt, tmp_path / "art")
+    again = compile_(ckpt, tmp_path / "art")
+    assert not first.cache_hit and again.cache_hit and again.cache_key == first.cache_key
+    other = compile_(ckpt, tmp_path / "art", page_size=4)
+    assert not other.cache_hit and other.cache_key != first.cache_key
+    m = json.loads((tmp_path / "art/manifest.json").read_text())
+    assert m["compile_args"]["page_size"] == 4
+
+
+def test_moved_artefact_still_runs(artefact, tmp_path) -> None:
+    src = artefact("mistral")
+    expected = Engine(src, max_total_tokens=256).generate(input_ids=PROMPT, sampling_params=GREEDY)
+    moved = tmp_path / "elsewhere" / "copy"
+    shutil.copytree(src, moved)
+    got = Engine(moved, max_total_tokens=256).generate(input_ids=PROMPT, sampling_params=GREEDY)
+    assert got["output_ids"] == expected["output_ids"]
+
+
+def test_damaged_weights_and_missing_manifest_are_clear_errors(artefact, tmp_path) -> None:
+    art = tmp_path / "art"
+    shutil.copytree(artefact("llama"), art)
+    weights = art / "weights/rank0.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ArtefactError, match=r"weights/rank0.safetensors is damaged \(checksum"):
+        Engine(art)
+    weights.write_bytes(bytes(data[:100]))
+    with pytest.raises(ArtefactError, match="is damaged"):
+        Engine(art)
+    (art / "manifest.json").unlink()
+    with pytest.raises(ArtefactError, match="has no manifest.json: not a kiln artefact"):
+        Engine(art)
+
+
+def test_sharded_safetensors_pt_and_dummy_formats(checkpoint, artefact, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    ckpt = checkpoint("qwen3")
+    expected = Engine(artefact("qwen3"), max_total_tokens=256).generate(
+        input_ids=PROMPT, sampling_params=GREEDY
+    )["output_ids"]
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded, max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    pt = tmp_path / "pt"
+    pt.mkdir()
+    torch.save(model.state_dict(), pt / "pytorch_model.bin")
+    for folder in (sharded, pt):
+        shutil.copy(ckpt / "config.json", folder / "config.json")
+        for f in ckpt.glob("tokenizer*"):
+            shutil.copy(f, folder / f.name)
+
+    for folder, fmt in ((sharded, "auto"), (pt, "pt")):
+        out = compile_(folder, tmp_path / f"art-{folder.name}", load_format=fmt)
+        got = Engine(out.path, max_total_tokens=256).generate(
+            input_ids=PROMPT, sampling_params=GREEDY
+        )
+        assert got["output_ids"] == expected, folder.name
+
+    out = compile_(ckpt, tmp_path / "art-dummy", load_format="dummy")
+    got = Engine(out.path, max_total_tokens=256).generate(input_ids=PROMPT, sampling_params=GREEDY)
+    assert len(got["output_ids"]) == 8 and got["output_ids"] != expected
+
+
+def test_compile_errors_name_the_flag(checkpoint, tmp_path) -> None:
+    with pytest.raises(ArgError, match="--model-path: required"):
+        compile_model(ServerArgs(), tmp_path / "a")
+    with pytest.raises(ArgError, match="--model-path: .* is not a folder"):
+        compile_model(ServerArgs(model_path=str(tmp_path / "nope")), tmp_path / "a")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    shutil.copy(checkpoint("llama") / "config.json", empty / "config.json")
+    with pytest.raises(CheckpointError, match="no weights in .*--load-format dummy"):
+        compile_(empty, tmp_path / "a")
+    stranger = tmp_path / "stranger"
+    stranger.mkdir()
+    (stranger / "keep.txt").write_text("mine")
+    with pytest.raises(ArtefactError, match="not a kiln artefact; refusing to overwrite"):
+        compile_(checkpoint("llama"), stranger)
+    assert (stranger / "keep.txt").read_text() == "mine"
+
+
+def test_auto_dtype_follows_sglang(checkpoint, tmp_path) -> None:
+    out = compile_model(ServerArgs(model_path=str(checkpoint("llama"))), tmp_path / "art")
+    m = json.loads((out.path / "manifest.json").read_text())
+    assert m["runtime"]["dtype"] == "float16"  # an fp32 checkpoint becomes fp16, as SGLang

@@ -1,0 +1,57 @@
+"""The `kiln` command as a user runs it: real processes, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def kiln(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kiln", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_compile_then_generate(checkpoint, tmp_path) -> None:
+    ckpt = checkpoint("qwen2")
+    art = tmp_path / "art"
+    first = kiln("compile", "--model", str(ckpt), "--dtype", "float32", "-o", str(art))
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.startswith("compiled: ")
+    again = kiln("compile", "--model-path", str(ckpt), "--dtype", "float32", "-o", str(art))
+    assert again.returncode == 0 and again.stdout.startswith("cache hit: ")
+    gen = kiln(
+        "generate",
+        str(art),
+        "--prompt",
+        "Hello",
+        "--prompt",
+        "The capital of",
+        "--max-new-tokens",
+        "6",
+        "--ignore-eos",
+        "--json",
+        "--max-total-tokens",
+        "512",
+    )
+    assert gen.returncode == 0, gen.stderr
+    lines = [json.loads(x) for x in gen.stdout.splitlines()]
+    assert [x["prompt"] for x in lines] == ["Hello", "The capital of"]
+    assert all(x["meta_info"]["completion_tokens"] == 6 for x in lines)
+
+
+def test_errors_are_one_line_naming_the_flag(tmp_path) -> None:
+    r = kiln("compile", "-o", str(tmp_path / "a"))
+    assert r.returncode == 2
+    assert (
+        r.stderr.strip() == "kiln compile: error: --model-path: required "
+        "(the Hugging Face checkpoint folder)"
+    )
+    r = kiln("compile", "--model", str(tmp_path), "--page-size", "0", "-o", str(tmp_path / "a"))
+    assert r.returncode == 2 and "--page-size: must be > 0, got 0" in r.stderr
+    r = kiln("generate", str(tmp_path), "--prompt", "x")
+    assert r.returncode == 2 and "has no manifest.json: not a kiln artefact" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = kiln("compile", "--model", str(tmp_path), "--dtype", "int3", "-o", str(tmp_path / "a"))
+    assert r.returncode == 2 and "--dtype" in r.stderr

@@ -1,0 +1,111 @@
+"""kiln against the oracle: transformers on the same checkpoint, fp32.
+
+Greedy ids must be equal for 32 new tokens on a batch of prompts of different lengths
+(run batched in kiln, one at a time in transformers), and the logits of every position
+of prompt + continuation within 1e-4.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from kiln.runtime.request import Request
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.scheduler import Batch
+from transformers import AutoModelForCausalLM
+
+from kiln import Engine
+
+# One prompt longer than Mistral's 16-token window in the example config.
+PROMPTS = [[1, 5, 9, 33], list(range(3, 43)), [7, 8], [1, *range(100, 120)]]
+NEW_TOKENS = 32
+
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama2": ("llama", {}),
+    "llama3-rope-scaling-tied": ("llama3", {"tie_word_embeddings": True}),
+    "mistral-sliding-window": ("mistral", {}),
+    "qwen2-qkv-bias-single-kv-head": ("qwen2", {"num_kv_heads": 1}),
+    "qwen3-qk-norm-head-dim": ("qwen3", {}),
+}
+
+
+def hf_model(path: Any) -> Any:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(model: Any, prompt: list[int]) -> list[int]:
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()  # type: ignore[no-any-return]
+
+
+def kiln_all_logits(engine: Engine, seq: list[int]) -> torch.Tensor:
+    """Logits at every position of `seq`, through the runtime's own batch path."""
+    runner = engine.runner
+    req = Request("parity", seq, SamplingParams())
+    req.pages = runner.pool.allocate(runner.pool.pages_for(len(seq)))
+    try:
+        return runner.forward(Batch([req], [seq], is_prefill=True), all_logits=True)
+    finally:
+        runner.pool.free(req.pages)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_greedy_ids_and_logits_match_transformers(case: str, checkpoint, artefact) -> None:
+    family, kw = CASES[case]
+    engine = Engine(artefact(family, **kw), max_total_tokens=2048)
+    hf = hf_model(checkpoint(family, **kw))
+    outs = engine.generate(
+        input_ids=PROMPTS,
+        sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+    )
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out["output_ids"] == hf_greedy(hf, prompt), f"prompt of {len(prompt)} tokens"
+        seq = prompt + out["output_ids"]
+        with torch.no_grad():
+            ref = hf(torch.tensor([seq])).logits[0]
+        got = kiln_all_logits(engine, seq)
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+
+
+def test_mistral_window_changes_the_result(checkpoint) -> None:
+    """The parity test above only means something if the window bites on the long prompt."""
+    windowed = hf_model(checkpoint("mistral"))
+    full = hf_model(checkpoint("mistral", sliding_window=None))
+    seq = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        a, b = windowed(seq).logits[0, -1], full(seq).logits[0, -1]
+    assert (a - b).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_page_size_does_not_change_tokens(page_size: int, artefact) -> None:
+    params = {"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+    base = Engine(artefact("qwen3"), max_total_tokens=1024).generate(
+        input_ids=PROMPTS, sampling_params=params
+    )
+    paged = Engine(
+        artefact("qwen3", compile_args={"page_size": page_size}), max_total_tokens=1024
+    ).generate(input_ids=PROMPTS, sampling_params=params)
+    assert [o["output_ids"] for o in paged] == [o["output_ids"] for o in base]
+
+
+def test_text_prompts_through_the_tokenizer(checkpoint, artefact) -> None:
+    engine = Engine(artefact("llama"), max_total_tokens=1024)
+    hf = hf_model(checkpoint("llama"))
+    prompts = ["Hello", "The capital of France is"]
+    outs = engine.generate(prompts, {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
+    for text, out in zip(prompts, outs, strict=True):
+        ids = engine.tokenizer.encode(text)
+        assert out["output_ids"] == hf_greedy(hf, ids)[:8]
+        assert out["text"] == engine.tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+        assert out["meta_info"]["prompt_tokens"] == len(ids)
+        assert out["meta_info"]["completion_tokens"] == 8
+        assert out["meta_info"]["finish_reason"]["type"] == "length"

@@ -1,0 +1,131 @@
+"""Kernels against plain-torch / transformers references."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from kiln.kernels import registry
+from kiln.kernels.attention import AttentionBatch, SeqSpan
+
+
+def k(op: str):
+    return registry.get(op, "torch_native").fn
+
+
+def test_rmsnorm_grouped_equals_per_head_norm() -> None:
+    x, w = torch.randn(5, 4 * 8), torch.randn(8)
+    ref = torch.stack([F.rms_norm(h, (8,), w, 1e-6) for h in x.view(5, 4, 8).unbind(1)], 1)
+    torch.testing.assert_close(k("rmsnorm")(x, w, 1e-6, group=8), ref.reshape(5, 32))
+
+
+def test_add_rmsnorm_returns_normed_and_sum() -> None:
+    a, b, w = torch.randn(3, 16), torch.randn(3, 16), torch.randn(16)
+    normed, total = k("add_rmsnorm")(a, b, w, 1e-5)
+    torch.testing.assert_close(total, a + b)
+    torch.testing.assert_close(normed, F.rms_norm(a + b, (16,), w, 1e-5))
+
+
+def test_silu_and_mul() -> None:
+    x = torch.randn(4, 10)
+    torch.testing.assert_close(k("silu_and_mul")(x), F.silu(x[:, :5]) * x[:, 5:])
+
+
+def test_rope_matches_transformers() -> None:
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    t, heads, d = 6, 3, 16
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    pos = torch.tensor([0, 1, 2, 7, 8, 30])
+    q = torch.randn(t, heads * d)
+    ours = k("rope")(q, k("rope_cos_sin")(pos, inv), head_dim=d)
+    freqs = pos[:, None].float() * inv[None]
+    emb = torch.cat((freqs, freqs), -1)
+    ref, _ = apply_rotary_pos_emb(
+        q.view(1, t, heads, d).transpose(1, 2),
+        q.view(1, t, heads, d).transpose(1, 2),
+        emb.cos()[None],
+        emb.sin()[None],
+    )
+    torch.testing.assert_close(ours, ref.transpose(1, 2).reshape(t, heads * d))
+
+
+def _reference(q, k_, v, window, heads, kv_heads, d):
+    """Causal (optionally windowed) attention of the last len(q) positions, no cache."""
+    n, m = q.shape[0], k_.shape[0]
+    qh = q.view(n, heads, d).transpose(0, 1)
+    rep = heads // kv_heads
+    kh = k_.view(m, kv_heads, d).repeat_interleave(rep, 1).transpose(0, 1)
+    vh = v.view(m, kv_heads, d).repeat_interleave(rep, 1).transpose(0, 1)
+    qpos = torch.arange(m - n, m)[:, None]
+    j = torch.arange(m)[None]
+    mask = (j <= qpos) & ((j > qpos - window) if window else True)
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
+    return o.transpose(0, 1).reshape(n, heads * d)
+
+
+def test_paged_attention_prefill_and_batched_decode_with_windows() -> None:
+    torch.manual_seed(0)
+    heads, kv_heads, d, slots = 4, 2, 8, 64
+    lens = [5, 9, 1]
+    for window in (None, 3):
+        kc = torch.zeros(1, slots, kv_heads, d)
+        vc = torch.zeros(1, slots, kv_heads, d)
+        perm = torch.randperm(slots)  # scattered slots, as pages would be
+        slot_of = [perm[sum(lens[:i]) * 2 : sum(lens[:i]) * 2 + 2 * n] for i, n in enumerate(lens)]
+        keys = [torch.randn(n + 1, kv_heads * d) for n in lens]
+        vals = [torch.randn(n + 1, kv_heads * d) for n in lens]
+        qs = [torch.randn(n + 1, heads * d) for n in lens]
+        attn = k("attention")
+        kw = dict(
+            layer=0,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=d,
+            scale=d**-0.5,
+            sliding_window=window,
+        )
+        # Prefill all prompts in one batch.
+        spans, start = [], 0
+        for n, s in zip(lens, slot_of, strict=True):
+            spans.append(SeqSpan(start, n, n, s[:n]))
+            start += n
+        out = attn(
+            AttentionBatch.build(kc, vc, spans),
+            torch.cat([q[:-1] for q in qs]),
+            torch.cat([x[:-1] for x in keys]),
+            torch.cat([x[:-1] for x in vals]),
+            **kw,
+        )
+        ref = torch.cat(
+            [
+                _reference(q[:-1], kk[:-1], vv[:-1], window, heads, kv_heads, d)
+                for q, kk, vv in zip(qs, keys, vals, strict=True)
+            ]
+        )
+        torch.testing.assert_close(out, ref)
+        # One decode step for every sequence, reading the cache.
+        spans = [
+            SeqSpan(i, 1, n + 1, s[: n + 1])
+            for i, (n, s) in enumerate(zip(lens, slot_of, strict=True))
+        ]
+        batch = AttentionBatch.build(kc, vc, spans)
+        assert batch.decode
+        out = attn(
+            batch,
+            torch.stack([q[-1] for q in qs]),
+            torch.stack([x[-1] for x in keys]),
+            torch.stack([x[-1] for x in vals]),
+            **kw,
+        )
+        ref = torch.cat(
+            [
+                _reference(q[-1:], kk, vv, window, heads, kv_heads, d)
+                for q, kk, vv in zip(qs, keys, vals, strict=True)
+            ]
+        )
+        torch.testing.assert_close(out, ref)
+
+
+def test_registry_lists_backends_per_device() -> None:
+    assert registry.available("linear", "cpu") == ["torch_native"]
+    assert "attention" in registry.ops_with_kernels()

@@ -1,0 +1,114 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from kiln.models import ModelConfig, ModelConfigError
+from kiln.models.config import RopeConfig
+from kiln.models.rope import inv_freq
+
+# The published Llama-3.2-1B shape in the older (transformers 4) form.
+LLAMA32 = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-05,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008],
+}
+
+
+def test_old_and_new_rope_forms_read_the_same(tmp_path) -> None:
+    new = dict(LLAMA32)
+    new["rope_parameters"] = {**new.pop("rope_scaling"), "rope_theta": new.pop("rope_theta")}
+    (tmp_path / "config.json").write_text(json.dumps(new))
+    assert ModelConfig.from_hf(tmp_path) == ModelConfig.from_dict(LLAMA32)
+    cfg = ModelConfig.from_dict(LLAMA32)
+    assert cfg.rope == RopeConfig(500000.0, "llama3", 32.0, 1.0, 4.0, 8192)
+    assert cfg.eos_token_ids == (128001, 128008)
+    assert cfg.head_dim == 64 and cfg.tie_word_embeddings
+
+
+def test_llama3_frequencies_match_transformers() -> None:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_cfg = LlamaConfig(**{k: v for k, v in LLAMA32.items() if k != "architectures"})
+    ref, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+    ours = inv_freq(ModelConfig.from_dict(LLAMA32).rope, 64)
+    torch.testing.assert_close(ours, ref.float(), rtol=1e-6, atol=0)
+
+
+def test_qwen3_head_dim_is_not_hidden_over_heads() -> None:
+    cfg = ModelConfig.from_dict(
+        {
+            "model_type": "qwen3",
+            "hidden_size": 1024,
+            "intermediate_size": 3072,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "vocab_size": 10,
+        }
+    )
+    assert cfg.head_dim == 128 and cfg.q_size == 2048 and cfg.qk_norm and not cfg.qkv_bias
+
+
+def test_sliding_windows_per_family() -> None:
+    base = {
+        "hidden_size": 8,
+        "intermediate_size": 8,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "vocab_size": 10,
+        "sliding_window": 4,
+    }
+    assert ModelConfig.from_dict({**base, "model_type": "mistral"}).sliding_windows == (4, 4)
+    qwen2 = {**base, "model_type": "qwen2", "use_sliding_window": False}
+    assert ModelConfig.from_dict(qwen2).sliding_windows == (None, None)
+    mixed = {**base, "model_type": "qwen2", "layer_types": ["sliding_attention", "full_attention"]}
+    assert ModelConfig.from_dict(mixed).sliding_windows == (4, None)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
+        ({"model_type": "llama", "hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"model_type": "llama", "rope_scaling": {"rope_type": "yarn"}}, "rope type 'yarn'"),
+    ],
+)
+def test_unsupported_configs_say_why(bad, message) -> None:
+    cfg = {
+        "hidden_size": 8,
+        "intermediate_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "vocab_size": 10,
+        **bad,
+    }
+    with pytest.raises(ModelConfigError, match=message):
+        ModelConfig.from_dict(cfg)
+
+
+def test_missing_config_is_a_clear_error(tmp_path) -> None:
+    with pytest.raises(ModelConfigError, match="no config.json"):
+        ModelConfig.from_hf(tmp_path)

@@ -1,0 +1,97 @@
+"""Engine behaviour beyond parity: stopping, seeds, memory pressure, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln import Engine
+from kiln.args import ArgError
+
+GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+PROMPTS = [[1, 5, 9], list(range(3, 30)), [7, 8, 9, 10, 11], [2, 2]]
+
+
+@pytest.fixture(scope="module")
+def engine(artefact) -> Engine:
+    return Engine(artefact("llama"), max_total_tokens=1024)
+
+
+def test_retraction_under_memory_pressure_loses_nothing(engine, artefact) -> None:
+    expected = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    # 64 slots cannot hold all four sequences at full length: requests are retracted and
+    # re-prefilled, and still finish with the same tokens.
+    small = Engine(artefact("llama"), max_total_tokens=64)
+    got = small.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    assert [g["output_ids"] for g in got] == [e["output_ids"] for e in expected]
+    assert small.runner.pool.free_pages == small.runner.pool.num_pages
+
+
+def test_stop_token_ids_and_eos(engine) -> None:
+    free = engine.generate(input_ids=PROMPTS[1], sampling_params=GREEDY)
+    stop = free["output_ids"][5]
+    out = engine.generate(
+        input_ids=PROMPTS[1], sampling_params={**GREEDY, "stop_token_ids": [stop]}
+    )
+    first = free["output_ids"].index(stop)
+    assert out["output_ids"] == free["output_ids"][: first + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    # The same token as EOS stops the request unless ignore_eos.
+    engine._eos.add(stop)
+    try:
+        out = engine.generate(input_ids=PROMPTS[1], sampling_params={**GREEDY, "ignore_eos": False})
+        assert out["output_ids"][-1] == stop and len(out["output_ids"]) == first + 1
+    finally:
+        engine._eos.discard(stop)
+
+
+def test_seeded_sampling_and_n(engine) -> None:
+    params = {"temperature": 1.0, "max_new_tokens": 12, "seed": 7, "ignore_eos": True}
+    a = engine.generate(input_ids=PROMPTS[0], sampling_params=params)
+    b = engine.generate(input_ids=PROMPTS[0], sampling_params=params)
+    assert a["output_ids"] == b["output_ids"]
+    many = engine.generate(input_ids=[PROMPTS[0]], sampling_params={**params, "n": 3})
+    assert len(many) == 3 and len({tuple(m["output_ids"]) for m in many}) > 1
+
+
+def test_mixed_sampling_params_in_one_batch(engine) -> None:
+    alone = engine.generate(input_ids=PROMPTS[2], sampling_params=GREEDY)
+    outs = engine.generate(
+        input_ids=[PROMPTS[2], PROMPTS[0]],
+        sampling_params=[
+            GREEDY,
+            {
+                "temperature": 0.9,
+                "top_p": 0.9,
+                "top_k": 20,
+                "min_p": 0.05,
+                "seed": 1,
+                "max_new_tokens": 5,
+            },
+        ],
+    )
+    assert outs[0]["output_ids"] == alone["output_ids"]
+    assert outs[1]["meta_info"]["completion_tokens"] == 5
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"input_ids": []}, "the prompt is empty"),
+        ({"input_ids": [1, 10_000]}, r"outside the vocabulary \[0, 384\)"),
+        (
+            {"input_ids": list(range(1, 300))},
+            "the prompt has 299 tokens; the context length is 256",
+        ),
+        ({"prompt": "hi", "input_ids": [1]}, "exactly one of"),
+    ],
+)
+def test_bad_requests_are_clear_errors(engine, kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        engine.generate(sampling_params=GREEDY, **kwargs)
+    # and the engine keeps working
+    assert engine.generate(input_ids=[1, 2], sampling_params=GREEDY)["output_ids"]
+
+
+def test_compile_time_flags_are_refused_at_runtime(artefact) -> None:
+    with pytest.raises(ArgError, match=r"\['page_size'\] are compile-time"):
+        Engine(artefact("llama"), page_size=4)

@@ -1,0 +1,79 @@
+"""The scheduler is bookkeeping: tested with a page pool and no model."""
+
+from __future__ import annotations
+
+from kiln.runtime.kv_cache import PagePool
+from kiln.runtime.request import Request, Status
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.scheduler import Scheduler
+
+
+def req(n: int, rid: str = "r") -> Request:
+    return Request(rid, list(range(1, n + 1)), SamplingParams(max_new_tokens=100))
+
+
+def run_step(s: Scheduler, token: int = 7):
+    batch = s.schedule()
+    assert batch is not None
+    s.commit(batch, [token] * len(batch.requests))
+    return batch
+
+
+def test_prefill_first_then_decode_everyone() -> None:
+    s = Scheduler(PagePool(64, 4), max_running=8, max_prefill_tokens=100)
+    a, b = req(5, "a"), req(3, "b")
+    s.add(a)
+    s.add(b)
+    batch = run_step(s)
+    assert batch.is_prefill and batch.new_tokens == [a.prompt_ids, b.prompt_ids]
+    assert a.kv_len == 5 and a.output_ids == [7] and len(a.pages) == 2
+    c = req(2, "c")
+    s.add(c)
+    assert run_step(s).requests == [c]  # a new arrival joins before the next decode
+    batch = run_step(s)
+    assert not batch.is_prefill and batch.requests == [a, b, c]
+    assert batch.new_tokens == [[7], [7], [7]]
+
+
+def test_prefill_budget_and_running_cap() -> None:
+    s = Scheduler(PagePool(64, 1), max_running=2, max_prefill_tokens=6)
+    for i in range(3):
+        s.add(req(4, f"r{i}"))
+    assert len(run_step(s).requests) == 1  # 4 + 4 > 6: the second waits
+    assert len(run_step(s).requests) == 1
+    assert not run_step(s).is_prefill  # max_running reached: r2 waits
+    assert [r.rid for r in s.waiting] == ["r2"]
+
+
+def test_retraction_frees_the_newest_and_requeues_it() -> None:
+    pool = PagePool(5, 2)
+    s = Scheduler(pool, max_running=8, max_prefill_tokens=100)
+    old, new = req(3, "old"), req(3, "new")
+    s.add(old)
+    s.add(new)
+    run_step(s)  # both prefilled (3 tokens, 2 pages each); 1 page left; 4 tokens after
+    run_step(s)  # decode at 4 tokens: still 2 pages each; 5 tokens after
+    batch = s.schedule()  # 5 tokens need 3 pages: old takes the last, new is retracted
+    assert batch is not None and batch.requests == [old] and len(old.pages) == 3
+    assert new.status is Status.WAITING and new.pages == [] and new.kv_len == 0
+    assert new.retractions == 1 and s.waiting[0] is new
+    assert len(new.output_ids) == 2  # what it generated is kept for its re-prefill
+
+
+def test_finish_returns_pages_to_the_pool() -> None:
+    pool = PagePool(16, 4)
+    s = Scheduler(pool, max_running=8, max_prefill_tokens=100)
+    reqs = [req(n, str(n)) for n in (3, 6, 9)]
+    for r in reqs:
+        s.add(r)
+    run_step(s)
+    run_step(s)
+    assert pool.free_pages < 16
+    for r in reqs:
+        s.finish(r, {"type": "length"})
+    assert pool.free_pages == 16 and not s.has_work
+
+
+def test_page_slots() -> None:
+    pool = PagePool(8, 4)
+    assert pool.slots([2, 0], 6).tolist() == [8, 9, 10, 11, 0, 1]
