@@ -13,17 +13,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+import kiln
+from kiln.args import ArgError, ServerArgs
 from kiln.compiler import artefact as fmt
 from kiln.compiler.checkpoint import CheckpointReader
 from kiln.compiler.ir import Graph
 from kiln.compiler.trace import trace
 from kiln.models import ModelConfig, build
 from kiln.passes import PIPELINES, PassContext, run_passes
-from safetensors.torch import save_file
-from tqdm import tqdm
-
-import kiln
-from kiln.args import ArgError, ServerArgs
 
 log = logging.getLogger("kiln.compile")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
 from kiln.compiler.trace import Value, active_tracer
 
 

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+
 from kiln.compiler.ir import GRAPH_INPUTS, Graph, IRError, Node, WeightSpec
 
 

@@ -1,7 +1,9 @@
 """Paged attention over the runtime's KV pool (torch_native backend).
 
 The runtime builds one `AttentionBatch` per forward step; every attention node of the
-graph reads it. K/V pages live in one tensor per layer, indexed by token slot.
+graph reads it. The pool is head-major, [layers, kv_heads, slots, head_dim], so gathering
+a sequence's slots yields contiguous [kv_heads, len, head_dim] blocks: SDPA's fast CPU
+path needs contiguous 4-D inputs (a transposed view falls back to a path ~5x slower).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
 from kiln.kernels.registry import register
 
 
@@ -25,15 +28,15 @@ class SeqSpan:
 
 @dataclass
 class AttentionBatch:
-    k_cache: torch.Tensor  # [layers, slots, kv_heads, head_dim]
+    k_cache: torch.Tensor  # [layers, kv_heads, slots, head_dim]
     v_cache: torch.Tensor
     out_slots: torch.Tensor  # [tokens] where each new token's K/V is written
     seqs: list[SeqSpan]
     # Decode-only steps (every q_len == 1) attend in one padded batched call.
     decode: bool = False
-    kv_index: torch.Tensor | None = None  # [batch, max_kv_len] slots, padded with slot 0
+    kv_index: torch.Tensor | None = None  # [batch * max_kv_len] slots, padded with slot 0
     kv_lens: torch.Tensor | None = None  # [batch]
-    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -41,28 +44,35 @@ class AttentionBatch:
     ) -> AttentionBatch:
         out_slots = torch.cat([s.kv_slots[s.kv_len - s.q_len :] for s in seqs])
         batch = cls(k_cache, v_cache, out_slots, seqs)
-        if all(s.q_len == 1 for s in seqs) and len(seqs) > 1:
+        if all(s.q_len == 1 for s in seqs):
             width = max(s.kv_len for s in seqs)
-            index = torch.zeros(len(seqs), width, dtype=torch.long)
-            for i, s in enumerate(seqs):
-                index[i, : s.kv_len] = s.kv_slots
+            if len(seqs) == 1:
+                index = seqs[0].kv_slots
+            else:
+                index = torch.zeros(len(seqs), width, dtype=torch.long)
+                for i, s in enumerate(seqs):
+                    index[i, : s.kv_len] = s.kv_slots
             batch.decode = True
-            batch.kv_index = index
+            batch.kv_index = index.reshape(-1)
             batch.kv_lens = torch.tensor([s.kv_len for s in seqs])
         return batch
 
-    def decode_mask(self, window: int | None) -> torch.Tensor:
-        """[batch, 1, 1, max_kv_len] True where the key is visible to the new token."""
-        mask = self._masks.get(window)
-        if mask is None:
-            assert self.kv_index is not None and self.kv_lens is not None
-            j = torch.arange(self.kv_index.shape[1])[None, :]
-            lens = self.kv_lens[:, None]
+    def decode_mask(self, window: int | None) -> torch.Tensor | None:
+        """[1, batch, 1, max_kv_len] True where a key is visible to the new token, or None
+        when every key is (one sequence, no window cutting in)."""
+        if window in self._masks:
+            return self._masks[window]
+        assert self.kv_index is not None and self.kv_lens is not None
+        lens = self.kv_lens[:, None]
+        width = self.kv_index.numel() // len(self.seqs)
+        mask: torch.Tensor | None = None
+        if len(self.seqs) > 1 or (window is not None and width > window):
+            j = torch.arange(width)[None, :]
             mask = j < lens
             if window is not None:
                 mask &= j > lens - 1 - window
-            mask = mask[:, None, None, :]
-            self._masks[window] = mask
+            mask = mask[None, :, None, :]
+        self._masks[window] = mask
         return mask
 
 
@@ -90,43 +100,53 @@ def attention(
     sliding_window: int | None,
 ) -> torch.Tensor:
     k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
-    k = k.view(-1, num_kv_heads, head_dim)
-    v = v.view(-1, num_kv_heads, head_dim)
-    k_cache[ctx.out_slots] = k
-    v_cache[ctx.out_slots] = v
-    gqa = num_heads != num_kv_heads
-
+    k = k.view(-1, num_kv_heads, head_dim).transpose(0, 1)  # [kv_heads, tokens, d]
+    v = v.view(-1, num_kv_heads, head_dim).transpose(0, 1)
+    k_cache.index_copy_(1, ctx.out_slots, k)
+    v_cache.index_copy_(1, ctx.out_slots, v)
     if ctx.decode:
-        assert ctx.kv_index is not None
-        b = len(ctx.seqs)
-        qb = q.view(b, num_heads, 1, head_dim)
-        kb = k_cache[ctx.kv_index].transpose(1, 2)  # [b, kv_heads, L, d]
-        vb = v_cache[ctx.kv_index].transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            qb, kb, vb, attn_mask=ctx.decode_mask(sliding_window), scale=scale, enable_gqa=gqa
-        )
-        return out.reshape(b, num_heads * head_dim)
-
+        return _decode(ctx, q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale,
+                       sliding_window)  # fmt: skip
+    gqa = num_heads != num_kv_heads
     outs = []
     for s in ctx.seqs:
-        qs = q[s.q_start : s.q_start + s.q_len].view(s.q_len, num_heads, head_dim).transpose(0, 1)
-        fresh = s.kv_len == s.q_len
-        if fresh:
-            ks = k[s.q_start : s.q_start + s.q_len]
-            vs = v[s.q_start : s.q_start + s.q_len]
+        rows = slice(s.q_start, s.q_start + s.q_len)
+        qs = q[rows].view(s.q_len, num_heads, head_dim).transpose(0, 1).unsqueeze(0)
+        if s.kv_len == s.q_len:  # nothing cached before: attend to the fresh K/V
+            ks, vs = k[:, rows].unsqueeze(0), v[:, rows].unsqueeze(0)
         else:
-            ks, vs = k_cache[s.kv_slots], v_cache[s.kv_slots]
-        ks, vs = ks.transpose(0, 1), vs.transpose(0, 1)
-        if fresh and sliding_window is None:
-            o = F.scaled_dot_product_attention(
-                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa
-            )
-        elif s.q_len == 1 and (sliding_window is None or s.kv_len <= sliding_window):
-            o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale, enable_gqa=gqa)
+            ks = k_cache.index_select(1, s.kv_slots).unsqueeze(0)
+            vs = v_cache.index_select(1, s.kv_slots).unsqueeze(0)
+        if s.kv_len == s.q_len and sliding_window is None:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                               enable_gqa=gqa)  # fmt: skip
         else:
             mask = _causal_mask(s.q_len, s.kv_len, sliding_window)
-            o = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa
-            )
-        outs.append(o.transpose(0, 1).reshape(s.q_len, num_heads * head_dim))
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
+                                               enable_gqa=gqa)  # fmt: skip
+        outs.append(o[0].transpose(0, 1).reshape(s.q_len, num_heads * head_dim))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _decode(
+    ctx: AttentionBatch,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    # One new token per sequence: the query heads sharing a KV head become query *rows*
+    # of that head ([kv_heads, batch, group, d]), so no K/V is repeated for GQA.
+    assert ctx.kv_index is not None
+    b = len(ctx.seqs)
+    group = num_heads // num_kv_heads
+    ks = k_cache.index_select(1, ctx.kv_index).view(num_kv_heads, b, -1, head_dim)
+    vs = v_cache.index_select(1, ctx.kv_index).view(num_kv_heads, b, -1, head_dim)
+    qg = q.view(b, num_kv_heads, group, head_dim).transpose(0, 1)
+    o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=ctx.decode_mask(window),
+                                       scale=scale)  # fmt: skip
+    return o.transpose(0, 1).reshape(b, num_heads * head_dim)

@@ -9,11 +9,12 @@ whole batch; attention knows where each sequence begins from the runtime's metad
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from kiln.compiler import ops
 from kiln.compiler.trace import Value
 from kiln.models.config import ModelConfig
 from kiln.models.rope import inv_freq
-from torch import nn
 
 
 def _weight(*shape: int) -> nn.Parameter:

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
+
 from kiln.compiler import artefact as fmt
 from kiln.compiler.ir import Graph, IRError
-from safetensors.torch import load_file
 
 
 @dataclass(frozen=True)

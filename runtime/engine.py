@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from kiln.args import ArgError, ServerArgs
 from kiln.runtime.artefact import Artefact
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.model_runner import ModelRunner
@@ -18,8 +20,6 @@ from kiln.runtime.request import Request
 from kiln.runtime.sampler import sample
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler
-
-from kiln.args import ArgError, ServerArgs
 
 log = logging.getLogger("kiln.engine")
 

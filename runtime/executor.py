@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
 from kiln.compiler.ir import GRAPH_INPUTS, Graph, Node
 from kiln.kernels import registry
 

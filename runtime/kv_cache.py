@@ -48,7 +48,8 @@ class PagePool:
 
 
 class KVCache:
-    """K and V for every layer: [layers, slots, kv_heads, head_dim] each."""
+    """K and V for every layer: [layers, kv_heads, slots, head_dim] each (head-major, so a
+    sequence's gathered K/V is contiguous per head)."""
 
     def __init__(
         self,
@@ -59,7 +60,7 @@ class KVCache:
         dtype: torch.dtype,
         device: str = "cpu",
     ) -> None:
-        shape = (num_layers, num_slots, num_kv_heads, head_dim)
+        shape = (num_layers, num_kv_heads, num_slots, head_dim)
         # zeros, not empty: padded decode reads slot 0 under a mask, and NaN * 0 is NaN.
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from kiln.kernels.attention import AttentionBatch, SeqSpan
 from kiln.runtime.artefact import Artefact
 from kiln.runtime.executor import Executor

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from kiln.runtime.sampling_params import SamplingParams
 
 

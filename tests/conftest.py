@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kiln.compiler.compile import compile_model
 
 from kiln.args import ServerArgs
+from kiln.compiler.compile import compile_model
 from kiln.example import make_checkpoint
 
 

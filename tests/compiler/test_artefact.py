@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from kiln.compiler.artefact import ArtefactError
-from kiln.compiler.checkpoint import CheckpointError
-from kiln.compiler.compile import compile_model
 from safetensors.torch import load_file
 
 from kiln import Engine
 from kiln.args import ArgError, ServerArgs
+from kiln.compiler.artefact import ArtefactError
+from kiln.compiler.checkpoint import CheckpointError
+from kiln.compiler.compile import compile_model
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 PROMPT = [1, 4, 9, 16, 25]

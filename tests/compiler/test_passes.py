@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kiln.compiler.ir import Graph
 from kiln.compiler.trace import trace
 from kiln.models import ModelConfig, build

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 import torch
-from kiln.runtime.request import Request
-from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import Batch
 from transformers import AutoModelForCausalLM
 
 from kiln import Engine
+from kiln.runtime.request import Request
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.runtime.scheduler import Batch
 
 # One prompt longer than Mistral's 16-token window in the example config.
 PROMPTS = [[1, 5, 9, 33], list(range(3, 43)), [7, 8], [1, *range(100, 120)]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from kiln.kernels import registry
 from kiln.kernels.attention import AttentionBatch, SeqSpan
 
@@ -68,8 +69,8 @@ def test_paged_attention_prefill_and_batched_decode_with_windows() -> None:
     heads, kv_heads, d, slots = 4, 2, 8, 64
     lens = [5, 9, 1]
     for window in (None, 3):
-        kc = torch.zeros(1, slots, kv_heads, d)
-        vc = torch.zeros(1, slots, kv_heads, d)
+        kc = torch.zeros(1, kv_heads, slots, d)
+        vc = torch.zeros(1, kv_heads, slots, d)
         perm = torch.randperm(slots)  # scattered slots, as pages would be
         slot_of = [perm[sum(lens[:i]) * 2 : sum(lens[:i]) * 2 + 2 * n] for i, n in enumerate(lens)]
         keys = [torch.randn(n + 1, kv_heads * d) for n in lens]

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+
 from kiln.models import ModelConfig, ModelConfigError
 from kiln.models.config import RopeConfig
 from kiln.models.rope import inv_freq

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kiln.runtime.sampler import sample
 from kiln.runtime.sampling_params import SamplingParams
 
