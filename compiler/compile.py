@@ -83,7 +83,8 @@ def compile_model(args: ServerArgs, out: str | Path) -> CompileResult:
         for spec in graph.weights.values():
             if "load" in spec.source:
                 spec.dtype = dtype
-        ctx = PassContext(device=device, dtype=dtype)
+        backends = {"attention": args.attention_backend} if args.attention_backend else {}
+        ctx = PassContext(device=device, dtype=dtype, options={"backends": backends})
         graph, pass_log = run_passes(graph, ctx, PIPELINES["default"])
 
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -140,14 +141,13 @@ def _cache_factors(
     args: ServerArgs, ckpt: Path, tok_dir: Path, reader: CheckpointReader, dtype: str, device: str
 ) -> dict[str, Any]:
     """Everything the artefact depends on; stored whole so a miss can be explained."""
-    compile_args = _portable_args(args)
-    compile_args.update(dtype=dtype, device=device)
     tok_files = [tok_dir / n for n in fmt.TOKENIZER_FILES if (tok_dir / n).is_file()]
     return {
         "format_version": fmt.FORMAT_VERSION,
         "kiln_version": kiln.__version__,
         "torch_version": torch.__version__,
-        "compile_args": compile_args,
+        "compile_args": _portable_args(args),
+        "resolved": {"dtype": dtype, "device": device},
         "config_sha256": fmt.sha256_file(ckpt / "config.json"),
         "weights_sha256": {}
         if reader.load_format == "dummy"
@@ -162,7 +162,8 @@ def _portable_args(args: ServerArgs) -> dict[str, Any]:
     for name in ("model_path", "tokenizer_path"):
         if values.get(name):
             values[name] = Path(values[name]).name
-    return values
+    # JSON-friendly: tuples (list flags) as lists.
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
 
 
 def _materialise(

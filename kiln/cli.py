@@ -8,31 +8,48 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from kiln.args import ServerArgs, add_cli_args
+from kiln.args import ServerArgs, add_cli_args, explicit_values
+
+# Server-argument flags are added with argparse.SUPPRESS as their default, so a namespace
+# holds exactly what the user gave (YAML defaults and artefact checks depend on that);
+# each subcommand's own options carry explicit defaults.
+_SUPPRESS = argparse.SUPPRESS
 
 
 def _compile_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("compile", help="compile a Hugging Face checkpoint into an artefact")
+    p = sub.add_parser(
+        "compile",
+        help="compile a Hugging Face checkpoint into an artefact",
+        argument_default=_SUPPRESS,
+    )
     add_cli_args(p)
     p.add_argument("-o", "--output", required=True, help="artefact folder to write")
     p.set_defaults(func=_cmd_compile)
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text from an artefact (offline engine)")
+    p = sub.add_parser(
+        "generate",
+        help="generate text from an artefact (offline engine)",
+        argument_default=_SUPPRESS,
+    )
     p.add_argument("artefact", help="artefact folder made by `kiln compile`")
     p.add_argument(
         "--prompt", action="append", required=True, help="prompt text; repeat the flag for a batch"
     )
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--json", action="store_true", help="print each result as a JSON line")
-    add_cli_args(p, stages=("runtime",))
+    p.add_argument("--ignore-eos", action="store_true", default=False)
+    p.add_argument(
+        "--json", action="store_true", default=False, help="print each result as a JSON line"
+    )
+    # Every server flag is accepted, so a whole SGLang command line carries over;
+    # compile-time ones must agree with the artefact.
+    add_cli_args(p)
     p.set_defaults(func=_cmd_generate)
 
 
@@ -49,8 +66,7 @@ def _cmd_compile(ns: argparse.Namespace) -> int:
 def _cmd_generate(ns: argparse.Namespace) -> int:
     from kiln.runtime.engine import Engine
 
-    runtime = ServerArgs.from_namespace(ns).stage_values("runtime")
-    engine = Engine(ns.artefact, **runtime)
+    engine = Engine(ns.artefact, **explicit_values(ns))
     params = {
         "max_new_tokens": ns.max_new_tokens,
         "temperature": ns.temperature,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import os
@@ -12,7 +11,8 @@ from typing import Any
 
 import torch
 
-from kiln.args import ArgError, ServerArgs
+from kiln.args import ServerArgs
+from kiln.args.stages import refuse_compile_time_changes
 from kiln.runtime.artefact import Artefact
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.model_runner import ModelRunner
@@ -32,22 +32,22 @@ def _available_memory() -> int:
 
 
 class Engine:
-    """Loads an artefact and generates; runtime server arguments are keyword overrides."""
+    """Loads an artefact and generates.
 
-    def __init__(self, artefact: str | Path, **runtime_args: Any) -> None:
-        compile_time = set(runtime_args) & set(ServerArgs().stage_values("compile"))
-        if compile_time:
-            raise ArgError(
-                f"{sorted(compile_time)} are compile-time arguments: they are fixed "
-                f"in the artefact (recompile to change them)"
-            )
-        self.args = ServerArgs(**runtime_args)
+    Keyword arguments are server arguments by field name (`max_total_tokens=...`). Runtime
+    ones take effect; compile-time ones must agree with the artefact, else ArgError."""
+
+    def __init__(self, artefact: str | Path, **server_args: Any) -> None:
+        self.args = ServerArgs(**server_args)
         self.art = Artefact.open(artefact)
+        refuse_compile_time_changes(server_args, self.art.manifest)
         spec = self.art.spec
         self.context_length = min(
             self.args.context_length or spec.context_length, spec.context_length
         )
-        self.tokenizer = _load_tokenizer(self.art.tokenizer_dir)
+        self.tokenizer = (
+            None if self.args.skip_tokenizer_init else _load_tokenizer(self.art.tokenizer_dir)
+        )
         max_running = self.args.max_running_requests or DEFAULT_MAX_RUNNING
         self.runner = ModelRunner(self.art, self._kv_tokens(max_running))
         self.scheduler = Scheduler(self.runner.pool, max_running, self.args.max_prefill_tokens)
@@ -197,10 +197,6 @@ class Engine:
                 "e2e_latency": end - req.created,
             },
         }
-
-    @property
-    def server_args(self) -> ServerArgs:
-        return dataclasses.replace(self.args)
 
     def shutdown(self) -> None:
         """Release the KV pool and weights (the engine is unusable afterwards)."""

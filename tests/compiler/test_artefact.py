@@ -146,3 +146,12 @@ def test_auto_dtype_follows_sglang(checkpoint, tmp_path) -> None:
     out = compile_model(ServerArgs(model_path=str(checkpoint("llama"))), tmp_path / "art")
     m = json.loads((out.path / "manifest.json").read_text())
     assert m["runtime"]["dtype"] == "float16"  # an fp32 checkpoint becomes fp16, as SGLang
+
+
+def test_every_compile_time_argument_is_recorded(artefact) -> None:
+    from kiln.args import FLAGS
+
+    m = json.loads((artefact("llama") / "manifest.json").read_text())
+    compile_time = {d for d, f in FLAGS.items() if f.stage == "compile"}
+    assert set(m["compile_args"]) == compile_time
+    assert m["cache_factors"]["resolved"] == {"dtype": "float32", "device": "cpu"}

@@ -55,3 +55,21 @@ def test_errors_are_one_line_naming_the_flag(tmp_path) -> None:
     assert "Traceback" not in r.stderr
     r = kiln("compile", "--model", str(tmp_path), "--dtype", "int3", "-o", str(tmp_path / "a"))
     assert r.returncode == 2 and "--dtype" in r.stderr
+
+
+def test_yaml_config_and_compile_time_mismatch(checkpoint, tmp_path) -> None:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(f"model-path: {checkpoint('llama')}\ndtype: float32\npage_size: 4\n")
+    art = tmp_path / "art"
+    r = kiln("compile", "--config", str(cfg), "--page-size", "2", "-o", str(art))
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["compile_args"]["page_size"] == 2  # the command line beat the YAML
+    r = kiln("generate", str(art), "--prompt", "x", "--page-size", "4")
+    assert r.returncode == 2
+    assert r.stderr.strip() == (
+        "kiln generate: error: --page-size: 4 disagrees with the artefact, compiled with 2 "
+        "(compile-time argument: recompile to change it)"
+    )
+    r = kiln("compile", "--config", str(cfg), "--tp", "2", "-o", str(art))
+    assert r.returncode == 2 and "--tensor-parallel-size 2: is not implemented" in r.stderr

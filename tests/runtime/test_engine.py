@@ -92,6 +92,15 @@ def test_bad_requests_are_clear_errors(engine, kwargs, message) -> None:
     assert engine.generate(input_ids=[1, 2], sampling_params=GREEDY)["output_ids"]
 
 
-def test_compile_time_flags_are_refused_at_runtime(artefact) -> None:
-    with pytest.raises(ArgError, match=r"\['page_size'\] are compile-time"):
-        Engine(artefact("llama"), page_size=4)
+def test_compile_time_flags_must_agree_with_the_artefact(artefact) -> None:
+    art = artefact("llama")
+    with pytest.raises(
+        ArgError,
+        match=r"--page-size: 4 disagrees with the artefact, compiled "
+        r"with 1 \(compile-time argument",
+    ):
+        Engine(art, page_size=4)
+    with pytest.raises(ArgError, match="--dtype: 'bfloat16' disagrees"):
+        Engine(art, dtype="bfloat16")
+    # The same values (in any spelling) are accepted, so a whole command line carries over.
+    Engine(art, page_size=1, dtype="float", device="cpu", max_total_tokens=64)

@@ -1,0 +1,36 @@
+"""Server arguments: SGLang's names, aliases and defaults, in one frozen, validated tree.
+
+`spec.py` lists every flag with its section, stage (compile or runtime) and support status;
+`ServerArgs` is built from it once, at the boundary (CLI, YAML, Python keywords).
+"""
+
+from kiln.args.flags import COMPILE, RUNTIME, Flag, Section, Stage, Status
+from kiln.args.server_args import (
+    FLAGS,
+    SPELLINGS,
+    ArgError,
+    ServerArgs,
+    add_cli_args,
+    explicit_values,
+    flag_of,
+    load_yaml,
+)
+from kiln.args.spec import SECTIONS
+
+__all__ = [
+    "COMPILE",
+    "FLAGS",
+    "RUNTIME",
+    "SECTIONS",
+    "SPELLINGS",
+    "ArgError",
+    "Flag",
+    "Section",
+    "ServerArgs",
+    "Stage",
+    "Status",
+    "add_cli_args",
+    "explicit_values",
+    "flag_of",
+    "load_yaml",
+]

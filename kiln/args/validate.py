@@ -1,0 +1,185 @@
+"""Checks on a built ServerArgs, in the order a user can act on them:
+choices, ranges, cross-field rules (the command is inconsistent), then support status
+(the command is fine but kiln or this machine cannot do it yet)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from kiln.args.flags import Flag
+
+if TYPE_CHECKING:
+    from kiln.args.server_args import ServerArgs
+
+log = logging.getLogger("kiln.args")
+
+# Deprecated flag -> (flag it sets, value; None means "the value of --tp-size").
+_DEPRECATED_TO: dict[str, tuple[str, Any]] = {
+    "enable_ep_moe": ("ep_size", None),
+    "enable_deepep_moe": ("moe_a2a_backend", "deepep"),
+    "enable_flashinfer_cutlass_moe": ("moe_runner_backend", "flashinfer_cutlass"),
+    "enable_flashinfer_cutedsl_moe": ("moe_runner_backend", "flashinfer_cutedsl"),
+    "enable_flashinfer_trtllm_moe": ("moe_runner_backend", "flashinfer_trtllm"),
+    "enable_triton_kernel_moe": ("moe_runner_backend", "triton_kernel"),
+    "enable_flashinfer_mxfp4_moe": ("moe_runner_backend", "flashinfer_mxfp4"),
+}
+
+POSITIVE = (
+    "page_size", "max_total_tokens", "max_running_requests", "max_queued_requests",
+    "max_prefill_tokens", "context_length", "tp_size", "pp_size", "dp_size", "ep_size",
+    "nnodes", "stream_interval", "tokenizer_worker_num", "max_loras_per_batch",
+    "max_loaded_loras", "max_lora_rank", "torch_compile_max_bs", "cuda_graph_max_bs",
+    "decode_log_interval", "watchdog_timeout", "prefill_max_requests",
+)  # fmt: skip
+FRACTIONS = (
+    "swa_full_tokens_ratio", "hybrid_kvcache_ratio",
+    "eplb_min_rebalancing_utilization_threshold",
+)  # fmt: skip
+PORTS = ("port", "nccl_port")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def translate_deprecated(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Print each deprecated flag's advice and apply the setting it stands for.
+
+    Returns the values and, for each value set on the user's behalf, the flag that set it
+    (so an error can name what the user typed)."""
+    from kiln.args.server_args import FLAGS
+
+    out, origin = dict(values), {}
+    for old, (new, value) in _DEPRECATED_TO.items():
+        if out.pop(old, False):
+            log.warning("%s is deprecated: %s", FLAGS[old].name, FLAGS[old].deprecated)
+            if new not in out:
+                out[new] = out.get("tp_size", 1) if value is None else value
+                origin[new] = FLAGS[old].name
+    if out.get("lora_paths") and not out.get("enable_lora"):
+        out["enable_lora"] = True  # as SGLang: giving adapters turns LoRA on
+        origin["enable_lora"] = "--lora-paths"
+    return out, origin
+
+
+def validate(args: ServerArgs, origin: dict[str, str] | None = None) -> None:
+    from kiln.args.server_args import FLAGS
+
+    values = args.to_dict()
+    for dest, flag in FLAGS.items():
+        _check_choice(flag, values[dest])
+    _check_ranges(values)
+    for rule in RULES:
+        rule(values)
+    for dest, flag in FLAGS.items():
+        _check_status(flag, values[dest], (origin or {}).get(dest))
+
+
+def _fail(message: str) -> None:
+    from kiln.args.server_args import ArgError
+
+    raise ArgError(message)
+
+
+def _check_choice(flag: Flag, value: Any) -> None:
+    if flag.choices is None or value is None:
+        return
+    for v in value if flag.is_list else (value,):
+        if v not in flag.choices:
+            _fail(f"{flag.name}: {v!r} is not one of {', '.join(map(str, flag.choices))}")
+
+
+def _check_status(flag: Flag, value: Any, origin: str | None = None) -> None:
+    if value == flag.default or (flag.type == "bool" and not value):
+        return
+    problem = flag.status_of(value).problem()
+    if problem:
+        shown = (
+            ""
+            if flag.type == "bool"
+            else " " + (" ".join(map(str, value)) if flag.is_list else str(value))
+        )
+        if flag.type == "bool" or flag.default is None:
+            hint = "leave it unset"
+        else:
+            hint = f"leave it at its default, {flag.default}"
+        if origin:
+            _fail(f"{flag.name}{shown} (set by {origin}): {problem}")
+        _fail(f"{flag.name}{shown}: {problem} ({hint})")
+
+
+def _check_ranges(v: dict[str, Any]) -> None:
+    from kiln.args.server_args import FLAGS
+
+    for dest in POSITIVE:
+        if v[dest] is not None and v[dest] <= 0:
+            _fail(f"{FLAGS[dest].name}: must be > 0, got {v[dest]}")
+    for dest in FRACTIONS:
+        if v[dest] is not None and not 0.0 <= v[dest] <= 1.0:
+            _fail(f"{FLAGS[dest].name}: must be in [0, 1], got {v[dest]}")
+    for dest in PORTS:
+        if v[dest] is not None and not 0 < v[dest] < 65536:
+            _fail(f"{FLAGS[dest].name}: must be a port in 1..65535, got {v[dest]}")
+    if v["mem_fraction_static"] is not None and not 0.0 < v["mem_fraction_static"] <= 1.0:
+        _fail(f"--mem-fraction-static: must be in (0, 1], got {v['mem_fraction_static']}")
+    if (v["chunked_prefill_size"] is not None and v["chunked_prefill_size"] in (0,)) or (
+        v["chunked_prefill_size"] is not None and v["chunked_prefill_size"] < -1
+    ):
+        _fail(f"--chunked-prefill-size: must be -1 (off) or > 0, got {v['chunked_prefill_size']}")
+    if v["schedule_conservativeness"] < 0:
+        _fail(f"--schedule-conservativeness: must be >= 0, got {v['schedule_conservativeness']}")
+    if v["log_level"].lower() not in LOG_LEVELS:
+        _fail(f"--log-level: {v['log_level']!r} is not one of {', '.join(LOG_LEVELS)}")
+    if not 0 <= v["node_rank"] < v["nnodes"]:
+        _fail(f"--node-rank: must be in [0, --nnodes={v['nnodes']}), got {v['node_rank']}")
+
+
+# -- cross-field rules (each names every flag involved) ---------------------------------------
+def _loras(v: dict[str, Any]) -> None:
+    if v["max_loaded_loras"] is not None and v["max_loaded_loras"] < v["max_loras_per_batch"]:
+        _fail(f"--max-loaded-loras ({v['max_loaded_loras']}) must be >= --max-loras-per-batch "
+              f"({v['max_loras_per_batch']})")  # fmt: skip
+    if v["max_lora_chunk_size"] != 16 and v["lora_backend"] != "csgmv":
+        _fail("--max-lora-chunk-size: only used with --lora-backend csgmv")
+
+
+def _dp_attention(v: dict[str, Any]) -> None:
+    if v["enable_dp_attention"] and v["dp_size"] != v["tp_size"]:
+        _fail(f"--enable-dp-attention: needs --dp-size equal to --tp-size "
+              f"(got dp {v['dp_size']}, tp {v['tp_size']})")  # fmt: skip
+    if v["load_balance_method"] == "minimum_tokens" and not v["enable_dp_attention"]:
+        _fail("--load-balance-method minimum_tokens: needs --enable-dp-attention")
+
+
+def _priority(v: dict[str, Any]) -> None:
+    if v["schedule_low_priority_values_first"] and not v["enable_priority_scheduling"]:
+        _fail("--schedule-low-priority-values-first: only with --enable-priority-scheduling")
+
+
+def _dynamic_batch_tokenizer(v: dict[str, Any]) -> None:
+    from kiln.args.server_args import FLAGS
+
+    if v["enable_dynamic_batch_tokenizer"]:
+        return
+    for dest in ("dynamic_batch_tokenizer_batch_size", "dynamic_batch_tokenizer_batch_timeout"):
+        if v[dest] != FLAGS[dest].default:
+            _fail(f"{FLAGS[dest].name}: only with --enable-dynamic-batch-tokenizer")
+
+
+def _speculative(v: dict[str, Any]) -> None:
+    from kiln.args.server_args import FLAGS
+
+    if v["speculative_algorithm"] is not None:
+        return
+    for dest, flag in FLAGS.items():
+        if dest.startswith("speculative_") and v[dest] != flag.default:
+            _fail(f"{flag.name}: only with --speculative-algorithm")
+
+
+def _mixed_chunk(v: dict[str, Any]) -> None:
+    if v["enable_mixed_chunk"] and v["chunked_prefill_size"] == -1:
+        _fail("--enable-mixed-chunk: needs chunked prefill (--chunked-prefill-size is -1)")
+
+
+RULES: tuple[Callable[[dict[str, Any]], None], ...] = (
+    _loras, _dp_attention, _priority, _dynamic_batch_tokenizer, _speculative, _mixed_chunk,
+)  # fmt: skip

@@ -1,0 +1,166 @@
+"""ServerArgs: the tree, YAML + CLI precedence, validation, status, help and docs."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+
+import pytest
+
+from kiln.args import FLAGS, SECTIONS, ArgError, ServerArgs, add_cli_args
+from kiln.args.docs import DOC, render
+
+
+def cli(*argv: str) -> ServerArgs:
+    return ServerArgs.from_cli(list(argv))
+
+
+def test_tree_is_frozen_with_flat_access() -> None:
+    args = cli("--model", "ckpt", "--page-size", "4")
+    assert args.page_size == 4 and args.memory_and_scheduling.page_size == 4
+    assert dataclasses.is_dataclass(args.memory_and_scheduling)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        args.page_size = 8
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        args.memory_and_scheduling.page_size = 8  # type: ignore[misc]
+    changed = args.replace(page_size=16)
+    assert changed.page_size == 16 and args.page_size == 4
+    with pytest.raises(ArgError, match="--page-size: must be > 0"):
+        args.replace(page_size=0)
+    assert repr(args) == "ServerArgs(model_path='ckpt', page_size=4)"
+    with pytest.raises(ArgError, match="unknown argument 'nope'"):
+        ServerArgs(nope=1)
+
+
+def test_yaml_either_spelling_and_cli_wins(tmp_path) -> None:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(
+        "model-path: ./ckpt\ntensor-parallel-size: 1\npage_size: 4\n"
+        "max-running-requests: 8\ntrust-remote-code: true\nmem_fraction_static: 0.5\n"
+    )
+    args = cli("--config", str(cfg), "--page-size", "16")
+    assert args.model_path == "./ckpt" and args.tp_size == 1
+    assert args.page_size == 16  # the command line beats the file
+    assert args.max_running_requests == 8 and args.mem_fraction_static == 0.5
+    assert args.trust_remote_code is True
+
+
+@pytest.mark.parametrize("text, message", [
+    ("bogus-key: 1\n", "unknown key 'bogus-key'"),
+    ("page-size: four\n", "--page-size: expected int, got 'four'"),
+    ("page-size: 1\npage_size: 2\n", "sets --page-size twice"),
+    ("- a\n- b\n", "must hold a mapping"),
+    ("config: other.yaml\n", "cannot name another config file"),
+    ("model-path: [unclosed\n", "is not valid YAML"),
+])  # fmt: skip
+def test_bad_yaml_is_a_clear_error(tmp_path, text, message) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    with pytest.raises(ArgError, match=message):
+        cli("--config", str(cfg))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--page-size", "0"], "--page-size: must be > 0, got 0"),
+    (["--mem-fraction-static", "1.5"], r"--mem-fraction-static: must be in \(0, 1\]"),
+    (["--swa-full-tokens-ratio", "2"], r"--swa-full-tokens-ratio: must be in \[0, 1\]"),
+    (["--port", "70000"], "--port: must be a port in 1..65535"),
+    (["--chunked-prefill-size", "0"], "--chunked-prefill-size: must be -1 \\(off\\) or > 0"),
+    (["--log-level", "loud"], "--log-level: 'loud' is not one of"),
+    (["--nnodes", "2", "--node-rank", "2"], r"--node-rank: must be in \[0, --nnodes=2\)"),
+    (["--max-loaded-loras", "2", "--max-loras-per-batch", "4"],
+     r"--max-loaded-loras \(2\) must be >= --max-loras-per-batch \(4\)"),
+    (["--enable-dp-attention", "--dp", "2"],
+     r"--enable-dp-attention: needs --dp-size equal to --tp-size \(got dp 2, tp 1\)"),
+    (["--load-balance-method", "minimum_tokens"], "minimum_tokens: needs --enable-dp-attention"),
+    (["--schedule-low-priority-values-first"], "only with --enable-priority-scheduling"),
+    (["--max-lora-chunk-size", "32"], "only used with --lora-backend csgmv"),
+    (["--dynamic-batch-tokenizer-batch-size", "4"], "only with --enable-dynamic-batch"),
+    (["--speculative-num-steps", "3"], "--speculative-num-steps: only with --speculative-alg"),
+    (["--enable-mixed-chunk", "--chunked-prefill-size", "-1"], "--enable-mixed-chunk: needs chu"),
+])  # fmt: skip
+def test_validation_rules(argv, message) -> None:
+    with pytest.raises(ArgError, match=message):
+        cli(*argv)
+
+
+def test_choices_are_checked_for_python_callers_too() -> None:
+    with pytest.raises(ArgError, match="--dtype: 'int3' is not one of auto, half"):
+        ServerArgs(dtype="int3")
+    with pytest.raises(ArgError, match="--page-size: expected int, got '4'"):
+        ServerArgs(page_size="4")
+
+
+def test_support_status() -> None:
+    # A planned flag is accepted at its default, refused otherwise, never ignored.
+    assert cli("--tokenizer-mode", "auto", "--tp", "1").tp_size == 1
+    with pytest.raises(
+        ArgError,
+        match=r"--tensor-parallel-size 2: is not implemented in kiln "
+        r"yet \(leave it at its default, 1\)",
+    ):
+        cli("--tp", "2")
+    with pytest.raises(ArgError, match="--enable-lora: is not implemented in kiln yet"):
+        cli("--enable-lora")
+    with pytest.raises(ArgError, match=r"--cuda-graph-bs 1 2 4: is not implemented.*unset"):
+        cli("--cuda-graph-bs", "1", "2", "4")
+    # Hardware this machine lacks is named.
+    with pytest.raises(ArgError, match=r"--attention-backend fa3: needs an NVIDIA Hopper GPU"):
+        cli("--attention-backend", "fa3")
+    with pytest.raises(ArgError, match=r"--device cuda: needs a CUDA GPU, which this machine"):
+        cli("--device", "cuda")
+    assert cli("--attention-backend", "torch_native").attention_backend == "torch_native"
+    assert cli("--load-format", "dummy").load_format == "dummy"
+    with pytest.raises(ArgError, match="--load-format gguf: is not implemented"):
+        cli("--load-format", "gguf")
+
+
+def test_deprecated_flags_print_the_advice(caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="kiln.args"):
+        args = cli("--enable-ep-moe")
+    assert "--enable-ep-moe is deprecated: set --ep-size to the same value as --tp-size" in (
+        caplog.text
+    )
+    assert args.ep_size == args.tp_size == 1
+    with pytest.raises(ArgError, match=r"--moe-a2a-backend deepep \(set by --enable-deepep-moe\)"):
+        cli("--enable-deepep-moe")
+
+
+def test_lora_paths_turn_lora_on() -> None:
+    with pytest.raises(ArgError, match=r"--enable-lora \(set by --lora-paths\): is not impl"):
+        cli("--lora-paths", "a=/x")
+
+
+def test_help_is_grouped_by_section() -> None:
+    parser = argparse.ArgumentParser(prog="kiln compile", argument_default=argparse.SUPPRESS)
+    add_cli_args(parser)
+    text = parser.format_help()
+    positions = [text.index(f"\n{s.title}:\n") for s in SECTIONS]
+    assert positions == sorted(positions)
+    memory = text[text.index("\nMemory and scheduling:\n") : text.index("\nRuntime options:\n")]
+    assert "--page-size" in memory and "--max-total-tokens" in memory and "[compile]" in memory
+
+
+def test_stage_of_every_flag_is_set() -> None:
+    stages = {f.stage for f in FLAGS.values()}
+    assert stages == {"compile", "runtime"}
+    for dest in (
+        "dtype",
+        "quantization",
+        "kv_cache_dtype",
+        "tp_size",
+        "ep_size",
+        "pp_size",
+        "attention_backend",
+        "page_size",
+        "cuda_graph_bs",
+        "enable_torch_compile",
+    ):
+        assert FLAGS[dest].stage == "compile", dest
+    for dest in ("host", "port", "api_key", "max_running_requests", "log_level", "schedule_policy"):
+        assert FLAGS[dest].stage == "runtime", dest
+
+
+def test_generated_docs_are_in_sync() -> None:
+    assert DOC.read_text() == render(), "run: python -m kiln.args.docs"
