@@ -164,3 +164,10 @@ def test_stage_of_every_flag_is_set() -> None:
 
 def test_generated_docs_are_in_sync() -> None:
     assert DOC.read_text() == render(), "run: python -m kiln.args.docs"
+
+
+def test_readme_states_the_implemented_count() -> None:
+    from kiln.args.docs import counts
+
+    readme = (DOC.parents[1] / "README.md").read_text()
+    assert f"{counts()[0]} arguments are implemented today" in readme
