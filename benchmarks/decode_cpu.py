@@ -25,12 +25,22 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 SMOLLM2_135M = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-    "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-    "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
-    "rope_theta": 100000.0, "tie_word_embeddings": True, "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-05, "bos_token_id": 1, "eos_token_id": 2,
-}  # fmt: skip
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_act": "silu",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-05,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 
 
 def read_bandwidth_gbs(mb: int = 1024, repeats: int = 7) -> float:
@@ -101,8 +111,7 @@ def main() -> None:
 
     def hf_gen(ids: list[int], new: int) -> Callable[[], object]:
         x = torch.tensor([ids])
-        kw = {"do_sample": False, "max_new_tokens": new, "min_new_tokens": new,
-              "pad_token_id": 0}  # fmt: skip
+        kw = {"do_sample": False, "max_new_tokens": new, "min_new_tokens": new, "pad_token_id": 0}
         return lambda: hf.generate(x, **kw)
 
     results = {}
@@ -112,8 +121,10 @@ def main() -> None:
             full = timed(gen(prompt, n), args.repeats)
             decode = [f - statistics.median(first) for f in full]
             prefill = timed(gen(long_prompt, 1), args.repeats)
-            results[name] = {"decode": rate(n - 1, decode),
-                             "prefill": rate(args.prefill_tokens, prefill)}  # fmt: skip
+            results[name] = {
+                "decode": rate(n - 1, decode),
+                "prefill": rate(args.prefill_tokens, prefill),
+            }
 
     params = sum(p.numel() for p in hf.parameters())  # a tied lm_head counts once
     embed = cfg["vocab_size"] * cfg["hidden_size"]

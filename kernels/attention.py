@@ -105,8 +105,9 @@ def attention(
     k_cache.index_copy_(1, ctx.out_slots, k)
     v_cache.index_copy_(1, ctx.out_slots, v)
     if ctx.decode:
-        return _decode(ctx, q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale,
-                       sliding_window)  # fmt: skip
+        return _decode(
+            ctx, q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale, sliding_window
+        )
     gqa = num_heads != num_kv_heads
     outs = []
     for s in ctx.seqs:
@@ -118,12 +119,14 @@ def attention(
             ks = k_cache.index_select(1, s.kv_slots).unsqueeze(0)
             vs = v_cache.index_select(1, s.kv_slots).unsqueeze(0)
         if s.kv_len == s.q_len and sliding_window is None:
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                               enable_gqa=gqa)  # fmt: skip
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa
+            )
         else:
             mask = _causal_mask(s.q_len, s.kv_len, sliding_window)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
-                                               enable_gqa=gqa)  # fmt: skip
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa
+            )
         outs.append(o[0].transpose(0, 1).reshape(s.q_len, num_heads * head_dim))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -147,6 +150,5 @@ def _decode(
     ks = k_cache.index_select(1, ctx.kv_index).view(num_kv_heads, b, -1, head_dim)
     vs = v_cache.index_select(1, ctx.kv_index).view(num_kv_heads, b, -1, head_dim)
     qg = q.view(b, num_kv_heads, group, head_dim).transpose(0, 1)
-    o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=ctx.decode_mask(window),
-                                       scale=scale)  # fmt: skip
+    o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=ctx.decode_mask(window), scale=scale)
     return o.transpose(0, 1).reshape(b, num_heads * head_dim)

@@ -1,4 +1,4 @@
-"""The `kiln` command: compile, generate (and, as they land, serve and launch)."""
+"""The `kiln` command: compile, generate, serve, launch."""
 
 from __future__ import annotations
 
@@ -53,6 +53,65 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_generate)
 
 
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve an artefact over an OpenAI-compatible HTTP API",
+        argument_default=_SUPPRESS,
+    )
+    p.add_argument("artefact", help="artefact folder made by `kiln compile`")
+    add_cli_args(p)
+    p.set_defaults(func=_cmd_serve)
+
+
+def _launch_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "launch",
+        help="compile (through the artefact cache) and serve, in one step",
+        argument_default=_SUPPRESS,
+    )
+    add_cli_args(p)
+    p.add_argument(
+        "--artefact-dir",
+        default=None,
+        help="where the compiled artefact is kept (default: $KILN_CACHE_DIR or "
+        "~/.cache/kiln, one folder per checkpoint)",
+    )
+    p.set_defaults(func=_cmd_launch)
+
+
+def _cmd_serve(ns: argparse.Namespace) -> int:
+    from kiln.serve.server import serve
+
+    serve(ns.artefact, explicit_values(ns))
+    return 0
+
+
+def _cmd_launch(ns: argparse.Namespace) -> int:
+    import hashlib
+    import os
+    from pathlib import Path
+
+    from kiln.compiler.compile import compile_model
+    from kiln.serve.server import serve
+
+    explicit = explicit_values(ns)
+    args = ServerArgs(**explicit)
+    if not args.model_path:
+        raise ValueError("--model-path: required (the Hugging Face checkpoint folder)")
+    out = ns.artefact_dir
+    if out is None:
+        root = Path(os.environ.get("KILN_CACHE_DIR", Path.home() / ".cache" / "kiln"))
+        ckpt = Path(args.model_path).resolve()
+        tag = hashlib.sha256(str(ckpt).encode()).hexdigest()[:12]
+        out = root / f"{ckpt.name}-{tag}"
+    result = compile_model(args, out)
+    state = "cache hit" if result.cache_hit else "compiled"
+    print(f"{state}: {result.path} (key {result.cache_key[:16]}, {result.seconds:.2f}s)")
+    serve(result.path, explicit)
+    return 0
+
+
 def _cmd_compile(ns: argparse.Namespace) -> int:
     from kiln.compiler.compile import compile_model
 
@@ -90,6 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _compile_parser(sub)
     _generate_parser(sub)
+    _serve_parser(sub)
+    _launch_parser(sub)
     ns = parser.parse_args(argv)
     logging.basicConfig(
         level=getattr(ns, "log_level", "info").upper(), format="%(levelname)s %(name)s: %(message)s"

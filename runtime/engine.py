@@ -1,4 +1,9 @@
-"""The offline engine: `Engine("art/").generate(prompts, sampling_params)`, as in SGLang."""
+"""The engine: an artefact, its model runner, a scheduler and a tokenizer.
+
+`add_request` / `abort` / `step` are the whole interface the server's engine thread uses;
+`generate` is the offline API SGLang and vLLM users know:
+    Engine("art/").generate(["Hello"], {"temperature": 0, "max_new_tokens": 32})
+"""
 
 from __future__ import annotations
 
@@ -14,10 +19,11 @@ import torch
 from kiln.args import ServerArgs
 from kiln.args.stages import refuse_compile_time_changes
 from kiln.runtime.artefact import Artefact
+from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.model_runner import ModelRunner
-from kiln.runtime.request import Request
-from kiln.runtime.sampler import sample
+from kiln.runtime.request import Request, RequestOutput
+from kiln.runtime.sampler import SamplingRow, sample
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler
 
@@ -25,6 +31,10 @@ log = logging.getLogger("kiln.engine")
 
 DEFAULT_MAX_RUNNING = 256
 DEFAULT_CPU_MEM_FRACTION = 0.3
+
+
+class RequestError(ValueError):
+    """A request kiln cannot run as given (empty, too long, unknown tokens...)."""
 
 
 def _available_memory() -> int:
@@ -48,9 +58,9 @@ class Engine:
         self.tokenizer = (
             None if self.args.skip_tokenizer_init else _load_tokenizer(self.art.tokenizer_dir)
         )
-        max_running = self.args.max_running_requests or DEFAULT_MAX_RUNNING
-        self.runner = ModelRunner(self.art, self._kv_tokens(max_running))
-        self.scheduler = Scheduler(self.runner.pool, max_running, self.args.max_prefill_tokens)
+        self.max_running = self.args.max_running_requests or DEFAULT_MAX_RUNNING
+        self.runner = ModelRunner(self.art, self._kv_tokens(self.max_running))
+        self.scheduler = Scheduler(self.runner.pool, self.max_running, self.args.max_prefill_tokens)
         self._eos = set(spec.eos_token_ids)
         self._ids = itertools.count()
         self._rng = (
@@ -58,10 +68,11 @@ class Engine:
             if self.args.random_seed is not None
             else None
         )
+        self._live: dict[str, Request] = {}
 
     def _kv_tokens(self, max_running: int) -> int:
         if self.args.max_total_tokens:
-            return self.args.max_total_tokens
+            return int(self.args.max_total_tokens)
         spec = self.art.spec
         per_token = KVCache.bytes_per_token(
             spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.torch_dtype
@@ -71,86 +82,71 @@ class Engine:
         # No request can use more than the context, so a larger pool would stay empty.
         return max(spec.page_size, min(budget, self.context_length * max_running))
 
-    # -- the public API ---------------------------------------------------------------------
+    # -- offline API --------------------------------------------------------------------------
     def generate(
         self,
         prompt: str | list[str] | None = None,
         sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Generate for one prompt (returns a dict) or a batch (returns a list of dicts)."""
         if (prompt is None) == (input_ids is None):
-            raise ValueError("give exactly one of prompt or input_ids")
+            raise RequestError("give exactly one of prompt or input_ids")
         single = isinstance(prompt, str) or (
             input_ids is not None and (not input_ids or isinstance(input_ids[0], int))
         )
         if prompt is not None:
             prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-            ids_list = [self._encode(p) for p in prompts]
+            ids_list = [self.encode(p) for p in prompts]
         else:
             ids_list = [input_ids] if single else list(input_ids)  # type: ignore[list-item, arg-type]
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(ids_list):
-                raise ValueError(
+                raise RequestError(
                     f"{len(sampling_params)} sampling_params for {len(ids_list)} prompts"
                 )
             params = [SamplingParams.from_dict(p) for p in sampling_params]
         else:
             params = [SamplingParams.from_dict(sampling_params)] * len(ids_list)
-        requests = []
-        for ids, p in zip(ids_list, params, strict=True):
-            for i in range(p.n):
-                requests.append(self._make_request(list(ids), p, i))
-        self.run(requests)
-        results = [self._result(r) for r in requests]
+        top = top_logprobs_num if return_logprob else None
+        requests = [
+            self.make_request(list(ids), p, index=i, top_logprobs=top)
+            for ids, p in zip(ids_list, params, strict=True)
+            for i in range(p.n)
+        ]
+        for req in requests:
+            self.add_request(req)
+        while any(not r.finished for r in requests):
+            self.step()
+        results = [self.result(r) for r in requests]
         return results[0] if single and len(results) == 1 else results
 
-    def run(self, requests: list[Request]) -> None:
-        """Run `requests` to completion (continuous batching over the whole set)."""
-        for req in requests:
-            if not self._finish_if_done(req):
-                self.scheduler.add(req)
-        while self.scheduler.has_work:
-            self.step()
-
-    def step(self) -> list[Request]:
-        """One engine iteration: schedule, run, postprocess. Returns requests that finished."""
-        batch = self.scheduler.schedule()
-        if batch is None:
-            if self.scheduler.waiting:
-                raise MemoryError(
-                    "the KV pool cannot fit the next waiting request; raise --max-total-tokens"
-                )
-            return []
-        logits = self.runner.forward(batch)
-        tokens = sample(
-            logits, [r.params for r in batch.requests], [r.generator for r in batch.requests]
-        )
-        self.scheduler.commit(batch, tokens)
-        now = time.perf_counter()
-        done = []
-        for req in batch.requests:
-            if req.first_token_at is None:
-                req.first_token_at = now
-            if self._finish_if_done(req):
-                done.append(req)
-        return done
-
-    # -- internals --------------------------------------------------------------------------
-    def _encode(self, text: str) -> list[int]:
+    # -- the stepping interface -------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError("this artefact has no tokenizer: pass input_ids instead of text")
+            raise RequestError("this server has no tokenizer: send input_ids instead of text")
         return list(self.tokenizer.encode(text))
 
-    def _make_request(self, ids: list[int], params: SamplingParams, index: int) -> Request:
+    def make_request(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        index: int = 0,
+        top_logprobs: int | None = None,
+        priority: int = 0,
+        rid: str | None = None,
+    ) -> Request:
+        """A validated request (not yet queued)."""
         if not ids:
-            raise ValueError("the prompt is empty")
+            raise RequestError("the prompt is empty")
         vocab = self.art.spec.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+            raise RequestError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         if len(ids) >= self.context_length:
-            raise ValueError(
+            raise RequestError(
                 f"the prompt has {len(ids)} tokens; the context length is {self.context_length}"
             )
         gen = None
@@ -160,42 +156,136 @@ class Engine:
             gen = torch.Generator().manual_seed(
                 int(torch.randint(2**62, (1,), generator=self._rng))
             )
-        return Request(f"req-{next(self._ids)}", ids, params, generator=gen)
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, params.stop, params.skip_special_tokens, params.no_stop_trim
+            )
+        elif params.stop:
+            raise RequestError("stop strings need a tokenizer; this server has none")
+        return Request(
+            rid or f"req-{next(self._ids)}",
+            ids,
+            params,
+            generator=gen,
+            top_logprobs=top_logprobs,
+            detok=detok,
+            priority=priority,
+        )
+
+    def add_request(self, req: Request) -> None:
+        if self._finish_if_done(req):
+            return
+        self.scheduler.add(req)
+        self._live[req.rid] = req
+
+    def abort(self, rid: str) -> RequestOutput | None:
+        """Stop a request now and free its memory; None if it is not running or queued."""
+        req = self._live.get(rid)
+        if req is None:
+            return None
+        self._finish(req, {"type": "abort", "message": "aborted"})
+        return self.output(req)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, run, postprocess. Returns what each request gained."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            if self.scheduler.waiting:
+                raise MemoryError(
+                    "the KV pool cannot fit the next waiting request; raise --max-total-tokens"
+                )
+            return []
+        logits = self.runner.forward(batch)
+        rows = [
+            SamplingRow(r.params, r.generator, r.prompt_ids, r.output_ids, r.top_logprobs)
+            for r in batch.requests
+        ]
+        tokens, logprobs = sample(logits, rows)
+        self.scheduler.commit(batch, tokens)
+        now = time.perf_counter()
+        outputs = []
+        for req, lp in zip(batch.requests, logprobs, strict=True):
+            if req.first_token_at is None:
+                req.first_token_at = now
+            if lp is not None:
+                req.logprobs.append(lp)
+            self._postprocess(req)
+            outputs.append(self.output(req))
+        return outputs
+
+    def _postprocess(self, req: Request) -> None:
+        """Detokenize the new token and decide whether the request is done."""
+        token, p = req.output_ids[-1], req.params
+        stop_token = (token in self._eos and not p.ignore_eos) or token in p.stop_token_ids
+        if req.detok is not None and (not stop_token or p.no_stop_trim):
+            req.detok.push(token)
+        self._finish_if_done(req)
 
     def _finish_if_done(self, req: Request) -> bool:
         p = req.params
         reason: dict[str, Any] | None = None
         if req.output_ids:
             last = req.output_ids[-1]
-            if (not p.ignore_eos and last in self._eos) or last in p.stop_token_ids:
+            if (last in self._eos and not p.ignore_eos) or last in p.stop_token_ids:
                 reason = {"type": "stop", "matched": last}
+            elif req.detok is not None and req.detok.matched is not None:
+                reason = {"type": "stop", "matched": req.detok.matched}
         if reason is None and (
             len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= self.context_length
         ):
             reason = {"type": "length", "length": len(req.output_ids)}
         if reason is None:
             return False
-        self.scheduler.finish(req, reason)
+        self._finish(req, reason)
         return True
 
-    def _result(self, req: Request) -> dict[str, Any]:
-        text = ""
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(
-                req.output_ids, skip_special_tokens=req.params.skip_special_tokens
-            )
-        end = time.perf_counter()
+    def _finish(self, req: Request, reason: dict[str, Any]) -> None:
+        self.scheduler.finish(req, reason)
+        self._live.pop(req.rid, None)
+        if req.detok is not None:
+            req.detok.flush()
+
+    # -- reporting ----------------------------------------------------------------------------
+    def output(self, req: Request) -> RequestOutput:
+        new = req.output_ids[req.reported :]
+        lps = req.logprobs[req.reported :] if req.top_logprobs is not None else []
+        req.reported = len(req.output_ids)
+        text = req.detok.take(final=req.finished) if req.detok is not None else ""
+        return RequestOutput(
+            req.rid,
+            new,
+            text,
+            lps,
+            req.finished,
+            req.finish_reason,
+            len(req.prompt_ids),
+            len(req.output_ids),
+        )
+
+    def result(self, req: Request) -> dict[str, Any]:
+        """SGLang's result shape for a finished request."""
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": 0,
+            "finish_reason": req.finish_reason,
+            "e2e_latency": time.perf_counter() - req.created,
+        }
+        if req.top_logprobs is not None:
+            meta["output_token_logprobs"] = [(lp.logprob, lp.token) for lp in req.logprobs]
+            meta["output_top_logprobs"] = [
+                list(map(tuple, ((v, t) for t, v in lp.top))) for lp in req.logprobs
+            ]
         return {
-            "text": text,
+            "text": req.detok.text if req.detok is not None else "",
             "output_ids": list(req.output_ids),
-            "meta_info": {
-                "id": req.rid,
-                "prompt_tokens": len(req.prompt_ids),
-                "completion_tokens": len(req.output_ids),
-                "cached_tokens": 0,
-                "finish_reason": req.finish_reason,
-                "e2e_latency": end - req.created,
-            },
+            "meta_info": meta,
         }
 
     def shutdown(self) -> None:

@@ -1,4 +1,4 @@
-"""A request's state as it moves through the scheduler."""
+"""A request's state as it moves through the scheduler, and what one step reports of it."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from kiln.runtime.detokenizer import IncrementalDetokenizer
+from kiln.runtime.sampler import TokenLogprob
 from kiln.runtime.sampling_params import SamplingParams
 
 
@@ -29,9 +31,14 @@ class Request:
     kv_len: int = 0  # tokens whose K/V are in the pool
     finish_reason: dict[str, Any] | None = None
     generator: torch.Generator | None = None
+    top_logprobs: int | None = None  # None: no logprobs wanted
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    detok: IncrementalDetokenizer | None = None
+    priority: int = 0
     created: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     retractions: int = 0
+    reported: int = 0  # output tokens already handed out in a RequestOutput
 
     @property
     def all_ids(self) -> list[int]:
@@ -44,3 +51,18 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What a step produced for one request: the new tokens and text since the last one."""
+
+    rid: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob]
+    finished: bool
+    finish_reason: dict[str, Any] | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0

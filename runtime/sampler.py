@@ -2,27 +2,73 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
 from kiln.runtime.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class SamplingRow:
+    """What the sampler needs to know about one request."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    top_logprobs: int | None = None  # None: no logprobs; k >= 0: the token's plus top k
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> list[int]:
-    """One token per row. Greedy rows take the argmax; the others sample after
-    temperature, top-k, top-p and min-p, each with its request's own generator."""
+    logits: torch.Tensor, rows: Sequence[SamplingRow]
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    """One token per row. Penalties first; greedy rows take the argmax, the others sample
+    after temperature, top-k, top-p and min-p with their own generator. Logprobs are of the
+    penalised distribution before temperature, as OpenAI reports them."""
     logits = logits.float()
-    greedy = logits.argmax(dim=-1).tolist()
-    if all(p.greedy for p in params):
-        return greedy
-    out = list(greedy)
-    for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        probs = _filtered_probs(logits[i], p)
-        out[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
-    return out
+    if any(r.params.penalised for r in rows):
+        logits = logits.clone()
+        for i, r in enumerate(rows):
+            if r.params.penalised:
+                _penalise(logits[i], r)
+    tokens = logits.argmax(dim=-1).tolist()
+    for i, r in enumerate(rows):
+        if not r.params.greedy:
+            probs = _filtered_probs(logits[i], r.params)
+            tokens[i] = int(torch.multinomial(probs, 1, generator=r.generator).item())
+    logprobs: list[TokenLogprob | None] = [None] * len(rows)
+    for i, r in enumerate(rows):
+        if r.top_logprobs is not None:
+            lp = torch.log_softmax(logits[i], dim=-1)
+            top = torch.topk(lp, r.top_logprobs) if r.top_logprobs else None
+            pairs = (
+                tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else ()
+            )
+            logprobs[i] = TokenLogprob(tokens[i], float(lp[tokens[i]]), pairs)
+    return tokens, logprobs
+
+
+def _penalise(row: torch.Tensor, r: SamplingRow) -> None:
+    p = r.params
+    vocab = row.numel()
+    if p.repetition_penalty != 1.0:
+        # As transformers and vLLM: over prompt and output tokens, shrink positive logits
+        # and grow negative ones.
+        seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.long)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if r.output_ids and (p.frequency_penalty or p.presence_penalty):
+        counts = torch.bincount(torch.tensor(list(r.output_ids)), minlength=vocab)[:vocab]
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 
 def _filtered_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Per-request sampling parameters, with SGLang's names and validation."""
+"""Per-request sampling parameters, with SGLang's names, defaults and validation."""
 
 from __future__ import annotations
 
@@ -16,9 +16,15 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
-    ignore_eos: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
     sampling_seed: int | None = None
     n: int = 1
 
@@ -32,26 +38,48 @@ class SamplingParams:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown sampling parameters: {', '.join(unknown)}")
-        if d.get("stop_token_ids") is not None:
-            d["stop_token_ids"] = tuple(d["stop_token_ids"])
-        else:
-            d.pop("stop_token_ids", None)
+        if isinstance(d.get("stop"), str):
+            d["stop"] = [d["stop"]]
+        for name in ("stop", "stop_token_ids"):
+            if d.get(name) is not None:
+                d[name] = tuple(d[name])
         return cls(**{k: v for k, v in d.items() if v is not None})
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
+        checks = (
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (
+                self.top_k == -1 or self.top_k >= 1,
+                f"top_k must be -1 (off) or >= 1, got {self.top_k}",
+            ),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (
+                -2 <= self.frequency_penalty <= 2,
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            ),
+            (
+                -2 <= self.presence_penalty <= 2,
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+            ),
+            (
+                0 < self.repetition_penalty <= 2,
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
+            ),
+            (self.max_new_tokens >= 0, f"max_new_tokens must be >= 0, got {self.max_new_tokens}"),
+            (self.n >= 1, f"n must be >= 1, got {self.n}"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def penalised(self) -> bool:
+        return bool(
+            self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+        )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from kiln.runtime.kv_cache import PagePool
 from kiln.runtime.request import Request, Status
@@ -98,7 +99,7 @@ class Scheduler:
             req.kv_len += len(fed)
             req.output_ids.append(tok)
 
-    def finish(self, req: Request, reason: dict) -> None:
+    def finish(self, req: Request, reason: dict[str, Any]) -> None:
         req.status = Status.FINISHED
         req.finish_reason = reason
         if req in self.running:

@@ -1,1 +1,1 @@
-
+"""The OpenAI-compatible HTTP server over an artefact (`kiln serve`)."""

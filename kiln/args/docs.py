@@ -19,8 +19,11 @@ def _cell(value: object) -> str:
 def counts() -> tuple[int, int, int]:
     """(implemented flags, all flags, all spellings)."""
     flags = [f for s in SECTIONS for f in s.flags]
-    implemented = sum(1 for f in flags if f.status.implemented or
-                      any(s.implemented for s in f.choice_status.values()))  # fmt: skip
+    implemented = sum(
+        1
+        for f in flags
+        if f.status.implemented or any(s.implemented for s in f.choice_status.values())
+    )
     return implemented, len(flags), sum(len(f.flags) for f in flags)
 
 
@@ -42,15 +45,20 @@ def render() -> str:
         "",
     ]
     for section in SECTIONS:
-        lines += [f"## {section.title}", "",
-                  "| flag | aliases | default | choices | stage | status |",
-                  "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        lines += [
+            f"## {section.title}",
+            "",
+            "| flag | aliases | default | choices | stage | status |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
         for f in section.flags:
             aliases = ", ".join(f"`{a}`" for a in f.flags[1:])
             choices = ", ".join(map(str, f.choices)) if f.choices else f.type
             status = f.status_label + (f" ({f.deprecated})" if f.deprecated else "")
-            lines.append(f"| `{f.name}` | {aliases} | {_cell(f.default)} | {_cell(choices)} "
-                         f"| {f.stage} | {_cell(status)} |")  # fmt: skip
+            lines.append(
+                f"| `{f.name}` | {aliases} | {_cell(f.default)} | {_cell(choices)} "
+                f"| {f.stage} | {_cell(status)} |"
+            )
         lines.append("")
     return "\n".join(lines)
 

@@ -27,16 +27,33 @@ _DEPRECATED_TO: dict[str, tuple[str, Any]] = {
 }
 
 POSITIVE = (
-    "page_size", "max_total_tokens", "max_running_requests", "max_queued_requests",
-    "max_prefill_tokens", "context_length", "tp_size", "pp_size", "dp_size", "ep_size",
-    "nnodes", "stream_interval", "tokenizer_worker_num", "max_loras_per_batch",
-    "max_loaded_loras", "max_lora_rank", "torch_compile_max_bs", "cuda_graph_max_bs",
-    "decode_log_interval", "watchdog_timeout", "prefill_max_requests",
-)  # fmt: skip
+    "page_size",
+    "max_total_tokens",
+    "max_running_requests",
+    "max_queued_requests",
+    "max_prefill_tokens",
+    "context_length",
+    "tp_size",
+    "pp_size",
+    "dp_size",
+    "ep_size",
+    "nnodes",
+    "stream_interval",
+    "tokenizer_worker_num",
+    "max_loras_per_batch",
+    "max_loaded_loras",
+    "max_lora_rank",
+    "torch_compile_max_bs",
+    "cuda_graph_max_bs",
+    "decode_log_interval",
+    "watchdog_timeout",
+    "prefill_max_requests",
+)
 FRACTIONS = (
-    "swa_full_tokens_ratio", "hybrid_kvcache_ratio",
+    "swa_full_tokens_ratio",
+    "hybrid_kvcache_ratio",
     "eplb_min_rebalancing_utilization_threshold",
-)  # fmt: skip
+)
 PORTS = ("port", "nccl_port")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -136,16 +153,20 @@ def _check_ranges(v: dict[str, Any]) -> None:
 # -- cross-field rules (each names every flag involved) ---------------------------------------
 def _loras(v: dict[str, Any]) -> None:
     if v["max_loaded_loras"] is not None and v["max_loaded_loras"] < v["max_loras_per_batch"]:
-        _fail(f"--max-loaded-loras ({v['max_loaded_loras']}) must be >= --max-loras-per-batch "
-              f"({v['max_loras_per_batch']})")  # fmt: skip
+        _fail(
+            f"--max-loaded-loras ({v['max_loaded_loras']}) must be >= --max-loras-per-batch "
+            f"({v['max_loras_per_batch']})"
+        )
     if v["max_lora_chunk_size"] != 16 and v["lora_backend"] != "csgmv":
         _fail("--max-lora-chunk-size: only used with --lora-backend csgmv")
 
 
 def _dp_attention(v: dict[str, Any]) -> None:
     if v["enable_dp_attention"] and v["dp_size"] != v["tp_size"]:
-        _fail(f"--enable-dp-attention: needs --dp-size equal to --tp-size "
-              f"(got dp {v['dp_size']}, tp {v['tp_size']})")  # fmt: skip
+        _fail(
+            f"--enable-dp-attention: needs --dp-size equal to --tp-size "
+            f"(got dp {v['dp_size']}, tp {v['tp_size']})"
+        )
     if v["load_balance_method"] == "minimum_tokens" and not v["enable_dp_attention"]:
         _fail("--load-balance-method minimum_tokens: needs --enable-dp-attention")
 
@@ -181,5 +202,10 @@ def _mixed_chunk(v: dict[str, Any]) -> None:
 
 
 RULES: tuple[Callable[[dict[str, Any]], None], ...] = (
-    _loras, _dp_attention, _priority, _dynamic_batch_tokenizer, _speculative, _mixed_chunk,
-)  # fmt: skip
+    _loras,
+    _dp_attention,
+    _priority,
+    _dynamic_batch_tokenizer,
+    _speculative,
+    _mixed_chunk,
+)

@@ -111,12 +111,15 @@ def test_defaults_and_choices_follow_the_main_reference() -> None:
     assert checked > 250
 
 
-@pytest.mark.parametrize("spellings, dest", [
-    (("--tp", "--tp-size", "--tensor-parallel-size"), "tp_size"),
-    (("--dp", "--dp-size", "--data-parallel-size"), "dp_size"),
-    (("--ep", "--ep-size", "--expert-parallel-size"), "ep_size"),
-    (("--model", "--model-path"), "model_path"),
-    (("--dist-init-addr", "--nccl-init-addr"), "dist_init_addr"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "spellings, dest",
+    [
+        (("--tp", "--tp-size", "--tensor-parallel-size"), "tp_size"),
+        (("--dp", "--dp-size", "--data-parallel-size"), "dp_size"),
+        (("--ep", "--ep-size", "--expert-parallel-size"), "ep_size"),
+        (("--model", "--model-path"), "model_path"),
+        (("--dist-init-addr", "--nccl-init-addr"), "dist_init_addr"),
+    ],
+)
 def test_aliases_share_one_field(spellings, dest) -> None:
     assert {SPELLINGS[s].dest for s in spellings} == {dest}

@@ -46,14 +46,17 @@ def test_yaml_either_spelling_and_cli_wins(tmp_path) -> None:
     assert args.trust_remote_code is True
 
 
-@pytest.mark.parametrize("text, message", [
-    ("bogus-key: 1\n", "unknown key 'bogus-key'"),
-    ("page-size: four\n", "--page-size: expected int, got 'four'"),
-    ("page-size: 1\npage_size: 2\n", "sets --page-size twice"),
-    ("- a\n- b\n", "must hold a mapping"),
-    ("config: other.yaml\n", "cannot name another config file"),
-    ("model-path: [unclosed\n", "is not valid YAML"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("bogus-key: 1\n", "unknown key 'bogus-key'"),
+        ("page-size: four\n", "--page-size: expected int, got 'four'"),
+        ("page-size: 1\npage_size: 2\n", "sets --page-size twice"),
+        ("- a\n- b\n", "must hold a mapping"),
+        ("config: other.yaml\n", "cannot name another config file"),
+        ("model-path: [unclosed\n", "is not valid YAML"),
+    ],
+)
 def test_bad_yaml_is_a_clear_error(tmp_path, text, message) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text(text)
@@ -61,25 +64,38 @@ def test_bad_yaml_is_a_clear_error(tmp_path, text, message) -> None:
         cli("--config", str(cfg))
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--page-size", "0"], "--page-size: must be > 0, got 0"),
-    (["--mem-fraction-static", "1.5"], r"--mem-fraction-static: must be in \(0, 1\]"),
-    (["--swa-full-tokens-ratio", "2"], r"--swa-full-tokens-ratio: must be in \[0, 1\]"),
-    (["--port", "70000"], "--port: must be a port in 1..65535"),
-    (["--chunked-prefill-size", "0"], "--chunked-prefill-size: must be -1 \\(off\\) or > 0"),
-    (["--log-level", "loud"], "--log-level: 'loud' is not one of"),
-    (["--nnodes", "2", "--node-rank", "2"], r"--node-rank: must be in \[0, --nnodes=2\)"),
-    (["--max-loaded-loras", "2", "--max-loras-per-batch", "4"],
-     r"--max-loaded-loras \(2\) must be >= --max-loras-per-batch \(4\)"),
-    (["--enable-dp-attention", "--dp", "2"],
-     r"--enable-dp-attention: needs --dp-size equal to --tp-size \(got dp 2, tp 1\)"),
-    (["--load-balance-method", "minimum_tokens"], "minimum_tokens: needs --enable-dp-attention"),
-    (["--schedule-low-priority-values-first"], "only with --enable-priority-scheduling"),
-    (["--max-lora-chunk-size", "32"], "only used with --lora-backend csgmv"),
-    (["--dynamic-batch-tokenizer-batch-size", "4"], "only with --enable-dynamic-batch"),
-    (["--speculative-num-steps", "3"], "--speculative-num-steps: only with --speculative-alg"),
-    (["--enable-mixed-chunk", "--chunked-prefill-size", "-1"], "--enable-mixed-chunk: needs chu"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--page-size", "0"], "--page-size: must be > 0, got 0"),
+        (["--mem-fraction-static", "1.5"], r"--mem-fraction-static: must be in \(0, 1\]"),
+        (["--swa-full-tokens-ratio", "2"], r"--swa-full-tokens-ratio: must be in \[0, 1\]"),
+        (["--port", "70000"], "--port: must be a port in 1..65535"),
+        (["--chunked-prefill-size", "0"], "--chunked-prefill-size: must be -1 \\(off\\) or > 0"),
+        (["--log-level", "loud"], "--log-level: 'loud' is not one of"),
+        (["--nnodes", "2", "--node-rank", "2"], r"--node-rank: must be in \[0, --nnodes=2\)"),
+        (
+            ["--max-loaded-loras", "2", "--max-loras-per-batch", "4"],
+            r"--max-loaded-loras \(2\) must be >= --max-loras-per-batch \(4\)",
+        ),
+        (
+            ["--enable-dp-attention", "--dp", "2"],
+            r"--enable-dp-attention: needs --dp-size equal to --tp-size \(got dp 2, tp 1\)",
+        ),
+        (
+            ["--load-balance-method", "minimum_tokens"],
+            "minimum_tokens: needs --enable-dp-attention",
+        ),
+        (["--schedule-low-priority-values-first"], "only with --enable-priority-scheduling"),
+        (["--max-lora-chunk-size", "32"], "only used with --lora-backend csgmv"),
+        (["--dynamic-batch-tokenizer-batch-size", "4"], "only with --enable-dynamic-batch"),
+        (["--speculative-num-steps", "3"], "--speculative-num-steps: only with --speculative-alg"),
+        (
+            ["--enable-mixed-chunk", "--chunked-prefill-size", "-1"],
+            "--enable-mixed-chunk: needs chu",
+        ),
+    ],
+)
 def test_validation_rules(argv, message) -> None:
     with pytest.raises(ArgError, match=message):
         cli(*argv)

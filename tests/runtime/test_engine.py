@@ -104,3 +104,32 @@ def test_compile_time_flags_must_agree_with_the_artefact(artefact) -> None:
         Engine(art, dtype="bfloat16")
     # The same values (in any spelling) are accepted, so a whole command line carries over.
     Engine(art, page_size=1, dtype="float", device="cpu", max_total_tokens=64)
+
+
+def test_stop_strings_trim_the_text_and_report_the_match(engine) -> None:
+    free = engine.generate("Hello", {**GREEDY, "max_new_tokens": 16})
+    text = free["text"]
+    assert len(text) > 6
+    stop = text[3:6]
+    out = engine.generate("Hello", {**GREEDY, "max_new_tokens": 16, "stop": [stop, "zzzz"]})
+    assert out["text"] == text[: text.index(stop)]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    kept = engine.generate(
+        "Hello", {**GREEDY, "max_new_tokens": 16, "stop": stop, "no_stop_trim": True}
+    )
+    assert kept["text"] == text[: text.index(stop) + len(stop)]
+
+
+def test_logprobs_in_meta_info(engine) -> None:
+    out = engine.generate(
+        input_ids=PROMPTS[0],
+        sampling_params={**GREEDY, "max_new_tokens": 4},
+        return_logprob=True,
+        top_logprobs_num=3,
+    )
+    lps = out["meta_info"]["output_token_logprobs"]
+    assert [t for _, t in lps] == out["output_ids"]
+    tops = out["meta_info"]["output_top_logprobs"]
+    assert len(tops) == 4 and all(len(t) == 3 for t in tops)
+    # Greedy: the chosen token is the most likely one.
+    assert all(top[0][1] == tok for top, tok in zip(tops, out["output_ids"], strict=True))

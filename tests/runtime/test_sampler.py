@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.runtime.sampler import sample
+from kiln.runtime.sampler import SamplingRow, sample
 from kiln.runtime.sampling_params import SamplingParams
 
 
@@ -11,35 +11,66 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def row(
+    seed: int = 0,
+    output: tuple[int, ...] = (),
+    prompt: tuple[int, ...] = (1,),
+    top: int | None = None,
+    **params,
+) -> SamplingRow:
+    return SamplingRow(SamplingParams(**params), gen(seed), prompt, output, top)
+
+
+def tokens(logits, rows):
+    return sample(logits, rows)[0]
+
+
 def test_greedy_and_degenerate_filters_take_the_argmax() -> None:
     logits = torch.randn(6, 50)
-    params = [
-        SamplingParams(temperature=0),
-        SamplingParams(top_k=1),
-        SamplingParams(top_p=1e-6),
-        SamplingParams(min_p=1.0),
-        SamplingParams(temperature=1e-4),
-        SamplingParams(temperature=0.0, top_k=5),
+    rows = [
+        row(temperature=0),
+        row(top_k=1),
+        row(top_p=1e-6),
+        row(min_p=1.0),
+        row(temperature=1e-4),
+        row(temperature=0.0, top_k=5),
     ]
-    assert sample(logits, params, [gen(i) for i in range(6)]) == logits.argmax(-1).tolist()
+    assert tokens(logits, rows) == logits.argmax(-1).tolist()
 
 
 def test_seeded_sampling_is_reproducible_and_varies_with_the_seed() -> None:
     logits = torch.zeros(1, 1000)
-    p = [SamplingParams(temperature=1.0)]
-    a = [sample(logits, p, [gen(1)])[0] for _ in range(3)]
+    a = [tokens(logits, [row(1)])[0] for _ in range(3)]
     assert a == [a[0]] * 3
-    assert len({sample(logits, p, [gen(s)])[0] for s in range(20)}) > 10
+    assert len({tokens(logits, [row(s)])[0] for s in range(20)}) > 10
 
 
 def test_top_k_and_top_p_restrict_the_support() -> None:
     logits = torch.tensor([[5.0, 4.0, 3.0, -10.0, -10.0]])
-    g = gen(0)
-    picks = {sample(logits, [SamplingParams(top_k=2)], [g])[0] for _ in range(200)}
-    assert picks == {0, 1}
+    assert {tokens(logits, [row(s, top_k=2)])[0] for s in range(200)} == {0, 1}
     # p(0) ~ 0.665, p(1) ~ 0.245: top_p 0.8 keeps exactly those two.
-    picks = {sample(logits, [SamplingParams(top_p=0.8)], [g])[0] for _ in range(200)}
-    assert picks == {0, 1}
+    assert {tokens(logits, [row(s, top_p=0.8)])[0] for s in range(200)} == {0, 1}
+
+
+def test_penalties_change_the_greedy_choice() -> None:
+    logits = torch.tensor([[3.0, 2.9, 0.0, -1.0]])
+    assert tokens(logits, [row(temperature=0, output=(0,))]) == [0]
+    assert tokens(logits, [row(temperature=0, output=(0,), frequency_penalty=0.5)]) == [1]
+    assert tokens(logits, [row(temperature=0, output=(0, 0), presence_penalty=0.2)]) == [1]
+    # Repetition penalty divides positive logits of seen tokens (prompt included).
+    assert tokens(logits, [row(temperature=0, prompt=(0,), repetition_penalty=1.1)]) == [1]
+    # A negative frequency penalty rewards repeats.
+    assert tokens(logits, [row(temperature=0, output=(1,), frequency_penalty=-0.5)]) == [1]
+
+
+def test_logprobs_of_chosen_and_top_tokens() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0]])
+    toks, lps = sample(logits, [row(temperature=0, top=2)])
+    ref = torch.log_softmax(logits[0], -1)
+    assert toks == [0] and lps[0] is not None
+    assert lps[0].token == 0 and lps[0].logprob == pytest.approx(float(ref[0]))
+    assert [t for t, _ in lps[0].top] == [0, 1]
+    assert sample(logits, [row(temperature=0)])[1] == [None]
 
 
 @pytest.mark.parametrize(
@@ -53,6 +84,10 @@ def test_top_k_and_top_p_restrict_the_support() -> None:
         ({"n": 0}, "n must"),
         ({"max_new_tokens": -1}, "max_new_tokens"),
         ({"bogus": 1}, "unknown sampling parameters"),
+        ({"frequency_penalty": 3}, "frequency_penalty"),
+        ({"presence_penalty": -3}, "presence"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"stop": [""]}, "stop must"),
     ],
 )
 def test_validation(bad, message) -> None:
@@ -60,6 +95,6 @@ def test_validation(bad, message) -> None:
         SamplingParams.from_dict(bad)
 
 
-def test_aliases() -> None:
-    p = SamplingParams.from_dict({"seed": 3, "max_tokens": 9})
-    assert p.sampling_seed == 3 and p.max_new_tokens == 9
+def test_aliases_and_stop_as_string() -> None:
+    p = SamplingParams.from_dict({"seed": 3, "max_tokens": 9, "stop": "\n"})
+    assert p.sampling_seed == 3 and p.max_new_tokens == 9 and p.stop == ("\n",)

@@ -1,0 +1,104 @@
+"""The engine on its own thread: the HTTP loop stays responsive while the model computes.
+
+Only this thread touches engine state. Other threads hand it work through `call`
+(requests, aborts, cache flushes, stats) and get results back as futures; every
+RequestOutput goes to the `on_output` callback, called on this thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from kiln.runtime.engine import Engine
+from kiln.runtime.request import Request, RequestOutput
+
+log = logging.getLogger("kiln.engine")
+T = TypeVar("T")
+
+
+class EngineThread:
+    def __init__(self, engine: Engine, on_output: Callable[[RequestOutput], None]) -> None:
+        self.engine = engine
+        self._on_output = on_output
+        self._inbox: queue.SimpleQueue[tuple[Callable[[Engine], Any], Future[Any]]] = (
+            queue.SimpleQueue()
+        )
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def call(self, fn: Callable[[Engine], T]) -> Future[T]:
+        """Run `fn(engine)` on the engine thread between steps."""
+        fut: Future[T] = Future()
+        self._inbox.put((fn, fut))
+        self._wake.set()
+        return fut
+
+    def submit(self, req: Request) -> Future[None]:
+        def add(engine: Engine) -> None:
+            engine.add_request(req)
+            if req.finished:  # nothing to generate (e.g. max_new_tokens=0)
+                self._on_output(engine.output(req))
+
+        return self.call(add)
+
+    def abort(self, rid: str) -> None:
+        def stop(engine: Engine) -> None:
+            out = engine.abort(rid)
+            if out is not None:
+                self._on_output(out)
+
+        self.call(stop)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                fn, fut = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.engine))
+                except BaseException as e:  # handed to the caller, who reports it
+                    fut.set_exception(e)
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._drain()
+            if not self.engine.has_work:
+                self._wake.wait(0.1)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception:
+                log.exception("engine step failed; aborting the requests in flight")
+                outputs = self._abort_all("internal error in the engine step")
+            for out in outputs:
+                self._on_output(out)
+
+    def _abort_all(self, message: str) -> list[RequestOutput]:
+        sched = self.engine.scheduler
+        outs = []
+        for req in [*sched.running, *sched.waiting]:
+            out = self.engine.abort(req.rid)
+            if out is not None:
+                outs.append(out)
+        return outs

@@ -1,0 +1,83 @@
+"""The engine as the HTTP layer sees it: async streams of RequestOutput per request."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kiln.runtime.engine import Engine
+from kiln.runtime.engine_thread import EngineThread
+from kiln.runtime.request import Request, RequestOutput
+
+
+class QueueFull(RuntimeError):
+    """More requests are waiting than --max-queued-requests allows."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, max_queued: int | None = None) -> None:
+        self.engine = engine
+        self.max_queued = max_queued
+        self.thread = EngineThread(engine, self._on_output)
+        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Submitted and not started yet (in the engine's inbox or its waiting queue): counted
+        # here, on the event loop, so back-to-back arrivals see each other at once.
+        self._queued = 0
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.thread.stop()
+
+    def _on_output(self, out: RequestOutput) -> None:  # engine thread
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._deliver, out)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.rid)
+        if stream is not None:
+            stream.put_nowait(out)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._queued
+
+    @property
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    async def run(self, fn: Any) -> Any:
+        """Run `fn(engine)` on the engine thread and await its result."""
+        return await asyncio.wrap_future(self.thread.call(fn))
+
+    async def stream(self, req: Request) -> AsyncIterator[RequestOutput]:
+        """Submit `req`; yield its outputs until it finishes. Closing the iterator early
+        (the client went away) aborts the request, which frees its memory."""
+        if self.max_queued is not None and self.num_waiting >= self.max_queued:
+            raise QueueFull(
+                f"the server has {self.num_waiting} queued requests "
+                f"(--max-queued-requests {self.max_queued}); retry later"
+            )
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[req.rid] = queue
+        self._queued += 1
+        started = finished = False
+        try:
+            await asyncio.wrap_future(self.thread.submit(req))
+            while not finished:
+                out = await queue.get()
+                if not started:
+                    started = True
+                    self._queued -= 1
+                finished = out.finished
+                yield out
+        finally:
+            if not started:
+                self._queued -= 1
+            self._streams.pop(req.rid, None)
+            if not finished:
+                self.thread.abort(req.rid)

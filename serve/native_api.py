@@ -1,0 +1,168 @@
+"""SGLang's native endpoints: /generate, health, model and server info, cache, metrics."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+import kiln
+from kiln.serve.context import Accumulated, ApiError, ServingContext, merged
+from kiln.serve.protocol import GenerateRequest
+
+router = APIRouter()
+
+
+def _ctx(request: Request) -> ServingContext:
+    return request.app.state.kiln
+
+
+def _meta(rid: str, acc: Accumulated, with_logprobs: bool) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": rid,
+        "prompt_tokens": acc.prompt_tokens,
+        "completion_tokens": acc.completion_tokens,
+        "cached_tokens": 0,
+        "finish_reason": acc.finish_reason,
+    }
+    if with_logprobs:
+        meta["output_token_logprobs"] = [[lp.logprob, lp.token] for lp in acc.logprobs]
+        meta["output_top_logprobs"] = [[[v, t] for t, v in lp.top] for lp in acc.logprobs]
+    return meta
+
+
+@router.post("/generate", response_model=None)
+async def generate(body: GenerateRequest, request: Request) -> Any:
+    ctx = _ctx(request)
+    if (body.text is None) == (body.input_ids is None):
+        raise ApiError(400, "give exactly one of text or input_ids")
+    single = isinstance(body.text, str) or (
+        body.input_ids is not None and bool(body.input_ids) and isinstance(body.input_ids[0], int)
+    )
+    if body.text is not None:
+        texts = [body.text] if isinstance(body.text, str) else body.text
+        prompts = [ctx.prompt_ids(t)[0] for t in texts]
+    else:
+        prompts = [body.input_ids] if single else list(body.input_ids)
+    if not prompts or any(not p for p in prompts):
+        raise ApiError(400, "the prompt is empty")
+    sp = body.sampling_params
+    per_prompt = sp if isinstance(sp, list) else [sp or {}] * len(prompts)
+    if len(per_prompt) != len(prompts):
+        raise ApiError(400, f"{len(per_prompt)} sampling_params for {len(prompts)} prompts")
+    top = body.top_logprobs_num if body.return_logprob else None
+    reqs = []
+    for ids, params in zip(prompts, per_prompt, strict=True):
+        params = dict(params)
+        n = int(params.pop("n", 1))
+        params.setdefault("max_new_tokens", 128)
+        reqs += ctx.make_requests([ids], params, n, top_logprobs=top)
+    if body.rid is not None and len(reqs) == 1:
+        reqs[0].rid = body.rid
+
+    if body.stream:
+
+        async def events() -> AsyncIterator[str]:
+            accs = [Accumulated() for _ in reqs]
+            async for i, out in merged(ctx, reqs):
+                accs[i].add(out)
+                item = {
+                    "text": accs[i].text,
+                    "output_ids": accs[i].token_ids,
+                    "meta_info": _meta(reqs[i].rid, accs[i], body.return_logprob),
+                }
+                if len(reqs) > 1:
+                    item["index"] = i
+                yield f"data: {json.dumps(item, ensure_ascii=False)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    results = await ctx.collect(request, reqs)
+    items = [
+        {
+            "text": acc.text,
+            "output_ids": acc.token_ids,
+            "meta_info": _meta(r.rid, acc, body.return_logprob),
+        }
+        for r, acc in zip(reqs, results, strict=True)
+    ]
+    return items[0] if single and len(items) == 1 else items
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    alive = _ctx(request).async_engine.thread.alive
+    return Response(status_code=200 if alive else 503)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """Healthy only if the engine generates a token end to end."""
+    ctx = _ctx(request)
+    req = ctx.make_requests(
+        [[ctx.engine.art.spec.bos_token_id or 0]], {"max_new_tokens": 1, "temperature": 0}, 1
+    )[0]
+    try:
+        async for out in ctx.stream(req):
+            if out.finished:
+                return Response(status_code=200)
+    except ApiError:
+        pass
+    return Response(status_code=503)
+
+
+@router.get("/get_model_info")
+async def model_info(request: Request) -> dict[str, Any]:
+    ctx = _ctx(request)
+    compile_args = ctx.engine.art.manifest["compile_args"]
+    return {
+        "model_path": compile_args.get("model_path"),
+        "tokenizer_path": compile_args.get("tokenizer_path") or compile_args.get("model_path"),
+        "served_model_name": ctx.model_name,
+        "is_generation": True,
+        "max_model_len": ctx.context_length,
+        "weight_version": ctx.args.weight_version,
+        "preferred_sampling_params": None,
+    }
+
+
+@router.get("/get_server_info")
+async def server_info(request: Request) -> dict[str, Any]:
+    ctx = _ctx(request)
+    args = {k: list(v) if isinstance(v, tuple) else v for k, v in ctx.args.to_dict().items()}
+    for secret in ("api_key", "admin_api_key"):
+        if args.get(secret):
+            args[secret] = "***"
+    manifest = ctx.engine.art.manifest
+    pool = ctx.engine.runner.pool
+    return {
+        **args,
+        "version": kiln.__version__,
+        "artefact": {"cache_key": manifest["cache_key"], "target": manifest["target"]},
+        "max_total_tokens": pool.num_pages * pool.page_size,
+        "kv_pages_total": pool.num_pages,
+        "kv_pages_free": pool.free_pages,
+        "num_running_reqs": ctx.async_engine.num_running,
+        "num_queue_reqs": ctx.async_engine.num_waiting,
+    }
+
+
+@router.post("/flush_cache")
+async def flush_cache(request: Request) -> dict[str, Any]:
+    # No prefix cache holds pages yet, so there is nothing to drop; the endpoint exists so
+    # SGLang tooling that calls it keeps working.
+    return {"message": "cache flushed", "freed_tokens": 0}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    m = _ctx(request).metrics
+    if not m.enabled:
+        raise ApiError(
+            404, "metrics are off; start the server with --enable-metrics", "NotFoundError"
+        )
+    return Response(m.render(), media_type="text/plain; version=0.0.4")

@@ -1,0 +1,218 @@
+"""OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kiln.runtime.request import RequestOutput
+from kiln.runtime.sampler import TokenLogprob
+from kiln.serve.context import ApiError, ServingContext, merged
+from kiln.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+router = APIRouter()
+
+
+def _ctx(request: Request) -> ServingContext:
+    return request.app.state.kiln
+
+
+def _finish_reason(out: RequestOutput) -> tuple[str | None, Any]:
+    reason = out.finish_reason or {}
+    kind = reason.get("type")
+    return (
+        {"stop": "stop", "length": "length"}.get(kind, kind) if kind else None,
+        reason.get("matched"),
+    )
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+# -- /v1/models -------------------------------------------------------------------------------
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_ctx(request).model_card()]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request) -> dict[str, Any]:
+    ctx = _ctx(request)
+    if model_id != ctx.model_name:
+        raise ApiError(404, f"the model '{model_id}' does not exist", "NotFoundError")
+    return ctx.model_card()
+
+
+# -- /v1/completions --------------------------------------------------------------------------
+@router.post("/v1/completions", response_model=None)
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    ctx = _ctx(request)
+    prompts = ctx.prompt_ids(body.prompt)
+    n = body.n
+    best_of = body.best_of or n
+    if best_of < n:
+        raise ApiError(400, f"best_of ({best_of}) must be >= n ({n})")
+    if body.stream and best_of != n:
+        raise ApiError(400, "best_of > n cannot be streamed")
+    want_lp = body.logprobs is not None or best_of > n
+    reqs = ctx.make_requests(
+        prompts,
+        body.sampling_params(body.max_tokens),
+        best_of,
+        top_logprobs=(body.logprobs or 0) if want_lp else None,
+    )
+    echo = [ctx.decode(p) if body.echo else "" for p in prompts]
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    head = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
+
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        async def events() -> AsyncIterator[str]:
+            started: set[int] = set()
+            completion_tokens = 0
+            async for i, out in merged(ctx, reqs):
+                text = out.text
+                if i not in started:
+                    started.add(i)
+                    text = echo[i // n] + text
+                completion_tokens += len(out.token_ids)
+                reason, matched = _finish_reason(out)
+                if not text and not out.finished:
+                    continue
+                choice = {
+                    "index": i,
+                    "text": text,
+                    "logprobs": _completion_logprobs(ctx, out.logprobs)
+                    if body.logprobs is not None
+                    else None,
+                    "finish_reason": reason,
+                    "matched_stop": matched,
+                }
+                yield _sse({**head, "choices": [choice]})
+            if include_usage:
+                usage = ctx.usage(prompts, completion_tokens)
+                yield _sse({**head, "choices": [], "usage": usage})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    finals = await ctx.collect(request, reqs)
+    choices = []
+    for p_idx in range(len(prompts)):
+        group = finals[p_idx * best_of : (p_idx + 1) * best_of]
+        if best_of > n:  # keep the n most likely of best_of, as OpenAI does
+            group = sorted(group, key=lambda r: -sum(lp.logprob for lp in r.logprobs))[:n]
+        for j, res in enumerate(group):
+            reason, matched = _finish_reason(res)
+            choices.append(
+                {
+                    "index": p_idx * n + j,
+                    "text": echo[p_idx] + res.text,
+                    "logprobs": _completion_logprobs(ctx, res.logprobs)
+                    if body.logprobs is not None
+                    else None,
+                    "finish_reason": reason,
+                    "matched_stop": matched,
+                }
+            )
+    usage = ctx.usage(prompts, sum(r.completion_tokens for r in finals))
+    return {**head, "choices": choices, "usage": usage}
+
+
+def _completion_logprobs(ctx: ServingContext, lps: list[TokenLogprob]) -> dict[str, Any]:
+    tokens = [ctx.token_text(lp.token) for lp in lps]
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{ctx.token_text(t): v for t, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+# -- /v1/chat/completions ---------------------------------------------------------------------
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    ctx = _ctx(request)
+    ids = ctx.chat_prompt_ids(body.messages)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    reqs = ctx.make_requests([ids], body.sampling_params(max_tokens), body.n, top_logprobs=top)
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    head = {"id": rid, "created": created, "model": ctx.model_name}
+
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunk_head = {**head, "object": "chat.completion.chunk"}
+
+        async def events() -> AsyncIterator[str]:
+            for i in range(body.n):
+                delta = {"role": "assistant", "content": ""}
+                yield _sse(
+                    {
+                        **chunk_head,
+                        "choices": [
+                            {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+                        ],
+                    }
+                )
+            completion_tokens = 0
+            async for i, out in merged(ctx, reqs):
+                completion_tokens += len(out.token_ids)
+                reason, matched = _finish_reason(out)
+                if not out.text and not out.finished:
+                    continue
+                choice = {
+                    "index": i,
+                    "delta": {"content": out.text} if out.text else {},
+                    "logprobs": _chat_logprobs(ctx, out.logprobs) if body.logprobs else None,
+                    "finish_reason": reason,
+                    "matched_stop": matched,
+                }
+                yield _sse({**chunk_head, "choices": [choice]})
+            if include_usage:
+                usage = ctx.usage([ids], completion_tokens)
+                yield _sse({**chunk_head, "choices": [], "usage": usage})
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    finals = await ctx.collect(request, reqs)
+    choices = []
+    for i, res in enumerate(finals):
+        reason, matched = _finish_reason(res)
+        choices.append(
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": res.text},
+                "logprobs": _chat_logprobs(ctx, res.logprobs) if body.logprobs else None,
+                "finish_reason": reason,
+                "matched_stop": matched,
+            }
+        )
+    usage = ctx.usage([ids], sum(r.completion_tokens for r in finals))
+    return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": usage})
+
+
+def _chat_logprobs(ctx: ServingContext, lps: list[TokenLogprob]) -> dict[str, Any]:
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        text = ctx.token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+            for lp in lps
+        ]
+    }

@@ -1,0 +1,77 @@
+"""Starting and stopping a real `kiln serve` process on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+API_KEY = "test-key"
+ADMIN_KEY = "admin-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def get(self, path: str, key: str | None = API_KEY, **kw) -> httpx.Response:
+        return httpx.get(self.url + path, headers=_auth(key, kw), timeout=60, **kw)
+
+    def post(self, path: str, key: str | None = API_KEY, **kw) -> httpx.Response:
+        return httpx.post(self.url + path, headers=_auth(key, kw), timeout=60, **kw)
+
+
+def _auth(key: str | None, kw: dict) -> dict[str, str]:
+    headers = dict(kw.pop("headers", {}))
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    return headers
+
+
+def start_server(art: Path, log: Path, *flags: str) -> Server:
+    port = free_port()
+    out = open(log, "wb")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kiln", "serve", str(art), "--port", str(port), *flags],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kiln serve exited early:\n{log.read_text()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return Server(url, proc, log)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError(f"kiln serve did not come up:\n{log.read_text()}")
+
+
+def stop_server(server: Server) -> None:
+    """SIGTERM, as a process manager sends it: the server drains and exits on its own.
+    (uvicorn re-raises the signal after its graceful shutdown, so the status is -SIGTERM.)"""
+    server.process.send_signal(signal.SIGTERM)
+    code = server.process.wait(timeout=30)
+    log = server.log.read_text()
+    assert code in (0, -signal.SIGTERM), log[-2000:]
+    assert "Application shutdown complete" in log, log[-2000:]

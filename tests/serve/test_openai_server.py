@@ -1,0 +1,392 @@
+"""The server through the official openai client, against a real `kiln serve` process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from serve_helpers import ADMIN_KEY, API_KEY, stop_server
+
+from kiln import Engine
+
+MAX_TOKENS = 12
+GREEDY = {"temperature": 0, "max_new_tokens": MAX_TOKENS, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(artefact, launch):
+    return launch(
+        artefact("llama"),
+        "--api-key",
+        API_KEY,
+        "--admin-api-key",
+        ADMIN_KEY,
+        "--enable-metrics",
+        "--max-total-tokens",
+        "4096",
+        "--served-model-name",
+        "tiny",
+    )
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+
+
+@pytest.fixture(scope="module")
+def engine(artefact) -> Engine:
+    """The offline engine on the same artefact: the server must agree with it."""
+    return Engine(artefact("llama"), max_total_tokens=4096)
+
+
+def completion(client, prompt, **kw):
+    kw = {"max_tokens": MAX_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}, **kw}
+    return client.completions.create(model="tiny", prompt=prompt, **kw)
+
+
+def test_models(client, server) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"]
+    assert models[0].model_extra["max_model_len"] == 256
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
+
+
+def test_greedy_completion_equals_the_engine(client, engine) -> None:
+    for prompt in ("Hello", "The capital of France is", "One, two, three"):
+        out = completion(client, prompt)
+        expected = engine.generate(prompt, GREEDY)
+        assert out.choices[0].text == expected["text"]
+        assert out.choices[0].finish_reason == "length"
+        assert out.usage.prompt_tokens == expected["meta_info"]["prompt_tokens"]
+        assert out.usage.completion_tokens == MAX_TOKENS
+
+
+def test_streaming_completion_matches_and_reports_usage(client, engine) -> None:
+    chunks = list(completion(client, "Hello", stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == engine.generate("Hello", GREEDY)["text"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_token_id_prompts_echo_and_batches(client, engine) -> None:
+    out = completion(client, [1, 5, 9, 33])
+    assert (
+        out.choices[0].text
+        == engine.generate(input_ids=[1, 5, 9, 33], sampling_params=GREEDY)["text"]
+    )
+    out = completion(client, "Hello", echo=True)
+    assert out.choices[0].text.startswith("Hello")
+    out = completion(client, ["Hello", "One, two"])
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.choices[1].text == engine.generate("One, two", GREEDY)["text"]
+
+
+def test_n_and_best_of(client) -> None:
+    out = completion(client, "Hello", n=3, temperature=1.0, seed=5)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert len({c.text for c in out.choices}) > 1
+    assert out.usage.completion_tokens == 3 * MAX_TOKENS
+    best = completion(client, "Hello", n=1, best_of=3, temperature=1.0, seed=5)
+    assert len(best.choices) == 1
+
+
+def test_stop_strings(client, engine) -> None:
+    full = engine.generate("Hello", GREEDY)["text"]
+    stop = full[4:7]
+    for stream in (False, True):
+        kw = {"stop": [stop], "stream": stream}
+        if stream:
+            chunks = list(completion(client, "Hello", **kw))
+            text = "".join(c.choices[0].text for c in chunks)
+            last = [c.choices[0] for c in chunks][-1]
+        else:
+            last = completion(client, "Hello", **kw).choices[0]
+            text = last.text
+        assert text == full[: full.index(stop)]
+        assert last.finish_reason == "stop" and last.model_extra["matched_stop"] == stop
+
+
+def test_logprobs(client) -> None:
+    out = completion(client, "Hello", logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == MAX_TOKENS
+    assert all(len(t) <= 2 for t in lp.top_logprobs)
+    assert "".join(lp.tokens) == out.choices[0].text
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.logprob <= 0 for c in content)
+
+
+def test_chat_uses_the_template_and_streams(client, engine) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    ids = engine.tokenizer.encode(
+        engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+        add_special_tokens=False,
+    )
+    expected = engine.generate(input_ids=ids, sampling_params=GREEDY)["text"]
+    kw = {
+        "model": "tiny",
+        "messages": messages,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+    out = client.chat.completions.create(**kw)
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == expected
+    assert out.usage.prompt_tokens == len(ids)
+    chunks = list(
+        client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.total_tokens == len(ids) + MAX_TOKENS
+
+
+def test_32_concurrent_streams_complete_with_correct_text(server, engine) -> None:
+    prompts = [f"Request number {i}: hello" for i in range(32)]
+    expected = [r["text"] for r in engine.generate(prompts, GREEDY)]
+
+    async def run() -> list[str]:
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+
+        async def one(prompt: str) -> str:
+            stream = await aclient.completions.create(
+                model="tiny",
+                prompt=prompt,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            return "".join([c.choices[0].text async for c in stream])
+
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await aclient.close()
+
+    assert asyncio.run(run()) == expected
+
+
+def test_auth(server) -> None:
+    anon = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong")
+    with pytest.raises(openai.AuthenticationError):
+        anon.models.list()
+    r = server.post("/generate", key=None, json={"text": "x"})
+    assert r.status_code == 401 and r.json()["message"] == "invalid or missing API key"
+    assert server.get("/health", key=None).status_code == 200
+    assert server.get("/metrics", key=None).status_code == 200
+    assert server.post("/flush_cache", key=API_KEY).status_code == 401  # admin path
+    assert server.post("/flush_cache", key=ADMIN_KEY).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        (
+            {"prompt": "x" * 2000, "max_tokens": 1},
+            400,
+            r"the prompt has \d+ tokens, more than the "
+            r"context length of 256",
+        ),
+        (
+            {"prompt": "Hello", "max_tokens": 300},
+            400,
+            r"plus max tokens \(300\) exceeds the context "
+            "length of 256",
+        ),
+        ({"prompt": "", "max_tokens": 4}, 400, "the prompt is empty"),
+        ({"prompt": [1, 99999], "max_tokens": 4}, 400, r"outside the vocabulary \[0, 384\)"),
+        ({"prompt": "x", "temperature": -1}, 400, "temperature must be >= 0"),
+        ({"prompt": "x", "top_p": 0}, 400, r"top_p must be in \(0, 1\]"),
+        ({"prompt": "x", "n": 0}, 400, "n must be >= 1"),
+        ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+        ({"max_tokens": 3}, 400, "prompt: Field required"),
+        ({"prompt": "x", "best_of": 1, "n": 2}, 400, r"best_of \(1\) must be >= n \(2\)"),
+    ],
+)
+def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(
+    server, body, status, message
+) -> None:
+    r = server.post("/v1/completions", json={"model": "tiny", **body})
+    assert r.status_code == status
+    payload = r.json()
+    assert payload["object"] == "error" and payload["code"] == status
+    assert __import__("re").search(message, payload["message"]), payload["message"]
+    assert (
+        server.post(
+            "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 2}
+        ).status_code
+        == 200
+    )
+
+
+def test_malformed_json_is_a_400(server) -> None:
+    r = server.post(
+        "/v1/chat/completions",
+        content=b'{"model": "tiny", "messages": [',
+        headers={"Content-Type": "application/json"},
+    )
+    assert r.status_code == 400 and r.json()["type"] == "BadRequestError"
+
+
+def test_disconnect_mid_stream_frees_memory(server) -> None:
+    idle = server.get("/get_server_info").json()
+    assert idle["kv_pages_free"] == idle["kv_pages_total"]
+    body = {
+        "model": "tiny",
+        "prompt": "Hello",
+        "max_tokens": 200,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json=body, headers=headers, timeout=60
+    ) as r:
+        lines = r.iter_lines()
+        first = [next(lines) for _ in range(3)]
+        assert any(line.startswith("data: ") for line in first)
+    # The client is gone; its request is aborted and its pages return to the pool.
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        info = server.get("/get_server_info").json()
+        if info["num_running_reqs"] == 0 and info["kv_pages_free"] == info["kv_pages_total"]:
+            break
+        time.sleep(0.1)
+    assert info["kv_pages_free"] == info["kv_pages_total"], info
+    assert info["num_running_reqs"] == 0 and info["api_key"] == "***"
+
+
+def test_health_answers_while_the_engine_is_busy(server) -> None:
+    async def run() -> list[float]:
+        async with httpx.AsyncClient(
+            base_url=server.url, timeout=120, headers={"Authorization": f"Bearer {API_KEY}"}
+        ) as c:
+            body = {
+                "model": "tiny",
+                "prompt": "Hello",
+                "max_tokens": 240,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            load = [asyncio.ensure_future(c.post("/v1/completions", json=body)) for _ in range(32)]
+            busy_waits = []
+            while not all(t.done() for t in load):
+                t0 = time.perf_counter()
+                assert (await c.get("/health")).status_code == 200
+                wait = time.perf_counter() - t0
+                if (await c.get("/get_server_info")).json()["num_running_reqs"] > 0:
+                    busy_waits.append(wait)
+                await asyncio.sleep(0.05)
+            assert all(r.status_code == 200 for r in await asyncio.gather(*load))
+            return busy_waits
+
+    waits = asyncio.run(run())
+    assert len(waits) >= 3, "the load finished before /health could be measured under it"
+    assert max(waits) < 0.5, waits
+
+
+def test_native_generate(server, engine) -> None:
+    expected = engine.generate("Hello", GREEDY)
+    r = server.post("/generate", json={"text": "Hello", "sampling_params": GREEDY})
+    assert r.status_code == 200
+    out = r.json()
+    assert out["text"] == expected["text"] and out["output_ids"] == expected["output_ids"]
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+    assert out["meta_info"]["completion_tokens"] == MAX_TOKENS
+    batch = server.post(
+        "/generate", json={"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": GREEDY}
+    ).json()
+    assert len(batch) == 2 and all(len(b["output_ids"]) == MAX_TOKENS for b in batch)
+    events = []
+    with httpx.stream(
+        "POST",
+        server.url + "/generate",
+        timeout=60,
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={"text": "Hello", "sampling_params": GREEDY, "stream": True},
+    ) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    assert events[-1]["text"] == expected["text"]
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_info_and_health_endpoints(server) -> None:
+    assert server.get("/health_generate", key=None).status_code == 200
+    info = server.get("/get_model_info").json()
+    assert info["is_generation"] and info["served_model_name"] == "tiny"
+    sinfo = server.get("/get_server_info").json()
+    assert sinfo["enable_metrics"] is True and sinfo["max_total_tokens"] == 4096
+
+
+def test_metrics(server, client) -> None:
+    completion(client, "Hello")
+    text = server.get("/metrics", key=None).text
+    for name in (
+        "kiln:time_to_first_token_seconds_count",
+        "kiln:inter_token_latency_seconds",
+        "kiln:e2e_request_latency_seconds_bucket",
+        "kiln:generation_tokens_total",
+        "kiln:prompt_tokens_total",
+        "kiln:num_running_reqs",
+        "kiln:num_queue_reqs",
+        "kiln:cache_hit_rate",
+    ):
+        assert name in text, name
+    count = next(
+        line
+        for line in text.splitlines()
+        if line.startswith("kiln:time_to_first_token_seconds_count")
+    )
+    assert float(count.split()[-1]) >= 1
+
+
+def test_queue_limit_answers_503_and_sigterm_exits_cleanly(artefact, launch) -> None:
+    small = launch(
+        artefact("llama"),
+        "--max-running-requests",
+        "1",
+        "--max-queued-requests",
+        "1",
+        "--max-total-tokens",
+        "1024",
+        "--skip-server-warmup",
+    )
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(base_url=small.url, timeout=120) as c:
+            body = {"model": "m", "prompt": "Hello", "max_tokens": 240, "ignore_eos": True}
+            # One runs, one waits, the rest find the queue full.
+            tasks = [asyncio.ensure_future(c.post("/v1/completions", json=body)) for _ in range(4)]
+            responses = await asyncio.gather(*tasks)
+            for r in responses:
+                if r.status_code == 503:
+                    assert "--max-queued-requests 1" in r.json()["message"]
+            return [r.status_code for r in responses]
+
+    codes = asyncio.run(run())
+    assert 503 in codes and 200 in codes, codes
+    stop_server(small)
+    assert small.process.poll() is not None
