@@ -22,15 +22,18 @@ from kiln.runtime.artefact import Artefact
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.model_runner import ModelRunner
+from kiln.runtime.radix_cache import RadixCache
 from kiln.runtime.request import Request, RequestOutput
 from kiln.runtime.sampler import SamplingRow, sample
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import Scheduler
+from kiln.runtime.scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger("kiln.engine")
 
 DEFAULT_MAX_RUNNING = 256
 DEFAULT_CPU_MEM_FRACTION = 0.3
+# --chunked-prefill-size unset: chunks of this many tokens (SGLang sizes it per GPU).
+DEFAULT_CHUNKED_PREFILL = 4096
 
 
 class RequestError(ValueError):
@@ -60,7 +63,10 @@ class Engine:
         )
         self.max_running = self.args.max_running_requests or DEFAULT_MAX_RUNNING
         self.runner = ModelRunner(self.art, self._kv_tokens(self.max_running))
-        self.scheduler = Scheduler(self.runner.pool, self.max_running, self.args.max_prefill_tokens)
+        cache = None
+        if not self.args.disable_radix_cache:
+            cache = RadixCache(self.runner.pool, self.args.radix_eviction_policy)
+        self.scheduler = Scheduler(self.runner.pool, self._scheduler_config(), cache)
         self._eos = set(spec.eos_token_ids)
         self._ids = itertools.count()
         self._rng = (
@@ -69,6 +75,22 @@ class Engine:
             else None
         )
         self._live: dict[str, Request] = {}
+
+    def _scheduler_config(self) -> SchedulerConfig:
+        a = self.args
+        chunk = a.chunked_prefill_size or DEFAULT_CHUNKED_PREFILL
+        return SchedulerConfig(
+            max_running=self.max_running,
+            max_prefill_tokens=a.max_prefill_tokens,
+            chunked_prefill_size=None if chunk == -1 else chunk,
+            mixed_chunk=a.enable_mixed_chunk,
+            policy=a.schedule_policy,
+            priority=a.enable_priority_scheduling,
+            low_priority_first=a.schedule_low_priority_values_first,
+            preemption_threshold=a.priority_scheduling_preemption_threshold,
+            conservativeness=a.schedule_conservativeness,
+            seed=a.random_seed or 0,
+        )
 
     def _kv_tokens(self, max_running: int) -> int:
         if self.args.max_total_tokens:
@@ -201,15 +223,17 @@ class Engine:
                 )
             return []
         logits = self.runner.forward(batch)
+        # Requests mid-way through a chunked prompt feed tokens but sample nothing yet.
+        sampling = [r for r, s in zip(batch.requests, batch.sample, strict=True) if s]
         rows = [
             SamplingRow(r.params, r.generator, r.prompt_ids, r.output_ids, r.top_logprobs)
-            for r in batch.requests
+            for r in sampling
         ]
-        tokens, logprobs = sample(logits, rows)
+        tokens, logprobs = sample(logits, rows) if rows else ([], [])
         self.scheduler.commit(batch, tokens)
         now = time.perf_counter()
         outputs = []
-        for req, lp in zip(batch.requests, logprobs, strict=True):
+        for req, lp in zip(sampling, logprobs, strict=True):
             if req.first_token_at is None:
                 req.first_token_at = now
             if lp is not None:
@@ -273,7 +297,7 @@ class Engine:
             "id": req.rid,
             "prompt_tokens": len(req.prompt_ids),
             "completion_tokens": len(req.output_ids),
-            "cached_tokens": 0,
+            "cached_tokens": req.cached_tokens,
             "finish_reason": req.finish_reason,
             "e2e_latency": time.perf_counter() - req.created,
         }
@@ -287,6 +311,10 @@ class Engine:
             "output_ids": list(req.output_ids),
             "meta_info": meta,
         }
+
+    def flush_cache(self) -> int:
+        """Drop every prefix-cache entry no request is using; returns tokens freed."""
+        return self.scheduler.flush_cache() * self.runner.pool.page_size
 
     def shutdown(self) -> None:
         """Release the KV pool and weights (the engine is unusable afterwards)."""

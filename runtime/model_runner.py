@@ -28,17 +28,18 @@ class ModelRunner:
         )
 
     def forward(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:
-        """Logits of each request's last fed token ([requests, vocab]), or of every fed
-        token ([tokens, vocab]) when `all_logits`."""
+        """Logits of the last fed token of each request that samples this step
+        ([sampling requests, vocab]), or of every fed token when `all_logits`."""
         ids: list[int] = []
         positions: list[int] = []
         last: list[int] = []
         seqs: list[SeqSpan] = []
-        for req, fed in zip(batch.requests, batch.new_tokens, strict=True):
+        for req, fed, sampled in zip(batch.requests, batch.new_tokens, batch.sample, strict=True):
             start, kv_len = len(ids), req.kv_len + len(fed)
             ids += fed
             positions += range(req.kv_len, kv_len)
-            last.append(len(ids) - 1)
+            if sampled:
+                last.append(len(ids) - 1)
             seqs.append(SeqSpan(start, len(fed), kv_len, self.pool.slots(req.pages, kv_len)))
         dev = self.device
         ctx = AttentionBatch.build(self.kv.k, self.kv.v, seqs)

@@ -39,6 +39,8 @@ class Request:
     first_token_at: float | None = None
     retractions: int = 0
     reported: int = 0  # output tokens already handed out in a RequestOutput
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    cache_node: Any = None  # the prefix-cache node this request holds locked
 
     @property
     def all_ids(self) -> list[int]:

@@ -1,103 +1,257 @@
 """Continuous batching as bookkeeping: which requests run this step, and their KV pages.
 
-No model here: the scheduler decides a `Batch` (prefill some waiting requests, or decode
-the running ones), the model runner executes it, and `commit` records the new tokens.
+No model here: `schedule` decides a `Batch`, the model runner executes it, `commit`
+records the sampled tokens. Each step either prefills (new requests, or the next chunk of
+a long prompt; with mixed chunks the running requests decode in the same batch) or
+decodes every running request. When the pool runs dry the newest running request is
+retracted: its pages go back (to the prefix cache when there is one) and it is prefilled
+again later, losing nothing.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from kiln.runtime.kv_cache import PagePool
+from kiln.runtime.radix_cache import RadixCache
 from kiln.runtime.request import Request, Status
+
+POLICIES = ("fcfs", "lpm", "random", "lof", "priority")
+# Above this many waiting requests, lpm's prefix lookups cost more than they save.
+LPM_MAX_WAITING = 128
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running: int
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: int | None = None  # None: prompts are prefilled whole
+    mixed_chunk: bool = False
+    policy: str = "fcfs"
+    priority: bool = False  # order by request priority first
+    low_priority_first: bool = False
+    preemption_threshold: int = 10
+    conservativeness: float = 1.0
+    seed: int = 0
 
 
 @dataclass
 class Batch:
     requests: list[Request]
-    # Tokens of each request fed to the model this step (all uncached tokens on prefill).
-    new_tokens: list[list[int]]
+    new_tokens: list[list[int]]  # tokens each request feeds the model this step
+    sample: list[bool]  # whether each request gets a new token (prompt complete)
     is_prefill: bool
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, max_running: int, max_prefill_tokens: int) -> None:
+    def __init__(self, pool: PagePool, config: SchedulerConfig,
+                 cache: RadixCache | None = None) -> None:  # fmt: skip
+        if config.policy not in POLICIES:
+            raise ValueError(f"unknown schedule policy {config.policy!r}")
         self.pool = pool
-        self.max_running = max_running
-        self.max_prefill_tokens = max_prefill_tokens
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.cfg = config
+        self.cache = cache
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []  # hold pages: decoding, or mid-way through a prompt
+        self._rng = random.Random(config.seed)
+        self._ratio_start = 0.7 * config.conservativeness
+        self._ratio_floor = 0.1 * config.conservativeness
+        self.new_token_ratio = self._ratio_start
 
+    # -- queue -------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         needed = self.pool.pages_for(req.num_tokens + 1)
         if needed > self.pool.num_pages:
-            raise ValueError(
-                f"request {req.rid} needs {req.num_tokens + 1} KV tokens; the "
-                f"pool holds {self.pool.num_pages * self.pool.page_size}"
-            )
+            raise ValueError(f"request {req.rid} needs {req.num_tokens + 1} KV tokens; the "
+                             f"pool holds {self.pool.num_pages * self.pool.page_size}")  # fmt: skip
         self.waiting.append(req)
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _key(self, req: Request) -> tuple[Any, ...]:
+        prio = -req.priority if not self.cfg.low_priority_first else req.priority
+        return (prio,) if self.cfg.priority or self.cfg.policy == "priority" else ()
+
+    def _ordered(self) -> list[Request]:
+        reqs = list(self.waiting)
+        policy = self.cfg.policy
+        if policy == "random":
+            self._rng.shuffle(reqs)
+        elif policy == "lof":
+            reqs.sort(key=lambda r: -r.params.max_new_tokens)
+        elif policy == "lpm" and self.cache is not None and len(reqs) <= LPM_MAX_WAITING:
+            reqs.sort(key=lambda r: -self._cached_len(r))
+        return sorted(reqs, key=self._key)  # stable: the policy order breaks priority ties
+
+    def _cached_len(self, req: Request) -> int:
+        assert self.cache is not None
+        return self.cache.match(req.all_ids[:-1])[1]
+
+    # -- scheduling --------------------------------------------------------------------------
     def schedule(self) -> Batch | None:
-        """Prefill waiting requests when they fit, else decode every running request."""
         batch = self._prefill()
-        return batch if batch is not None else self._decode()
+        if batch is None:
+            return self._decode()
+        if self.cfg.mixed_chunk:
+            decoding = [r for r in self._decodable() if r not in batch.requests]
+            self._make_room(decoding)
+            decoding = [r for r in decoding if r.status is Status.RUNNING]
+            batch.requests += decoding
+            batch.new_tokens += [[r.all_ids[-1]] for r in decoding]
+            batch.sample += [True] * len(decoding)
+        return batch
+
+    def _decodable(self) -> list[Request]:
+        return [r for r in self.running if r.kv_len == r.num_tokens - 1]
 
     def _prefill(self) -> Batch | None:
+        budget = self.cfg.max_prefill_tokens
+        if self.cfg.chunked_prefill_size:
+            budget = min(budget, self.cfg.chunked_prefill_size)
         picked: list[Request] = []
-        budget = self.max_prefill_tokens
-        while self.waiting and len(self.running) + len(picked) < self.max_running:
-            req = self.waiting[0]
-            uncached = req.num_tokens - req.kv_len
-            if picked and uncached > budget:
+        fed: list[list[int]] = []
+        # A prompt mid-way through chunked prefill goes first.
+        queue = [r for r in self.running if r.kv_len < r.num_tokens - 1] + self._ordered()
+        for req in queue:
+            fresh = req.status is Status.WAITING
+            full = fresh and len(self.running) >= self.cfg.max_running
+            if full and not self._preempt_for(req):
                 break
-            pages = self.pool.pages_for(req.num_tokens) - len(req.pages)
-            if not self.pool.can_allocate(pages):
+            if fresh and self.cache is not None and not req.pages:
+                self._attach_prefix(req)
+            remaining = req.num_tokens - req.kv_len
+            take = remaining
+            if remaining > budget:
+                if self.cfg.chunked_prefill_size and budget > 0:
+                    take = budget  # this prompt continues next step
+                elif picked:
+                    break
+            if not self._reserve(req, take, fresh, picked):
+                if fresh and req.pages and self.cache is not None:
+                    self._detach_prefix(req)
                 break
-            req.pages += self.pool.allocate(pages)
-            budget -= uncached
-            picked.append(self.waiting.popleft())
+            if fresh:
+                self.waiting.remove(req)
+                req.status = Status.RUNNING
+                self.running.append(req)
+            picked.append(req)
+            fed.append(req.all_ids[req.kv_len : req.kv_len + take])
+            budget -= take
+            if take < remaining or budget <= 0:
+                break
         if not picked:
             return None
-        for r in picked:
-            r.status = Status.RUNNING
-        self.running += picked
-        return Batch(picked, [r.all_ids[r.kv_len :] for r in picked], is_prefill=True)
+        sample = [r.kv_len + len(f) == r.num_tokens for r, f in zip(picked, fed, strict=True)]
+        return Batch(picked, fed, sample, is_prefill=True)
+
+    def _reserve(self, req: Request, take: int, fresh: bool, picked: list[Request]) -> bool:
+        """Allocate pages for `take` more tokens of `req`, keeping room for the decode
+        tokens of requests already running (scaled by --schedule-conservativeness)."""
+        need = self.pool.pages_for(req.kv_len + take) - len(req.pages)
+        reserve = 0
+        if fresh and (self.running or picked):
+            future = sum(r.params.max_new_tokens - len(r.output_ids)
+                         for r in [*self.running, *picked])  # fmt: skip
+            reserve = self.pool.pages_for(int(self.new_token_ratio * future))
+        if not self._ensure_free(need + reserve):
+            if not fresh or not self._ensure_free(need):
+                return False
+            if self.running or picked:
+                return False  # only an idle server admits without the decode reserve
+        req.pages += self.pool.allocate(need)
+        return True
+
+    def _ensure_free(self, pages: int) -> bool:
+        short = pages - self.pool.free_pages
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short)
+        return self.pool.free_pages >= pages
+
+    def _preempt_for(self, req: Request) -> bool:
+        """Priority scheduling: retract a running request whose priority is worse than
+        `req`'s by at least the preemption threshold."""
+        if not (self.cfg.priority or self.cfg.policy == "priority"):
+            return False
+        sign = -1 if self.cfg.low_priority_first else 1
+        worst = max(self.running, key=lambda r: (-sign * r.priority, r.created), default=None)
+        if worst is None or sign * (req.priority - worst.priority) < self.cfg.preemption_threshold:
+            return False
+        self.retract(worst)
+        return True
 
     def _decode(self) -> Batch | None:
-        for req in list(self.running):
-            if req.status is not Status.RUNNING:
-                continue  # retracted while making room for an older request
-            while self.pool.pages_for(req.num_tokens) > len(req.pages):
-                if self.pool.can_allocate(1):
-                    req.pages += self.pool.allocate(1)
-                elif self._retract_newest() is req:
-                    break
-        if not self.running:
+        decoding = self._decodable()
+        self._make_room(decoding)
+        decoding = [r for r in decoding if r.status is Status.RUNNING]
+        if not decoding:
             return None
-        return Batch(list(self.running), [[r.all_ids[-1]] for r in self.running], False)
+        self.new_token_ratio = max(self._ratio_floor, self.new_token_ratio - 0.001)
+        return Batch(decoding, [[r.all_ids[-1]] for r in decoding], [True] * len(decoding),
+                     is_prefill=False)  # fmt: skip
 
-    def _retract_newest(self) -> Request:
-        """Free the newest running request's pages. It re-enters the queue at the front and
-        is prefilled again (prompt plus what it already generated) when memory allows."""
-        victim = self.running.pop()
-        self.pool.free(victim.pages)
-        victim.pages, victim.kv_len = [], 0
+    def _make_room(self, decoding: list[Request]) -> None:
+        """A page for each decoding request's next token, retracting the newest to fit."""
+        for req in decoding:
+            while req.status is Status.RUNNING and (
+                self.pool.pages_for(req.num_tokens) > len(req.pages)
+            ):
+                if self._ensure_free(1):
+                    req.pages += self.pool.allocate(1)
+                else:
+                    self.retract(self.running[-1])
+
+    def retract(self, victim: Request) -> None:
+        """Take a running request's pages back. It re-enters the queue at the front and is
+        prefilled again (prompt plus what it already generated) when memory allows."""
+        self.running.remove(victim)
+        self._release(victim)
         victim.status = Status.WAITING
         victim.retractions += 1
-        self.waiting.appendleft(victim)
-        return victim
+        self.waiting.insert(0, victim)
+        self.new_token_ratio = self._ratio_start
 
-    def commit(self, batch: Batch, tokens: list[int]) -> None:
-        """Record each request's new token; the caller then calls `finish` on finished ones."""
-        for req, fed, tok in zip(batch.requests, batch.new_tokens, tokens, strict=True):
+    # -- prefix cache ------------------------------------------------------------------------
+    def _attach_prefix(self, req: Request) -> None:
+        assert self.cache is not None
+        pages, length, node = self.cache.match(req.all_ids[:-1])
+        if length:
+            self.cache.lock(node)
+            req.pages, req.kv_len, req.cache_node = list(pages), length, node
+            req.cached_tokens = max(req.cached_tokens, length)
+
+    def _detach_prefix(self, req: Request) -> None:
+        assert self.cache is not None and req.cache_node is not None
+        self.cache.unlock(req.cache_node)
+        req.pages, req.kv_len, req.cache_node = [], 0, None
+
+    def _release(self, req: Request) -> None:
+        """Give a request's pages back: whole computed pages to the prefix cache (when on),
+        the rest to the pool."""
+        pages = req.pages
+        if self.cache is not None:
+            full = req.kv_len // self.pool.page_size
+            keep = req.all_ids[: full * self.pool.page_size]
+            self.pool.free(self.cache.insert(keep, pages[:full]))
+            pages = pages[full:]
+            if req.cache_node is not None:
+                self.cache.unlock(req.cache_node)
+        self.pool.free(pages)
+        req.pages, req.kv_len, req.cache_node = [], 0, None
+
+    # -- results ---------------------------------------------------------------------------
+    def commit(self, batch: Batch, tokens: Iterable[int]) -> None:
+        """Advance each request past what it fed; append the sampled tokens (one per
+        request whose `sample` flag is set, in batch order)."""
+        it = iter(tokens)
+        for req, fed, sampled in zip(batch.requests, batch.new_tokens, batch.sample, strict=True):
             req.kv_len += len(fed)
-            req.output_ids.append(tok)
+            if sampled:
+                req.output_ids.append(next(it))
 
     def finish(self, req: Request, reason: dict[str, Any]) -> None:
         req.status = Status.FINISHED
@@ -106,5 +260,11 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.pool.free(req.pages)
-        req.pages = []
+        self._release(req)
+
+    def flush_cache(self) -> int:
+        return self.cache.reset() if self.cache is not None else 0
+
+    @property
+    def cached_pages(self) -> int:
+        return self.cache.evictable_pages() if self.cache is not None else 0

@@ -39,6 +39,7 @@ class Accumulated:
     finish_reason: dict[str, Any] | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
 
     def add(self, out: RequestOutput) -> None:
         self.text += out.text
@@ -46,6 +47,7 @@ class Accumulated:
         self.logprobs += out.logprobs
         self.finish_reason = out.finish_reason
         self.prompt_tokens, self.completion_tokens = out.prompt_tokens, out.completion_tokens
+        self.cached_tokens = out.cached_tokens
 
 
 class ServingContext:
@@ -186,7 +188,9 @@ class ServingContext:
             await task
         return results
 
-    def usage(self, prompts: list[list[int]], completion_tokens: int) -> dict[str, Any]:
+    def usage(
+        self, prompts: list[list[int]], completion_tokens: int, cached_tokens: int = 0
+    ) -> dict[str, Any]:
         prompt_tokens = sum(len(p) for p in prompts)
         usage: dict[str, Any] = {
             "prompt_tokens": prompt_tokens,
@@ -194,7 +198,7 @@ class ServingContext:
             "total_tokens": prompt_tokens + completion_tokens,
         }
         if self.args.enable_cache_report:
-            usage["prompt_tokens_details"] = {"cached_tokens": 0}
+            usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
         return usage
 
     def model_card(self) -> dict[str, Any]:

@@ -25,7 +25,7 @@ def _meta(rid: str, acc: Accumulated, with_logprobs: bool) -> dict[str, Any]:
         "id": rid,
         "prompt_tokens": acc.prompt_tokens,
         "completion_tokens": acc.completion_tokens,
-        "cached_tokens": 0,
+        "cached_tokens": acc.cached_tokens,
         "finish_reason": acc.finish_reason,
     }
     if with_logprobs:
@@ -59,7 +59,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         params = dict(params)
         n = int(params.pop("n", 1))
         params.setdefault("max_new_tokens", 128)
-        reqs += ctx.make_requests([ids], params, n, top_logprobs=top)
+        reqs += ctx.make_requests([ids], params, n, top_logprobs=top, priority=body.priority)
     if body.rid is not None and len(reqs) == 1:
         reqs[0].rid = body.rid
 
@@ -146,6 +146,7 @@ async def server_info(request: Request) -> dict[str, Any]:
         "max_total_tokens": pool.num_pages * pool.page_size,
         "kv_pages_total": pool.num_pages,
         "kv_pages_free": pool.free_pages,
+        "kv_pages_cached": await ctx.async_engine.run(lambda e: e.scheduler.cached_pages),
         "num_running_reqs": ctx.async_engine.num_running,
         "num_queue_reqs": ctx.async_engine.num_waiting,
     }
@@ -153,9 +154,9 @@ async def server_info(request: Request) -> dict[str, Any]:
 
 @router.post("/flush_cache")
 async def flush_cache(request: Request) -> dict[str, Any]:
-    # No prefix cache holds pages yet, so there is nothing to drop; the endpoint exists so
-    # SGLang tooling that calls it keeps working.
-    return {"message": "cache flushed", "freed_tokens": 0}
+    """Drop every prefix-cache entry that no running request uses."""
+    freed = await _ctx(request).async_engine.run(lambda e: e.flush_cache())
+    return {"message": "cache flushed", "freed_tokens": freed}
 
 
 @router.get("/metrics")

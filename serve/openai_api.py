@@ -78,7 +78,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         async def events() -> AsyncIterator[str]:
             started: set[int] = set()
             completion_tokens = 0
+            cached = {}
             async for i, out in merged(ctx, reqs):
+                cached[i] = out.cached_tokens
                 text = out.text
                 if i not in started:
                     started.add(i)
@@ -98,7 +100,11 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                 }
                 yield _sse({**head, "choices": [choice]})
             if include_usage:
-                usage = ctx.usage(prompts, completion_tokens)
+                usage = ctx.usage(
+                    prompts,
+                    completion_tokens,
+                    sum(cached.get(i * n, 0) for i in range(len(prompts))),
+                )
                 yield _sse({**head, "choices": [], "usage": usage})
             yield "data: [DONE]\n\n"
 
@@ -123,7 +129,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                     "matched_stop": matched,
                 }
             )
-    usage = ctx.usage(prompts, sum(r.completion_tokens for r in finals))
+    cached = sum(finals[i * best_of].cached_tokens for i in range(len(prompts)))
+    usage = ctx.usage(prompts, sum(r.completion_tokens for r in finals), cached)
     return {**head, "choices": choices, "usage": usage}
 
 
@@ -148,7 +155,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     ids = ctx.chat_prompt_ids(body.messages)
     max_tokens = body.max_completion_tokens or body.max_tokens
     top = (body.top_logprobs or 0) if body.logprobs else None
-    reqs = ctx.make_requests([ids], body.sampling_params(max_tokens), body.n, top_logprobs=top)
+    reqs = ctx.make_requests(
+        [ids], body.sampling_params(max_tokens), body.n, top_logprobs=top, priority=body.priority
+    )
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "created": created, "model": ctx.model_name}
 
@@ -167,9 +176,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                         ],
                     }
                 )
-            completion_tokens = 0
+            completion_tokens = cached = 0
             async for i, out in merged(ctx, reqs):
                 completion_tokens += len(out.token_ids)
+                cached = out.cached_tokens if i == 0 else cached
                 reason, matched = _finish_reason(out)
                 if not out.text and not out.finished:
                     continue
@@ -182,7 +192,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 }
                 yield _sse({**chunk_head, "choices": [choice]})
             if include_usage:
-                usage = ctx.usage([ids], completion_tokens)
+                usage = ctx.usage([ids], completion_tokens, cached)
                 yield _sse({**chunk_head, "choices": [], "usage": usage})
             yield "data: [DONE]\n\n"
 
@@ -201,7 +211,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 "matched_stop": matched,
             }
         )
-    usage = ctx.usage([ids], sum(r.completion_tokens for r in finals))
+    usage = ctx.usage([ids], sum(r.completion_tokens for r in finals), finals[0].cached_tokens)
     return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": usage})
 
 

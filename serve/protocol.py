@@ -40,6 +40,7 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    priority: int = 0  # used with --enable-priority-scheduling
 
     def sampling_params(self, max_tokens: int | None) -> dict[str, Any]:
         params = {
@@ -97,3 +98,4 @@ class GenerateRequest(BaseModel):
     return_logprob: bool = False
     top_logprobs_num: int = Field(default=0, ge=0, le=20)
     rid: str | None = None
+    priority: int = 0

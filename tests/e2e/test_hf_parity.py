@@ -52,7 +52,7 @@ def kiln_all_logits(engine: Engine, seq: list[int]) -> torch.Tensor:
     req = Request("parity", seq, SamplingParams())
     req.pages = runner.pool.allocate(runner.pool.pages_for(len(seq)))
     try:
-        return runner.forward(Batch([req], [seq], is_prefill=True), all_logits=True)
+        return runner.forward(Batch([req], [seq], [True], is_prefill=True), all_logits=True)
     finally:
         runner.pool.free(req.pages)
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 from kiln.runtime.kv_cache import PagePool
 from kiln.runtime.request import Request, Status
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import Scheduler
+from kiln.runtime.scheduler import Scheduler, SchedulerConfig
+
+
+def cfg(max_running: int, max_prefill_tokens: int) -> SchedulerConfig:
+    # No decode reserve: these tests count pages exactly.
+    return SchedulerConfig(max_running, max_prefill_tokens, conservativeness=0.0)
 
 
 def req(n: int, rid: str = "r") -> Request:
@@ -20,7 +25,7 @@ def run_step(s: Scheduler, token: int = 7):
 
 
 def test_prefill_first_then_decode_everyone() -> None:
-    s = Scheduler(PagePool(64, 4), max_running=8, max_prefill_tokens=100)
+    s = Scheduler(PagePool(64, 4), cfg(8, 100))
     a, b = req(5, "a"), req(3, "b")
     s.add(a)
     s.add(b)
@@ -36,7 +41,7 @@ def test_prefill_first_then_decode_everyone() -> None:
 
 
 def test_prefill_budget_and_running_cap() -> None:
-    s = Scheduler(PagePool(64, 1), max_running=2, max_prefill_tokens=6)
+    s = Scheduler(PagePool(64, 1), cfg(2, 6))
     for i in range(3):
         s.add(req(4, f"r{i}"))
     assert len(run_step(s).requests) == 1  # 4 + 4 > 6: the second waits
@@ -47,7 +52,7 @@ def test_prefill_budget_and_running_cap() -> None:
 
 def test_retraction_frees_the_newest_and_requeues_it() -> None:
     pool = PagePool(5, 2)
-    s = Scheduler(pool, max_running=8, max_prefill_tokens=100)
+    s = Scheduler(pool, cfg(8, 100))
     old, new = req(3, "old"), req(3, "new")
     s.add(old)
     s.add(new)
@@ -62,7 +67,7 @@ def test_retraction_frees_the_newest_and_requeues_it() -> None:
 
 def test_finish_returns_pages_to_the_pool() -> None:
     pool = PagePool(16, 4)
-    s = Scheduler(pool, max_running=8, max_prefill_tokens=100)
+    s = Scheduler(pool, cfg(8, 100))
     reqs = [req(n, str(n)) for n in (3, 6, 9)]
     for r in reqs:
         s.add(r)

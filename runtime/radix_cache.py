@@ -1,0 +1,160 @@
+"""Prefix cache: a radix tree from token sequences to the KV pages that hold them.
+
+Granularity is one page: a node's key is a whole number of pages of tokens, and its value
+the pages holding their K/V. A request starts from the longest cached prefix of its
+prompt (its first pages are the tree's, shared, never written again: a request only
+writes slots after its cached length, which is page-aligned) and gives its pages to the
+tree when it ends. Nodes in use by a running request are locked; unlocked leaves are
+evicted, least recently (lru) or least frequently (lfu) used first, when the pool needs
+pages.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kiln.runtime.kv_cache import PagePool
+
+
+@dataclass(eq=False)
+class Node:
+    key: tuple[int, ...] = ()
+    pages: list[int] = field(default_factory=list)
+    parent: Node | None = None
+    children: dict[tuple[int, ...], Node] = field(default_factory=dict)
+    locks: int = 0
+    last_used: int = 0
+    hits: int = 0
+
+
+class RadixCache:
+    def __init__(self, pool: PagePool, policy: str = "lru") -> None:
+        if policy not in ("lru", "lfu"):
+            raise ValueError(f"unknown eviction policy {policy!r}")
+        self.pool = pool
+        self.page = pool.page_size
+        self.policy = policy
+        self.root = Node()
+        self.root.locks = 1  # never evicted
+        self._clock = itertools.count(1)
+        self.cached_pages = 0
+
+    # -- lookups ---------------------------------------------------------------------------
+    def _first(self, tokens: Sequence[int], at: int) -> tuple[int, ...]:
+        return tuple(tokens[at : at + self.page])
+
+    def match(self, tokens: Sequence[int]) -> tuple[list[int], int, Node]:
+        """Longest cached prefix of `tokens` in whole pages: (pages, length, last node).
+        Splits a node when the match ends inside it, so the returned node covers exactly
+        the match (and can be locked)."""
+        node, at, pages = self.root, 0, []
+        now = next(self._clock)
+        while at + self.page <= len(tokens):
+            child = node.children.get(self._first(tokens, at))
+            if child is None:
+                break
+            n = self._common_pages(child.key, tokens, at)
+            if n < len(child.pages):
+                child = self._split(child, n)
+            child.last_used, child.hits = now, child.hits + 1
+            pages += child.pages
+            at += len(child.key)
+            node = child
+        return pages, at, node
+
+    def _common_pages(self, key: tuple[int, ...], tokens: Sequence[int], at: int) -> int:
+        n = 0
+        while (n + 1) * self.page <= len(key) and at + (n + 1) * self.page <= len(tokens):
+            lo, hi = n * self.page, (n + 1) * self.page
+            if key[lo:hi] != tuple(tokens[at + lo : at + hi]):
+                break
+            n += 1
+        return n
+
+    def _split(self, node: Node, n_pages: int) -> Node:
+        """Cut `node` after `n_pages` pages; returns the new upper part."""
+        cut = n_pages * self.page
+        assert node.parent is not None
+        upper = Node(node.key[:cut], node.pages[:n_pages], node.parent, {},
+                     node.locks, node.last_used, node.hits)  # fmt: skip
+        node.parent.children[self._first(node.key, 0)] = upper
+        node.key, node.pages, node.parent = node.key[cut:], node.pages[n_pages:], upper
+        upper.children[self._first(node.key, 0)] = node
+        return upper
+
+    # -- ownership -------------------------------------------------------------------------
+    def lock(self, node: Node) -> None:
+        while node is not self.root:
+            node.locks += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def unlock(self, node: Node) -> None:
+        while node is not self.root:
+            node.locks -= 1
+            node = node.parent  # type: ignore[assignment]
+
+    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> list[int]:
+        """Give the tree `pages` holding `tokens` (whole pages only). Returns the pages the
+        caller still owns and must free: copies of segments the tree already had."""
+        assert len(tokens) == len(pages) * self.page
+        node, at = self.root, 0
+        leftover: list[int] = []
+        now = next(self._clock)
+        while at < len(tokens):
+            child = node.children.get(self._first(tokens, at))
+            if child is None:
+                new = Node(tuple(tokens[at:]), list(pages[at // self.page :]), node,
+                           last_used=now)  # fmt: skip
+                node.children[self._first(tokens, at)] = new
+                self.cached_pages += len(new.pages)
+                return leftover
+            n = self._common_pages(child.key, tokens, at)
+            if n < len(child.pages):
+                child = self._split(child, n)
+            mine = pages[at // self.page : at // self.page + n]
+            leftover += [p for p, theirs in zip(mine, child.pages, strict=True) if p != theirs]
+            child.last_used = now
+            at += len(child.key)
+            node = child
+        return leftover
+
+    # -- eviction --------------------------------------------------------------------------
+    def evictable_pages(self) -> int:
+        return sum(len(n.pages) for n in self._nodes() if n.locks == 0)
+
+    def _nodes(self) -> list[Node]:
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out
+
+    def evict(self, pages: int) -> int:
+        """Free at least `pages` pages from unlocked leaves, if there are that many;
+        returns how many were freed."""
+
+        def rank(n: Node) -> tuple[int, int]:
+            return (n.hits, n.last_used) if self.policy == "lfu" else (n.last_used, 0)
+
+        heap = [(rank(n), id(n), n) for n in self._nodes() if not n.children and n.locks == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while heap and freed < pages:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            assert parent is not None
+            del parent.children[self._first(leaf.key, 0)]
+            self.pool.free(leaf.pages)
+            freed += len(leaf.pages)
+            self.cached_pages -= len(leaf.pages)
+            if parent is not self.root and not parent.children and parent.locks == 0:
+                heapq.heappush(heap, (rank(parent), id(parent), parent))
+        return freed
+
+    def reset(self) -> int:
+        """Drop every unlocked entry (flush_cache); returns pages freed."""
+        return self.evict(self.cached_pages)

@@ -1,0 +1,78 @@
+"""The prefix cache as a data structure: matching, sharing, locking, eviction."""
+
+from __future__ import annotations
+
+from kiln.runtime.kv_cache import PagePool
+from kiln.runtime.radix_cache import RadixCache
+
+
+def filled(pool: PagePool, tokens: list[int]) -> list[int]:
+    return pool.allocate(pool.pages_for(len(tokens)))
+
+
+def test_match_is_page_aligned_and_shares_pages() -> None:
+    pool = PagePool(32, 2)
+    cache = RadixCache(pool)
+    a = list(range(10))
+    pages = filled(pool, a)
+    assert cache.insert(a, pages) == []
+    got, length, _ = cache.match([0, 1, 2, 3, 4, 99, 7])
+    assert length == 4 and got == pages[:2]  # [0,1][2,3] match; [4,99] differs
+    got, length, _ = cache.match([*a, 10, 11])
+    assert length == 10 and got == pages
+    assert cache.match([5, 5])[1] == 0
+
+
+def test_insert_returns_duplicate_pages_to_free() -> None:
+    pool = PagePool(32, 2)
+    cache = RadixCache(pool)
+    a = [1, 2, 3, 4, 5, 6]
+    first = filled(pool, a)
+    cache.insert(a, first)
+    again = filled(pool, a)  # the same tokens computed a second time elsewhere
+    assert sorted(cache.insert(a, again)) == sorted(again)
+    # Sharing the cached prefix and extending it: only the extension is new.
+    pages, _, _ = cache.match(a)
+    ext = pages + pool.allocate(1)
+    assert cache.insert([*a, 7, 8], ext) == []
+    assert cache.cached_pages == 4
+
+
+def test_locked_nodes_survive_eviction_and_lru_order() -> None:
+    pool = PagePool(8, 1)
+    cache = RadixCache(pool, "lru")
+    a, b = [1, 2, 3], [4, 5, 6]
+    cache.insert(a, pool.allocate(3))
+    cache.insert(b, pool.allocate(3))
+    _, _, node = cache.match(a)  # a is now more recently used than b
+    cache.lock(node)
+    assert cache.evictable_pages() == 3
+    assert cache.evict(10) == 3  # only b can go
+    assert cache.match(b)[1] == 0 and cache.match(a)[1] == 3
+    cache.unlock(node)
+    assert cache.reset() == 3 and pool.free_pages == 8
+
+
+def test_lfu_keeps_the_frequently_used() -> None:
+    pool = PagePool(8, 1)
+    cache = RadixCache(pool, "lfu")
+    a, b = [1, 2], [3, 4]
+    cache.insert(a, pool.allocate(2))
+    cache.insert(b, pool.allocate(2))
+    for _ in range(3):
+        cache.match(a)
+    cache.match(b)  # b is the most recent, but a is the most frequent
+    cache.evict(2)
+    assert cache.match(a)[1] == 2 and cache.match(b)[1] == 0
+
+
+def test_split_keeps_locks_consistent() -> None:
+    pool = PagePool(16, 1)
+    cache = RadixCache(pool)
+    cache.insert([1, 2, 3, 4], pool.allocate(4))
+    _, _, whole = cache.match([1, 2, 3, 4])
+    cache.lock(whole)
+    _, length, _ = cache.match([1, 2, 9])  # splits the node after two pages
+    assert length == 2
+    cache.unlock(whole)  # unlocking through the split leaves nothing locked
+    assert cache.evictable_pages() == 4
