@@ -145,6 +145,7 @@ def _cache_factors(
     return {
         "format_version": fmt.FORMAT_VERSION,
         "kiln_version": kiln.__version__,
+        "kiln_source_sha256": _source_hash(),
         "torch_version": torch.__version__,
         "compile_args": _portable_args(args),
         "resolved": {"dtype": dtype, "device": device},
@@ -154,6 +155,24 @@ def _cache_factors(
         else _hash_files(list(reader.iter_files()), ckpt),
         "tokenizer_sha256": _hash_files(tok_files, tok_dir),
     }
+
+
+def _source_hash() -> str:
+    """The code that decides what an artefact holds (models, IR, passes, kernels, args):
+    a development build of kiln with another pass or kernel rule is another toolchain."""
+    import kiln.args
+    import kiln.compiler
+    import kiln.kernels
+    import kiln.models
+    import kiln.passes
+
+    h = hashlib.sha256()
+    for pkg in (kiln.args, kiln.compiler, kiln.kernels, kiln.models, kiln.passes):
+        root = Path(pkg.__file__).parent
+        for f in sorted(root.rglob("*.py")):
+            h.update(str(f.relative_to(root)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
 
 
 def _portable_args(args: ServerArgs) -> dict[str, Any]:

@@ -155,3 +155,9 @@ def test_every_compile_time_argument_is_recorded(artefact) -> None:
     compile_time = {d for d, f in FLAGS.items() if f.stage == "compile"}
     assert set(m["compile_args"]) == compile_time
     assert m["cache_factors"]["resolved"] == {"dtype": "float32", "device": "cpu"}
+
+
+def test_kiln_source_is_a_cache_factor(artefact) -> None:
+    """A build of kiln with other passes or kernels must not reuse old artefacts."""
+    m = json.loads((artefact("llama") / "manifest.json").read_text())
+    assert len(m["cache_factors"]["kiln_source_sha256"]) == 64
