@@ -43,9 +43,23 @@ def percentile(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-def start_server(art: Path, port: int, concurrency: int) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "kiln", "serve", str(art), "--port", str(port),
-           "--max-running-requests", str(concurrency), "--log-level", "warning"]  # fmt: skip
+def start_server(
+    art: Path, port: int, concurrency: int, extra: list[str]
+) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "kiln",
+        "serve",
+        str(art),
+        "--port",
+        str(port),
+        "--max-running-requests",
+        str(concurrency),
+        "--log-level",
+        "warning",
+        *extra,
+    ]
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     for _ in range(600):
         try:
@@ -58,8 +72,11 @@ def start_server(art: Path, port: int, concurrency: int) -> subprocess.Popen[byt
 
 
 async def one_request(client: httpx.AsyncClient, ids: list[int], out_len: int) -> dict:
-    body = {"input_ids": ids, "stream": True, "sampling_params": {
-        "max_new_tokens": out_len, "ignore_eos": True, "temperature": 0}}  # fmt: skip
+    body = {
+        "input_ids": ids,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": out_len, "ignore_eos": True, "temperature": 0},
+    }
     t0 = time.perf_counter()
     arrivals: list[tuple[float, int]] = []
     async with client.stream("POST", "/generate", json=body) as r:
@@ -96,11 +113,16 @@ def run_transformers(cfg: dict, prompts: list[list[int]], out_len: int) -> float
 
     hf_cfg = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
     model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
-    kw = {"do_sample": False, "max_new_tokens": out_len, "min_new_tokens": out_len,
-          "pad_token_id": 0}  # fmt: skip
+    kw = {
+        "do_sample": False,
+        "max_new_tokens": out_len,
+        "min_new_tokens": out_len,
+        "pad_token_id": 0,
+    }
     with torch.inference_mode():
-        model.generate(torch.tensor([prompts[0]]), **{**kw, "max_new_tokens": 4,
-                                                     "min_new_tokens": 4})  # fmt: skip
+        model.generate(
+            torch.tensor([prompts[0]]), **{**kw, "max_new_tokens": 4, "min_new_tokens": 4}
+        )
         t0 = time.perf_counter()
         for ids in prompts:
             model.generate(torch.tensor([ids]), **kw)
@@ -121,6 +143,7 @@ def main() -> None:
         default=4,
         help="requests the (sequential) peer runs; its rate is per token",
     )
+    p.add_argument("--server-args", default="", help="extra `kiln serve` flags")
     args = p.parse_args()
 
     from kiln.args import ServerArgs
@@ -130,19 +153,24 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="kiln-serve-bench-"))
     (work / "ckpt").mkdir()
     (work / "ckpt" / "config.json").write_text(json.dumps(cfg))
-    compile_model(ServerArgs(model_path=str(work / "ckpt"), load_format="dummy",
-                             dtype="float32"), work / "art")  # fmt: skip
+    compile_model(
+        ServerArgs(model_path=str(work / "ckpt"), load_format="dummy", dtype="float32"),
+        work / "art",
+    )
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, cfg["vocab_size"], (args.input_len,), generator=g).tolist()
-               for _ in range(args.num_requests)]  # fmt: skip
+    prompts = [
+        torch.randint(3, cfg["vocab_size"], (args.input_len,), generator=g).tolist()
+        for _ in range(args.num_requests)
+    ]
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = start_server(work / "art", port, args.concurrency)
+    server = start_server(work / "art", port, args.concurrency, args.server_args.split())
     try:
-        kiln = asyncio.run(run_kiln(f"http://127.0.0.1:{port}", prompts, args.output_len,
-                                    args.concurrency))  # fmt: skip
+        kiln = asyncio.run(
+            run_kiln(f"http://127.0.0.1:{port}", prompts, args.output_len, args.concurrency)
+        )
     finally:
         server.terminate()
         server.wait(30)
@@ -155,7 +183,8 @@ def main() -> None:
     itl = [x * 1000 for r in res for x in r["itl"]]
     print(
         f"\n## serve_bench: {args.num_requests} requests, concurrency {args.concurrency}, "
-        f"input {args.input_len}, output {args.output_len} tokens, fp32"
+        f"input {args.input_len}, output {args.output_len} tokens, fp32; "
+        f"server flags: {args.server_args or '(none)'}"
     )
     print(
         f"machine: {platform.machine()}, {torch.get_num_threads()} torch threads, "

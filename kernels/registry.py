@@ -10,7 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-BACKENDS = ("torch_native", "triton", "flashinfer")
+# torch_native: reference, every device. onednn: fp32 GEMM on prepacked weights (CPU).
+# triton / flashinfer: GPU kernels.
+BACKENDS = ("torch_native", "onednn", "triton", "flashinfer")
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,7 @@ def register(
 
 def _load_backends() -> None:
     # Importing the backend modules runs their @register decorators.
-    from kiln.kernels import attention, torch_native  # noqa: F401
+    from kiln.kernels import attention, onednn, torch_native  # noqa: F401
 
 
 def get(op: str, backend: str) -> Kernel:

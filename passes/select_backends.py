@@ -1,4 +1,8 @@
-"""Backend selection: record in each node's meta which registered kernel runs it."""
+"""Backend selection: record in each node's meta which registered kernel runs it.
+
+Rules come from measurements on the targets (kernels/onednn.py, benchmarks/RESULTS.md):
+fp32 linears on CPU run on oneDNN; everything else on the reference kernels unless the
+user asks for a backend."""
 
 from __future__ import annotations
 
@@ -25,8 +29,14 @@ def select_backends(graph: Graph, ctx: PassContext) -> PassResult:
                 f"%{n.name}: backend {wanted!r} has no {n.op} kernel on {ctx.device} "
                 f"(available: {', '.join(have)})"
             )
-        choice = wanted or have[0]
+        choice = wanted or _preferred(n.op, ctx, have)
         if n.meta.get("backend") != choice:
             n.meta["backend"] = choice
             changed = True
     return PassResult(graph, changed)
+
+
+def _preferred(op: str, ctx: PassContext, have: list[str]) -> str:
+    if op == "linear" and ctx.dtype == "float32" and "onednn" in have:
+        return "onednn"
+    return "torch_native" if "torch_native" in have else have[0]

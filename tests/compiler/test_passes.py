@@ -98,11 +98,12 @@ def test_dce_drops_unreachable_nodes_and_their_weights() -> None:
 def test_default_pipeline_logs_each_pass_and_picks_backends() -> None:
     g, log = run_passes(graph(), CTX, PIPELINES["default"])
     assert [e["pass"] for e in log] == [p.__name__ for p in PIPELINES["default"]]
-    assert all(
-        n.meta.get("backend") == "torch_native"
-        for n in g.nodes
-        if n.op not in ("input", "param", "output", "getitem")
-    )
+    compute = [n for n in g.nodes if n.op not in ("input", "param", "output", "getitem")]
+    # fp32 linears on CPU run on oneDNN (measured faster from 3 rows); the rest on torch.
+    assert {n.meta["backend"] for n in compute if n.op == "linear"} == {"onednn"}
+    assert {n.meta["backend"] for n in compute if n.op != "linear"} == {"torch_native"}
+    g16, _ = run_passes(graph(), PassContext(dtype="bfloat16"), PIPELINES["default"])
+    assert {n.meta["backend"] for n in g16.nodes if n.op == "linear"} == {"torch_native"}
 
 
 def test_failure_names_the_passes_that_ran_before() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -128,5 +129,14 @@ def test_paged_attention_prefill_and_batched_decode_with_windows() -> None:
 
 
 def test_registry_lists_backends_per_device() -> None:
-    assert registry.available("linear", "cpu") == ["torch_native"]
+    assert set(registry.available("linear", "cpu")) == {"torch_native", "onednn"}
+    assert registry.available("linear", "cuda") == ["torch_native"]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 16])
+def test_onednn_linear_equals_the_reference(rows: int) -> None:
+    x, w, b = torch.randn(rows, 64), torch.randn(96, 64), torch.randn(96)
+    kernel = registry.get("linear", "onednn").fn
+    torch.testing.assert_close(kernel(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernel(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
     assert "attention" in registry.ops_with_kernels()
