@@ -168,7 +168,7 @@ def _source_hash() -> str:
 
     h = hashlib.sha256()
     for pkg in (kiln.args, kiln.compiler, kiln.kernels, kiln.models, kiln.passes):
-        root = Path(pkg.__file__).parent
+        root = Path(str(pkg.__file__)).parent
         for f in sorted(root.rglob("*.py")):
             h.update(str(f.relative_to(root)).encode())
             h.update(f.read_bytes())
