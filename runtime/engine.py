@@ -289,6 +289,7 @@ class Engine:
             req.finish_reason,
             len(req.prompt_ids),
             len(req.output_ids),
+            req.cached_tokens,
         )
 
     def result(self, req: Request) -> dict[str, Any]:

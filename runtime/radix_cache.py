@@ -78,8 +78,15 @@ class RadixCache:
         """Cut `node` after `n_pages` pages; returns the new upper part."""
         cut = n_pages * self.page
         assert node.parent is not None
-        upper = Node(node.key[:cut], node.pages[:n_pages], node.parent, {},
-                     node.locks, node.last_used, node.hits)  # fmt: skip
+        upper = Node(
+            node.key[:cut],
+            node.pages[:n_pages],
+            node.parent,
+            {},
+            node.locks,
+            node.last_used,
+            node.hits,
+        )
         node.parent.children[self._first(node.key, 0)] = upper
         node.key, node.pages, node.parent = node.key[cut:], node.pages[n_pages:], upper
         upper.children[self._first(node.key, 0)] = node
@@ -106,8 +113,7 @@ class RadixCache:
         while at < len(tokens):
             child = node.children.get(self._first(tokens, at))
             if child is None:
-                new = Node(tuple(tokens[at:]), list(pages[at // self.page :]), node,
-                           last_used=now)  # fmt: skip
+                new = Node(tuple(tokens[at:]), list(pages[at // self.page :]), node, last_used=now)
                 node.children[self._first(tokens, at)] = new
                 self.cached_pages += len(new.pages)
                 return leftover

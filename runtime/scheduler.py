@@ -47,8 +47,9 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, config: SchedulerConfig,
-                 cache: RadixCache | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, pool: PagePool, config: SchedulerConfig, cache: RadixCache | None = None
+    ) -> None:
         if config.policy not in POLICIES:
             raise ValueError(f"unknown schedule policy {config.policy!r}")
         self.pool = pool
@@ -65,8 +66,10 @@ class Scheduler:
     def add(self, req: Request) -> None:
         needed = self.pool.pages_for(req.num_tokens + 1)
         if needed > self.pool.num_pages:
-            raise ValueError(f"request {req.rid} needs {req.num_tokens + 1} KV tokens; the "
-                             f"pool holds {self.pool.num_pages * self.pool.page_size}")  # fmt: skip
+            raise ValueError(
+                f"request {req.rid} needs {req.num_tokens + 1} KV tokens; the "
+                f"pool holds {self.pool.num_pages * self.pool.page_size}"
+            )
         self.waiting.append(req)
 
     @property
@@ -155,8 +158,9 @@ class Scheduler:
         need = self.pool.pages_for(req.kv_len + take) - len(req.pages)
         reserve = 0
         if fresh and (self.running or picked):
-            future = sum(r.params.max_new_tokens - len(r.output_ids)
-                         for r in [*self.running, *picked])  # fmt: skip
+            future = sum(
+                r.params.max_new_tokens - len(r.output_ids) for r in [*self.running, *picked]
+            )
             reserve = self.pool.pages_for(int(self.new_token_ratio * future))
         if not self._ensure_free(need + reserve):
             if not fresh or not self._ensure_free(need):
@@ -191,8 +195,9 @@ class Scheduler:
         if not decoding:
             return None
         self.new_token_ratio = max(self._ratio_floor, self.new_token_ratio - 0.001)
-        return Batch(decoding, [[r.all_ids[-1]] for r in decoding], [True] * len(decoding),
-                     is_prefill=False)  # fmt: skip
+        return Batch(
+            decoding, [[r.all_ids[-1]] for r in decoding], [True] * len(decoding), is_prefill=False
+        )
 
     def _make_room(self, decoding: list[Request]) -> None:
         """A page for each decoding request's next token, retracting the newest to fit."""

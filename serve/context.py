@@ -189,9 +189,11 @@ class ServingContext:
         return results
 
     def usage(
-        self, prompts: list[list[int]], completion_tokens: int, cached_tokens: int = 0
+        self, reqs: list[Request], per_prompt: int, completion_tokens: int, cached_tokens: int = 0
     ) -> dict[str, Any]:
-        prompt_tokens = sum(len(p) for p in prompts)
+        """OpenAI usage; each prompt counted once (its requests are `per_prompt` in a row),
+        as the model saw it (after any truncation)."""
+        prompt_tokens = sum(len(r.prompt_ids) for r in reqs[::per_prompt])
         usage: dict[str, Any] = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,

@@ -56,11 +56,12 @@ class Metrics:
         Gauge("kiln:token_usage", "Share of KV-pool pages in use.", registry=reg).set_function(
             lambda: 1 - pool.free_pages / pool.num_pages
         )
+        self._prompt_seen = self._prompt_cached = 0
         Gauge(
             "kiln:cache_hit_rate",
             "Share of prompt tokens served from the prefix cache.",
             registry=reg,
-        ).set_function(lambda: 0.0)
+        ).set_function(lambda: self._prompt_cached / max(self._prompt_seen, 1))
 
     def on_output(
         self, out: RequestOutput, first: bool, since_last: float, since_start: float
@@ -78,6 +79,8 @@ class Metrics:
         if out.finished:
             self.e2e.observe(since_start)
             self.prompt_tokens.inc(out.prompt_tokens)
+            self._prompt_seen += out.prompt_tokens
+            self._prompt_cached += out.cached_tokens
             self.requests.inc()
 
     def render(self) -> bytes:

@@ -67,6 +67,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         body.sampling_params(body.max_tokens),
         best_of,
         top_logprobs=(body.logprobs or 0) if want_lp else None,
+        priority=body.priority,
     )
     echo = [ctx.decode(p) if body.echo else "" for p in prompts]
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -101,7 +102,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                 yield _sse({**head, "choices": [choice]})
             if include_usage:
                 usage = ctx.usage(
-                    prompts,
+                    reqs,
+                    n,
                     completion_tokens,
                     sum(cached.get(i * n, 0) for i in range(len(prompts))),
                 )
@@ -130,7 +132,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                 }
             )
     cached = sum(finals[i * best_of].cached_tokens for i in range(len(prompts)))
-    usage = ctx.usage(prompts, sum(r.completion_tokens for r in finals), cached)
+    usage = ctx.usage(reqs, best_of, sum(r.completion_tokens for r in finals), cached)
     return {**head, "choices": choices, "usage": usage}
 
 
@@ -192,7 +194,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 }
                 yield _sse({**chunk_head, "choices": [choice]})
             if include_usage:
-                usage = ctx.usage([ids], completion_tokens, cached)
+                usage = ctx.usage(reqs, body.n, completion_tokens, cached)
                 yield _sse({**chunk_head, "choices": [], "usage": usage})
             yield "data: [DONE]\n\n"
 
@@ -211,7 +213,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 "matched_stop": matched,
             }
         )
-    usage = ctx.usage([ids], sum(r.completion_tokens for r in finals), finals[0].cached_tokens)
+    usage = ctx.usage(
+        reqs, body.n, sum(r.completion_tokens for r in finals), finals[0].cached_tokens
+    )
     return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": usage})
 
 

@@ -135,3 +135,27 @@ def test_logprobs_in_meta_info(engine) -> None:
     assert len(tops) == 4 and all(len(t) == 3 for t in tops)
     # Greedy: the chosen token is the most likely one.
     assert all(top[0][1] == tok for top, tok in zip(tops, out["output_ids"], strict=True))
+
+
+def test_abort_returns_memory_to_the_pool(engine) -> None:
+    pool = engine.runner.pool
+    engine.flush_cache()
+    idle = pool.free_pages
+    reqs = [engine.make_request(list(p), engine_params(), i) for i, p in enumerate(PROMPTS)]
+    for r in reqs:
+        engine.add_request(r)
+    for _ in range(3):
+        engine.step()
+    assert pool.free_pages < idle
+    for r in reqs:
+        out = engine.abort(r.rid)
+        assert out is not None and out.finished and out.finish_reason["type"] == "abort"
+    assert engine.abort(reqs[0].rid) is None  # already gone
+    assert pool.free_pages + engine.scheduler.cached_pages == idle
+    assert not engine.has_work
+
+
+def engine_params():
+    from kiln.runtime.sampling_params import SamplingParams
+
+    return SamplingParams(**GREEDY)

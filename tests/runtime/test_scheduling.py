@@ -18,8 +18,12 @@ PROMPTS = [[*SHARED, 50, 51], [*SHARED, 60], list(range(100, 160)), [7, 8, 9]]
 
 @pytest.fixture(scope="module")
 def reference(artefact) -> list[list[int]]:
-    eng = Engine(artefact("mistral"), max_total_tokens=2048, disable_radix_cache=True,
-                 chunked_prefill_size=-1)  # fmt: skip
+    eng = Engine(
+        artefact("mistral"),
+        max_total_tokens=2048,
+        disable_radix_cache=True,
+        chunked_prefill_size=-1,
+    )
     return [o["output_ids"] for o in eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)]
 
 
@@ -38,11 +42,14 @@ def test_prefix_cache_reuses_tokens_and_changes_nothing(artefact, reference) -> 
     assert eng.flush_cache() > 0 and pool.free_pages == pool.num_pages
 
 
-@pytest.mark.parametrize("args", [
-    {"chunked_prefill_size": 8},
-    {"chunked_prefill_size": 8, "enable_mixed_chunk": True},
-    {"chunked_prefill_size": 16, "disable_radix_cache": True},
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"chunked_prefill_size": 8},
+        {"chunked_prefill_size": 8, "enable_mixed_chunk": True},
+        {"chunked_prefill_size": 16, "disable_radix_cache": True},
+    ],
+)
 def test_chunked_prefill_changes_nothing(artefact, reference, args) -> None:
     eng = Engine(artefact("mistral"), max_total_tokens=2048, **args)
     outs = eng.generate(input_ids=PROMPTS, sampling_params=GREEDY)
@@ -66,8 +73,9 @@ def test_paged_prefix_cache_changes_nothing(artefact) -> None:
 
 # -- policies, as bookkeeping -----------------------------------------------------------------
 def req(rid: str, n: int = 4, priority: int = 0, max_new: int = 8) -> Request:
-    return Request(rid, list(range(1, n + 1)), SamplingParams(max_new_tokens=max_new),
-                   priority=priority)  # fmt: skip
+    return Request(
+        rid, list(range(1, n + 1)), SamplingParams(max_new_tokens=max_new), priority=priority
+    )
 
 
 def step(sched: Scheduler):
@@ -135,8 +143,10 @@ def test_random_is_seeded() -> None:
 
 def test_conservativeness_keeps_room_for_decoding() -> None:
     def admitted_count(c: float) -> int:
-        s = Scheduler(PagePool(64, 1), SchedulerConfig(max_running=16, max_prefill_tokens=64,
-                                                       conservativeness=c))  # fmt: skip
+        s = Scheduler(
+            PagePool(64, 1),
+            SchedulerConfig(max_running=16, max_prefill_tokens=64, conservativeness=c),
+        )
         for i in range(8):
             s.add(req(f"r{i}", n=4, max_new=40))
         return len(s.schedule().requests)

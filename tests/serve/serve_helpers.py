@@ -44,10 +44,15 @@ def _auth(key: str | None, kw: dict) -> dict[str, str]:
 
 
 def start_server(art: Path, log: Path, *flags: str) -> Server:
+    return start_kiln(["serve", str(art), *flags], log)
+
+
+def start_kiln(argv: list[str], log: Path) -> Server:
+    """Run `kiln ARGV --port P` and wait until /health answers."""
     port = free_port()
     out = open(log, "wb")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kiln", "serve", str(art), "--port", str(port), *flags],
+        [sys.executable, "-m", "kiln", *argv, "--port", str(port)],
         stdout=out,
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},

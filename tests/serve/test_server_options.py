@@ -1,0 +1,170 @@
+"""Server flags that change behaviour: chat template file, metric buckets, truncation,
+cache reporting and flushing, and `kiln launch`."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from serve_helpers import start_kiln, stop_server
+
+TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+
+
+@pytest.fixture(scope="module")
+def server(artefact, launch, tmp_path_factory):
+    template = tmp_path_factory.mktemp("tpl") / "chat.jinja"
+    template.write_text(TEMPLATE)
+    return launch(
+        artefact("qwen2"),
+        "--chat-template",
+        str(template),
+        "--enable-metrics",
+        "--bucket-time-to-first-token",
+        "0.25",
+        "0.5",
+        "7.5",
+        "--allow-auto-truncate",
+        "--enable-cache-report",
+        "--max-total-tokens",
+        "2048",
+        "--served-model-name",
+        "m",
+    )
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+
+
+def test_chat_template_file_is_used(client, artefact) -> None:
+    from kiln import Engine
+
+    engine = Engine(artefact("qwen2"), max_total_tokens=512)
+    text = "[system] Be brief.\n[user] Hi\n[assistant]"
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    expected = engine.generate(
+        input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    )
+    out = client.chat.completions.create(
+        model="m",
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    )
+    assert out.usage.prompt_tokens == len(ids)
+    assert out.choices[0].message.content == expected["text"]
+
+
+def test_metric_buckets_follow_the_flags(server, client) -> None:
+    client.completions.create(model="m", prompt="Hello", max_tokens=2)
+    text = server.get("/metrics", key=None).text
+    buckets = [
+        line
+        for line in text.splitlines()
+        if line.startswith("kiln:time_to_first_token_seconds_bucket")
+    ]
+    assert [b.split('le="')[1].split('"')[0] for b in buckets] == ["0.25", "0.5", "7.5", "+Inf"]
+
+
+def test_auto_truncate_cuts_long_prompts(client) -> None:
+    out = client.completions.create(model="m", prompt="Hello " * 400, max_tokens=1)
+    assert out.usage.prompt_tokens == 255  # context 256, one slot left to generate
+    assert out.choices[0].finish_reason == "length"
+
+
+def test_cached_tokens_are_reported_and_flushed(server, client) -> None:
+    prompt = "The capital of France is Paris. " * 4
+    client.completions.create(model="m", prompt=prompt, max_tokens=2)
+    again = client.completions.create(model="m", prompt=prompt, max_tokens=2)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached == again.usage.prompt_tokens - 1
+    assert server.get("/get_server_info").json()["kv_pages_cached"] > 0
+    flushed = server.post("/flush_cache").json()
+    assert flushed["freed_tokens"] > 0
+    info = server.get("/get_server_info").json()
+    assert info["kv_pages_cached"] == 0 and info["kv_pages_free"] == info["kv_pages_total"]
+
+
+def test_launch_compiles_through_the_cache_then_serves(checkpoint, tmp_path) -> None:
+    ckpt = checkpoint("llama")
+    argv = [
+        "launch",
+        "--model-path",
+        str(ckpt),
+        "--dtype",
+        "float32",
+        "--artefact-dir",
+        str(tmp_path / "art"),
+        "--max-total-tokens",
+        "512",
+        "--skip-server-warmup",
+    ]
+    for attempt, expected in ((1, "compiled: "), (2, "cache hit: ")):
+        log = tmp_path / f"launch{attempt}.log"
+        server = start_kiln(argv, log)
+        try:
+            out = openai.OpenAI(base_url=server.url + "/v1", api_key="x").completions.create(
+                model="llama", prompt="Hello", max_tokens=3, extra_body={"ignore_eos": True}
+            )
+            assert out.usage.completion_tokens == 3
+        finally:
+            stop_server(server)
+        assert expected in log.read_text()
+
+
+def test_priority_field_orders_waiting_requests(artefact, launch) -> None:
+    import asyncio
+    import time
+
+    import httpx
+
+    srv = launch(
+        artefact("llama"),
+        "--enable-priority-scheduling",
+        "--max-running-requests",
+        "1",
+        "--priority-scheduling-preemption-threshold",
+        "1000",
+        "--max-total-tokens",
+        "1024",
+        "--skip-server-warmup",
+    )
+
+    async def run() -> dict[str, float]:
+        done: dict[str, float] = {}
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
+
+            async def send(name: str, priority: int, tokens: int) -> None:
+                body = {
+                    "model": "m",
+                    "prompt": "Hello",
+                    "max_tokens": tokens,
+                    "ignore_eos": True,
+                    "priority": priority,
+                }
+                r = await c.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                done[name] = time.perf_counter()
+
+            busy = asyncio.ensure_future(send("busy", 0, 200))
+            await asyncio.sleep(0.3)  # it holds the only running slot
+            # Queued behind it, low first; the high-priority one must still go first.
+            await asyncio.gather(send("low", 1, 4), send("high", 50, 4), busy)
+        return done
+
+    done = asyncio.run(run())
+    assert done["high"] < done["low"]
+
+
+def test_cache_hit_rate_metric(server, client) -> None:
+    prompt = "One, two, three, four, five, six, seven. " * 3
+    for _ in range(2):
+        client.completions.create(model="m", prompt=prompt, max_tokens=1)
+    line = next(
+        x
+        for x in server.get("/metrics", key=None).text.splitlines()
+        if x.startswith("kiln:cache_hit_rate ")
+    )
+    assert 0.0 < float(line.split()[-1]) < 1.0
