@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from kiln.args import ServerArgs, add_cli_args, explicit_values
 
@@ -16,24 +17,38 @@ from kiln.args import ServerArgs, add_cli_args, explicit_values
 _SUPPRESS = argparse.SUPPRESS
 
 
-def _compile_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "compile",
-        help="compile a Hugging Face checkpoint into an artefact",
-        argument_default=_SUPPRESS,
-    )
+def _subcommand(
+    sub: argparse._SubParsersAction, name: str, help: str, func: Any, artefact: bool
+) -> argparse.ArgumentParser:
+    """A subcommand taking every server flag (a whole SGLang command line carries over)."""
+    p = sub.add_parser(name, help=help, argument_default=_SUPPRESS)
+    if artefact:
+        p.add_argument("artefact", help="artefact folder made by `kiln compile`")
     add_cli_args(p)
+    p.set_defaults(func=func)
+    return p
+
+
+def _compile_parser(sub: argparse._SubParsersAction) -> None:
+    p = _subcommand(
+        sub,
+        "compile",
+        "compile a Hugging Face checkpoint into an artefact",
+        _cmd_compile,
+        artefact=False,
+    )
     p.add_argument("-o", "--output", required=True, help="artefact folder to write")
-    p.set_defaults(func=_cmd_compile)
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    # Compile-time flags given here must agree with the artefact.
+    p = _subcommand(
+        sub,
         "generate",
-        help="generate text from an artefact (offline engine)",
-        argument_default=_SUPPRESS,
+        "generate text from an artefact (offline engine)",
+        _cmd_generate,
+        artefact=True,
     )
-    p.add_argument("artefact", help="artefact folder made by `kiln compile`")
     p.add_argument(
         "--prompt", action="append", required=True, help="prompt text; repeat the flag for a batch"
     )
@@ -47,37 +62,32 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--json", action="store_true", default=False, help="print each result as a JSON line"
     )
-    # Every server flag is accepted, so a whole SGLang command line carries over;
-    # compile-time ones must agree with the artefact.
-    add_cli_args(p)
-    p.set_defaults(func=_cmd_generate)
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    _subcommand(
+        sub,
         "serve",
-        help="serve an artefact over an OpenAI-compatible HTTP API",
-        argument_default=_SUPPRESS,
+        "serve an artefact over an OpenAI-compatible HTTP API",
+        _cmd_serve,
+        artefact=True,
     )
-    p.add_argument("artefact", help="artefact folder made by `kiln compile`")
-    add_cli_args(p)
-    p.set_defaults(func=_cmd_serve)
 
 
 def _launch_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = _subcommand(
+        sub,
         "launch",
-        help="compile (through the artefact cache) and serve, in one step",
-        argument_default=_SUPPRESS,
+        "compile (through the artefact cache) and serve, in one step",
+        _cmd_launch,
+        artefact=False,
     )
-    add_cli_args(p)
     p.add_argument(
         "--artefact-dir",
         default=None,
         help="where the compiled artefact is kept (default: $KILN_CACHE_DIR or "
         "~/.cache/kiln, one folder per checkpoint)",
     )
-    p.set_defaults(func=_cmd_launch)
 
 
 def _cmd_serve(ns: argparse.Namespace) -> int:

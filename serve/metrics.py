@@ -21,23 +21,27 @@ class Metrics:
     def __init__(self, args: Any, engine: AsyncEngine) -> None:
         self.enabled = bool(args.enable_metrics)
         reg = self.registry = CollectorRegistry()
-        self.ttft = Histogram(
+
+        def histogram(name: str, doc: str, flag: Any, default: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, buckets=flag or default, registry=reg)
+
+        self.ttft = histogram(
             "kiln:time_to_first_token_seconds",
             "Time to first token.",
-            buckets=args.bucket_time_to_first_token or TTFT_BUCKETS,
-            registry=reg,
+            args.bucket_time_to_first_token,
+            TTFT_BUCKETS,
         )
-        self.itl = Histogram(
+        self.itl = histogram(
             "kiln:inter_token_latency_seconds",
             "Time between output tokens.",
-            buckets=args.bucket_inter_token_latency or ITL_BUCKETS,
-            registry=reg,
+            args.bucket_inter_token_latency,
+            ITL_BUCKETS,
         )
-        self.e2e = Histogram(
+        self.e2e = histogram(
             "kiln:e2e_request_latency_seconds",
             "Request latency, end to end.",
-            buckets=args.bucket_e2e_request_latency or E2E_BUCKETS,
-            registry=reg,
+            args.bucket_e2e_request_latency,
+            E2E_BUCKETS,
         )
         self.prompt_tokens = Counter(
             "kiln:prompt_tokens", "Prompt tokens of finished requests.", registry=reg

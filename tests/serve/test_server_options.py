@@ -148,10 +148,14 @@ def test_priority_field_orders_waiting_requests(artefact, launch) -> None:
                 assert r.status_code == 200, r.text
                 done[name] = time.perf_counter()
 
-            busy = asyncio.ensure_future(send("busy", 0, 200))
-            await asyncio.sleep(0.3)  # it holds the only running slot
+            busy = asyncio.ensure_future(send("busy", 0, 240))
+            while (await c.get("/get_server_info")).json()["num_running_reqs"] == 0:
+                await asyncio.sleep(0.02)  # until it holds the only running slot
             # Queued behind it, low first; the high-priority one must still go first.
-            await asyncio.gather(send("low", 1, 4), send("high", 50, 4), busy)
+            low = asyncio.ensure_future(send("low", 1, 4))
+            while (await c.get("/get_server_info")).json()["num_queue_reqs"] == 0:
+                await asyncio.sleep(0.01)
+            await asyncio.gather(low, send("high", 50, 4), busy)
         return done
 
     done = asyncio.run(run())
