@@ -144,6 +144,7 @@ def main() -> None:
         help="requests the (sequential) peer runs; its rate is per token",
     )
     p.add_argument("--server-args", default="", help="extra `kiln serve` flags")
+    p.add_argument("--page-size", type=int, default=1, help="compile-time KV page size")
     args = p.parse_args()
 
     from kiln.args import ServerArgs
@@ -154,7 +155,12 @@ def main() -> None:
     (work / "ckpt").mkdir()
     (work / "ckpt" / "config.json").write_text(json.dumps(cfg))
     compile_model(
-        ServerArgs(model_path=str(work / "ckpt"), load_format="dummy", dtype="float32"),
+        ServerArgs(
+            model_path=str(work / "ckpt"),
+            load_format="dummy",
+            dtype="float32",
+            page_size=args.page_size,
+        ),
         work / "art",
     )
     g = torch.Generator().manual_seed(0)
@@ -184,7 +190,7 @@ def main() -> None:
     print(
         f"\n## serve_bench: {args.num_requests} requests, concurrency {args.concurrency}, "
         f"input {args.input_len}, output {args.output_len} tokens, fp32; "
-        f"server flags: {args.server_args or '(none)'}"
+        f"page size {args.page_size}; server flags: {args.server_args or '(none)'}"
     )
     print(
         f"machine: {platform.machine()}, {torch.get_num_threads()} torch threads, "

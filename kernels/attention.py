@@ -24,6 +24,7 @@ class SeqSpan:
     q_len: int
     kv_len: int  # cached tokens plus the new ones
     kv_slots: torch.Tensor  # [kv_len] slot of every token of the sequence, in order
+    pages: torch.Tensor | None = None  # the pages holding it (None: page size 1, pages = slots)
 
 
 @dataclass
@@ -34,27 +35,33 @@ class AttentionBatch:
     seqs: list[SeqSpan]
     # Decode-only steps (every q_len == 1) attend in one padded batched call.
     decode: bool = False
-    kv_index: torch.Tensor | None = None  # [batch * max_kv_len] slots, padded with slot 0
+    # Decode gathers whole pages (a contiguous block per page and head, about twice as fast
+    # as gathering token rows at 16-token pages): [batch * max_pages] page ids, padded with 0.
+    kv_index: torch.Tensor | None = None
     kv_lens: torch.Tensor | None = None  # [batch]
+    page_size: int = 1
+    kv_width: int = 0  # max_pages * page_size: keys per sequence after the gather
     _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
     @classmethod
     def build(
-        cls, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: list[SeqSpan]
+        cls, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: list[SeqSpan], page_size: int = 1
     ) -> AttentionBatch:
         out_slots = torch.cat([s.kv_slots[s.kv_len - s.q_len :] for s in seqs])
-        batch = cls(k_cache, v_cache, out_slots, seqs)
+        batch = cls(k_cache, v_cache, out_slots, seqs, page_size=page_size)
         if all(s.q_len == 1 for s in seqs):
-            width = max(s.kv_len for s in seqs)
+            used = [-(-s.kv_len // page_size) for s in seqs]
+            pages = [s.kv_slots if s.pages is None else s.pages for s in seqs]
             if len(seqs) == 1:
-                index = seqs[0].kv_slots
+                index = pages[0][: used[0]]
             else:
-                index = torch.zeros(len(seqs), width, dtype=torch.long)
-                for i, s in enumerate(seqs):
-                    index[i, : s.kv_len] = s.kv_slots
+                index = torch.zeros(len(seqs), max(used), dtype=torch.long)
+                for i, (p, n) in enumerate(zip(pages, used, strict=True)):
+                    index[i, :n] = p[:n]
             batch.decode = True
             batch.kv_index = index.reshape(-1)
             batch.kv_lens = torch.tensor([s.kv_len for s in seqs])
+            batch.kv_width = max(used) * page_size
         return batch
 
     def decode_mask(self, window: int | None) -> torch.Tensor | None:
@@ -64,9 +71,10 @@ class AttentionBatch:
             return self._masks[window]
         assert self.kv_index is not None and self.kv_lens is not None
         lens = self.kv_lens[:, None]
-        width = self.kv_index.numel() // len(self.seqs)
+        width = self.kv_width
         mask: torch.Tensor | None = None
-        if len(self.seqs) > 1 or (window is not None and width > window):
+        cut = width > int(self.kv_lens[0]) or (window is not None and width > window)
+        if len(self.seqs) > 1 or cut:
             j = torch.arange(width)[None, :]
             mask = j < lens
             if window is not None:
@@ -147,8 +155,10 @@ def _decode(
     assert ctx.kv_index is not None
     b = len(ctx.seqs)
     group = num_heads // num_kv_heads
-    ks = k_cache.index_select(1, ctx.kv_index).view(num_kv_heads, b, -1, head_dim)
-    vs = v_cache.index_select(1, ctx.kv_index).view(num_kv_heads, b, -1, head_dim)
+    block = ctx.page_size * head_dim
+    ks = k_cache.view(num_kv_heads, -1, block).index_select(1, ctx.kv_index)
+    vs = v_cache.view(num_kv_heads, -1, block).index_select(1, ctx.kv_index)
+    ks, vs = (t.view(num_kv_heads, b, -1, head_dim) for t in (ks, vs))
     qg = q.view(b, num_kv_heads, group, head_dim).transpose(0, 1)
     o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=ctx.decode_mask(window), scale=scale)
     return o.transpose(0, 1).reshape(b, num_heads * head_dim)

@@ -40,9 +40,10 @@ class ModelRunner:
             positions += range(req.kv_len, kv_len)
             if sampled:
                 last.append(len(ids) - 1)
-            seqs.append(SeqSpan(start, len(fed), kv_len, self.pool.slots(req.pages, kv_len)))
+            pages = torch.tensor(req.pages, dtype=torch.long)
+            seqs.append(SeqSpan(start, len(fed), kv_len, self.pool.slots(req.pages, kv_len), pages))
         dev = self.device
-        ctx = AttentionBatch.build(self.kv.k, self.kv.v, seqs)
+        ctx = AttentionBatch.build(self.kv.k, self.kv.v, seqs, self.pool.page_size)
         rows = range(len(ids)) if all_logits else last
         return self.executor(
             ctx,

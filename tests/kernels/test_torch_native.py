@@ -140,3 +140,44 @@ def test_onednn_linear_equals_the_reference(rows: int) -> None:
     torch.testing.assert_close(kernel(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kernel(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
     assert "attention" in registry.ops_with_kernels()
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_gathers_whole_pages(window) -> None:
+    torch.manual_seed(1)
+    heads, kv_heads, d, page = 4, 2, 8, 4
+    kc = torch.zeros(1, kv_heads, 64, d)
+    vc = torch.zeros(1, kv_heads, 64, d)
+    lens = [7, 2, 12]  # last pages partly filled
+    page_ids = [torch.tensor(p) for p in ([9, 3], [14], [0, 11, 6])]
+    keys = [torch.randn(n, kv_heads * d) for n in lens]
+    vals = [torch.randn(n, kv_heads * d) for n in lens]
+    qs = [torch.randn(1, heads * d) for _ in lens]
+    spans = []
+    for i, (n, p) in enumerate(zip(lens, page_ids, strict=True)):
+        slots = (p[:, None] * page + torch.arange(page)[None]).reshape(-1)[:n]
+        # Everything but the newest token is already in the cache.
+        kc[0][:, slots[:-1]] = keys[i][:-1].view(-1, kv_heads, d).transpose(0, 1)
+        vc[0][:, slots[:-1]] = vals[i][:-1].view(-1, kv_heads, d).transpose(0, 1)
+        spans.append(SeqSpan(i, 1, n, slots, p))
+    batch = AttentionBatch.build(kc, vc, spans, page_size=page)
+    assert batch.decode and batch.kv_width == 3 * page
+    out = k("attention")(
+        batch,
+        torch.cat(qs),
+        torch.cat([x[-1:] for x in keys]),
+        torch.cat([x[-1:] for x in vals]),
+        layer=0,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=d,
+        scale=d**-0.5,
+        sliding_window=window,
+    )
+    ref = torch.cat(
+        [
+            _reference(q, kk, vv, window, heads, kv_heads, d)
+            for q, kk, vv in zip(qs, keys, vals, strict=True)
+        ]
+    )
+    torch.testing.assert_close(out, ref)
