@@ -167,6 +167,11 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(
+                f"logit_bias names tokens outside the vocabulary [0, {vocab}): {bad[:5]}"
+            )
         if len(ids) >= self.context_length:
             raise RequestError(
                 f"the prompt has {len(ids)} tokens; the context length is {self.context_length}"

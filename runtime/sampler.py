@@ -60,6 +60,10 @@ def sample(
 def _penalise(row: torch.Tensor, r: SamplingRow) -> None:
     p = r.params
     vocab = row.numel()
+    if p.logit_bias:  # token ids were checked against the vocabulary at admission
+        row[torch.tensor([t for t, _ in p.logit_bias])] += torch.tensor(
+            [b for _, b in p.logit_bias]
+        )
     if p.repetition_penalty != 1.0:
         # As transformers and vLLM: over prompt and output tokens, shrink positive logits
         # and grow negative ones.

@@ -27,6 +27,7 @@ class SamplingParams:
     no_stop_trim: bool = False
     sampling_seed: int | None = None
     n: int = 1
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -43,6 +44,12 @@ class SamplingParams:
         for name in ("stop", "stop_token_ids"):
             if d.get(name) is not None:
                 d[name] = tuple(d[name])
+        bias = d.get("logit_bias")
+        if isinstance(bias, dict):  # OpenAI: {"token id": bias}
+            try:
+                d["logit_bias"] = tuple(sorted((int(k), float(v)) for k, v in bias.items()))
+            except ValueError:
+                raise ValueError("logit_bias keys must be token ids") from None
         return cls(**{k: v for k, v in d.items() if v is not None})
 
     def __post_init__(self) -> None:
@@ -69,6 +76,10 @@ class SamplingParams:
             (self.max_new_tokens >= 0, f"max_new_tokens must be >= 0, got {self.max_new_tokens}"),
             (self.n >= 1, f"n must be >= 1, got {self.n}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
+            (
+                all(-100 <= b <= 100 for _, b in self.logit_bias),
+                "logit_bias values must be in [-100, 100]",
+            ),
         )
         for ok, message in checks:
             if not ok:
@@ -81,5 +92,8 @@ class SamplingParams:
     @property
     def penalised(self) -> bool:
         return bool(
-            self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+            self.frequency_penalty
+            or self.presence_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
         )

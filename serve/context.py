@@ -106,6 +106,10 @@ class ServingContext:
     def token_text(self, token: int) -> str:
         return self.decode([token], skip_special_tokens=False)
 
+    def refuse_unsupported(self, fields: list[str]) -> None:
+        if fields:
+            raise ApiError(400, f"{', '.join(fields)}: not supported by kiln yet")
+
     # -- requests -------------------------------------------------------------------------------
     def make_requests(
         self,

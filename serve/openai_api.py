@@ -54,6 +54,7 @@ async def get_model(model_id: str, request: Request) -> dict[str, Any]:
 @router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request) -> Any:
     ctx = _ctx(request)
+    ctx.refuse_unsupported(body.unsupported())
     prompts = ctx.prompt_ids(body.prompt)
     n = body.n
     best_of = body.best_of or n
@@ -154,6 +155,7 @@ def _completion_logprobs(ctx: ServingContext, lps: list[TokenLogprob]) -> dict[s
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     ctx = _ctx(request)
+    ctx.refuse_unsupported(body.unsupported())
     ids = ctx.chat_prompt_ids(body.messages)
     max_tokens = body.max_completion_tokens or body.max_tokens
     top = (body.top_logprobs or 0) if body.logprobs else None

@@ -42,6 +42,10 @@ class _Sampling(BaseModel):
     user: str | None = None
     priority: int = 0  # used with --enable-priority-scheduling
 
+    def unsupported(self) -> list[str]:
+        """Fields given with a meaning kiln does not implement: refused, never ignored."""
+        return []
+
     def sampling_params(self, max_tokens: int | None) -> dict[str, Any]:
         params = {
             "temperature": self.temperature,
@@ -57,6 +61,7 @@ class _Sampling(BaseModel):
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
             "no_stop_trim": self.no_stop_trim,
+            "logit_bias": self.logit_bias,
             "max_new_tokens": max_tokens,
         }
         return {k: v for k, v in params.items() if v is not None}
@@ -69,6 +74,9 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     best_of: int | None = None
     suffix: str | None = None
+
+    def unsupported(self) -> list[str]:
+        return ["suffix"] if self.suffix else []
 
 
 class ChatMessage(BaseModel):
@@ -84,6 +92,15 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    functions: list[dict[str, Any]] | None = None
+
+    def unsupported(self) -> list[str]:
+        out = [name for name in ("tools", "functions") if getattr(self, name)]
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            out.append(f"response_format {self.response_format.get('type')!r}")
+        return out
 
 
 class GenerateRequest(BaseModel):

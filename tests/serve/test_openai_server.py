@@ -392,3 +392,32 @@ def test_queue_limit_answers_503_and_sigterm_exits_cleanly(artefact, launch) -> 
     assert 503 in codes and 200 in codes, codes
     stop_server(small)
     assert small.process.poll() is not None
+
+
+def test_logit_bias_and_unsupported_fields(server, client, engine) -> None:
+    params = {**GREEDY, "max_new_tokens": 4}
+    first = server.post("/generate", json={"text": "Hello", "sampling_params": params})
+    banned = first.json()["output_ids"][0]
+    params["logit_bias"] = {str(banned): -100}
+    out = server.post("/generate", json={"text": "Hello", "sampling_params": params}).json()
+    assert banned not in out["output_ids"]
+    forced = completion(client, "Hello", max_tokens=3, logit_bias={"42": 100})
+    assert forced.choices[0].text == engine.tokenizer.decode([42, 42, 42])
+    for body, field in (
+        ({"prompt": "x", "suffix": "y"}, "suffix"),
+        ({"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias names tokens outside"),
+        ({"prompt": "x", "logit_bias": {"1": 500}}, r"logit_bias values must be in \[-100, 100\]"),
+    ):
+        r = server.post("/v1/completions", json={"model": "tiny", **body})
+        assert r.status_code == 400 and __import__("re").search(field, r.json()["message"])
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    for extra, field in (
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ):
+        r = server.post("/v1/chat/completions", json={**chat, **extra})
+        assert r.status_code == 400 and field in r.json()["message"], r.text
+    r = server.post(
+        "/v1/chat/completions", json={**chat, "response_format": {"type": "text"}, "max_tokens": 2}
+    )
+    assert r.status_code == 200
