@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kiln.args import ServerArgs
+from kiln.args import ArgError, ServerArgs
 from kiln.args.stages import refuse_compile_time_changes
 from kiln.runtime.artefact import Artefact
 from kiln.runtime.detokenizer import IncrementalDetokenizer
@@ -55,9 +55,13 @@ class Engine:
         self.art = Artefact.open(artefact)
         refuse_compile_time_changes(server_args, self.art.manifest)
         spec = self.art.spec
-        self.context_length = min(
-            self.args.context_length or spec.context_length, spec.context_length
-        )
+        asked = self.args.context_length
+        if asked is not None and asked > spec.context_length:
+            raise ArgError(
+                f"--context-length: {asked} is longer than the model's "
+                f"{spec.context_length} (max_position_embeddings)"
+            )
+        self.context_length = asked or spec.context_length
         self.tokenizer = (
             None if self.args.skip_tokenizer_init else _load_tokenizer(self.art.tokenizer_dir)
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -160,10 +161,12 @@ class ServingContext:
         return ids
 
     async def stream(self, req: Request) -> AsyncIterator[RequestOutput]:
-        """The request's outputs, with metrics recorded; QueueFull becomes a 503."""
+        """The request's outputs, joined into pieces of --stream-interval tokens, with
+        metrics recorded per step; QueueFull becomes a 503."""
         from kiln.serve.async_engine import QueueFull
 
         start = last = time.perf_counter()
+        pending: RequestOutput | None = None
         try:
             async for out in self.async_engine.stream(req):
                 now = time.perf_counter()
@@ -171,7 +174,10 @@ class ServingContext:
                     out, first=(last == start), since_last=now - last, since_start=now - start
                 )
                 last = now
-                yield out
+                pending = out if pending is None else _join(pending, out)
+                if pending.finished or len(pending.token_ids) >= self.args.stream_interval:
+                    yield pending
+                    pending = None
         except QueueFull as e:
             raise ApiError(503, str(e), "ServiceUnavailableError") from e
 
@@ -251,6 +257,16 @@ async def merged(
     finally:
         for t in tasks:
             t.cancel()
+
+
+def _join(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one."""
+    return dataclasses.replace(
+        b,
+        token_ids=a.token_ids + b.token_ids,
+        text=a.text + b.text,
+        logprobs=a.logprobs + b.logprobs,
+    )
 
 
 def _text_content(content: str | list[dict[str, Any]] | None) -> str:

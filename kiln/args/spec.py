@@ -75,7 +75,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--tensor-parallel-size', '--tp-size', '--tp', type='int', default=1, dest='tp_size', stage=COMPILE),
         Flag('--pipeline-parallel-size', '--pp-size', type='int', default=1, dest='pp_size', stage=COMPILE),
         Flag('--pp-max-micro-batch-size', type='int', stage=RUNTIME),
-        Flag('--stream-interval', type='int', default=1, stage=RUNTIME),
+        Flag('--stream-interval', type='int', default=1, stage=RUNTIME, status=IMPLEMENTED, help='Streamed outputs carry at least this many new tokens (the last may carry fewer).'),
         Flag('--stream-output', type='bool', stage=RUNTIME),
         Flag('--random-seed', type='int', stage=RUNTIME, status=IMPLEMENTED, help="Seed for requests that bring no seed of their own."),
         Flag('--constrained-json-whitespace-pattern', type='str', stage=RUNTIME),

@@ -159,3 +159,15 @@ def engine_params():
     from kiln.runtime.sampling_params import SamplingParams
 
     return SamplingParams(**GREEDY)
+
+
+def test_context_length_flag(artefact) -> None:
+    short = Engine(artefact("llama"), context_length=32, max_total_tokens=256)
+    with pytest.raises(ValueError, match="the prompt has 40 tokens; the context length is 32"):
+        short.generate(input_ids=list(range(1, 41)), sampling_params=GREEDY)
+    out = short.generate(
+        input_ids=list(range(1, 21)), sampling_params={**GREEDY, "max_new_tokens": 50}
+    )
+    assert out["meta_info"]["completion_tokens"] == 12  # stopped at the context
+    with pytest.raises(ArgError, match="--context-length: 1000 is longer than the model's 256"):
+        Engine(artefact("llama"), context_length=1000)

@@ -29,6 +29,8 @@ def server(artefact, launch, tmp_path_factory):
         "2048",
         "--served-model-name",
         "m",
+        "--stream-interval",
+        "4",
     )
 
 
@@ -172,3 +174,21 @@ def test_cache_hit_rate_metric(server, client) -> None:
         if x.startswith("kiln:cache_hit_rate ")
     )
     assert 0.0 < float(line.split()[-1]) < 1.0
+
+
+def test_stream_interval_groups_tokens(server) -> None:
+    import json
+
+    import httpx
+
+    lengths = []
+    body = {
+        "text": "Hello",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 10, "ignore_eos": True, "temperature": 0},
+    }
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                lengths.append(len(json.loads(line[6:])["output_ids"]))
+    assert lengths == [4, 8, 10]
