@@ -192,3 +192,29 @@ def test_stream_interval_groups_tokens(server) -> None:
             if line.startswith("data: ") and line != "data: [DONE]":
                 lengths.append(len(json.loads(line[6:])["output_ids"]))
     assert lengths == [4, 8, 10]
+
+
+def test_ctrl_c_shuts_down_cleanly_leaving_no_processes(artefact, launch) -> None:
+    import signal
+    from pathlib import Path
+
+    srv = launch(artefact("llama"), "--max-total-tokens", "256", "--skip-server-warmup")
+    pid = srv.process.pid
+
+    def children() -> list[int]:
+        kids = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                kids.append(int(stat.parent.name))
+        return kids
+
+    assert children() == []  # one process: the engine is a thread, not a child
+    srv.process.send_signal(signal.SIGINT)
+    code = srv.process.wait(timeout=30)
+    assert code in (0, -signal.SIGINT, 130)
+    assert "Application shutdown complete" in srv.log.read_text()
+    assert not Path(f"/proc/{pid}").exists()
