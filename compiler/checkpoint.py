@@ -31,13 +31,13 @@ class CheckpointReader:
         self._stack = ExitStack()
         self._open: dict[Path, Any] = {}
         if self.load_format == "safetensors":
-            self._index("model.safetensors.index.json", "*.safetensors", self._safetensors_names)
+            self._index("model.safetensors.index.json", "*.safetensors")
         elif self.load_format == "pt":
-            self._index("pytorch_model.bin.index.json", "*.bin", self._pt_names)
+            self._index("pytorch_model.bin.index.json", "*.bin")
             if not self.files:
-                self._index("", "*.pt", self._pt_names)
+                self._index("", "*.pt")
 
-    def _index(self, index_name: str, pattern: str, names: Any) -> None:
+    def _index(self, index_name: str, pattern: str) -> None:
         index = self.path / index_name if index_name else None
         if index is not None and index.is_file():
             weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
@@ -49,13 +49,11 @@ class CheckpointReader:
             return
         self.files = sorted(self.path.glob(pattern))
         for f in self.files:
-            for name in names(f):
+            for name in self._names(f):
                 self._where[name] = f
 
-    def _safetensors_names(self, f: Path) -> list[str]:
-        return list(self._handle(f).keys())
-
-    def _pt_names(self, f: Path) -> list[str]:
+    def _names(self, f: Path) -> list[str]:
+        # A safetensors handle and a loaded pt state dict both answer keys().
         return list(self._handle(f).keys())
 
     def _handle(self, f: Path) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -157,6 +158,7 @@ def _cache_factors(
     }
 
 
+@functools.cache
 def _source_hash() -> str:
     """The code that decides what an artefact holds (models, IR, passes, kernels, args):
     a development build of kiln with another pass or kernel rule is another toolchain."""

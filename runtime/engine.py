@@ -253,18 +253,23 @@ class Engine:
 
     def _postprocess(self, req: Request) -> None:
         """Detokenize the new token and decide whether the request is done."""
-        token, p = req.output_ids[-1], req.params
-        stop_token = (token in self._eos and not p.ignore_eos) or token in p.stop_token_ids
-        if req.detok is not None and (not stop_token or p.no_stop_trim):
+        token = req.output_ids[-1]
+        if req.detok is not None and (
+            not self._is_stop_token(req, token) or req.params.no_stop_trim
+        ):
             req.detok.push(token)
         self._finish_if_done(req)
+
+    def _is_stop_token(self, req: Request, token: int) -> bool:
+        p = req.params
+        return (token in self._eos and not p.ignore_eos) or token in p.stop_token_ids
 
     def _finish_if_done(self, req: Request) -> bool:
         p = req.params
         reason: dict[str, Any] | None = None
         if req.output_ids:
             last = req.output_ids[-1]
-            if (last in self._eos and not p.ignore_eos) or last in p.stop_token_ids:
+            if self._is_stop_token(req, last):
                 reason = {"type": "stop", "matched": last}
             elif req.detok is not None and req.detok.matched is not None:
                 reason = {"type": "stop", "matched": req.detok.matched}

@@ -65,6 +65,21 @@ class RadixCache:
             node = child
         return pages, at, node
 
+    def prefix_len(self, tokens: Sequence[int]) -> int:
+        """Length of the longest cached prefix, without touching the tree (no splits, no
+        use counts): for ranking requests, which must not skew eviction order."""
+        node, at = self.root, 0
+        while at + self.page <= len(tokens):
+            child = node.children.get(self._first(tokens, at))
+            if child is None:
+                break
+            n = self._common_pages(child.key, tokens, at)
+            at += n * self.page
+            if n < len(child.pages):
+                break
+            node = child
+        return at
+
     def _common_pages(self, key: tuple[int, ...], tokens: Sequence[int], at: int) -> int:
         n = 0
         while (n + 1) * self.page <= len(key) and at + (n + 1) * self.page <= len(tokens):

@@ -93,7 +93,7 @@ class Scheduler:
 
     def _cached_len(self, req: Request) -> int:
         assert self.cache is not None
-        return self.cache.match(req.all_ids[:-1])[1]
+        return self.cache.prefix_len(req.all_ids[:-1])
 
     # -- scheduling --------------------------------------------------------------------------
     def schedule(self) -> Batch | None:

@@ -94,8 +94,4 @@ def _required_key(path: str, args: ServerArgs) -> str | None:
 
 async def _warmup(ctx: ServingContext) -> None:
     """One short generation before accepting traffic: first-call costs are paid here."""
-    req = ctx.make_requests(
-        [[ctx.engine.art.spec.bos_token_id or 0]], {"max_new_tokens": 2, "temperature": 0}, 1
-    )[0]
-    async for _ in ctx.stream(req):
-        pass
+    await ctx.probe(max_new_tokens=2)

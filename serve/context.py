@@ -198,6 +198,18 @@ class ServingContext:
             await task
         return results
 
+    async def probe(self, max_new_tokens: int) -> bool:
+        """Generate a few tokens from the BOS token; True when the request finished."""
+        req = self.make_requests(
+            [[self.engine.art.spec.bos_token_id or 0]],
+            {"max_new_tokens": max_new_tokens, "temperature": 0},
+            1,
+        )[0]
+        finished = False
+        async for out in self.stream(req):
+            finished = out.finished
+        return finished
+
     def usage(
         self, reqs: list[Request], per_prompt: int, completion_tokens: int, cached_tokens: int = 0
     ) -> dict[str, Any]:

@@ -102,17 +102,11 @@ async def health(request: Request) -> Response:
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
     """Healthy only if the engine generates a token end to end."""
-    ctx = _ctx(request)
-    req = ctx.make_requests(
-        [[ctx.engine.art.spec.bos_token_id or 0]], {"max_new_tokens": 1, "temperature": 0}, 1
-    )[0]
     try:
-        async for out in ctx.stream(req):
-            if out.finished:
-                return Response(status_code=200)
+        ok = await _ctx(request).probe(max_new_tokens=1)
     except ApiError:
-        pass
-    return Response(status_code=503)
+        ok = False
+    return Response(status_code=200 if ok else 503)
 
 
 @router.get("/get_model_info")

@@ -138,9 +138,8 @@ def _check_ranges(v: dict[str, Any]) -> None:
             _fail(f"{FLAGS[dest].name}: must be a port in 1..65535, got {v[dest]}")
     if v["mem_fraction_static"] is not None and not 0.0 < v["mem_fraction_static"] <= 1.0:
         _fail(f"--mem-fraction-static: must be in (0, 1], got {v['mem_fraction_static']}")
-    if (v["chunked_prefill_size"] is not None and v["chunked_prefill_size"] in (0,)) or (
-        v["chunked_prefill_size"] is not None and v["chunked_prefill_size"] < -1
-    ):
+    chunk = v["chunked_prefill_size"]
+    if chunk is not None and chunk != -1 and chunk <= 0:
         _fail(f"--chunked-prefill-size: must be -1 (off) or > 0, got {v['chunked_prefill_size']}")
     if v["schedule_conservativeness"] < 0:
         _fail(f"--schedule-conservativeness: must be >= 0, got {v['schedule_conservativeness']}")

@@ -76,3 +76,16 @@ def test_split_keeps_locks_consistent() -> None:
     assert length == 2
     cache.unlock(whole)  # unlocking through the split leaves nothing locked
     assert cache.evictable_pages() == 4
+
+
+def test_prefix_len_peeks_without_touching_the_tree() -> None:
+    pool = PagePool(16, 2)
+    cache = RadixCache(pool, "lfu")
+    cache.insert([1, 2, 3, 4, 5, 6], pool.allocate(3))
+    node = next(iter(cache.root.children.values()))
+    before = (node.key, node.hits, node.last_used)
+    assert cache.prefix_len([1, 2, 3, 4, 9, 9]) == 4  # two whole pages
+    assert cache.prefix_len([1, 2, 3, 4, 5, 6, 7]) == 6
+    assert cache.prefix_len([8, 8]) == 0
+    assert (node.key, node.hits, node.last_used) == before  # no split, no use counted
+    assert cache.match([1, 2, 3, 4, 9, 9])[1] == 4  # agrees with match
