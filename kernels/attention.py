@@ -59,7 +59,7 @@ class AttentionBatch:
                 for i, (p, n) in enumerate(zip(pages, used, strict=True)):
                     index[i, :n] = p[:n]
             batch.decode = True
-            batch.kv_index = index.reshape(-1)
+            batch.kv_index = index.reshape(-1).contiguous()
             batch.kv_lens = torch.tensor([s.kv_len for s in seqs])
             batch.kv_width = max(used) * page_size
         return batch

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 # torch_native: reference, every device. onednn: fp32 GEMM on prepacked weights (CPU).
+# kiln_cpu: kiln's own C kernels for fp32 on CPU (paged decode attention, norms, rope).
 # triton / flashinfer: GPU kernels.
-BACKENDS = ("torch_native", "onednn", "triton", "flashinfer")
+BACKENDS = ("torch_native", "onednn", "kiln_cpu", "triton", "flashinfer")
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ def register(
 
 def _load_backends() -> None:
     # Importing the backend modules runs their @register decorators.
-    from kiln.kernels import attention, onednn, torch_native  # noqa: F401
+    from kiln.kernels import attention, cpu, onednn, torch_native  # noqa: F401
 
 
 def get(op: str, backend: str) -> Kernel:

@@ -99,10 +99,10 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
 
 def _cmd_launch(ns: argparse.Namespace) -> int:
     import hashlib
-    import os
     from pathlib import Path
 
     from kiln.compiler.compile import compile_model
+    from kiln.paths import cache_dir
     from kiln.serve.server import serve
 
     explicit = explicit_values(ns)
@@ -111,7 +111,7 @@ def _cmd_launch(ns: argparse.Namespace) -> int:
         raise ValueError("--model-path: required (the Hugging Face checkpoint folder)")
     out = ns.artefact_dir
     if out is None:
-        root = Path(os.environ.get("KILN_CACHE_DIR", Path.home() / ".cache" / "kiln"))
+        root = cache_dir()
         ckpt = Path(args.model_path).resolve()
         tag = hashlib.sha256(str(ckpt).encode()).hexdigest()[:12]
         out = root / f"{ckpt.name}-{tag}"

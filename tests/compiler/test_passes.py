@@ -4,6 +4,7 @@ import pytest
 
 from kiln.compiler.ir import Graph
 from kiln.compiler.trace import trace
+from kiln.kernels import cpu as cpu_kernels
 from kiln.models import ModelConfig, build
 from kiln.passes import (
     PIPELINES,
@@ -18,6 +19,7 @@ from kiln.passes import (
     select_backends,
     verify,
 )
+from kiln.passes.select_backends import STRUCTURAL
 
 LAYERS = 3
 
@@ -99,11 +101,20 @@ def test_default_pipeline_logs_each_pass_and_picks_backends() -> None:
     g, log = run_passes(graph(), CTX, PIPELINES["default"])
     assert [e["pass"] for e in log] == [p.__name__ for p in PIPELINES["default"]]
     compute = [n for n in g.nodes if n.op not in ("input", "param", "output", "getitem")]
-    # fp32 linears on CPU run on oneDNN (measured faster from 3 rows); the rest on torch.
-    assert {n.meta["backend"] for n in compute if n.op == "linear"} == {"onednn"}
-    assert {n.meta["backend"] for n in compute if n.op != "linear"} == {"torch_native"}
+    # fp32 on CPU: linears on oneDNN (measured faster from 3 rows), the ops kiln's C kernels
+    # cover on kiln_cpu, the rest on torch.
+    backend = {n.op: n.meta["backend"] for n in compute}
+    assert backend.pop("linear") == "onednn"
+    for op in cpu_kernels.OPS:
+        assert backend.pop(op) == "kiln_cpu"
+    assert set(backend.values()) == {"torch_native"}
     g16, _ = run_passes(graph(), PassContext(dtype="bfloat16"), PIPELINES["default"])
-    assert {n.meta["backend"] for n in g16.nodes if n.op == "linear"} == {"torch_native"}
+    assert {n.meta["backend"] for n in g16.nodes if n.op not in STRUCTURAL} == {"torch_native"}
+    # --attention-backend torch_native keeps the reference attention, the rest unchanged.
+    ctx = PassContext(options={"backends": {"attention": "torch_native"}})
+    g_ref, _ = run_passes(graph(), ctx, PIPELINES["default"])
+    chosen = {n.op: n.meta["backend"] for n in g_ref.nodes if n.op not in STRUCTURAL}
+    assert chosen["attention"] == "torch_native" and chosen["rmsnorm"] == "kiln_cpu"
 
 
 def test_failure_names_the_passes_that_ran_before() -> None:

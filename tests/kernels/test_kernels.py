@@ -1,4 +1,5 @@
-"""Kernels against plain-torch / transformers references."""
+"""Kernels against plain-torch / transformers references: the reference kernels
+(torch_native) and kiln's C kernels (kiln_cpu) answer the same tests."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ from kiln.kernels import registry
 from kiln.kernels.attention import AttentionBatch, SeqSpan
 
 
-def k(op: str):
-    return registry.get(op, "torch_native").fn
+def k(op: str, backend: str = "torch_native"):
+    return registry.get(op, backend).fn
+
+
+# Backends of the ops both implement; kiln_cpu must really run here (CI has a C compiler).
+BOTH = pytest.mark.parametrize("backend", ["torch_native", "kiln_cpu"])
 
 
 def test_rmsnorm_grouped_equals_per_head_norm() -> None:
@@ -20,26 +25,35 @@ def test_rmsnorm_grouped_equals_per_head_norm() -> None:
     torch.testing.assert_close(k("rmsnorm")(x, w, 1e-6, group=8), ref.reshape(5, 32))
 
 
-def test_add_rmsnorm_returns_normed_and_sum() -> None:
-    a, b, w = torch.randn(3, 16), torch.randn(3, 16), torch.randn(16)
-    normed, total = k("add_rmsnorm")(a, b, w, 1e-5)
+@BOTH
+@pytest.mark.parametrize("rows", [3, 160])  # 160 x 576: the C kernels' threaded path
+def test_rmsnorm_and_add_rmsnorm(backend: str, rows: int) -> None:
+    n = 16 if rows == 3 else 576
+    a, b, w = torch.randn(rows, n), torch.randn(rows, n), torch.randn(n)
+    torch.testing.assert_close(k("rmsnorm", backend)(a, w, 1e-5), F.rms_norm(a, (n,), w, 1e-5))
+    normed, total = k("add_rmsnorm", backend)(a, b, w, 1e-5)
     torch.testing.assert_close(total, a + b)
-    torch.testing.assert_close(normed, F.rms_norm(a + b, (16,), w, 1e-5))
+    torch.testing.assert_close(normed, F.rms_norm(a + b, (n,), w, 1e-5))
 
 
-def test_silu_and_mul() -> None:
-    x = torch.randn(4, 10)
-    torch.testing.assert_close(k("silu_and_mul")(x), F.silu(x[:, :5]) * x[:, 5:])
+@BOTH
+@pytest.mark.parametrize("rows", [4, 64])
+def test_silu_and_mul(backend: str, rows: int) -> None:
+    x = torch.randn(rows, 2 * 1536) * 6  # wide range: exp's clamps and both tails
+    d = x.shape[1] // 2
+    torch.testing.assert_close(k("silu_and_mul", backend)(x), F.silu(x[:, :d]) * x[:, d:])
 
 
-def test_rope_matches_transformers() -> None:
+@BOTH
+def test_rope_matches_transformers(backend: str) -> None:
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     t, heads, d = 6, 3, 16
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
     pos = torch.tensor([0, 1, 2, 7, 8, 30])
-    q = torch.randn(t, heads * d)
-    ours = k("rope")(q, k("rope_cos_sin")(pos, inv), head_dim=d)
+    # q read in place from a wider fused row, as the split of the QKV projection gives it
+    q = torch.randn(t, (heads + 2) * d)[:, : heads * d]
+    ours = k("rope", backend)(q, k("rope_cos_sin")(pos, inv), head_dim=d)
     freqs = pos[:, None].float() * inv[None]
     emb = torch.cat((freqs, freqs), -1)
     ref, _ = apply_rotary_pos_emb(
@@ -65,7 +79,8 @@ def _reference(q, k_, v, window, heads, kv_heads, d):
     return o.transpose(0, 1).reshape(n, heads * d)
 
 
-def test_paged_attention_prefill_and_batched_decode_with_windows() -> None:
+@BOTH
+def test_paged_attention_prefill_and_batched_decode_with_windows(backend: str) -> None:
     torch.manual_seed(0)
     heads, kv_heads, d, slots = 4, 2, 8, 64
     lens = [5, 9, 1]
@@ -77,7 +92,7 @@ def test_paged_attention_prefill_and_batched_decode_with_windows() -> None:
         keys = [torch.randn(n + 1, kv_heads * d) for n in lens]
         vals = [torch.randn(n + 1, kv_heads * d) for n in lens]
         qs = [torch.randn(n + 1, heads * d) for n in lens]
-        attn = k("attention")
+        attn = k("attention", backend)
         kw = dict(
             layer=0,
             num_heads=heads,
@@ -142,14 +157,16 @@ def test_onednn_linear_equals_the_reference(rows: int) -> None:
     assert "attention" in registry.ops_with_kernels()
 
 
+@BOTH
 @pytest.mark.parametrize("window", [None, 5])
-def test_decode_gathers_whole_pages(window) -> None:
+@pytest.mark.parametrize("d", [8, 64, 12])  # 12: not a multiple of 8, kiln_cpu falls back
+def test_decode_reads_whole_pages(backend: str, window, d: int) -> None:
     torch.manual_seed(1)
-    heads, kv_heads, d, page = 4, 2, 8, 4
+    heads, kv_heads, page = 6, 2, 4
     kc = torch.zeros(1, kv_heads, 64, d)
     vc = torch.zeros(1, kv_heads, 64, d)
-    lens = [7, 2, 12]  # last pages partly filled
-    page_ids = [torch.tensor(p) for p in ([9, 3], [14], [0, 11, 6])]
+    lens = [7, 2, 37]  # last pages partly filled; 37 keys: blocks of 8 and a remainder
+    page_ids = [torch.tensor(p) for p in ([9, 3], [14], [0, 11, 6, 1, 2, 4, 5, 7, 8, 10])]
     keys = [torch.randn(n, kv_heads * d) for n in lens]
     vals = [torch.randn(n, kv_heads * d) for n in lens]
     qs = [torch.randn(1, heads * d) for _ in lens]
@@ -161,8 +178,8 @@ def test_decode_gathers_whole_pages(window) -> None:
         vc[0][:, slots[:-1]] = vals[i][:-1].view(-1, kv_heads, d).transpose(0, 1)
         spans.append(SeqSpan(i, 1, n, slots, p))
     batch = AttentionBatch.build(kc, vc, spans, page_size=page)
-    assert batch.decode and batch.kv_width == 3 * page
-    out = k("attention")(
+    assert batch.decode and batch.kv_width == 10 * page
+    out = k("attention", backend)(
         batch,
         torch.cat(qs),
         torch.cat([x[-1:] for x in keys]),

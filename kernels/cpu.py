@@ -1,0 +1,274 @@
+"""kiln_cpu: hand-written fp32 CPU kernels (csrc/cpu_kernels.c), built for this machine.
+
+What they replace, per batch-16 decode step of SmolLM2-135M on the CI CPU (2 AVX2 cores),
+torch profiler: paged decode attention gathered every sequence's K/V pages into a padded
+batch (index_select, ~20 ms) and then ran SDPA on it (~11 ms); the C kernel reads K/V in
+place through the page table. RMSNorm, SiLU-and-mul and rope were 4-6 small aten ops each.
+Figures: benchmarks/RESULTS.md.
+
+The library is compiled on first use with the system C compiler (`$CC`, else `cc`) and
+`-O3 -march=native -fopenmp`, and cached under the kiln cache folder, keyed by the source,
+the flags, the compiler and the CPU. Without a compiler the kernels fall back to the
+torch_native ones, with one warning, so an artefact still runs anywhere.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+from kiln.kernels import torch_native
+from kiln.kernels.attention import AttentionBatch
+from kiln.kernels.attention import attention as torch_attention
+from kiln.kernels.registry import register
+from kiln.paths import cache_dir
+
+log = logging.getLogger("kiln.kernels")
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-lm")
+# Ops this backend implements; select_backends takes it for these on fp32 CPU graphs.
+OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "rope", "attention")
+
+_P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    "kiln_rmsnorm_f32": (None, [_P, _I64, _P, _P, _I64, _I64, _F32, _INT]),
+    "kiln_add_rmsnorm_f32": (None, [_P, _P, _P, _P, _P, _I64, _I64, _F32, _INT]),
+    "kiln_silu_and_mul_f32": (None, [_P, _P, _I64, _I64, _INT]),
+    "kiln_rope_f32": (None, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT]),
+    "kiln_kv_write_f32": (None, [_P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64]),
+    "kiln_decode_attention_f32": (
+        _INT,
+        [_P, _I64, _P, _P, _I64, _P, _I64, _P, _P] + [_I64] * 5 + [_I64, _F32, _INT],
+    ),
+}
+
+
+class KernelBuildError(RuntimeError):
+    pass
+
+
+def _compiler() -> str:
+    return os.environ.get("CC", "cc")
+
+
+def _cpu_id() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build(out_dir: Path | None = None) -> Path:
+    """Compile the kernels for this machine (or find them built) and return the library."""
+    cc = _compiler()
+    try:
+        version = subprocess.run(
+            [cc, "--version"], capture_output=True, text=True, check=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise KernelBuildError(f"no working C compiler ({cc!r}: {e})") from None
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256()
+    for part in (source, " ".join(FLAGS).encode(), version.encode(), _cpu_id().encode()):
+        key.update(part)
+    out_dir = out_dir or cache_dir() / "kernels"
+    lib = out_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = lib.with_name(f"{lib.name}.{os.getpid()}.tmp")
+    done = subprocess.run([cc, *FLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True)
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        tail = done.stderr.strip().splitlines()[-3:]
+        raise KernelBuildError(f"{cc} failed on {SOURCE.name}: {' / '.join(tail)}")
+    os.replace(tmp, lib)  # atomic: concurrent builders (TP ranks) never load a partial file
+    return lib
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded library, or None (with one warning) where it cannot be built."""
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (KernelBuildError, OSError) as e:
+        log.warning("kiln_cpu kernels unavailable, using torch_native instead: %s", e)
+        return None
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def _rows(x: torch.Tensor) -> bool:
+    """fp32, 2-D, unit stride along the row: what the C kernels read."""
+    return x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+
+
+@register("rmsnorm", backend="kiln_cpu", devices=("cpu",))
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int = 0) -> torch.Tensor:
+    lib = library()
+    if lib is None or group or not _rows(x) or not _dense(weight, dims=1):
+        return torch_native.rmsnorm(x, weight, eps, group)
+    rows, n = x.shape
+    out = torch.empty(rows, n)
+    lib.kiln_rmsnorm_f32(
+        x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), rows, n, eps, _threads()
+    )
+    return out
+
+
+@register("add_rmsnorm", backend="kiln_cpu", devices=("cpu",))
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    lib = library()
+    dense = _dense(x) and _dense(residual) and _dense(weight, dims=1)
+    if lib is None or not dense or x.shape != residual.shape:
+        return torch_native.add_rmsnorm(x, residual, weight, eps)
+    rows, n = x.shape
+    out, total = torch.empty(rows, n), torch.empty(rows, n)
+    lib.kiln_add_rmsnorm_f32(
+        x.data_ptr(),
+        residual.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        total.data_ptr(),
+        rows,
+        n,
+        eps,
+        _threads(),
+    )
+    return out, total
+
+
+@register("silu_and_mul", backend="kiln_cpu", devices=("cpu",))
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    lib = library()
+    if lib is None or not _dense(x):
+        return torch_native.silu_and_mul(x)
+    rows, d = x.shape[0], x.shape[1] // 2
+    out = torch.empty(rows, d)
+    lib.kiln_silu_and_mul_f32(x.data_ptr(), out.data_ptr(), rows, d, _threads())
+    return out
+
+
+@register("rope", backend="kiln_cpu", devices=("cpu",))
+def rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], head_dim: int) -> torch.Tensor:
+    lib = library()
+    cos, sin = cos_sin
+    tokens = x.shape[0]
+    if lib is None or not _rows(x) or cos.shape[-1] != head_dim or not cos.is_contiguous():
+        return torch_native.rope(x, cos_sin, head_dim)
+    heads = x.shape[1] // head_dim
+    out = torch.empty(tokens, heads * head_dim)
+    lib.kiln_rope_f32(
+        x.data_ptr(),
+        x.stride(0),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        out.data_ptr(),
+        tokens,
+        heads,
+        head_dim,
+        _threads(),
+    )
+    return out
+
+
+@register("attention", backend="kiln_cpu", devices=("cpu",), needs_ctx=True)
+def attention(
+    ctx: AttentionBatch,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    layer: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Decode steps run the C kernel on the paged pool; prefill keeps SDPA (compute-bound
+    GEMMs, where aten's flash kernel is already good)."""
+    lib = library()
+    k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
+    cache_ok = _dense(k_cache, dims=3) and _dense(v_cache, dims=3)
+    shaped = cache_ok and head_dim % 8 == 0 and all(map(_rows, (q, k, v)))
+    if lib is None or not ctx.decode or not shaped:
+        return torch_attention(
+            ctx,
+            q,
+            k,
+            v,
+            layer=layer,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            scale=scale,
+            sliding_window=sliding_window,
+        )
+    assert ctx.kv_index is not None and ctx.kv_lens is not None
+    slots = k_cache.shape[1]
+    batch = q.shape[0]
+    lib.kiln_kv_write_f32(
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        ctx.out_slots.data_ptr(),
+        batch,
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slots,
+        num_kv_heads,
+        head_dim,
+    )
+    out = torch.empty(batch, num_heads * head_dim)
+    rc = lib.kiln_decode_attention_f32(
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slots,
+        ctx.kv_index.data_ptr(),
+        ctx.kv_width // ctx.page_size,
+        ctx.kv_lens.data_ptr(),
+        out.data_ptr(),
+        batch,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        ctx.page_size,
+        sliding_window or 0,
+        scale,
+        _threads(),
+    )
+    if rc != 0:
+        raise MemoryError("kiln_cpu decode attention: out of memory for its scratch rows")
+    return out
+
+
+def _dense(x: torch.Tensor, dims: int = 2) -> bool:
+    return x.dtype == torch.float32 and x.dim() == dims and x.is_contiguous()
+
+
+def _threads() -> int:
+    return torch.get_num_threads()

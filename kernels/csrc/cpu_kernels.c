@@ -1,0 +1,273 @@
+/*
+ * kiln's CPU kernels (fp32), built on the machine that runs them (see kernels/cpu.py):
+ * gcc -O3 -march=native -fopenmp. Plain C with a flat ABI, called through ctypes, so the
+ * build needs no torch headers (about a second) and is tied to no torch version.
+ *
+ * Tensors arrive as raw pointers with an explicit row stride (elements) where a view of a
+ * wider row (a column slice of the fused QKV output) is read in place. Loops meant for
+ * SIMD carry `omp simd`; reductions under it may be reassociated, nothing else is.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX__
+#include <immintrin.h>
+#endif
+
+/* Work below this many elements runs on the calling thread: waking the OpenMP team costs
+ * more than a decode step's elementwise op. */
+#define PARALLEL_MIN_ELEMS (1 << 16)
+
+/* exp(x) in float, branch-free so that loops calling it vectorize (glibc's expf does not
+ * without -ffast-math). Range reduction x = n ln2 + r with ln2 split in two, then the
+ * Cephes degree-6 polynomial; about 1 ulp on [-87, 88]. Inputs are clamped to that range:
+ * exp(-87) = 1.6e-38 stands in for smaller results, which only ever meet a sum >= 1. */
+static inline float kexp(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    /* Round to nearest by adding and subtracting 1.5 * 2^23 (no libm call, so it
+     * vectorizes; valid without -ffast-math, which would fold it away). */
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < n; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+static inline void rms_row(const float *x, const float *w, float *out, int64_t n, float eps) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    float inv = 1.0f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * inv);
+}
+
+/* out[r] = w * x[r] / sqrt(mean(x[r]^2) + eps). x rows are `x_stride` apart. */
+void kiln_rmsnorm_f32(const float *x, int64_t x_stride, const float *w, float *out,
+                      int64_t rows, int64_t n, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN_ELEMS)
+    for (int64_t r = 0; r < rows; r++) rms_row(x + r * x_stride, w, out + r * n, n, eps);
+}
+
+/* total = x + residual; out = rmsnorm(total). Both outputs are contiguous [rows, n]. */
+void kiln_add_rmsnorm_f32(const float *x, const float *residual, const float *w, float *out,
+                          float *total, int64_t rows, int64_t n, float eps,
+                          int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN_ELEMS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *a = x + r * n, *b = residual + r * n;
+        float *t = total + r * n;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) t[i] = a[i] + b[i];
+        rms_row(t, w, out + r * n, n, eps);
+    }
+}
+
+/* out[r, i] = silu(x[r, i]) * x[r, d + i] for the fused [gate | up] projection. */
+void kiln_silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t d, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * d >= PARALLEL_MIN_ELEMS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = x + r * 2 * d, *u = g + d;
+        float *o = out + r * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; i++) o[i] = g[i] / (1.0f + kexp(-g[i])) * u[i];
+    }
+}
+
+/* Rotary embedding, rotate-half layout, on `heads` heads of width `dim` per token row.
+ * cos / sin are the per-token tables [tokens, dim]: cos repeated over both halves, sin
+ * negated on the first half, so out = x * cos + swap_halves(x) * sin. */
+void kiln_rope_f32(const float *x, int64_t x_stride, const float *cos_t, const float *sin_t,
+                   float *out, int64_t tokens, int64_t heads, int64_t dim,
+                   int threads) {
+    const int64_t half = dim / 2;
+#pragma omp parallel for num_threads(threads) if (tokens * heads * dim >= PARALLEL_MIN_ELEMS)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos_t + t * dim, *s = sin_t + t * dim;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *xh = x + t * x_stride + h * dim;
+            float *o = out + (t * heads + h) * dim;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) o[i] = xh[i] * c[i] + xh[i + half] * s[i];
+#pragma omp simd
+            for (int64_t i = half; i < dim; i++) o[i] = xh[i] * c[i] + xh[i - half] * s[i];
+        }
+    }
+}
+
+/* Write new tokens' K and V rows ([tokens, kv_heads * dim], rows `stride` apart) into
+ * one layer of the head-major pool [kv_heads, slots, dim] at `out_slots`. */
+void kiln_kv_write_f32(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                       const int64_t *out_slots, int64_t tokens, float *k_cache,
+                       float *v_cache, int64_t slots, int64_t kv_heads, int64_t dim) {
+    for (int64_t t = 0; t < tokens; t++) {
+        for (int64_t h = 0; h < kv_heads; h++) {
+            int64_t at = (h * slots + out_slots[t]) * dim;
+            memcpy(k_cache + at, k + t * k_stride + h * dim, (size_t)dim * sizeof(float));
+            memcpy(v_cache + at, v + t * v_stride + h * dim, (size_t)dim * sizeof(float));
+        }
+    }
+}
+
+/* Eight floats; aligned(4) lets it load from any float address. */
+typedef float v8f __attribute__((vector_size(32), aligned(4)));
+
+static inline float hsum8(v8f v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+/* The eight sums of a[0..7], as one vector. */
+static inline v8f hsum8x8(const v8f *a) {
+#ifdef __AVX__
+    /* Pairwise horizontal adds and one cross-lane add: 7 instructions, not 8 scalar
+     * reductions through memory. */
+    __m256 t0 = _mm256_hadd_ps((__m256)a[0], (__m256)a[1]);
+    __m256 t1 = _mm256_hadd_ps((__m256)a[2], (__m256)a[3]);
+    __m256 t2 = _mm256_hadd_ps((__m256)a[4], (__m256)a[5]);
+    __m256 t3 = _mm256_hadd_ps((__m256)a[6], (__m256)a[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return (v8f)_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                              _mm256_permute2f128_ps(u0, u1, 0x31));
+#else
+    v8f r;
+    for (int c = 0; c < 8; c++) r[c] = hsum8(a[c]);
+    return r;
+#endif
+}
+
+/* scores[i] = dot(qh, base + offs[i]) for n key rows of width dim (a multiple of 8).
+ * Eight keys at a time: one dot is a chain of dim/8 dependent FMAs, so eight independent
+ * chains keep the FMA units busy where one would wait on latency. */
+static void score_keys(const float *qh, const float *base, const int64_t *offs, int64_t n,
+                       int64_t dim, float *scores) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8f a[8] = {{0}};
+        for (int64_t d = 0; d < dim; d += 8) {
+            const v8f qv = *(const v8f *)(qh + d);
+            for (int c = 0; c < 8; c++) a[c] += qv * *(const v8f *)(base + offs[i + c] + d);
+        }
+        *(v8f *)(scores + i) = hsum8x8(a);
+    }
+    for (; i < n; i++) {
+        const float *r = base + offs[i];
+        v8f a = {0};
+        for (int64_t d = 0; d < dim; d += 8) a += *(const v8f *)(qh + d) * *(const v8f *)(r + d);
+        scores[i] = hsum8(a);
+    }
+}
+
+/* out = scale * sum_i p[i] * row_i over n value rows at base + offs[i]. The output is
+ * built 64 floats at a time in eight registers across all rows (an accumulator kept in
+ * memory would put a store-to-load round trip on every row). */
+static void weigh_values(const float *p, const float *base, const int64_t *offs, int64_t n,
+                         int64_t dim, float scale, float *out) {
+    int64_t d = 0;
+    for (; d + 64 <= dim; d += 64) {
+        v8f a[8] = {{0}};
+        for (int64_t i = 0; i < n; i++) {
+            const float *r = base + offs[i] + d;
+            const v8f w = {p[i], p[i], p[i], p[i], p[i], p[i], p[i], p[i]};
+            for (int c = 0; c < 8; c++) a[c] += w * *(const v8f *)(r + 8 * c);
+        }
+        for (int c = 0; c < 8; c++) *(v8f *)(out + d + 8 * c) = a[c] * scale;
+    }
+    for (; d < dim; d += 8) {
+        v8f a = {0};
+        for (int64_t i = 0; i < n; i++) {
+            const v8f w = {p[i], p[i], p[i], p[i], p[i], p[i], p[i], p[i]};
+            a += w * *(const v8f *)(base + offs[i] + d);
+        }
+        *(v8f *)(out + d) = a * scale;
+    }
+}
+
+/* Decode attention straight from the paged pool: one new token per sequence, read
+ * through its page table, no gather. Work items are (sequence, KV head); the `group`
+ * query heads sharing a KV head are done together, so K/V rows are fetched from memory
+ * once. q: [batch, heads * dim] (rows `q_stride` apart); pools: one layer, [kv_heads,
+ * slots, dim]; page_table: [batch, max_pages]; a key j of a sequence of kv_len tokens is
+ * seen when j >= kv_len - window (window <= 0: no window). dim must be a multiple of 8.
+ * out: [batch, heads * dim]. Returns -1 if scratch memory could not be had, else 0. */
+int kiln_decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
+                              const float *v_cache, int64_t slots, const int64_t *page_table,
+                              int64_t max_pages, const int64_t *kv_lens, float *out,
+                              int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
+                              int64_t page_size, int64_t window, float scale, int threads) {
+    const int64_t group = heads / kv_heads;
+    int64_t longest = 1;
+    for (int64_t b = 0; b < batch; b++) longest = kv_lens[b] > longest ? kv_lens[b] : longest;
+    int failed = 0;
+
+#pragma omp parallel num_threads(threads) if (batch * kv_heads > 1)
+    {
+        float *scores = malloc((size_t)(group * longest) * sizeof(float));
+        int64_t *offs = malloc((size_t)longest * sizeof(int64_t));
+        float *qs = malloc((size_t)(group * dim) * sizeof(float));
+        if (!scores || !offs || !qs) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t b = 0; b < batch; b++) {
+            for (int64_t kh = 0; kh < kv_heads; kh++) {
+                if (failed) continue;
+                const int64_t len = kv_lens[b];
+                const int64_t start = (window > 0 && len > window) ? len - window : 0;
+                const int64_t n = len - start;
+                const int64_t *pages = page_table + b * max_pages;
+                /* Row offset of every visible key within one head's slots. */
+                for (int64_t j = start, i = 0; j < len; j++, i++)
+                    offs[i] = (pages[j / page_size] * page_size + j % page_size) * dim;
+                for (int64_t g = 0; g < group; g++) {
+                    const float *src = q + b * q_stride + (kh * group + g) * dim;
+#pragma omp simd
+                    for (int64_t i = 0; i < dim; i++) qs[g * dim + i] = src[i] * scale;
+                }
+                const float *kb = k_cache + kh * slots * dim;
+                const float *vb = v_cache + kh * slots * dim;
+                for (int64_t g = 0; g < group; g++)
+                    score_keys(qs + g * dim, kb, offs, n, dim, scores + g * n);
+                /* Softmax per query head; 1 / sum folded into the output. */
+                float inv[group];
+                for (int64_t g = 0; g < group; g++) {
+                    float *sc = scores + g * n;
+                    float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+                    for (int64_t i = 0; i < n; i++) m = sc[i] > m ? sc[i] : m;
+                    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+                    for (int64_t i = 0; i < n; i++) {
+                        sc[i] = kexp(sc[i] - m);
+                        sum += sc[i];
+                    }
+                    inv[g] = 1.0f / sum;
+                }
+                for (int64_t g = 0; g < group; g++)
+                    weigh_values(scores + g * n, vb, offs, n, dim, inv[g],
+                                 out + b * heads * dim + (kh * group + g) * dim);
+            }
+        }
+        free(scores);
+        free(offs);
+        free(qs);
+    }
+    return failed ? -1 : 0;
+}
