@@ -43,6 +43,37 @@ SMOLLM2_135M = {
 }
 
 
+def machine() -> str:
+    """One line naming what the figures depend on: CPU, widest vector ISA, threads, torch."""
+    isa, model = "", platform.machine()
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        flags = next(ln for ln in info.splitlines() if ln.startswith("flags")).split()
+        model = next(ln for ln in info.splitlines() if ln.startswith("model name"))
+        model = model.split(":", 1)[1].strip()
+        isa = next((f for f in ("amx_bf16", "avx512f", "avx2") if f in flags), "")
+    except (OSError, StopIteration):
+        pass
+    return (
+        f"machine: {model}{f' ({isa})' if isa else ''}, {torch.get_num_threads()} torch "
+        f"threads, torch {torch.__version__}; date {date.today()}"
+    )
+
+
+def decode_weight_bytes(cfg: dict, itemsize: int) -> int:
+    """Bytes of weights one decode step reads: every layer's matrices and norms, the final
+    norm and the lm_head (the embedding table itself is only looked up, one row per token,
+    so an untied one is not counted)."""
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", heads)
+    d = cfg.get("head_dim") or hidden // heads
+    attn = hidden * d * (2 * heads + 2 * kv_heads)  # q, o, k, v
+    mlp = 3 * hidden * cfg["intermediate_size"]
+    per_layer = attn + mlp + 2 * hidden
+    params = cfg["num_hidden_layers"] * per_layer + hidden + cfg["vocab_size"] * hidden
+    return params * itemsize
+
+
 def read_bandwidth_gbs(mb: int = 1024, repeats: int = 7) -> float:
     """Best observed read bandwidth: summing a large fp32 buffer that misses every cache."""
     x = torch.ones(mb * 2**20 // 4)
@@ -131,10 +162,7 @@ def main() -> None:
             }
 
     params = sum(p.numel() for p in hf.parameters())  # a tied lm_head counts once
-    embed = cfg["vocab_size"] * cfg["hidden_size"]
-    # A decode step reads every weight once (a tied embedding as the lm_head); an untied
-    # embedding table is only looked up, one row per token, so it is not counted.
-    step_bytes = (params - (0 if cfg.get("tie_word_embeddings") else embed)) * dtype.itemsize
+    step_bytes = decode_weight_bytes(cfg, dtype.itemsize)
     bw = read_bandwidth_gbs()
     limit = bw * 1e9 / step_bytes
 
@@ -143,10 +171,7 @@ def main() -> None:
         f"\n## {cfg.get('architectures', ['?'])[0]} {cfg['hidden_size']}x"
         f"{cfg['num_hidden_layers']} ({params / 1e6:.1f}M params), {args.dtype}"
     )
-    print(
-        f"machine: {platform.machine()}, {torch.get_num_threads()} torch threads, "
-        f"torch {torch.__version__}; date {date.today()}"
-    )
+    print(machine())
     print(
         f"measured read bandwidth {bw:.1f} GB/s; {step_bytes / 1e6:.0f} MB read per decode "
         f"step -> limit {limit:.1f} tok/s\n"

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from decode_cpu import SMOLLM2_135M, read_bandwidth_gbs
+from decode_cpu import SMOLLM2_135M, machine, read_bandwidth_gbs
 
 from kiln.kernels import registry
 from kiln.kernels.attention import AttentionBatch, SeqSpan
@@ -98,7 +98,7 @@ def main() -> None:
             attention,
         ),
     ]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(machine())
     print("| kernel | torch_native us (min / median) | kiln_cpu us (min / median) | speed-up |")
     print("| --- | --- | --- | --- |")
     medians = {}

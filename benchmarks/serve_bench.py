@@ -19,21 +19,19 @@ import asyncio
 import itertools
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
 import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_cpu import SMOLLM2_135M
+from decode_cpu import SMOLLM2_135M, decode_weight_bytes, machine, read_bandwidth_gbs
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -224,10 +222,7 @@ def main() -> None:
         f"tokens, fp32; page size {args.page_size}; server flags: "
         f"{args.server_args or '(none)'}"
     )
-    print(
-        f"machine: {platform.machine()}, {torch.get_num_threads()} torch threads, "
-        f"torch {torch.__version__}; date {date.today()}\n"
-    )
+    print(machine() + "\n")
     print("| metric | kiln serve (best / median) | transformers, one at a time (best / median) |")
     print("| --- | --- | --- |")
     print(
@@ -253,6 +248,22 @@ def main() -> None:
     print(
         f"\nkiln output throughput is {k_med / p_med:.2f}x transformers' (ratio of medians; "
         f"per repeat: {ratios})."
+    )
+    # The memory floor of one decode step at full batch: every weight once, plus the K/V
+    # of every sequence at mid-generation.
+    heads = cfg["num_attention_heads"]
+    d = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    kv_token = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * d * 4
+    step = (
+        decode_weight_bytes(cfg, 4)
+        + args.concurrency * (args.input_len + args.output_len // 2) * kv_token
+    )
+    bw = read_bandwidth_gbs()
+    floor_ms = step / bw / 1e6
+    print(
+        f"A batch-{args.concurrency} decode step reads at least {step / 1e6:.0f} MB; at the "
+        f"measured {bw:.1f} GB/s that takes {floor_ms:.1f} ms, so ITL p50 is at "
+        f"{floor_ms / percentile(itl, 0.5):.0%} of the memory-bandwidth limit."
     )
 
 
