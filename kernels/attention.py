@@ -35,12 +35,17 @@ class AttentionBatch:
     seqs: list[SeqSpan]
     # Decode-only steps (every q_len == 1) attend in one padded batched call.
     decode: bool = False
-    # Decode gathers whole pages (a contiguous block per page and head, about twice as fast
-    # as gathering token rows at 16-token pages): [batch * max_pages] page ids, padded with 0.
+    # Single-token rows (every row of a decode step; the decoding requests of a mixed
+    # chunk) read the cache through a page table: [rows * max_pages] page ids, padded
+    # with 0. Decode gathers whole pages (a contiguous block per page and head, about
+    # twice as fast as gathering token rows at 16-token pages).
     kv_index: torch.Tensor | None = None
-    kv_lens: torch.Tensor | None = None  # [batch]
+    kv_lens: torch.Tensor | None = None  # [rows]
     page_size: int = 1
     kv_width: int = 0  # max_pages * page_size: keys per sequence after the gather
+    # Mixed batches: which seqs are those single-token rows, and their query rows.
+    single_seqs: list[int] = field(default_factory=list)
+    single_rows: torch.Tensor | None = None
     _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
     @classmethod
@@ -49,20 +54,28 @@ class AttentionBatch:
     ) -> AttentionBatch:
         out_slots = torch.cat([s.kv_slots[s.kv_len - s.q_len :] for s in seqs])
         batch = cls(k_cache, v_cache, out_slots, seqs, page_size=page_size)
-        if all(s.q_len == 1 for s in seqs):
-            used = [-(-s.kv_len // page_size) for s in seqs]
-            pages = [s.kv_slots if s.pages is None else s.pages for s in seqs]
-            if len(seqs) == 1:
-                index = pages[0][: used[0]]
-            else:
-                index = torch.zeros(len(seqs), max(used), dtype=torch.long)
-                for i, (p, n) in enumerate(zip(pages, used, strict=True)):
-                    index[i, :n] = p[:n]
-            batch.decode = True
-            batch.kv_index = index.reshape(-1).contiguous()
-            batch.kv_lens = torch.tensor([s.kv_len for s in seqs])
-            batch.kv_width = max(used) * page_size
+        single = [i for i, s in enumerate(seqs) if s.q_len == 1]
+        batch.decode = len(single) == len(seqs)
+        if single:
+            batch._page_table([seqs[i] for i in single])
+            if not batch.decode:
+                batch.single_seqs = single
+                batch.single_rows = torch.tensor([seqs[i].q_start for i in single])
         return batch
+
+    def _page_table(self, seqs: list[SeqSpan]) -> None:
+        page_size = self.page_size
+        used = [-(-s.kv_len // page_size) for s in seqs]
+        pages = [s.kv_slots if s.pages is None else s.pages for s in seqs]
+        if len(seqs) == 1:
+            index = pages[0][: used[0]]
+        else:
+            index = torch.zeros(len(seqs), max(used), dtype=torch.long)
+            for i, (p, n) in enumerate(zip(pages, used, strict=True)):
+                index[i, :n] = p[:n]
+        self.kv_index = index.reshape(-1).contiguous()
+        self.kv_lens = torch.tensor([s.kv_len for s in seqs])
+        self.kv_width = max(used) * page_size
 
     def decode_mask(self, window: int | None) -> torch.Tensor | None:
         """[1, batch, 1, max_kv_len] True where a key is visible to the new token, or None
@@ -108,35 +121,64 @@ def attention(
     sliding_window: int | None,
 ) -> torch.Tensor:
     k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
-    k = k.view(-1, num_kv_heads, head_dim).transpose(0, 1)  # [kv_heads, tokens, d]
-    v = v.view(-1, num_kv_heads, head_dim).transpose(0, 1)
-    k_cache.index_copy_(1, ctx.out_slots, k)
-    v_cache.index_copy_(1, ctx.out_slots, v)
+    write_kv(ctx, layer, k, v, num_kv_heads, head_dim)
     if ctx.decode:
         return _decode(
             ctx, q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale, sliding_window
         )
-    gqa = num_heads != num_kv_heads
-    outs = []
-    for s in ctx.seqs:
-        rows = slice(s.q_start, s.q_start + s.q_len)
-        qs = q[rows].view(s.q_len, num_heads, head_dim).transpose(0, 1).unsqueeze(0)
-        if s.kv_len == s.q_len:  # nothing cached before: attend to the fresh K/V
-            ks, vs = k[:, rows].unsqueeze(0), v[:, rows].unsqueeze(0)
-        else:
-            ks = k_cache.index_select(1, s.kv_slots).unsqueeze(0)
-            vs = v_cache.index_select(1, s.kv_slots).unsqueeze(0)
-        if s.kv_len == s.q_len and sliding_window is None:
-            o = F.scaled_dot_product_attention(
-                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa
-            )
-        else:
-            mask = _causal_mask(s.q_len, s.kv_len, sliding_window)
-            o = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa
-            )
-        outs.append(o[0].transpose(0, 1).reshape(s.q_len, num_heads * head_dim))
+    outs = [
+        attend_one(ctx, s, q, k, v, layer, num_heads, num_kv_heads, head_dim, scale, sliding_window)
+        for s in ctx.seqs
+    ]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def write_kv(
+    ctx: AttentionBatch,
+    layer: int,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    num_kv_heads: int,
+    head_dim: int,
+) -> None:
+    """Store the step's new K/V rows ([tokens, kv_heads * head_dim]) at `ctx.out_slots`."""
+    k = k.view(-1, num_kv_heads, head_dim).transpose(0, 1)  # [kv_heads, tokens, d]
+    v = v.view(-1, num_kv_heads, head_dim).transpose(0, 1)
+    ctx.k_cache[layer].index_copy_(1, ctx.out_slots, k)
+    ctx.v_cache[layer].index_copy_(1, ctx.out_slots, v)
+
+
+def attend_one(
+    ctx: AttentionBatch,
+    s: SeqSpan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """Attention output rows [q_len, heads * head_dim] of one sequence of a prefill or
+    mixed batch (its K/V already written): SDPA on its fresh K/V when nothing was cached
+    before, else on its cached slots gathered in order."""
+    rows = slice(s.q_start, s.q_start + s.q_len)
+    qs = q[rows].view(s.q_len, num_heads, head_dim).transpose(0, 1).unsqueeze(0)
+    if s.kv_len == s.q_len:
+        ks = k[rows].view(s.q_len, num_kv_heads, head_dim).transpose(0, 1).unsqueeze(0)
+        vs = v[rows].view(s.q_len, num_kv_heads, head_dim).transpose(0, 1).unsqueeze(0)
+    else:
+        ks = ctx.k_cache[layer].index_select(1, s.kv_slots).unsqueeze(0)
+        vs = ctx.v_cache[layer].index_select(1, s.kv_slots).unsqueeze(0)
+    gqa = num_heads != num_kv_heads
+    if s.kv_len == s.q_len and window is None:
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        mask = _causal_mask(s.q_len, s.kv_len, window)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return o[0].transpose(0, 1).reshape(s.q_len, num_heads * head_dim)
 
 
 def _decode(

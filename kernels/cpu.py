@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from kiln.kernels import torch_native
-from kiln.kernels.attention import AttentionBatch
+from kiln.kernels.attention import AttentionBatch, attend_one
 from kiln.kernels.attention import attention as torch_attention
 from kiln.kernels.registry import register
 from kiln.paths import cache_dir
@@ -206,13 +206,14 @@ def attention(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """Decode steps run the C kernel on the paged pool; prefill keeps SDPA (compute-bound
-    GEMMs, where aten's flash kernel is already good)."""
+    """Single-token rows (all of a decode step, the decoding requests of a mixed chunk) run
+    the C kernel on the paged pool; multi-token rows keep SDPA (compute-bound, where aten's
+    flash kernel is already good)."""
     lib = library()
     k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
     cache_ok = _dense(k_cache, dims=3) and _dense(v_cache, dims=3)
     shaped = cache_ok and head_dim % 8 == 0 and all(map(_rows, (q, k, v)))
-    if lib is None or not ctx.decode or not shaped:
+    if lib is None or ctx.kv_index is None or not shaped:
         return torch_attention(
             ctx,
             q,
@@ -225,39 +226,79 @@ def attention(
             scale=scale,
             sliding_window=sliding_window,
         )
-    assert ctx.kv_index is not None and ctx.kv_lens is not None
     slots = k_cache.shape[1]
-    batch = q.shape[0]
     lib.kiln_kv_write_f32(
         k.data_ptr(),
         k.stride(0),
         v.data_ptr(),
         v.stride(0),
         ctx.out_slots.data_ptr(),
-        batch,
+        q.shape[0],
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         slots,
         num_kv_heads,
         head_dim,
     )
-    out = torch.empty(batch, num_heads * head_dim)
+    if ctx.decode:
+        return _decode(
+            lib, ctx, q, k_cache, v_cache, num_heads, num_kv_heads, sliding_window, scale
+        )
+    # Mixed batch: the single-token rows together in C, the others one by one in SDPA.
+    assert ctx.single_rows is not None
+    out = torch.empty(q.shape[0], num_heads * head_dim)
+    single = _decode(
+        lib,
+        ctx,
+        q.index_select(0, ctx.single_rows),
+        k_cache,
+        v_cache,
+        num_heads,
+        num_kv_heads,
+        sliding_window,
+        scale,
+    )
+    out.index_copy_(0, ctx.single_rows, single)
+    skip = set(ctx.single_seqs)
+    for i, s in enumerate(ctx.seqs):
+        if i not in skip:
+            out[s.q_start : s.q_start + s.q_len] = attend_one(
+                ctx, s, q, k, v, layer, num_heads, num_kv_heads, head_dim, scale, sliding_window
+            )
+    return out
+
+
+def _decode(
+    lib: ctypes.CDLL,
+    ctx: AttentionBatch,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """One new token per row of q, each attending to its sequence in `ctx`'s page table."""
+    assert ctx.kv_index is not None and ctx.kv_lens is not None
+    rows, head_dim = q.shape[0], k_cache.shape[2]
+    out = torch.empty(rows, num_heads * head_dim)
     rc = lib.kiln_decode_attention_f32(
         q.data_ptr(),
         q.stride(0),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
-        slots,
+        k_cache.shape[1],
         ctx.kv_index.data_ptr(),
         ctx.kv_width // ctx.page_size,
         ctx.kv_lens.data_ptr(),
         out.data_ptr(),
-        batch,
+        rows,
         num_heads,
         num_kv_heads,
         head_dim,
         ctx.page_size,
-        sliding_window or 0,
+        window or 0,
         scale,
         _threads(),
     )

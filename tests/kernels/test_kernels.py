@@ -198,3 +198,51 @@ def test_decode_reads_whole_pages(backend: str, window, d: int) -> None:
         ]
     )
     torch.testing.assert_close(out, ref)
+
+
+@BOTH
+@pytest.mark.parametrize("window", [None, 4])
+def test_mixed_batch_of_decode_rows_and_prefill_chunks(backend: str, window) -> None:
+    # What --enable-mixed-chunk builds: decoding requests (one new token over a cache), a
+    # fresh prompt and a later chunk of a long prompt, in one step, on 4-token pages.
+    torch.manual_seed(2)
+    heads, kv_heads, d, page = 4, 2, 16, 4
+    kc = torch.zeros(1, kv_heads, 128, d)
+    vc = torch.zeros(1, kv_heads, 128, d)
+    # (cached tokens, new tokens) per sequence
+    shape = [(9, 1), (0, 5), (6, 3), (20, 1)]
+    spans, qs, keys, vals, start, next_page = [], [], [], [], 0, 0
+    for cached, new in shape:
+        n = cached + new
+        pages = torch.arange(next_page, next_page + -(-n // page)) * 3 % 32  # scattered
+        next_page += -(-n // page)
+        slots = (pages[:, None] * page + torch.arange(page)[None]).reshape(-1)[:n]
+        keys.append(torch.randn(n, kv_heads * d))
+        vals.append(torch.randn(n, kv_heads * d))
+        qs.append(torch.randn(new, heads * d))
+        old = slots[:cached]
+        kc[0][:, old] = keys[-1][:cached].view(-1, kv_heads, d).transpose(0, 1)
+        vc[0][:, old] = vals[-1][:cached].view(-1, kv_heads, d).transpose(0, 1)
+        spans.append(SeqSpan(start, new, n, slots, pages))
+        start += new
+    batch = AttentionBatch.build(kc, vc, spans, page_size=page)
+    assert not batch.decode and batch.single_seqs == [0, 3]
+    out = k("attention", backend)(
+        batch,
+        torch.cat(qs),
+        torch.cat([x[c:] for x, (c, _) in zip(keys, shape, strict=True)]),
+        torch.cat([x[c:] for x, (c, _) in zip(vals, shape, strict=True)]),
+        layer=0,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=d,
+        scale=d**-0.5,
+        sliding_window=window,
+    )
+    ref = torch.cat(
+        [
+            _reference(q, kk, vv, window, heads, kv_heads, d)
+            for q, kk, vv in zip(qs, keys, vals, strict=True)
+        ]
+    )
+    torch.testing.assert_close(out, ref)
