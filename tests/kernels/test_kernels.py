@@ -92,34 +92,14 @@ def test_paged_attention_prefill_and_batched_decode_with_windows(backend: str) -
         keys = [torch.randn(n + 1, kv_heads * d) for n in lens]
         vals = [torch.randn(n + 1, kv_heads * d) for n in lens]
         qs = [torch.randn(n + 1, heads * d) for n in lens]
-        attn = k("attention", backend)
-        kw = dict(
-            layer=0,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=d,
-            scale=d**-0.5,
-            sliding_window=window,
-        )
+        args = (window, heads, kv_heads, d)
         # Prefill all prompts in one batch.
         spans, start = [], 0
         for n, s in zip(lens, slot_of, strict=True):
             spans.append(SeqSpan(start, n, n, s[:n]))
             start += n
-        out = attn(
-            AttentionBatch.build(kc, vc, spans),
-            torch.cat([q[:-1] for q in qs]),
-            torch.cat([x[:-1] for x in keys]),
-            torch.cat([x[:-1] for x in vals]),
-            **kw,
-        )
-        ref = torch.cat(
-            [
-                _reference(q[:-1], kk[:-1], vv[:-1], window, heads, kv_heads, d)
-                for q, kk, vv in zip(qs, keys, vals, strict=True)
-            ]
-        )
-        torch.testing.assert_close(out, ref)
+        prompt = [[x[:-1] for x in t] for t in (qs, keys, vals)]
+        _check_step(backend, AttentionBatch.build(kc, vc, spans), *prompt, lens, *args)
         # One decode step for every sequence, reading the cache.
         spans = [
             SeqSpan(i, 1, n + 1, s[: n + 1])
@@ -127,20 +107,8 @@ def test_paged_attention_prefill_and_batched_decode_with_windows(backend: str) -
         ]
         batch = AttentionBatch.build(kc, vc, spans)
         assert batch.decode
-        out = attn(
-            batch,
-            torch.stack([q[-1] for q in qs]),
-            torch.stack([x[-1] for x in keys]),
-            torch.stack([x[-1] for x in vals]),
-            **kw,
-        )
-        ref = torch.cat(
-            [
-                _reference(q[-1:], kk, vv, window, heads, kv_heads, d)
-                for q, kk, vv in zip(qs, keys, vals, strict=True)
-            ]
-        )
-        torch.testing.assert_close(out, ref)
+        last_q = [q[-1:] for q in qs]
+        _check_step(backend, batch, last_q, keys, vals, [1] * len(lens), *args)
 
 
 def test_registry_lists_backends_per_device() -> None:
@@ -179,11 +147,18 @@ def test_decode_reads_whole_pages(backend: str, window, d: int) -> None:
         spans.append(SeqSpan(i, 1, n, slots, p))
     batch = AttentionBatch.build(kc, vc, spans, page_size=page)
     assert batch.decode and batch.kv_width == 10 * page
+    new = [1] * len(lens)
+    _check_step(backend, batch, qs, keys, vals, new, window, heads, kv_heads, d)
+
+
+def _check_step(backend, batch, qs, keys, vals, new, window, heads, kv_heads, d) -> None:
+    """Run one attention step whose sequence i brings its last new[i] tokens, and compare
+    with attention over each sequence's whole K/V without a cache."""
     out = k("attention", backend)(
         batch,
         torch.cat(qs),
-        torch.cat([x[-1:] for x in keys]),
-        torch.cat([x[-1:] for x in vals]),
+        torch.cat([x[len(x) - n :] for x, n in zip(keys, new, strict=True)]),
+        torch.cat([x[len(x) - n :] for x, n in zip(vals, new, strict=True)]),
         layer=0,
         num_heads=heads,
         num_kv_heads=kv_heads,
@@ -227,22 +202,5 @@ def test_mixed_batch_of_decode_rows_and_prefill_chunks(backend: str, window) -> 
         start += new
     batch = AttentionBatch.build(kc, vc, spans, page_size=page)
     assert not batch.decode and batch.single_seqs == [0, 3]
-    out = k("attention", backend)(
-        batch,
-        torch.cat(qs),
-        torch.cat([x[c:] for x, (c, _) in zip(keys, shape, strict=True)]),
-        torch.cat([x[c:] for x, (c, _) in zip(vals, shape, strict=True)]),
-        layer=0,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=d,
-        scale=d**-0.5,
-        sliding_window=window,
-    )
-    ref = torch.cat(
-        [
-            _reference(q, kk, vv, window, heads, kv_heads, d)
-            for q, kk, vv in zip(qs, keys, vals, strict=True)
-        ]
-    )
-    torch.testing.assert_close(out, ref)
+    new = [n for _, n in shape]
+    _check_step(backend, batch, qs, keys, vals, new, window, heads, kv_heads, d)
