@@ -34,7 +34,7 @@ from kiln.paths import cache_dir
 log = logging.getLogger("kiln.kernels")
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-lm")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-lm")
 # Ops this backend implements; select_backends takes it for these on fp32 CPU graphs.
 OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "rope", "attention")
 
@@ -70,8 +70,10 @@ def _cpu_id() -> str:
     return platform.processor() or platform.machine()
 
 
-def build(out_dir: Path | None = None) -> Path:
-    """Compile the kernels for this machine (or find them built) and return the library."""
+def build(out_dir: Path | None = None, march: str = "native") -> Path:
+    """Compile the kernels for this machine (or find them built) and return the library.
+    `march` other than native builds for another CPU level (tests use the x86-64 baseline
+    to run the code paths that have no AVX)."""
     cc = _compiler()
     try:
         version = subprocess.run(
@@ -81,7 +83,8 @@ def build(out_dir: Path | None = None) -> Path:
         raise KernelBuildError(f"no working C compiler ({cc!r}: {e})") from None
     source = SOURCE.read_bytes()
     key = hashlib.sha256()
-    for part in (source, " ".join(FLAGS).encode(), version.encode(), _cpu_id().encode()):
+    flags = (*FLAGS, f"-march={march}")
+    for part in (source, " ".join(flags).encode(), version.encode(), _cpu_id().encode()):
         key.update(part)
     out_dir = out_dir or cache_dir() / "kernels"
     lib = out_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"
@@ -89,7 +92,7 @@ def build(out_dir: Path | None = None) -> Path:
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = lib.with_name(f"{lib.name}.{os.getpid()}.tmp")
-    done = subprocess.run([cc, *FLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True)
+    done = subprocess.run([cc, *flags, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True)
     if done.returncode != 0:
         tmp.unlink(missing_ok=True)
         tail = done.stderr.strip().splitlines()[-3:]
@@ -98,18 +101,22 @@ def build(out_dir: Path | None = None) -> Path:
     return lib
 
 
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The loaded library, or None (with one warning) where it cannot be built."""
-    try:
-        lib = ctypes.CDLL(str(build()))
-    except (KernelBuildError, OSError) as e:
-        log.warning("kiln_cpu kernels unavailable, using torch_native instead: %s", e)
-        return None
+def load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
     for name, (restype, argtypes) in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
     return lib
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded library, or None (with one warning) where it cannot be built."""
+    try:
+        return load(build())
+    except (KernelBuildError, OSError) as e:
+        log.warning("kiln_cpu kernels unavailable, using torch_native instead: %s", e)
+        return None
 
 
 def available() -> bool:

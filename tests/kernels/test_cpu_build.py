@@ -4,13 +4,16 @@ fp32 CPU graphs, and a clean fallback where no C compiler exists."""
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from kiln.kernels import cpu
+from kiln.kernels import cpu, registry
+from kiln.kernels.attention import AttentionBatch, SeqSpan
 
 
 def test_library_builds_here_and_is_cached(tmp_path: Path) -> None:
@@ -49,3 +52,39 @@ def test_compile_errors_are_reported(tmp_path: Path, monkeypatch: pytest.MonkeyP
     with pytest.raises(cpu.KernelBuildError, match="failed on bad.c"):
         cpu.build(tmp_path / "out")
     assert not list((tmp_path / "out").glob("*.tmp"))
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="builds for the x86-64 baseline")
+def test_code_without_avx_is_correct_too(tmp_path: Path) -> None:
+    # CI machines have AVX; the library built for the x86-64 baseline takes the portable
+    # branches (no AVX intrinsics) and must agree with the reference as well.
+    lib = cpu.load(cpu.build(tmp_path, march="x86-64"))
+    torch.manual_seed(3)
+    heads, kv_heads, d, page = 6, 2, 64, 4
+    lens = [37, 5, 1]
+    kc, vc = torch.randn(1, kv_heads, 256, d), torch.randn(1, kv_heads, 256, d)
+    spans = []
+    for i, n in enumerate(lens):
+        pages = torch.arange(i * 16, i * 16 + -(-n // page))
+        slots = (pages[:, None] * page + torch.arange(page)).reshape(-1)[:n]
+        spans.append(SeqSpan(i, 1, n, slots, pages))
+    batch = AttentionBatch.build(kc, vc, spans, page_size=page)
+    q = torch.randn(len(lens), heads * d)
+    ours = cpu._decode(lib, batch, q, kc[0], vc[0], heads, kv_heads, None, d**-0.5)
+    reference = registry.get("attention", "torch_native").fn
+    # The reference writes each sequence's newest K/V row first: give it what is there.
+    kc_rows = kc[0][:, batch.out_slots].transpose(0, 1).reshape(len(lens), -1)
+    vc_rows = vc[0][:, batch.out_slots].transpose(0, 1).reshape(len(lens), -1)
+    ref = reference(
+        batch,
+        q,
+        kc_rows,
+        vc_rows,
+        layer=0,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=d,
+        scale=d**-0.5,
+        sliding_window=None,
+    )
+    torch.testing.assert_close(ours, ref)
