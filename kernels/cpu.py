@@ -1,7 +1,7 @@
 """kiln_cpu: hand-written fp32 CPU kernels (csrc/cpu_kernels.c), built for this machine.
 
-What they replace, per batch-16 decode step of SmolLM2-135M on the CI CPU (2 AVX2 cores),
-torch profiler: paged decode attention gathered every sequence's K/V pages into a padded
+What they replace, per batch-16 decode step of SmolLM2-135M on the CI machine kind (2
+cores), torch profiler: paged decode attention gathered every sequence's K/V pages into a padded
 batch (index_select, ~20 ms) and then ran SDPA on it (~11 ms); the C kernel reads K/V in
 place through the page table. RMSNorm, SiLU-and-mul and rope were 4-6 small aten ops each.
 Figures: benchmarks/RESULTS.md.
@@ -34,13 +34,13 @@ from kiln.paths import cache_dir
 log = logging.getLogger("kiln.kernels")
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
-FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-lm")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 # Ops this backend implements; select_backends takes it for these on fp32 CPU graphs.
 OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "rope", "attention")
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
-    "kiln_rmsnorm_f32": (None, [_P, _I64, _P, _P, _I64, _I64, _F32, _INT]),
+    "kiln_rmsnorm_f32": (None, [_P, _I64, _I64, _P, _P, _I64, _I64, _F32, _INT]),
     "kiln_add_rmsnorm_f32": (None, [_P, _P, _P, _P, _P, _I64, _I64, _F32, _INT]),
     "kiln_silu_and_mul_f32": (None, [_P, _P, _I64, _I64, _INT]),
     "kiln_rope_f32": (None, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT]),
@@ -92,7 +92,8 @@ def build(out_dir: Path | None = None, march: str = "native") -> Path:
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = lib.with_name(f"{lib.name}.{os.getpid()}.tmp")
-    done = subprocess.run([cc, *flags, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True)
+    command = [cc, *flags, "-o", str(tmp), str(SOURCE), "-lm"]  # libraries after the source
+    done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         tmp.unlink(missing_ok=True)
         tail = done.stderr.strip().splitlines()[-3:]
@@ -130,13 +131,23 @@ def _rows(x: torch.Tensor) -> bool:
 
 @register("rmsnorm", backend="kiln_cpu", devices=("cpu",))
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int = 0) -> torch.Tensor:
+    """`group`: normalise every `group` features on their own (Qwen3's per-head q/k norm)."""
     lib = library()
-    if lib is None or group or not _rows(x) or not _dense(weight, dims=1):
+    n = group or x.shape[-1]
+    if lib is None or not _rows(x) or not _dense(weight, dims=1) or x.shape[1] % n:
         return torch_native.rmsnorm(x, weight, eps, group)
-    rows, n = x.shape
-    out = torch.empty(rows, n)
+    groups = x.shape[1] // n
+    out = torch.empty(x.shape)
     lib.kiln_rmsnorm_f32(
-        x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), rows, n, eps, _threads()
+        x.data_ptr(),
+        x.stride(0),
+        groups,
+        weight.data_ptr(),
+        out.data_ptr(),
+        x.shape[0] * groups,
+        n,
+        eps,
+        _threads(),
     )
     return out
 
@@ -181,7 +192,8 @@ def rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], head_dim: int) -> t
     lib = library()
     cos, sin = cos_sin
     tokens = x.shape[0]
-    if lib is None or not _rows(x) or cos.shape[-1] != head_dim or not cos.is_contiguous():
+    tables_ok = all(t.dtype == torch.float32 and t.is_contiguous() for t in cos_sin)
+    if lib is None or not _rows(x) or cos.shape[-1] != head_dim or not tables_ok:
         return torch_native.rope(x, cos_sin, head_dim)
     heads = x.shape[1] // head_dim
     out = torch.empty(tokens, heads * head_dim)

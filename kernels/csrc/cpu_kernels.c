@@ -59,11 +59,14 @@ static inline void rms_row(const float *x, const float *w, float *out, int64_t n
     for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * inv);
 }
 
-/* out[r] = w * x[r] / sqrt(mean(x[r]^2) + eps). x rows are `x_stride` apart. */
-void kiln_rmsnorm_f32(const float *x, int64_t x_stride, const float *w, float *out,
-                      int64_t rows, int64_t n, float eps, int threads) {
+/* out[r] = w * x[r] / sqrt(mean(x[r]^2) + eps) over rows of n features. The input holds
+ * `groups` such rows side by side per line of `x_stride` floats (groups > 1: Qwen3's
+ * per-head q/k norm, read in place from the fused QKV output); out is contiguous. */
+void kiln_rmsnorm_f32(const float *x, int64_t x_stride, int64_t groups, const float *w,
+                      float *out, int64_t rows, int64_t n, float eps, int threads) {
 #pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN_ELEMS)
-    for (int64_t r = 0; r < rows; r++) rms_row(x + r * x_stride, w, out + r * n, n, eps);
+    for (int64_t r = 0; r < rows; r++)
+        rms_row(x + (r / groups) * x_stride + (r % groups) * n, w, out + r * n, n, eps);
 }
 
 /* total = x + residual; out = rmsnorm(total). Both outputs are contiguous [rows, n]. */
