@@ -202,10 +202,23 @@ static void weigh_values(const float *p, const float *base, const int64_t *offs,
     }
 }
 
+/* s[i] = exp(s[i] - max(s)) in place; returns 1 / sum, folded into the output later. */
+static float softmax_unnormalised(float *s, int64_t n) {
+    float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+    for (int64_t i = 0; i < n; i++) m = s[i] > m ? s[i] : m;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; i++) {
+        s[i] = kexp(s[i] - m);
+        sum += s[i];
+    }
+    return 1.0f / sum;
+}
+
 /* Decode attention straight from the paged pool: one new token per sequence, read
- * through its page table, no gather. Work items are (sequence, KV head); the `group`
- * query heads sharing a KV head are done together, so K/V rows are fetched from memory
- * once. q: [batch, heads * dim] (rows `q_stride` apart); pools: one layer, [kv_heads,
+ * through its page table, no gather. Work items are (sequence, KV head), so the query
+ * heads sharing a KV head run on one core and K/V rows come from memory once. q: [batch, heads * dim] (rows `q_stride` apart); pools: one layer, [kv_heads,
  * slots, dim]; page_table: [batch, max_pages]; a key j of a sequence of kv_len tokens is
  * seen when j >= kv_len - window (window <= 0: no window). dim must be a multiple of 8.
  * out: [batch, heads * dim]. Returns -1 if scratch memory could not be had, else 0. */
@@ -221,9 +234,9 @@ int kiln_decode_attention_f32(const float *q, int64_t q_stride, const float *k_c
 
 #pragma omp parallel num_threads(threads) if (batch * kv_heads > 1)
     {
-        float *scores = malloc((size_t)(group * longest) * sizeof(float));
+        float *scores = malloc((size_t)longest * sizeof(float));
         int64_t *offs = malloc((size_t)longest * sizeof(int64_t));
-        float *qs = malloc((size_t)(group * dim) * sizeof(float));
+        float *qs = malloc((size_t)dim * sizeof(float));
         if (!scores || !offs || !qs) {
 #pragma omp atomic write
             failed = 1;
@@ -240,33 +253,19 @@ int kiln_decode_attention_f32(const float *q, int64_t q_stride, const float *k_c
                 /* Row offset of every visible key within one head's slots. */
                 for (int64_t j = start, i = 0; j < len; j++, i++)
                     offs[i] = (pages[j / page_size] * page_size + j % page_size) * dim;
-                for (int64_t g = 0; g < group; g++) {
-                    const float *src = q + b * q_stride + (kh * group + g) * dim;
-#pragma omp simd
-                    for (int64_t i = 0; i < dim; i++) qs[g * dim + i] = src[i] * scale;
-                }
                 const float *kb = k_cache + kh * slots * dim;
                 const float *vb = v_cache + kh * slots * dim;
-                for (int64_t g = 0; g < group; g++)
-                    score_keys(qs + g * dim, kb, offs, n, dim, scores + g * n);
-                /* Softmax per query head; 1 / sum folded into the output. */
-                float inv[group];
+                /* The group's query heads one after another: the K/V rows the first one
+                 * brought into cache serve the others. */
                 for (int64_t g = 0; g < group; g++) {
-                    float *sc = scores + g * n;
-                    float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-                    for (int64_t i = 0; i < n; i++) m = sc[i] > m ? sc[i] : m;
-                    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                    for (int64_t i = 0; i < n; i++) {
-                        sc[i] = kexp(sc[i] - m);
-                        sum += sc[i];
-                    }
-                    inv[g] = 1.0f / sum;
+                    const int64_t h = kh * group + g;
+                    const float *src = q + b * q_stride + h * dim;
+#pragma omp simd
+                    for (int64_t i = 0; i < dim; i++) qs[i] = src[i] * scale;
+                    score_keys(qs, kb, offs, n, dim, scores);
+                    const float inv = softmax_unnormalised(scores, n);
+                    weigh_values(scores, vb, offs, n, dim, inv, out + (b * heads + h) * dim);
                 }
-                for (int64_t g = 0; g < group; g++)
-                    weigh_values(scores + g * n, vb, offs, n, dim, inv[g],
-                                 out + b * heads * dim + (kh * group + g) * dim);
             }
         }
         free(scores);
