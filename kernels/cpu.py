@@ -25,10 +25,12 @@ import subprocess
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from kiln.kernels import torch_native
 from kiln.kernels.attention import AttentionBatch, attend_one
 from kiln.kernels.attention import attention as torch_attention
+from kiln.kernels.packed import PackedWeights
 from kiln.kernels.registry import register
 from kiln.paths import cache_dir
 
@@ -39,7 +41,12 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 # two instructions; fused multiply-adds are what the dot products want.
 FLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 # Ops this backend implements; select_backends takes it for these on fp32 CPU graphs.
-OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "rope", "attention")
+OPS = ("linear", "rmsnorm", "add_rmsnorm", "silu_and_mul", "rope", "attention")
+# Rows up to which `linear` runs the packed small-M kernel; above, MKL's GEMM on the plain
+# weight. Measured on the 120 GEMMs of SmolLM2-135M (benchmarks/RESULTS.md): ahead of
+# oneDNN and MKL from 1 row to 48 (28 against 32-41 ms at 2 rows, 39 against 58-80 ms at
+# 16), even at 64, behind from 128 rows (331 against 292 ms).
+LINEAR_MAX_ROWS = 64
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -48,6 +55,9 @@ _SIGNATURES = {
     "kiln_silu_and_mul_f32": (None, [_P, _P, _I64, _I64, _INT]),
     "kiln_rope_f32": (None, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT]),
     "kiln_kv_write_f32": (None, [_P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64]),
+    "kiln_linear_lanes": (_I64, []),
+    "kiln_pack_linear_f32": (None, [_P, _I64, _I64, _P, _INT]),
+    "kiln_linear_f32": (None, [_P, _I64, _I64, _P, _I64, _P, _P, _INT]),
     "kiln_decode_attention_f32": (
         _INT,
         [_P, _I64, _P, _P, _I64, _P, _I64, _P, _P] + [_I64] * 5 + [_I64, _F32, _INT],
@@ -125,6 +135,40 @@ def library() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return library() is not None
+
+
+def _pack_linear(weight: torch.Tensor) -> torch.Tensor:
+    lib = library()
+    assert lib is not None
+    n, k = weight.shape
+    lanes = lib.kiln_linear_lanes()
+    packed = torch.empty(-(-n // lanes) * k * lanes)
+    lib.kiln_pack_linear_f32(weight.data_ptr(), n, k, packed.data_ptr(), _threads())
+    return packed
+
+
+_packed = PackedWeights(_pack_linear)
+
+
+@register("linear", backend="kiln_cpu", devices=("cpu",))
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    lib = library()
+    dense = _dense(x) and _dense(weight) and (bias is None or _dense(bias, dims=1))
+    if lib is None or not dense or x.shape[0] > LINEAR_MAX_ROWS:
+        return F.linear(x, weight, bias)
+    (m, k), n = x.shape, weight.shape[0]
+    out = torch.empty(m, n)
+    lib.kiln_linear_f32(
+        x.data_ptr(),
+        m,
+        k,
+        _packed.get(weight).data_ptr(),
+        n,
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        _threads(),
+    )
+    return out
 
 
 def _rows(x: torch.Tensor) -> bool:

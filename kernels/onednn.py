@@ -9,27 +9,16 @@ serving pays one packed copy of the linear weights.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 
+from kiln.kernels.packed import PackedWeights
 from kiln.kernels.registry import register
 
 # Rows at which the packed GEMM starts to win (see the measurements above).
 PACKED_FROM_ROWS = 3
 _PACK_BATCH_HINT = 16
-_packed: dict[int, torch.Tensor] = {}
-
-
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    key = id(weight)
-    packed = _packed.get(key)
-    if packed is None:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
-        _packed[key] = packed
-        weakref.finalize(weight, _packed.pop, key, None)  # ids are reused after free
-    return packed
+_packed = PackedWeights(lambda w: torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT))
 
 
 def available() -> bool:
@@ -44,4 +33,4 @@ if available():
     ) -> torch.Tensor:
         if x.shape[0] < PACKED_FROM_ROWS or x.dtype != torch.float32:
             return F.linear(x, weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, _pack(weight), bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, _packed.get(weight), bias, "none", [], "")

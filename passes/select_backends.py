@@ -1,9 +1,10 @@
 """Backend selection: record in each node's meta which registered kernel runs it.
 
 Rules come from measurements on the targets (kernels/onednn.py, benchmarks/RESULTS.md):
-fp32 linears on CPU run on oneDNN, and the ops kiln's C kernels cover (attention, norms,
-rope, SiLU-and-mul) on kiln_cpu where a C compiler can build them; everything else on the
-reference kernels, unless the user asks for a backend (--attention-backend)."""
+on CPU in fp32, the ops kiln's C kernels cover (linear, attention, norms, rope,
+SiLU-and-mul) run on kiln_cpu where a C compiler can build them, else linears on oneDNN;
+everything else on the reference kernels, unless the user asks for a backend
+(--attention-backend)."""
 
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ def select_backends(graph: Graph, ctx: PassContext) -> PassResult:
 
 
 def _preferred(op: str, ctx: PassContext, have: list[str]) -> str:
-    if op == "linear" and ctx.dtype == "float32" and "onednn" in have:
-        return "onednn"
     if ctx.dtype == "float32" and "kiln_cpu" in have and cpu_kernels.available():
         return "kiln_cpu"
+    if op == "linear" and ctx.dtype == "float32" and "onednn" in have:
+        return "onednn"  # where kiln's C kernels cannot be built
     return "torch_native" if "torch_native" in have else have[0]

@@ -274,3 +274,95 @@ int kiln_decode_attention_f32(const float *q, int64_t q_stride, const float *k_c
     }
     return failed ? -1 : 0;
 }
+
+/* ---- Linear layers with few rows (serving decode batches) ----
+ *
+ * out[m, n] = x[m, :] . w[n, :] (+ bias[n]) for m up to a few dozen rows. Such a GEMM
+ * streams every weight once and uses each 16 times or so, so it lives or dies by how well
+ * the weight stream flows. Weights are repacked once into column blocks, [N / L][K][L]
+ * (L = lanes of one vector; zero past N): a block is one contiguous stream, read exactly
+ * once per call. Register tiles of up to TILE_ROWS rows x one vector of columns: per k,
+ * one weight vector load and one FMA per row with x[m, k] broadcast from memory. The
+ * stream is software-prefetched PREFETCH_BYTES ahead (the hardware prefetcher alone left
+ * it about 25% slower). */
+#ifdef __AVX512F__
+#define LANES 16
+#define TILE_ROWS 16 /* 16 accumulators + the weight vector fit in 32 registers */
+#else
+#define LANES 8
+#define TILE_ROWS 8 /* 16 registers on AVX2 */
+#endif
+#define PREFETCH_BYTES 2048
+typedef float vlf __attribute__((vector_size(LANES * 4), aligned(4)));
+
+int64_t kiln_linear_lanes(void) { return LANES; }
+
+/* packed[b][k][l] = w[b * LANES + l][k] for w [n, k] row-major. */
+void kiln_pack_linear_f32(const float *w, int64_t n, int64_t k, float *packed, int threads) {
+    const int64_t blocks = (n + LANES - 1) / LANES;
+#pragma omp parallel for num_threads(threads)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t kk = 0; kk < k; kk++)
+            for (int64_t l = 0; l < LANES; l++) {
+                const int64_t row = b * LANES + l;
+                packed[(b * k + kk) * LANES + l] = row < n ? w[row * k + kk] : 0.0f;
+            }
+}
+
+/* One tile: `rows` rows of x against one packed column block. Always inlined with a
+ * constant `rows`, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void linear_tile(
+    const float *x, int64_t k, const float *block, const float *bias, float *out, int64_t n,
+    int64_t cols, const int rows) {
+    vlf acc[TILE_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = (vlf){0};
+    for (int64_t kk = 0; kk < k; kk++) {
+        __builtin_prefetch(block + kk * LANES + PREFETCH_BYTES / 4);
+        const vlf w = *(const vlf *)(block + kk * LANES);
+        for (int r = 0; r < rows; r++) acc[r] += x[r * k + kk] * w;
+    }
+    vlf add = {0};
+    for (int64_t c = 0; bias && c < cols; c++) add[c] = bias[c];
+    for (int r = 0; r < rows; r++) {
+        acc[r] += add;
+        if (cols == LANES) {
+            *(vlf *)(out + r * n) = acc[r];
+        } else {
+            for (int64_t c = 0; c < cols; c++) out[r * n + c] = acc[r][c];
+        }
+    }
+}
+
+#define TILE_CASE(R) \
+    case R: linear_tile(x, k, block, bias, out, n, cols, R); break;
+
+static void linear_rows(const float *x, int64_t k, const float *block, const float *bias,
+                        float *out, int64_t n, int64_t cols, int64_t rows) {
+    switch (rows) {
+        TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4)
+        TILE_CASE(5) TILE_CASE(6) TILE_CASE(7) TILE_CASE(8)
+#if TILE_ROWS == 16
+        TILE_CASE(9) TILE_CASE(10) TILE_CASE(11) TILE_CASE(12)
+        TILE_CASE(13) TILE_CASE(14) TILE_CASE(15) TILE_CASE(16)
+#endif
+        default: break;
+    }
+}
+
+/* x: [m, k] contiguous; packed: from kiln_pack_linear_f32; bias: [n] or NULL; out: [m, n].
+ * Column blocks are split between threads; each thread runs all row tiles of its blocks
+ * (a block re-read for a second row tile comes from cache). */
+void kiln_linear_f32(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
+                     const float *bias, float *out, int threads) {
+    const int64_t blocks = (n + LANES - 1) / LANES;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *block = packed + b * k * LANES;
+        const int64_t cols = n - b * LANES < LANES ? n - b * LANES : LANES;
+        for (int64_t m0 = 0; m0 < m; m0 += TILE_ROWS) {
+            const int64_t rows = m - m0 < TILE_ROWS ? m - m0 : TILE_ROWS;
+            linear_rows(x + m0 * k, k, block, bias ? bias + b * LANES : NULL,
+                        out + m0 * n + b * LANES, n, cols, rows);
+        }
+    }
+}

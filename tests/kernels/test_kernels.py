@@ -43,6 +43,19 @@ def test_rmsnorm_and_add_rmsnorm(backend: str, rows: int) -> None:
     torch.testing.assert_close(normed, F.rms_norm(a + b, (n,), w, 1e-5))
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 13, 16, 17, 64, 65])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kiln_cpu_linear(rows: int, with_bias: bool) -> None:
+    # 1000 outputs: the last column block is partial; 65 rows: past the packed kernel
+    x, w = torch.randn(rows, 96), torch.randn(1000, 96)
+    b = torch.randn(1000) if with_bias else None
+    out = k("linear", "kiln_cpu")(x, w, b)
+    torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+    # the packed copy is made once per weight and reused
+    again = k("linear", "kiln_cpu")(x, w, b)
+    torch.testing.assert_close(again, out, atol=0, rtol=0)
+
+
 @BOTH
 @pytest.mark.parametrize("rows", [4, 64])
 def test_silu_and_mul(backend: str, rows: int) -> None:
@@ -119,7 +132,7 @@ def test_paged_attention_prefill_and_batched_decode_with_windows(backend: str) -
 
 
 def test_registry_lists_backends_per_device() -> None:
-    assert set(registry.available("linear", "cpu")) == {"torch_native", "onednn"}
+    assert set(registry.available("linear", "cpu")) == {"torch_native", "onednn", "kiln_cpu"}
     assert registry.available("linear", "cuda") == ["torch_native"]
 
 
