@@ -8,6 +8,8 @@ attention gets `--batch` sequences of `--kv-len` cached tokens on pages scattere
 pool of `--layers` layers, and each repeat reads the next layer so K/V come from memory,
 as in a real step. Figures are min / median microseconds per call over `--repeats` calls;
 attention also prints the K/V bytes it reads per call against the measured bandwidth.
+Then every linear of one forward pass per backend (kiln_cpu, onednn, torch_native) at each
+of `--gemm-rows` row counts, against the bandwidth floor of reading the weights once.
 """
 
 from __future__ import annotations
@@ -44,6 +46,11 @@ def main() -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--layers", type=int, default=30, help="layers in the KV pool")
     p.add_argument("--repeats", type=int, default=200)
+    p.add_argument(
+        "--gemm-rows",
+        default="1,2,4,8,16,32,64,128",
+        help="row counts for the linear table ('' skips it)",
+    )
     args = p.parse_args()
 
     from kiln.kernels import cpu
@@ -118,6 +125,39 @@ def main() -> None:
         f"{kv_bytes / attn_us / 1e3:.1f} GB/s at the median, against {gbs:.1f} GB/s measured "
         f"read bandwidth ({kv_bytes / gbs / 1e3:.0f} us limit)"
     )
+    if args.gemm_rows:
+        gemms(cfg, [int(r) for r in args.gemm_rows.split(",")], gbs)
+
+
+def gemms(cfg: dict, row_counts: list[int], gbs: float) -> None:
+    """Every linear of one forward pass (distinct, cold weights, as the fused graph has
+    them) at each row count, per backend."""
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", heads)
+    d = cfg.get("head_dim") or hidden // heads
+    inter = cfg["intermediate_size"]
+    per_layer = [((heads + 2 * kv_heads) * d, hidden), (hidden, heads * d)]
+    per_layer += [(2 * inter, hidden), (hidden, inter)]
+    shapes = per_layer * cfg["num_hidden_layers"] + [(cfg["vocab_size"], hidden)]
+    weights = [torch.randn(n, k) for n, k in shapes]
+    nbytes = sum(w.numel() for w in weights) * 4
+    backends = ("kiln_cpu", "onednn", "torch_native")
+    print(
+        f"\n{len(weights)} linears of one forward pass, {nbytes / 1e6:.0f} MB of weights "
+        f"(bandwidth floor {nbytes / gbs / 1e6:.1f} ms); ms per pass, min / median of 5"
+    )
+    print("| rows | " + " | ".join(backends) + " |")
+    print("| --- |" + " --- |" * len(backends))
+    for rows in row_counts:
+        xs = {k: torch.randn(rows, k) for _, k in shapes}
+        cells = []
+        for backend in backends:
+            fn = registry.get("linear", backend).fn
+            best, median = per_call_us(
+                lambda i, fn=fn, xs=xs: [fn(xs[w.shape[1]], w) for w in weights], 5
+            )
+            cells.append(f"{best / 1e3:.1f} / {median / 1e3:.1f}")
+        print(f"| {rows} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

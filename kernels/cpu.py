@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kiln.kernels import torch_native
+from kiln.kernels import onednn, torch_native
 from kiln.kernels.attention import AttentionBatch, attend_one
 from kiln.kernels.attention import attention as torch_attention
 from kiln.kernels.packed import PackedWeights
@@ -42,11 +42,12 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 FLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 # Ops this backend implements; select_backends takes it for these on fp32 CPU graphs.
 OPS = ("linear", "rmsnorm", "add_rmsnorm", "silu_and_mul", "rope", "attention")
-# Rows up to which `linear` runs the packed small-M kernel; above, MKL's GEMM on the plain
-# weight. Measured on the 120 GEMMs of SmolLM2-135M (benchmarks/RESULTS.md): ahead of
-# oneDNN and MKL from 1 row to 48 (28 against 32-41 ms at 2 rows, 39 against 58-80 ms at
-# 16), even at 64, behind from 128 rows (331 against 292 ms).
-LINEAR_MAX_ROWS = 64
+# Rows up to which `linear` runs the packed small-M kernel; above, oneDNN (where it exists,
+# else MKL's GEMM on the plain weight). Measured on every linear of a SmolLM2-135M pass,
+# ms (benchmarks/RESULTS.md): kiln_cpu / oneDNN / MKL: 1 row 28 / 29 / 29, 4 rows
+# 31 / 46 / 58, 16 rows 45 / 61 / 88, 32 rows 94 / 81 / 113. A tile holds 16 rows, so
+# past that each further tile costs a whole pass again.
+LINEAR_MAX_ROWS = 24
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -155,7 +156,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     lib = library()
     dense = _dense(x) and _dense(weight) and (bias is None or _dense(bias, dims=1))
     if lib is None or not dense or x.shape[0] > LINEAR_MAX_ROWS:
-        return F.linear(x, weight, bias)
+        return onednn.linear(x, weight, bias) if onednn.available() else F.linear(x, weight, bias)
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty(m, n)
     lib.kiln_linear_f32(
