@@ -4,6 +4,8 @@ What they replace, per batch-16 decode step of SmolLM2-135M on the CI machine ki
 cores), torch profiler: paged decode attention gathered every sequence's K/V pages into a padded
 batch (index_select, ~20 ms) and then ran SDPA on it (~11 ms); the C kernel reads K/V in
 place through the page table. RMSNorm, SiLU-and-mul and rope were 4-6 small aten ops each.
+The linear for decode batches streams weights repacked into column blocks, prefetched
+ahead, where oneDNN and MKL reached 50-70% of the memory bandwidth.
 Figures: benchmarks/RESULTS.md.
 
 The library is compiled on first use with the system C compiler (`$CC`, else `cc`) and
