@@ -44,12 +44,13 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 FLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 # Ops this backend implements; select_backends takes it for these on fp32 CPU graphs.
 OPS = ("linear", "rmsnorm", "add_rmsnorm", "silu_and_mul", "rope", "attention")
-# Rows up to which `linear` runs the packed small-M kernel; above, oneDNN (where it exists,
-# else MKL's GEMM on the plain weight). Measured on every linear of a SmolLM2-135M pass,
-# ms (benchmarks/RESULTS.md): kiln_cpu / oneDNN / MKL: 1 row 28 / 29 / 29, 4 rows
-# 31 / 46 / 58, 16 rows 45 / 61 / 88, 32 rows 94 / 81 / 113. A tile holds 16 rows, so
-# past that each further tile costs a whole pass again.
-LINEAR_MAX_ROWS = 24
+# Rows up to which `linear` runs the packed small-M kernel, by its tile height (16 rows
+# where AVX-512 gives 32 vector registers, 8 otherwise); above, oneDNN (where it exists,
+# else MKL's GEMM on the plain weight). Measured on every linear of a SmolLM2-135M pass
+# (benchmarks/RESULTS.md): the 16-row build matches or beats oneDNN up to 64-96 rows (37
+# against 55 ms at 16 rows); the 8-row build, run on the same AVX-512 machine against
+# oneDNN's AVX-512 code, wins up to 8 rows (31 against 43 ms) and loses from 16.
+LINEAR_MAX_ROWS = {16: 64, 8: 8}
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -59,8 +60,9 @@ _SIGNATURES = {
     "kiln_rope_f32": (None, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT]),
     "kiln_kv_write_f32": (None, [_P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64]),
     "kiln_linear_lanes": (_I64, []),
+    "kiln_linear_tile_rows": (_I64, []),
     "kiln_pack_linear_f32": (None, [_P, _I64, _I64, _P, _INT]),
-    "kiln_linear_f32": (None, [_P, _I64, _I64, _P, _I64, _P, _P, _INT]),
+    "kiln_linear_f32": (_INT, [_P, _I64, _I64, _P, _I64, _P, _P, _INT]),
     "kiln_decode_attention_f32": (
         _INT,
         [_P, _I64, _P, _P, _I64, _P, _I64, _P, _P] + [_I64] * 5 + [_I64, _F32, _INT],
@@ -157,11 +159,11 @@ _packed = PackedWeights(_pack_linear)
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     lib = library()
     dense = _dense(x) and _dense(weight) and (bias is None or _dense(bias, dims=1))
-    if lib is None or not dense or x.shape[0] > LINEAR_MAX_ROWS:
+    if lib is None or not dense or x.shape[0] > LINEAR_MAX_ROWS[lib.kiln_linear_tile_rows()]:
         return onednn.linear(x, weight, bias) if onednn.available() else F.linear(x, weight, bias)
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty(m, n)
-    lib.kiln_linear_f32(
+    rc = lib.kiln_linear_f32(
         x.data_ptr(),
         m,
         k,
@@ -171,6 +173,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out.data_ptr(),
         _threads(),
     )
+    if rc != 0:
+        raise MemoryError(f"kiln_cpu linear: no memory for a {m} x {k} copy of its input")
     return out
 
 

@@ -88,3 +88,16 @@ def test_code_without_avx_is_correct_too(tmp_path: Path) -> None:
         sliding_window=None,
     )
     torch.testing.assert_close(ours, ref)
+    # The linear's portable build: 8-lane blocks and 8-row tiles.
+    assert lib.kiln_linear_lanes() == 8 and lib.kiln_linear_tile_rows() == 8
+    x, w, b = torch.randn(9, 40), torch.randn(100, 40), torch.randn(100)
+    packed = torch.empty(13 * 40 * 8)
+    lib.kiln_pack_linear_f32(w.data_ptr(), 100, 40, packed.data_ptr(), 2)
+    out = torch.empty(9, 100)
+    assert (
+        lib.kiln_linear_f32(
+            x.data_ptr(), 9, 40, packed.data_ptr(), 100, b.data_ptr(), out.data_ptr(), 2
+        )
+        == 0
+    )
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
