@@ -142,11 +142,19 @@ def available() -> bool:
     return library() is not None
 
 
+@functools.cache
+def _linear_shape() -> tuple[int, int]:
+    """(lanes of a packed column block, most rows the packed kernel takes) of this build."""
+    lib = library()
+    assert lib is not None
+    return lib.kiln_linear_lanes(), LINEAR_MAX_ROWS[lib.kiln_linear_tile_rows()]
+
+
 def _pack_linear(weight: torch.Tensor) -> torch.Tensor:
     lib = library()
     assert lib is not None
     n, k = weight.shape
-    lanes = lib.kiln_linear_lanes()
+    lanes = _linear_shape()[0]
     packed = torch.empty(-(-n // lanes) * k * lanes)
     lib.kiln_pack_linear_f32(weight.data_ptr(), n, k, packed.data_ptr(), _threads())
     return packed
@@ -159,7 +167,7 @@ _packed = PackedWeights(_pack_linear)
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     lib = library()
     dense = _dense(x) and _dense(weight) and (bias is None or _dense(bias, dims=1))
-    if lib is None or not dense or x.shape[0] > LINEAR_MAX_ROWS[lib.kiln_linear_tile_rows()]:
+    if lib is None or not dense or x.shape[0] > _linear_shape()[1]:
         return onednn.linear(x, weight, bias) if onednn.available() else F.linear(x, weight, bias)
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty(m, n)
