@@ -14,8 +14,10 @@ import json
 import os
 import shutil
 import tempfile
-from pathlib import Path
-from typing import Any
+from pathlib import Path, PurePosixPath
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -55,7 +57,69 @@ def file_entry(root: Path, rel: str) -> dict[str, Any]:
     return {"sha256": sha256_file(p), "bytes": p.stat().st_size}
 
 
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class FileEntry(_Strict):
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    bytes: int = Field(ge=0)
+
+
+class Target(_Strict):
+    device: Literal["cpu", "cuda"]
+
+
+class RuntimeSpec(_Strict):
+    """What the runtime needs to know about the model (the manifest's `runtime`)."""
+
+    num_layers: int = Field(gt=0)
+    num_kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+    context_length: int = Field(gt=1)
+    dtype: Literal["float32", "float16", "bfloat16"]
+    page_size: int = Field(gt=0)
+    bos_token_id: int | None = Field(ge=0)
+    eos_token_ids: list[Annotated[int, Field(ge=0)]]
+    served_model_name: str
+
+
+class Manifest(_Strict):
+    format_version: int
+    kiln_version: str
+    torch_version: str
+    target: Target
+    model: dict[str, Any]
+    runtime: RuntimeSpec
+    compile_args: dict[str, Any]
+    cache_key: str = Field(pattern=r"^[0-9a-f]{64}$")
+    cache_factors: dict[str, Any]
+    passes: list[dict[str, Any]]
+    files: dict[str, FileEntry]
+
+    @field_validator("files")
+    @classmethod
+    def _relative_paths(cls, files: dict[str, FileEntry]) -> dict[str, FileEntry]:
+        for rel in files:
+            parts = PurePosixPath(rel).parts
+            if not parts or rel.startswith("/") or ".." in parts or "\\" in rel:
+                raise ValueError(f"file path {rel!r} must stay inside the artefact")
+        for required in (GRAPH, WEIGHTS):
+            if required not in files:
+                raise ValueError(f"does not list {required}")
+        return files
+
+
+def _first_problem(e: ValidationError) -> str:
+    err = e.errors()[0]
+    where = ".".join(str(x) for x in err["loc"]) or "manifest"
+    return f"{where}: {err['msg']}"
+
+
 def read_manifest(root: Path) -> dict[str, Any]:
+    """The manifest of the artefact at `root`, checked against the schema; raises
+    ArtefactError with one line naming the first problem."""
     path = root / MANIFEST
     if not root.is_dir():
         raise ArtefactError(f"{root} is not a folder: expected a kiln artefact")
@@ -64,15 +128,21 @@ def read_manifest(root: Path) -> dict[str, Any]:
             f"{root} has no {MANIFEST}: not a kiln artefact (make one with `kiln compile`)"
         )
     try:
-        manifest: dict[str, Any] = json.loads(path.read_text())
+        manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ArtefactError(f"{path} is damaged: {e}") from e
+    if not isinstance(manifest, dict):
+        raise ArtefactError(f"{path} is damaged: expected a JSON object")
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
+    if type(version) is not int or version != FORMAT_VERSION:
         raise ArtefactError(
-            f"{root}: artefact format {version}, this kiln reads format "
+            f"{root}: artefact format {version!r}, this kiln reads format "
             f"{FORMAT_VERSION}; recompile with this kiln"
         )
+    try:
+        Manifest.model_validate(manifest)
+    except ValidationError as e:
+        raise ArtefactError(f"{path} is invalid: {_first_problem(e)}") from None
     return manifest
 
 

@@ -12,38 +12,58 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+# Attribute kinds an op schema can name; what each admits is checked by
+# `kiln.compiler.graph_check` when a graph is read from a file.
+AttrKind = str  # "int" | "float" | "int?" | "ints" | "str"
+
 
 @dataclass(frozen=True)
 class OpSchema:
-    """Arity and attribute names of an op. `max_args=None` means variadic."""
+    """Arity and typed attributes of an op. `max_args=None` means variadic."""
 
     min_args: int
     max_args: int | None
-    attrs: tuple[str, ...] = ()
+    attrs: tuple[tuple[str, AttrKind], ...] = ()
     outputs: int = 1
+
+    @property
+    def attr_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.attrs)
 
 
 OPS: dict[str, OpSchema] = {
-    "input": OpSchema(0, 0, ("name",)),
-    "param": OpSchema(0, 0, ("name",)),
+    "input": OpSchema(0, 0, (("name", "str"),)),
+    "param": OpSchema(0, 0, (("name", "str"),)),
     "output": OpSchema(1, None),
-    "getitem": OpSchema(1, 1, ("index",)),
+    "getitem": OpSchema(1, 1, (("index", "int"),)),
     "embedding": OpSchema(2, 2),
     "linear": OpSchema(2, 3),
-    "rmsnorm": OpSchema(2, 2, ("eps", "group")),
-    "add_rmsnorm": OpSchema(3, 3, ("eps",), outputs=2),
+    "rmsnorm": OpSchema(2, 2, (("eps", "float"), ("group", "int"))),
+    "add_rmsnorm": OpSchema(3, 3, (("eps", "float"),), outputs=2),
     "add": OpSchema(2, 2),
     "mul": OpSchema(2, 2),
     "silu": OpSchema(1, 1),
     "silu_and_mul": OpSchema(1, 1),
-    "split": OpSchema(1, 1, ("sizes",), outputs=-1),
+    "split": OpSchema(1, 1, (("sizes", "ints"),), outputs=-1),
     "rope_cos_sin": OpSchema(2, 2),
-    "rope": OpSchema(2, 2, ("head_dim",)),
+    "rope": OpSchema(2, 2, (("head_dim", "int"),)),
     "attention": OpSchema(
-        3, 3, ("layer", "num_heads", "num_kv_heads", "head_dim", "scale", "sliding_window")
+        3,
+        3,
+        (
+            ("layer", "int"),
+            ("num_heads", "int"),
+            ("num_kv_heads", "int"),
+            ("head_dim", "int"),
+            ("scale", "float"),
+            ("sliding_window", "int?"),
+        ),
     ),
     "index_select": OpSchema(2, 2),
 }
+
+# Ops the executor handles itself (no kernel, no backend).
+STRUCTURAL_OPS = frozenset({"input", "param", "output", "getitem"})
 
 # Runtime-provided graph inputs, in the order the executor passes them.
 GRAPH_INPUTS = ("input_ids", "positions", "logits_indices")
@@ -183,7 +203,7 @@ class Graph:
                     f"%{n.name}: {n.op} takes {schema.min_args}..{schema.max_args} "
                     f"args, got {nargs}"
                 )
-            missing = [a for a in schema.attrs if a not in n.attrs]
+            missing = [a for a in schema.attr_names if a not in n.attrs]
             if missing:
                 raise IRError(f"%{n.name}: {n.op} is missing attrs {missing}")
             for a in n.args:
@@ -234,19 +254,11 @@ class Graph:
         }
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Graph:
-        g = cls()
-        by_name: dict[str, Node] = {}
-        for nd in d["nodes"]:
-            try:
-                args = [by_name[a] for a in nd["args"]]
-            except KeyError as e:
-                raise IRError(f"%{nd['name']}: unknown argument %{e.args[0]}") from None
-            node = g.add(nd["op"], args, nd.get("attrs"), name=nd["name"])
-            node.meta = dict(nd.get("meta") or {})
-            by_name[node.name] = node
-        g.weights = {k: WeightSpec.from_json(w) for k, w in d["weights"].items()}
-        return g
+    def from_json(cls, d: Any) -> Graph:
+        """Decode a graph, checking every field (see `kiln.compiler.graph_json`)."""
+        from kiln.compiler.graph_json import graph_from_json
+
+        return graph_from_json(d)
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1)

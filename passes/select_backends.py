@@ -8,20 +8,17 @@ everything else on the reference kernels, unless the user asks for a backend
 
 from __future__ import annotations
 
-from kiln.compiler.ir import Graph
+from kiln.compiler.ir import STRUCTURAL_OPS, Graph
 from kiln.kernels import cpu as cpu_kernels
 from kiln.kernels import registry
 from kiln.passes.base import PassContext, PassResult
-
-# Structural ops the executor handles itself.
-STRUCTURAL = frozenset({"input", "param", "output", "getitem"})
 
 
 def select_backends(graph: Graph, ctx: PassContext) -> PassResult:
     prefer: dict[str, str] = ctx.options.get("backends", {})
     changed = False
     for n in graph.nodes:
-        if n.op in STRUCTURAL:
+        if n.op in STRUCTURAL_OPS:
             continue
         have = registry.available(n.op, ctx.device)
         if not have:

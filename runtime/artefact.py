@@ -2,10 +2,17 @@
 
 Imports the IR and the on-disk format from `kiln.compiler`, never `models/` or `passes/`:
 everything the runtime needs is in the artefact.
+
+An artefact is untrusted input. Checksums catch damage, not tampering (whoever edits a file
+can recompute them), so every file is also checked for sense: the manifest against its
+schema, the graph field by field (`kiln.compiler.graph_json`), feature sizes through the
+graph (`kiln.compiler.shapes`), every kernel the graph names, every weight's shape and
+dtype, and the manifest's model numbers against the graph's. A failure is one line.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +21,9 @@ import torch
 from safetensors.torch import load_file
 
 from kiln.compiler import artefact as fmt
-from kiln.compiler.ir import Graph, IRError
+from kiln.compiler.ir import STRUCTURAL_OPS, Graph, IRError
+from kiln.compiler.shapes import check_features
+from kiln.kernels import registry
 
 
 @dataclass(frozen=True)
@@ -62,18 +71,82 @@ class Artefact:
             )
         if verify:
             fmt.verify_files(root, manifest)
-        try:
-            graph = Graph.loads((root / fmt.GRAPH).read_text())
-            graph.lint()
-        except (IRError, ValueError, KeyError) as e:
-            raise fmt.ArtefactError(f"{root}/{fmt.GRAPH} is damaged: {e}") from e
+        rt = dict(manifest["runtime"])
+        rt["eos_token_ids"] = tuple(rt["eos_token_ids"])
+        spec = ModelSpec(**rt)
+        graph = _load_graph(root)
         try:
             weights = load_file(str(root / fmt.WEIGHTS), device=device)
         except Exception as e:
             raise fmt.ArtefactError(f"{root}/{fmt.WEIGHTS} is damaged: {e}") from e
-        missing = set(graph.weights) - set(weights)
-        if missing:
-            raise fmt.ArtefactError(f"{root}/{fmt.WEIGHTS} lacks {sorted(missing)[:3]}")
-        rt = dict(manifest["runtime"])
-        rt["eos_token_ids"] = tuple(rt["eos_token_ids"])
-        return cls(root, manifest, ModelSpec(**rt), graph, weights)
+        _check_weights(root, graph, weights)
+        _check_agreement(root, spec, graph)
+        return cls(root, manifest, spec, graph, weights)
+
+
+def _load_graph(root: Path) -> Graph:
+    where = f"{root}/{fmt.GRAPH}"
+    try:
+        graph = Graph.from_json(json.loads((root / fmt.GRAPH).read_text()))
+        graph.lint()
+        check_features(graph)
+    except (IRError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise fmt.ArtefactError(f"{where} is invalid: {e}") from None
+    for n in graph.nodes:
+        if n.op in STRUCTURAL_OPS:
+            continue
+        backend = n.meta.get("backend")
+        try:
+            registry.get(n.op, str(backend))
+        except KeyError:
+            raise fmt.ArtefactError(
+                f"{where}: %{n.name} asks for the {backend!r} kernel of {n.op}, "
+                "which this kiln does not have"
+            ) from None
+    return graph
+
+
+def _check_weights(root: Path, graph: Graph, weights: dict[str, torch.Tensor]) -> None:
+    where = f"{root}/{fmt.WEIGHTS}"
+    for name, spec in graph.weights.items():
+        t = weights.get(name)
+        if t is None:
+            raise fmt.ArtefactError(f"{where} lacks {name!r}")
+        if tuple(t.shape) != spec.shape or str(t.dtype).removeprefix("torch.") != spec.dtype:
+            raise fmt.ArtefactError(
+                f"{where}: {name!r} is {tuple(t.shape)} {t.dtype}, the graph says "
+                f"{spec.shape} {spec.dtype}"
+            )
+
+
+def _check_agreement(root: Path, spec: ModelSpec, graph: Graph) -> None:
+    """The manifest's runtime numbers (used to size the KV pool and check token ids)
+    against the graph they describe."""
+
+    def refuse(what: str, manifest_value: object, graph_value: object) -> None:
+        raise fmt.ArtefactError(
+            f"{root}/{fmt.MANIFEST} disagrees with {fmt.GRAPH}: runtime.{what} is "
+            f"{manifest_value}, the graph has {graph_value}"
+        )
+
+    layers = sorted(n.attrs["layer"] for n in graph.nodes if n.op == "attention")
+    if layers != list(range(spec.num_layers)):
+        refuse("num_layers", spec.num_layers, f"attention layers {layers[:8]}")
+    for n in graph.nodes:
+        if n.op == "attention":
+            if n.attrs["num_kv_heads"] != spec.num_kv_heads:
+                refuse("num_kv_heads", spec.num_kv_heads, n.attrs["num_kv_heads"])
+            if n.attrs["head_dim"] != spec.head_dim:
+                refuse("head_dim", spec.head_dim, n.attrs["head_dim"])
+        if n.op == "embedding":
+            table = graph.weights[n.args[1].attrs["name"]]
+            if table.shape[0] != spec.vocab_size:
+                refuse("vocab_size", spec.vocab_size, f"an embedding of {table.shape[0]} rows")
+            if table.dtype != spec.dtype:
+                refuse("dtype", spec.dtype, table.dtype)
+    logits = check_features(graph)[graph.output.name]
+    if logits != (spec.vocab_size,):
+        refuse("vocab_size", spec.vocab_size, f"logits of {logits[0]} features")
+    ids = [*spec.eos_token_ids, *([spec.bos_token_id] if spec.bos_token_id is not None else [])]
+    if any(t >= spec.vocab_size for t in ids):
+        refuse("bos/eos token ids", ids, f"a vocabulary of {spec.vocab_size}")

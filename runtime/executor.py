@@ -1,13 +1,18 @@
 """The executor: the graph turned into one straight-line Python function, once, at load.
 
 Each node becomes one line calling its kernel (chosen by `select_backends` and recorded in
-the graph); weights and kernels are bound as globals of the generated function, and values
-are deleted after their last use so long prefills do not hold every layer's activations.
-No per-node interpretation happens while serving.
+the graph); values are deleted after their last use so long prefills do not hold every
+layer's activations. No per-node interpretation happens while serving.
+
+The graph comes from a file, so no string from it ever becomes source text: every name in
+the generated code is a letter and a number the executor counts itself (`v12`, `k3`,
+`w40`), kernels with their attributes are bound as values (`functools.partial`), weights
+are bound as values, and the one literal, a getitem index, is formatted from a checked int.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -17,25 +22,24 @@ from kiln.compiler.ir import GRAPH_INPUTS, Graph, Node
 from kiln.kernels import registry
 
 
-def generate_source(graph: Graph) -> tuple[str, dict[str, Any]]:
-    """Python source of `forward(ctx, input_ids, positions, logits_indices)` and its globals."""
+def generate_source(graph: Graph, weights: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Source of `forward(ctx, input_ids, positions, logits_indices)` and its globals."""
     env: dict[str, Any] = {}
     names: dict[int, str] = {}
-    kernel_names: dict[tuple[str, str], str] = {}
     last_use: dict[int, int] = {}
     for i, n in enumerate(graph.nodes):
         for a in n.args:
             last_use[id(a)] = i
 
-    lines = [f"def forward(ctx, {', '.join(GRAPH_INPUTS)}):"]
+    params = [f"x{j}" for j in range(len(GRAPH_INPUTS))]
+    lines = [f"def forward(ctx, {', '.join(params)}):"]
     for i, n in enumerate(graph.nodes):
         if n.op == "input":
-            names[id(n)] = n.attrs["name"]
+            names[id(n)] = params[GRAPH_INPUTS.index(n.attrs["name"])]
             continue
         if n.op == "param":
-            ident = f"w{len(env)}"
-            env[ident] = n.attrs["name"]  # resolved to the tensor by Executor
-            names[id(n)] = ident
+            names[id(n)] = f"w{i}"
+            env[f"w{i}"] = weights[n.attrs["name"]]
             continue
         args = [names[id(a)] for a in n.args]
         if n.op == "output":
@@ -43,12 +47,17 @@ def generate_source(graph: Graph) -> tuple[str, dict[str, Any]]:
                 f"    return {args[0]}" if len(args) == 1 else f"    return ({', '.join(args)},)"
             )
             break
-        var = f"v_{n.name}"
+        var = f"v{i}"
         names[id(n)] = var
         if n.op == "getitem":
-            lines.append(f"    {var} = {args[0]}[{n.attrs['index']}]")
+            index = n.attrs["index"]
+            if type(index) is not int:
+                raise ValueError(f"%{n.name}: getitem index must be an int")
+            lines.append(f"    {var} = {args[0]}[{index:d}]")
         else:
-            lines.append(f"    {var} = {_call(n, args, env, kernel_names)}")
+            env[f"k{i}"], needs_ctx = _bound_kernel(n)
+            call_args = (["ctx"] if needs_ctx else []) + args
+            lines.append(f"    {var} = k{i}({', '.join(call_args)})")
         dead = [
             names[id(a)]
             for a in _unique(n.args)
@@ -66,28 +75,20 @@ def _unique(nodes: list[Node]) -> list[Node]:
     return list(seen.values())
 
 
-def _call(n: Node, args: list[str], env: dict[str, Any], kernel_names: dict) -> str:
+def _bound_kernel(n: Node) -> tuple[Callable[..., Any], bool]:
     backend = n.meta.get("backend")
-    if backend is None:
+    if not isinstance(backend, str):
         raise ValueError(f"%{n.name}: no backend recorded; was select_backends run?")
     kernel = registry.get(n.op, backend)
-    key = (n.op, backend)
-    if key not in kernel_names:
-        kernel_names[key] = f"k_{n.op}_{backend}"
-        env[kernel_names[key]] = kernel.fn
-    call_args = (["ctx"] if kernel.needs_ctx else []) + args
-    call_args += [f"{k}={v!r}" for k, v in n.attrs.items()]
-    return f"{kernel_names[key]}({', '.join(call_args)})"
+    fn = functools.partial(kernel.fn, **n.attrs) if n.attrs else kernel.fn
+    return fn, kernel.needs_ctx
 
 
 class Executor:
     """Runs the compiled graph: `executor(ctx, input_ids, positions, logits_indices)`."""
 
     def __init__(self, graph: Graph, weights: dict[str, torch.Tensor]) -> None:
-        self.source, env = generate_source(graph)
-        namespace: dict[str, Any] = {}
-        for ident, value in env.items():
-            namespace[ident] = weights[value] if isinstance(value, str) else value
+        self.source, namespace = generate_source(graph, weights)
         exec(compile(self.source, "<kiln graph>", "exec"), namespace)
         self._forward: Callable[..., Any] = namespace["forward"]
 

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from kiln.compiler.ir import STRUCTURAL_OPS as STRUCTURAL
 from kiln.compiler.ir import Graph
 from kiln.compiler.trace import trace
 from kiln.kernels import cpu as cpu_kernels
@@ -19,7 +20,6 @@ from kiln.passes import (
     select_backends,
     verify,
 )
-from kiln.passes.select_backends import STRUCTURAL
 
 LAYERS = 3
 

@@ -1,0 +1,127 @@
+"""Reading a graph from JSON: a strict decoder, because an artefact is untrusted input.
+
+Every field is checked for type and form before a Node exists: node names are short
+identifiers, ops come from the op table, attributes are exactly the op's attributes with
+their declared kinds (finite numbers, ints that are not bools), indexes are ints, weight
+names are dotted identifiers, shapes are lists of ints, and `meta` holds JSON scalars only.
+Nothing here evaluates anything; the executor then builds its code from integers alone.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from kiln.compiler.ir import OPS, Graph, IRError, Node, WeightSpec
+
+NODE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+WEIGHT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,255}")
+META_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+DTYPES = ("float32", "float16", "bfloat16", "int8", "uint8", "int32", "int64")
+_NODE_KEYS = {"name", "op", "args", "attrs", "meta"}
+
+
+def _fail(where: str, message: str) -> IRError:
+    return IRError(f"{where}: {message}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_attr(where: str, kind: str, v: Any) -> Any:
+    if kind == "int" and _is_int(v):
+        return v
+    if kind == "int?" and (v is None or _is_int(v)):
+        return v
+    if kind == "float" and (_is_int(v) or isinstance(v, float)) and math.isfinite(v):
+        return float(v)
+    if kind == "ints" and isinstance(v, list) and all(_is_int(x) for x in v):
+        return list(v)
+    if kind == "str" and isinstance(v, str) and WEIGHT_NAME.fullmatch(v):
+        return v
+    wanted = {
+        "int": "an integer",
+        "int?": "an integer or null",
+        "float": "a finite number",
+        "ints": "a list of integers",
+        "str": "a name of letters, digits, '_', '.' and '-'",
+    }[kind]
+    raise _fail(where, f"expected {wanted}, got {_show(v)}")
+
+
+def _show(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _decode_node(i: int, nd: Any, by_name: dict[str, Node], graph: Graph) -> Node:
+    where = f"node {i}"
+    if not isinstance(nd, dict) or not {"name", "op", "args"} <= set(nd) or set(nd) - _NODE_KEYS:
+        raise _fail(where, f"expected an object with keys {sorted(_NODE_KEYS)}")
+    name = nd["name"]
+    if not isinstance(name, str) or not NODE_NAME.fullmatch(name):
+        raise _fail(where, f"node name must be an identifier, got {_show(name)}")
+    where = f"node %{name}"
+    if name in by_name:
+        raise _fail(where, "duplicate node name")
+    op = nd["op"]
+    schema = OPS.get(op) if isinstance(op, str) else None
+    if schema is None:
+        raise _fail(where, f"unknown op {_show(op)}")
+    args = nd["args"]
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise _fail(where, "args must be a list of node names")
+    missing = [a for a in args if a not in by_name]
+    if missing:
+        raise _fail(where, f"unknown argument %{_show(missing[0])}")
+    attrs = nd.get("attrs") or {}
+    if not isinstance(attrs, dict):
+        raise _fail(where, "attrs must be an object")
+    if set(attrs) != set(schema.attr_names):
+        raise _fail(
+            where, f"{op} takes attrs {sorted(schema.attr_names)}, got {_show(sorted(attrs))}"
+        )
+    checked = {k: _check_attr(f"{where} attr {k}", kind, attrs[k]) for k, kind in schema.attrs}
+    meta = nd.get("meta") or {}
+    if not isinstance(meta, dict):
+        raise _fail(where, "meta must be an object")
+    for k, v in meta.items():
+        if not META_KEY.fullmatch(k) or not (v is None or isinstance(v, str | int | float)):
+            raise _fail(where, f"meta entry {_show(k)} must be a scalar under an identifier")
+    node = graph.add(op, [by_name[a] for a in args], checked, name=name)
+    node.meta = dict(meta)
+    return node
+
+
+def _decode_weight(name: Any, w: Any) -> WeightSpec:
+    if not isinstance(name, str) or not WEIGHT_NAME.fullmatch(name):
+        raise IRError(f"weight name {_show(name)} is not a dotted identifier")
+    where = f"weight {name}"
+    if not isinstance(w, dict):
+        raise _fail(where, "expected an object")
+    shape, dtype, source = w.get("shape"), w.get("dtype"), w.get("source", {})
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise _fail(where, f"shape must be a list of non-negative integers, got {_show(shape)}")
+    if dtype not in DTYPES:
+        raise _fail(where, f"dtype must be one of {', '.join(DTYPES)}, got {_show(dtype)}")
+    if not isinstance(source, dict):
+        raise _fail(where, "source must be an object")
+    return WeightSpec(tuple(shape), dtype, source)
+
+
+def graph_from_json(data: Any) -> Graph:
+    """Decode and check a graph; raises IRError naming the first offending field."""
+    if not isinstance(data, dict) or not isinstance(data.get("nodes"), list):
+        raise IRError("expected an object with a 'nodes' list and a 'weights' object")
+    weights = data.get("weights")
+    if not isinstance(weights, dict):
+        raise IRError("expected a 'weights' object")
+    graph = Graph()
+    graph.weights = {k: _decode_weight(k, w) for k, w in weights.items()}
+    by_name: dict[str, Node] = {}
+    for i, nd in enumerate(data["nodes"]):
+        node = _decode_node(i, nd, by_name, graph)
+        by_name[node.name] = node
+    return graph

@@ -1,0 +1,120 @@
+"""Feature sizes through the graph: the last dim of every activation, from the weights.
+
+Both sides use it. The `verify` pass runs it so a fusion that stacks the wrong weights or a
+bad split fails at compile time; the artefact loader runs it on every graph it reads, so
+a tampered attribute (`num_heads`, `group`, a split size) is refused before a kernel that
+trusts those numbers ever sees them (kiln's C kernels index memory with them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kiln.compiler.ir import Graph, IRError, Node
+
+# A feature size: an int, None for per-token scalars (ids, positions), a tuple for
+# multi-output ops, or ("rope", rotary_dim) for the rotary tables.
+Feature = Any
+
+
+def check_features(graph: Graph) -> dict[str, Feature]:
+    """Propagate feature sizes; raise IRError naming the first node that disagrees.
+    Returns each node's feature size by node name."""
+    feat: dict[str, Feature] = {}
+    for n in graph.nodes:
+        feat[n.name] = _feature(graph, n, [feat[a.name] for a in n.args])
+    return feat
+
+
+def _expect(node: Node, what: str, got: object, want: object) -> None:
+    if got != want:
+        raise IRError(f"%{node.name}: {node.op} {what} is {got}, expected {want}")
+
+
+def _positive(node: Node, **values: object) -> None:
+    for name, v in values.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise IRError(f"%{node.name}: {node.op} {name} must be a positive integer, got {v!r}")
+
+
+def _weight_shape(graph: Graph, node: Node, dims: int) -> tuple[int, ...]:
+    spec = graph.weight_of(node)
+    if spec is None:
+        raise IRError(f"%{node.name}: expected a weight, got a computed value")
+    if len(spec.shape) != dims:
+        raise IRError(f"%{node.name}: weight {node.attrs['name']!r} must be {dims}-D")
+    return spec.shape
+
+
+def _feature(graph: Graph, n: Node, sizes: list[Feature]) -> Feature:
+    a, at = n.args, n.attrs
+    op = n.op
+    if op == "input":
+        return None
+    if op == "param":
+        shape = graph.weights[at["name"]].shape
+        _positive(n, **{f"dim {i}": d for i, d in enumerate(shape)})
+        return shape[-1] if shape else None
+    if op == "output":
+        return tuple(sizes)
+    if op == "embedding":
+        return _weight_shape(graph, a[1], 2)[1]
+    if op == "linear":
+        out, inp = _weight_shape(graph, a[1], 2)
+        _expect(n, "input features", sizes[0], inp)
+        if len(a) == 3:
+            _expect(n, "bias size", _weight_shape(graph, a[2], 1)[0], out)
+        return out
+    if op in ("rmsnorm", "add_rmsnorm"):
+        x = sizes[0]
+        group = at.get("group", 0)
+        if group:
+            _positive(n, group=group)
+            if not isinstance(x, int) or x % group:
+                raise IRError(f"%{n.name}: rmsnorm group {group} does not divide {x} features")
+        _expect(n, "weight size", _weight_shape(graph, a[-1], 1)[0], group or x)
+        if op == "add_rmsnorm":
+            _expect(n, "residual features", sizes[1], x)
+            return (x, x)
+        return x
+    if op in ("add", "mul"):
+        _expect(n, "right operand features", sizes[1], sizes[0])
+        return sizes[0]
+    if op == "silu_and_mul":
+        if not isinstance(sizes[0], int) or sizes[0] % 2:
+            raise IRError(f"%{n.name}: silu_and_mul needs an even feature size, got {sizes[0]}")
+        return sizes[0] // 2
+    if op == "split":
+        _positive(n, **{f"size {i}": s for i, s in enumerate(at["sizes"])})
+        _expect(n, "total", sum(at["sizes"]), sizes[0])
+        return tuple(at["sizes"])
+    if op == "getitem":
+        parts = sizes[0]
+        if not isinstance(parts, tuple) or not 0 <= at["index"] < len(parts):
+            raise IRError(f"%{n.name}: getitem index {at['index']} is out of range")
+        return parts[at["index"]]
+    if op == "rope_cos_sin":
+        return ("rope", 2 * _weight_shape(graph, a[1], 1)[0])
+    if op == "rope":
+        head_dim = at["head_dim"]
+        _positive(n, head_dim=head_dim)
+        _expect(n, "rotary dim", sizes[1], ("rope", head_dim))
+        if not isinstance(sizes[0], int) or sizes[0] % head_dim:
+            raise IRError(f"%{n.name}: rope head_dim {head_dim} does not divide {sizes[0]}")
+        return sizes[0]
+    if op == "attention":
+        heads, kv, d = at["num_heads"], at["num_kv_heads"], at["head_dim"]
+        _positive(n, num_heads=heads, num_kv_heads=kv, head_dim=d)
+        if heads % kv:
+            raise IRError(f"%{n.name}: num_heads {heads} is not a multiple of num_kv_heads {kv}")
+        if at["sliding_window"] is not None:
+            _positive(n, sliding_window=at["sliding_window"])
+        if at["layer"] < 0:
+            raise IRError(f"%{n.name}: attention layer must be >= 0, got {at['layer']}")
+        _expect(n, "q features", sizes[0], heads * d)
+        _expect(n, "k features", sizes[1], kv * d)
+        _expect(n, "v features", sizes[2], kv * d)
+        return sizes[0]
+    if op in ("silu", "index_select"):
+        return sizes[0]
+    raise IRError(f"%{n.name}: no shape rule for op {op!r}")
