@@ -8,6 +8,9 @@ of a stop string is held back, so a stop string is never streamed and then taken
 
 from __future__ import annotations
 
+import json
+import re
+import weakref
 from typing import Any
 
 
@@ -72,3 +75,56 @@ class IncrementalDetokenizer:
         out = self.text[self.emitted : end]
         self.emitted = end
         return out
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's reversible map from the printable characters that stand in for
+    bytes back to the bytes: printable Latin-1 stands for itself, every other byte for the
+    character 256 + its rank among those others."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {b: b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + extra
+            extra += 1
+    return {chr(c): b for b, c in chars.items()}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+_KINDS: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+def _decoder_kinds(tokenizer: Any) -> frozenset[str]:
+    """The decoder types of a fast tokenizer's pipeline (e.g. ByteLevel, ByteFallback),
+    read once per tokenizer (serialising the tokenizer is not cheap)."""
+    kinds = _KINDS.get(tokenizer)
+    if kinds is None:
+        try:
+            decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
+        except (AttributeError, ValueError):
+            decoder = {}
+        found = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or []}
+        kinds = _KINDS[tokenizer] = frozenset(k for k in found if k)
+    return kinds
+
+
+def token_bytes(tokenizer: Any, token: int) -> bytes:
+    """The bytes one token stands for. A token may hold part of a UTF-8 character, whose
+    decoded text is U+FFFD; its own bytes are what OpenAI's logprob `bytes` report."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}).get(token)
+    if added is not None:
+        return str(added.content if hasattr(added, "content") else added).encode()
+    piece = tokenizer.convert_ids_to_tokens(token)
+    kinds = _decoder_kinds(tokenizer)
+    if isinstance(piece, str) and "ByteLevel" in kinds and all(c in _BYTE_LEVEL for c in piece):
+        return bytes(_BYTE_LEVEL[c] for c in piece)
+    if isinstance(piece, str) and "ByteFallback" in kinds:
+        hit = _BYTE_FALLBACK.fullmatch(piece)
+        if hit:
+            return bytes([int(hit.group(1), 16)])
+        return piece.replace("\u2581", " ").encode()
+    return str(tokenizer.decode([token], skip_special_tokens=False)).encode()

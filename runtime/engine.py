@@ -7,10 +7,10 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from kiln.runtime.radix_cache import RadixCache
 from kiln.runtime.request import Request, RequestOutput
 from kiln.runtime.sampler import SamplingRow, sample
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import Scheduler, SchedulerConfig
+from kiln.runtime.scheduler import Batch, Scheduler, SchedulerConfig
 
 log = logging.getLogger("kiln.engine")
 
@@ -72,7 +72,6 @@ class Engine:
             cache = RadixCache(self.runner.pool, self.args.radix_eviction_policy)
         self.scheduler = Scheduler(self.runner.pool, self._scheduler_config(), cache)
         self._eos = set(spec.eos_token_ids)
-        self._ids = itertools.count()
         self._rng = (
             torch.Generator().manual_seed(self.args.random_seed)
             if self.args.random_seed is not None
@@ -195,7 +194,7 @@ class Engine:
         elif params.stop:
             raise RequestError("stop strings need a tokenizer; this server has none")
         return Request(
-            rid or f"req-{next(self._ids)}",
+            rid or uuid.uuid4().hex,
             ids,
             params,
             generator=gen,
@@ -205,17 +204,21 @@ class Engine:
         )
 
     def add_request(self, req: Request) -> None:
+        if req.rid in self._live:
+            raise RequestError(f"rid {req.rid!r} is already in use by a request in flight")
         if self._finish_if_done(req):
             return
         self.scheduler.add(req)
         self._live[req.rid] = req
 
-    def abort(self, rid: str) -> RequestOutput | None:
-        """Stop a request now and free its memory; None if it is not running or queued."""
+    def abort(self, rid: str, reason: dict[str, Any] | None = None) -> RequestOutput | None:
+        """Stop a request now and free its memory; None if it is not running or queued.
+        `reason` (default: a plain abort) is what its finish_reason reports; one with a
+        `status_code` is a failure the server reports as an HTTP error."""
         req = self._live.get(rid)
         if req is None:
             return None
-        self._finish(req, {"type": "abort", "message": "aborted"})
+        self._finish(req, reason or {"type": "abort", "message": "aborted"})
         return self.output(req)
 
     @property
@@ -231,25 +234,54 @@ class Engine:
                     "the KV pool cannot fit the next waiting request; raise --max-total-tokens"
                 )
             return []
-        logits = self.runner.forward(batch)
-        # Requests mid-way through a chunked prompt feed tokens but sample nothing yet.
-        sampling = [r for r, s in zip(batch.requests, batch.sample, strict=True) if s]
-        rows = [
-            SamplingRow(r.params, r.generator, r.prompt_ids, r.output_ids, r.top_logprobs)
-            for r in sampling
-        ]
-        tokens, logprobs = sample(logits, rows) if rows else ([], [])
-        self.scheduler.commit(batch, tokens)
+        failed = dict(self._execute(batch))
+        for req, error in failed.items():
+            log.error("request %s failed and was stopped: %s", req.rid, error)
+            reason = {"type": "abort", "message": f"internal error: {error}", "status_code": 500}
+            self._finish(req, reason)
         now = time.perf_counter()
         outputs = []
+        for req, sampled in zip(batch.requests, batch.sample, strict=True):
+            if req in failed:
+                outputs.append(self.output(req))
+            elif sampled:
+                if req.first_token_at is None:
+                    req.first_token_at = now
+                self._postprocess(req)
+                outputs.append(self.output(req))
+        return outputs
+
+    def _execute(self, batch: Batch) -> list[tuple[Request, Exception]]:
+        """Forward, sample and commit `batch`. If that fails, run each half of it on its
+        own, and so on down: a request whose inputs or parameters break a kernel or the
+        sampler is the only one lost. Returns the requests that failed alone."""
+        # Requests mid-way through a chunked prompt feed tokens but sample nothing yet.
+        sampling = [r for r, s in zip(batch.requests, batch.sample, strict=True) if s]
+        try:
+            logits = self.runner.forward(batch)
+            rows = [self._sampling_row(r) for r in sampling]
+            tokens, logprobs = sample(logits, rows) if rows else ([], [])
+        except Exception as e:
+            if len(batch.requests) == 1:
+                return [(batch.requests[0], e)]
+            log.warning("a batch of %d failed (%s); retrying it in halves", len(batch.requests), e)
+            mid = len(batch.requests) // 2
+            return self._execute(batch.subset(0, mid)) + self._execute(batch.subset(mid, None))
+        self.scheduler.commit(batch, tokens)
         for req, lp in zip(sampling, logprobs, strict=True):
-            if req.first_token_at is None:
-                req.first_token_at = now
             if lp is not None:
                 req.logprobs.append(lp)
-            self._postprocess(req)
-            outputs.append(self.output(req))
-        return outputs
+        return []
+
+    def _sampling_row(self, req: Request) -> SamplingRow:
+        p = req.params
+        suppress: tuple[int, ...] = ()
+        if len(req.output_ids) < p.min_new_tokens:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self._eos)
+            suppress = tuple(t for t in sorted(stops) if 0 <= t < self.art.spec.vocab_size)
+        return SamplingRow(
+            p, req.generator, req.prompt_ids, req.output_ids, req.top_logprobs, suppress
+        )
 
     def _postprocess(self, req: Request) -> None:
         """Detokenize the new token and decide whether the request is done."""

@@ -59,9 +59,9 @@ class EngineThread:
 
         return self.call(add)
 
-    def abort(self, rid: str) -> None:
+    def abort(self, rid: str, reason: dict[str, Any] | None = None) -> None:
         def stop(engine: Engine) -> None:
-            out = engine.abort(rid)
+            out = engine.abort(rid, reason)
             if out is not None:
                 self._on_output(out)
 
@@ -89,6 +89,8 @@ class EngineThread:
             try:
                 outputs = self.engine.step()
             except Exception:
+                # Failures of a request's own inputs are isolated inside the step; this is
+                # the scheduler's or the engine's own bookkeeping failing.
                 log.exception("engine step failed; aborting the requests in flight")
                 outputs = self._abort_all("internal error in the engine step")
             for out in outputs:
@@ -97,8 +99,9 @@ class EngineThread:
     def _abort_all(self, message: str) -> list[RequestOutput]:
         sched = self.engine.scheduler
         outs = []
+        reason = {"type": "abort", "message": message, "status_code": 500}
         for req in [*sched.running, *sched.waiting]:
-            out = self.engine.abort(req.rid)
+            out = self.engine.abort(req.rid, reason)
             if out is not None:
                 outs.append(out)
         return outs

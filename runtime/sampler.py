@@ -19,6 +19,8 @@ class SamplingRow:
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
     top_logprobs: int | None = None  # None: no logprobs; k >= 0: the token's plus top k
+    # Tokens that may not be picked this step (EOS and stop ids before min_new_tokens).
+    suppress: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -35,11 +37,13 @@ def sample(
     after temperature, top-k, top-p and min-p with their own generator. Logprobs are of the
     penalised distribution before temperature, as OpenAI reports them."""
     logits = logits.float()
-    if any(r.params.penalised for r in rows):
+    if any(r.params.penalised or r.suppress for r in rows):
         logits = logits.clone()
         for i, r in enumerate(rows):
             if r.params.penalised:
                 _penalise(logits[i], r)
+            if r.suppress:
+                logits[i, list(r.suppress)] = float("-inf")
     tokens = logits.argmax(dim=-1).tolist()
     for i, r in enumerate(rows):
         if not r.params.greedy:

@@ -1,17 +1,56 @@
-"""Per-request sampling parameters, with SGLang's names, defaults and validation."""
+"""Per-request sampling parameters, with SGLang's names, defaults and validation.
+
+Parameters come from clients, so `from_dict` checks each one's type strictly (an int is
+not a bool, `"5"` is not 5, 2.5 is not a top_k, numbers are finite) and its range, and
+names the field in the error. Parameters SGLang defines that kiln does not implement
+(constrained decoding, custom logit processors...) are refused by name, never ignored.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-_ALIASES = {"seed": "sampling_seed", "max_tokens": "max_new_tokens"}
+_ALIASES = {"seed": "sampling_seed", "max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
+# SGLang treats temperatures below this as greedy (dividing logits by them overflows).
+SAMPLING_EPS = 1e-6
+# Limits on what one request may ask for (documented in docs/serving.md).
+MAX_N = 128
+MAX_STOP_STRINGS = 32
+MAX_STOP_LENGTH = 1024
+# SGLang sampling parameters kiln does not implement yet: refused when given a value.
+UNSUPPORTED = (
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "stop_regex",
+    "custom_params",
+    "stream_interval",
+)
+# Fields that may be null (meaning: not set). The others must hold a value if given.
+_NULLABLE = ("max_new_tokens", "sampling_seed", "stop", "stop_token_ids", "logit_bias")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def _show(v: Any) -> str:
+    text = "null" if v is None else repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 128
+    min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -31,26 +70,35 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
+        """Build from a client's dict (SGLang names, plus OpenAI's `seed`, `max_tokens`,
+        `min_tokens`); raises ValueError naming the first bad field."""
+        if d is not None and not isinstance(d, dict):
+            raise ValueError(f"sampling_params: expected an object, got {_show(d)}")
         d = dict(d or {})
         for alias, name in _ALIASES.items():
             if alias in d:
-                d.setdefault(name, d.pop(alias))
+                if name in d:
+                    raise ValueError(f"give {name} or {alias}, not both")
+                d[name] = d.pop(alias)
+        refused = [k for k in UNSUPPORTED if d.get(k) is not None]
+        if refused:
+            raise ValueError(f"{', '.join(refused)}: not supported by kiln yet")
+        for k in UNSUPPORTED:
+            d.pop(k, None)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown sampling parameters: {', '.join(unknown)}")
-        if isinstance(d.get("stop"), str):
-            d["stop"] = [d["stop"]]
-        for name in ("stop", "stop_token_ids"):
-            if d.get(name) is not None:
-                d[name] = tuple(d[name])
-        bias = d.get("logit_bias")
-        if isinstance(bias, dict):  # OpenAI: {"token id": bias}
-            try:
-                d["logit_bias"] = tuple(sorted((int(k), float(v)) for k, v in bias.items()))
-            except ValueError:
-                raise ValueError("logit_bias keys must be token ids") from None
-        return cls(**{k: v for k, v in d.items() if v is not None})
+        values: dict[str, Any] = {}
+        for name, v in d.items():
+            if v is None:
+                if name not in _NULLABLE:
+                    raise ValueError(f"{name}: expected a value, got null")
+                continue
+            values[name] = _checked(name, v, _KINDS[name])
+        if 0 < values.get("temperature", 1.0) < SAMPLING_EPS:
+            values["temperature"] = 0.0  # as SGLang: too small to divide by, so greedy
+        return cls(**values)
 
     def __post_init__(self) -> None:
         checks = (
@@ -74,8 +122,19 @@ class SamplingParams:
                 f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
             ),
             (self.max_new_tokens >= 0, f"max_new_tokens must be >= 0, got {self.max_new_tokens}"),
-            (self.n >= 1, f"n must be >= 1, got {self.n}"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
+            (
+                0 <= self.min_new_tokens <= self.max_new_tokens,
+                f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}",
+            ),
+            (1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}], got {self.n}"),
+            (
+                all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LENGTH for s in self.stop),
+                f"stop must be non-empty strings of at most {MAX_STOP_LENGTH} characters",
+            ),
+            (
+                len(self.stop) <= MAX_STOP_STRINGS,
+                f"stop: at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}",
+            ),
             (
                 all(-100 <= b <= 100 for _, b in self.logit_bias),
                 "logit_bias values must be in [-100, 100]",
@@ -97,3 +156,66 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
             or self.logit_bias
         )
+
+
+def _checked(name: str, v: Any, kind: str) -> Any:
+    """`v` in the form `kind` asks for, or ValueError naming `name`."""
+    if kind == "int" and _is_int(v):
+        return v
+    if kind == "float" and _is_number(v):
+        return float(v)
+    if kind == "bool" and isinstance(v, bool):
+        return v
+    if kind == "strs" and isinstance(v, str):
+        return (v,)
+    if kind == "strs" and isinstance(v, list | tuple) and all(isinstance(s, str) for s in v):
+        return tuple(v)
+    if kind == "ints" and isinstance(v, list | tuple) and all(_is_int(t) for t in v):
+        return tuple(v)
+    if kind == "bias" and isinstance(v, dict):
+        return _logit_bias(v)
+    wanted = {
+        "int": "an integer",
+        "float": "a finite number",
+        "bool": "true or false",
+        "strs": "a string or a list of strings",
+        "ints": "a list of integers",
+        "bias": 'an object of token id to bias, e.g. {"42": -100}',
+    }[kind]
+    raise ValueError(f"{name}: expected {wanted}, got {_show(v)}")
+
+
+def _logit_bias(bias: dict[Any, Any]) -> tuple[tuple[int, float], ...]:
+    out = []
+    for k, b in bias.items():
+        token = k if _is_int(k) else None
+        if isinstance(k, str) and k.strip().lstrip("-").isdigit():
+            token = int(k)
+        if token is None:
+            raise ValueError(f"logit_bias: keys must be token ids, got {_show(k)}")
+        if not _is_number(b):
+            raise ValueError(f"logit_bias[{k!r}]: expected a finite number, got {_show(b)}")
+        out.append((token, float(b)))
+    return tuple(sorted(out))
+
+
+_KINDS = {
+    "max_new_tokens": "int",
+    "min_new_tokens": "int",
+    "temperature": "float",
+    "top_p": "float",
+    "top_k": "int",
+    "min_p": "float",
+    "frequency_penalty": "float",
+    "presence_penalty": "float",
+    "repetition_penalty": "float",
+    "stop": "strs",
+    "stop_token_ids": "ints",
+    "ignore_eos": "bool",
+    "skip_special_tokens": "bool",
+    "spaces_between_special_tokens": "bool",
+    "no_stop_trim": "bool",
+    "sampling_seed": "int",
+    "n": "int",
+    "logit_bias": "bias",
+}

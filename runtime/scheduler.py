@@ -45,6 +45,11 @@ class Batch:
     sample: list[bool]  # whether each request gets a new token (prompt complete)
     is_prefill: bool
 
+    def subset(self, start: int, stop: int | None) -> Batch:
+        """The requests [start:stop] as a batch of their own."""
+        part = slice(start, stop)
+        return Batch(self.requests[part], self.new_tokens[part], self.sample[part], self.is_prefill)
+
 
 class Scheduler:
     def __init__(

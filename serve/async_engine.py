@@ -1,8 +1,15 @@
-"""The engine as the HTTP layer sees it: async streams of RequestOutput per request."""
+"""The engine as the HTTP layer sees it: async streams of RequestOutput per request.
+
+Request ids are the key of every stream, so they must be unique among requests in
+flight: `claim` registers a batch's ids at once (on the event loop, so two handlers can
+never both pass the check) and refuses one that is in use. The registry holds requests
+weakly: a response that never starts (its client left) cannot keep an id claimed.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,16 +22,26 @@ class QueueFull(RuntimeError):
     """More requests are waiting than --max-queued-requests allows."""
 
 
+class Unavailable(RuntimeError):
+    """The server is shutting down and takes no new requests."""
+
+
+class RidInUse(ValueError):
+    """A request id that a request in flight already has."""
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine, max_queued: int | None = None) -> None:
         self.engine = engine
         self.max_queued = max_queued
         self.thread = EngineThread(engine, self._on_output)
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._claimed: weakref.WeakValueDictionary[str, Request] = weakref.WeakValueDictionary()
         self._loop: asyncio.AbstractEventLoop | None = None
         # Submitted and not started yet (in the engine's inbox or its waiting queue): counted
         # here, on the event loop, so back-to-back arrivals see each other at once.
         self._queued = 0
+        self.draining = False
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -50,13 +67,35 @@ class AsyncEngine:
     def num_running(self) -> int:
         return len(self.engine.scheduler.running)
 
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def claim(self, reqs: list[Request]) -> None:
+        """Reserve the ids of `reqs`; RidInUse names the first already in flight."""
+        seen: set[str] = set()
+        for req in reqs:
+            held = self._claimed.get(req.rid)
+            if req.rid in seen or (held is not None and held is not req and not held.finished):
+                raise RidInUse(f"rid {req.rid!r} is already in use by a request in flight")
+            seen.add(req.rid)
+        for req in reqs:
+            self._claimed[req.rid] = req
+
     async def run(self, fn: Any) -> Any:
         """Run `fn(engine)` on the engine thread and await its result."""
         return await asyncio.wrap_future(self.thread.call(fn))
 
+    def abort_all(self, reason: dict[str, Any]) -> None:
+        """Stop every request in flight now; each stream ends with `reason`."""
+        for rid in list(self._streams):
+            self.thread.abort(rid, reason)
+
     async def stream(self, req: Request) -> AsyncIterator[RequestOutput]:
         """Submit `req`; yield its outputs until it finishes. Closing the iterator early
         (the client went away) aborts the request, which frees its memory."""
+        if self.draining:
+            raise Unavailable("the server is shutting down")
         if self.max_queued is not None and self.num_waiting >= self.max_queued:
             raise QueueFull(
                 f"the server has {self.num_waiting} queued requests "
@@ -64,6 +103,7 @@ class AsyncEngine:
             )
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[req.rid] = queue
+        self._claimed[req.rid] = req
         self._queued += 1
         started = finished = False
         try:

@@ -1,54 +1,58 @@
-"""What every endpoint shares: the engine, the tokenizer, limits, metrics, and the helpers
-that turn HTTP bodies into validated requests and engine outputs into results."""
+"""What every endpoint shares: the engine, the tokenizer, limits and metrics, and the
+helpers that turn HTTP bodies into validated, claimed requests.
+
+Tokenizing and building requests can take long for big prompts or fan-outs, so handlers
+run them on `--tokenizer-worker-num` threads (`off_loop`), never on the event loop that
+answers /health and every other client.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
+import re
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kiln.args import ServerArgs
+from kiln.runtime.detokenizer import token_bytes
 from kiln.runtime.engine import Engine, RequestError
 from kiln.runtime.request import Request, RequestOutput
-from kiln.runtime.sampler import TokenLogprob
-from kiln.runtime.sampling_params import SamplingParams
-from kiln.serve.async_engine import AsyncEngine
+from kiln.runtime.sampling_params import MAX_N, SamplingParams
+from kiln.serve.async_engine import AsyncEngine, QueueFull, RidInUse, Unavailable
 from kiln.serve.metrics import Metrics
 from kiln.serve.protocol import ChatMessage
+from kiln.serve.streams import Accumulated, ApiError, failure, join, merged
 
-
-class ApiError(Exception):
-    """An error answered as JSON with an HTTP status (4xx for the client's mistakes)."""
-
-    def __init__(self, status: int, message: str, kind: str = "BadRequestError") -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
-
-
-@dataclass
-class Accumulated:
-    """A finished request: the concatenation of its outputs."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: dict[str, Any] | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-
-    def add(self, out: RequestOutput) -> None:
-        self.text += out.text
-        self.token_ids += out.token_ids
-        self.logprobs += out.logprobs
-        self.finish_reason = out.finish_reason
-        self.prompt_tokens, self.completion_tokens = out.prompt_tokens, out.completion_tokens
-        self.cached_tokens = out.cached_tokens
+T = TypeVar("T")
+# Limits on one HTTP request's fan-out (documented in docs/serving.md); n itself is
+# capped by SamplingParams.
+MAX_BEST_OF = 20  # OpenAI's limit for legacy completions
+MAX_REQUESTS_PER_CALL = 1024  # prompts x n (or best_of) in one HTTP request
+RID = re.compile(r"[!-~]{1,256}")  # printable ASCII, no spaces: safe in logs and headers
+# apply_chat_template's own arguments: not for chat_template_kwargs to override.
+_TEMPLATE_RESERVED = frozenset(
+    {
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 class ServingContext:
@@ -62,22 +66,39 @@ class ServingContext:
         self.metrics = Metrics(args, self.async_engine)
         self.chat_template = _read_template(args.chat_template)
         self.started = time.time()
+        self._workers = ThreadPoolExecutor(
+            max_workers=args.tokenizer_worker_num, thread_name_prefix="kiln-tokenize"
+        )
 
-    # -- prompts --------------------------------------------------------------------------------
+    def close(self) -> None:
+        self._workers.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on a tokenizer thread and await it."""
+        return await asyncio.get_running_loop().run_in_executor(self._workers, fn)
+
+    # -- prompts (tokenizer threads) ------------------------------------------------------------
     def prompt_ids(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
         """Completions' `prompt`: text, list of texts, token ids, or lists of token ids."""
         if isinstance(prompt, str):
             return [self._encode(prompt)]
-        if not prompt:
-            raise ApiError(400, "the prompt is empty")
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]  # type: ignore[arg-type]
         return [self._encode(p) if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[arg-type]
 
-    def chat_prompt_ids(self, messages: Sequence[ChatMessage]) -> list[int]:
+    def chat_prompt_ids(
+        self, messages: Sequence[ChatMessage], template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
         if self.tokenizer is None:
             raise ApiError(400, "chat needs a tokenizer; this server was started without one")
-        convo = [{"role": m.role, "content": _text_content(m.content)} for m in messages]
+        reserved = sorted(set(template_kwargs or {}) & _TEMPLATE_RESERVED)
+        if reserved:
+            raise ApiError(400, f"chat_template_kwargs may not set {', '.join(reserved)}")
+        convo = []
+        for m in messages:
+            turn = {"role": m.role, "content": _text_content(m.content)}
+            turn.update({k: getattr(m, k) for k in ("name", "reasoning_content") if getattr(m, k)})
+            convo.append(turn)
         template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise ApiError(
@@ -85,7 +106,11 @@ class ServingContext:
             )
         try:
             text = self.tokenizer.apply_chat_template(
-                convo, chat_template=template, tokenize=False, add_generation_prompt=True
+                convo,
+                chat_template=template,
+                tokenize=False,
+                add_generation_prompt=True,
+                **(template_kwargs or {}),
             )
         except Exception as e:  # a template error is about this conversation
             raise ApiError(400, f"the chat template failed on these messages: {e}") from e
@@ -107,38 +132,77 @@ class ServingContext:
     def token_text(self, token: int) -> str:
         return self.decode([token], skip_special_tokens=False)
 
+    def token_bytes(self, token: int) -> list[int]:
+        """The token's own bytes (part of a UTF-8 character for some tokens)."""
+        if self.tokenizer is None:
+            return []
+        return list(token_bytes(self.tokenizer, token))
+
     def refuse_unsupported(self, fields: list[str]) -> None:
         if fields:
             raise ApiError(400, f"{', '.join(fields)}: not supported by kiln yet")
 
-    # -- requests -------------------------------------------------------------------------------
+    # -- requests (tokenizer threads, then claimed on the loop) -------------------------------
     def make_requests(
         self,
         prompts: list[list[int]],
-        params: dict[str, Any],
-        n: int,
+        params: dict[str, Any] | list[dict[str, Any]],
+        n: int | None = None,
         top_logprobs: int | None = None,
         priority: int = 0,
+        rid: str | list[str] | None = None,
     ) -> list[Request]:
-        """n requests per prompt, validated; raises ApiError(400) naming the problem."""
-        if n < 1:
-            raise ApiError(400, f"n must be >= 1, got {n}")
+        """`n` requests per prompt (default: the params' own `n`), validated; raises
+        ApiError(400) naming the problem. `params` is one dict for all prompts or one per
+        prompt; `rid` a client id (suffixed per request when it fans out) or one per prompt."""
+        if n is not None and not 1 <= n <= MAX_N:
+            raise ApiError(400, f"n must be in [1, {MAX_N}], got {n}")
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ApiError(400, f"{len(per_prompt)} sampling_params for {len(prompts)} prompts")
+        try:
+            parsed = [SamplingParams.from_dict(_as_dict(p)) for p in per_prompt]
+        except ValueError as e:
+            raise ApiError(400, str(e)) from e
+        counts = [n or sp.n for sp in parsed]
+        if sum(counts) > MAX_REQUESTS_PER_CALL:
+            raise ApiError(
+                400,
+                f"this request fans out to {sum(counts)} generations (prompts x n); "
+                f"at most {MAX_REQUESTS_PER_CALL} per request",
+            )
+        rids = _request_ids(rid, counts)
         reqs = []
-        for ids in prompts:
-            ids = self._fit(ids, params.get("max_new_tokens"))
-            p = dict(params)
-            if p.get("max_new_tokens") is None:
-                p["max_new_tokens"] = self.context_length - len(ids)
+        for ids, p, sp, count, names in zip(prompts, per_prompt, parsed, counts, rids, strict=True):
+            # No max_new_tokens: generate up to the end of the context, as SGLang does.
+            given = p.get("max_new_tokens") is not None
+            ids = self._fit(ids, sp.max_new_tokens if given else None)
             try:
-                sp = SamplingParams.from_dict(p)
+                if not given:
+                    sp = dataclasses.replace(sp, max_new_tokens=self.context_length - len(ids))
                 reqs += [
                     self.engine.make_request(
-                        ids, sp, index=i, top_logprobs=top_logprobs, priority=priority
+                        ids, sp, index=i, top_logprobs=top_logprobs, priority=priority, rid=name
                     )
-                    for i in range(n)
+                    for i, name in zip(range(count), names, strict=True)
                 ]
             except (ValueError, RequestError) as e:
                 raise ApiError(400, str(e)) from e
+        return reqs
+
+    def admit(self, reqs: list[Request]) -> None:
+        """Claim the requests' ids (on the event loop: atomic against other handlers)."""
+        if self.async_engine.draining:
+            raise ApiError(503, "the server is shutting down", "ServiceUnavailableError")
+        try:
+            self.async_engine.claim(reqs)
+        except RidInUse as e:
+            raise ApiError(400, str(e)) from e
+
+    async def build(self, fn: Callable[[], list[Request]]) -> list[Request]:
+        """Build requests on a tokenizer thread, then admit them."""
+        reqs = await self.off_loop(fn)
+        self.admit(reqs)
         return reqs
 
     def _fit(self, ids: list[int], max_new: int | None) -> list[int]:
@@ -160,11 +224,11 @@ class ServingContext:
             )
         return ids
 
+    # -- outputs ---------------------------------------------------------------------------------
     async def stream(self, req: Request) -> AsyncIterator[RequestOutput]:
         """The request's outputs, joined into pieces of --stream-interval tokens, with
-        metrics recorded per step; QueueFull becomes a 503."""
-        from kiln.serve.async_engine import QueueFull
-
+        metrics recorded per step. A failure ends it with ApiError (503 when the queue is
+        full or the server is stopping, 500 when the engine had to stop the request)."""
         start = last = time.perf_counter()
         pending: RequestOutput | None = None
         try:
@@ -174,11 +238,14 @@ class ServingContext:
                     out, first=(last == start), since_last=now - last, since_start=now - start
                 )
                 last = now
-                pending = out if pending is None else _join(pending, out)
+                pending = out if pending is None else join(pending, out)
                 if pending.finished or len(pending.token_ids) >= self.args.stream_interval:
+                    error = failure(pending) if pending.finished else None
+                    if error is not None:
+                        raise error
                     yield pending
                     pending = None
-        except QueueFull as e:
+        except (QueueFull, Unavailable) as e:
             raise ApiError(503, str(e), "ServiceUnavailableError") from e
 
     async def collect(self, http: Any, reqs: list[Request]) -> list[Accumulated]:
@@ -200,13 +267,12 @@ class ServingContext:
 
     async def probe(self, max_new_tokens: int) -> bool:
         """Generate a few tokens from the BOS token; True when the request finished."""
-        req = self.make_requests(
-            [[self.engine.art.spec.bos_token_id or 0]],
-            {"max_new_tokens": max_new_tokens, "temperature": 0},
-            1,
-        )[0]
+        bos = self.engine.art.spec.bos_token_id or 0
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0}
+        reqs = self.make_requests([[bos]], params)
+        self.admit(reqs)
         finished = False
-        async for out in self.stream(req):
+        async for out in self.stream(reqs[0]):
             finished = out.finished
         return finished
 
@@ -236,49 +302,35 @@ class ServingContext:
         }
 
 
-async def merged(
-    ctx: ServingContext, reqs: list[Request]
-) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several requests as they come, tagged with the request's index. Closing
-    this iterator early cancels every stream, which aborts their requests."""
-    if len(reqs) == 1:
-        async for out in ctx.stream(reqs[0]):
-            yield 0, out
-        return
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int, req: Request) -> None:
-        try:
-            async for out in ctx.stream(req):
-                await queue.put((i, out))
-        except Exception as e:
-            await queue.put((i, e))
-        await queue.put((i, None))
-
-    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(reqs)]
-    try:
-        done = 0
-        while done < len(tasks):
-            i, item = await queue.get()
-            if item is None:
-                done += 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
+def _request_ids(rid: str | list[str] | None, counts: list[int]) -> list[list[str | None]]:
+    """Per prompt, the id of each of its requests: None (the engine makes a uuid), the
+    client's id, or the client's id suffixed `_i` when it covers several requests."""
+    if rid is None:
+        return [[None] * c for c in counts]
+    given = [rid] if isinstance(rid, str) else list(rid)
+    for r in given:
+        if not RID.fullmatch(r):
+            raise ApiError(400, f"rid {r[:40]!r}: 1-256 printable ASCII characters, no spaces")
+    if isinstance(rid, str):
+        total = sum(counts)
+        names = [rid] if total == 1 else [f"{rid}_{i}" for i in range(total)]
+        out, at = [], 0
+        for c in counts:
+            out.append(list(names[at : at + c]))
+            at += c
+        return out  # type: ignore[return-value]
+    if len(given) != len(counts):
+        raise ApiError(400, f"{len(given)} rids for {len(counts)} prompts")
+    return [
+        [r] if c == 1 else [f"{r}_{i}" for i in range(c)]
+        for r, c in zip(given, counts, strict=True)
+    ]
 
 
-def _join(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    """Two consecutive outputs of one request as one."""
-    return dataclasses.replace(
-        b,
-        token_ids=a.token_ids + b.token_ids,
-        text=a.text + b.text,
-        logprobs=a.logprobs + b.logprobs,
-    )
+def _as_dict(params: Any) -> dict[str, Any]:
+    if not isinstance(params, dict):
+        raise ApiError(400, f"sampling_params: expected an object, got {params!r:.40}")
+    return params
 
 
 def _text_content(content: str | list[dict[str, Any]] | None) -> str:
@@ -286,11 +338,11 @@ def _text_content(content: str | list[dict[str, Any]] | None) -> str:
         return content or ""
     parts = []
     for part in content:
-        if part.get("type") != "text":
+        if part.get("type") != "text" or not isinstance(part.get("text", ""), str):
             raise ApiError(
                 400, f"message content of type {part.get('type')!r} is not supported (text only)"
             )
-        parts.append(str(part.get("text", "")))
+        parts.append(part.get("text", ""))
     return "".join(parts)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -10,8 +9,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 import kiln
-from kiln.serve.context import Accumulated, ApiError, ServingContext, merged
+from kiln.serve.context import ServingContext
 from kiln.serve.protocol import GenerateRequest
+from kiln.serve.streams import Accumulated, ApiError, events, merged, sse
 
 router = APIRouter()
 
@@ -37,35 +37,37 @@ def _meta(rid: str, acc: Accumulated, with_logprobs: bool) -> dict[str, Any]:
 @router.post("/generate", response_model=None)
 async def generate(body: GenerateRequest, request: Request) -> Any:
     ctx = _ctx(request)
+    ctx.refuse_unsupported(body.unsupported())
     if (body.text is None) == (body.input_ids is None):
         raise ApiError(400, "give exactly one of text or input_ids")
     single = isinstance(body.text, str) or (
-        body.input_ids is not None and bool(body.input_ids) and isinstance(body.input_ids[0], int)
+        body.input_ids is not None and isinstance(body.input_ids[0], int)
     )
-    if body.text is not None:
-        texts = [body.text] if isinstance(body.text, str) else body.text
-        prompts = [ctx.prompt_ids(t)[0] for t in texts]
-    else:
-        prompts = [body.input_ids] if single else list(body.input_ids)
-    if not prompts or any(not p for p in prompts):
-        raise ApiError(400, "the prompt is empty")
     sp = body.sampling_params
-    per_prompt = sp if isinstance(sp, list) else [sp or {}] * len(prompts)
-    if len(per_prompt) != len(prompts):
-        raise ApiError(400, f"{len(per_prompt)} sampling_params for {len(prompts)} prompts")
     top = body.top_logprobs_num if body.return_logprob else None
-    reqs = []
-    for ids, params in zip(prompts, per_prompt, strict=True):
-        params = dict(params)
-        n = int(params.pop("n", 1))
-        params.setdefault("max_new_tokens", 128)
-        reqs += ctx.make_requests([ids], params, n, top_logprobs=top, priority=body.priority)
-    if body.rid is not None and len(reqs) == 1:
-        reqs[0].rid = body.rid
+
+    def build() -> list[Any]:
+        if body.text is not None:
+            texts = [body.text] if isinstance(body.text, str) else body.text
+            prompts = [ctx.prompt_ids(t)[0] for t in texts]
+        else:
+            prompts = [body.input_ids] if single else list(body.input_ids)
+        if not prompts:
+            raise ApiError(400, "the prompt is empty")
+        # SGLang's native default is 128 new tokens (OpenAI routes: up to the context).
+        params = [
+            {"max_new_tokens": 128, **p}
+            for p in (sp if isinstance(sp, list) else [sp or {}] * len(prompts))
+        ]
+        return ctx.make_requests(
+            prompts, params, top_logprobs=top, priority=body.priority, rid=body.rid
+        )
+
+    reqs = await ctx.build(build)
 
     if body.stream:
 
-        async def events() -> AsyncIterator[str]:
+        async def chunks() -> AsyncIterator[str]:
             accs = [Accumulated() for _ in reqs]
             async for i, out in merged(ctx, reqs):
                 accs[i].add(out)
@@ -76,10 +78,9 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
                 }
                 if len(reqs) > 1:
                     item["index"] = i
-                yield f"data: {json.dumps(item, ensure_ascii=False)}\n\n"
-            yield "data: [DONE]\n\n"
+                yield sse(item)
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(events(chunks), media_type="text/event-stream")
 
     results = await ctx.collect(request, reqs)
     items = [
@@ -95,8 +96,10 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    alive = _ctx(request).async_engine.thread.alive
-    return Response(status_code=200 if alive else 503)
+    """200 while the engine runs and the server takes requests; 503 while it shuts down,
+    so a load balancer stops sending it work."""
+    engine = _ctx(request).async_engine
+    return Response(status_code=200 if engine.thread.alive and not engine.draining else 503)
 
 
 @router.get("/health_generate")

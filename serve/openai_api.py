@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -11,10 +10,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kiln.runtime.request import RequestOutput
 from kiln.runtime.sampler import TokenLogprob
-from kiln.serve.context import ApiError, ServingContext, merged
+from kiln.runtime.sampling_params import MAX_N
+from kiln.serve.context import MAX_BEST_OF, ServingContext
 from kiln.serve.protocol import ChatCompletionRequest, CompletionRequest
+from kiln.serve.streams import ApiError, events, merged, sse
 
 router = APIRouter()
 
@@ -23,17 +23,13 @@ def _ctx(request: Request) -> ServingContext:
     return request.app.state.kiln
 
 
-def _finish_reason(out: RequestOutput) -> tuple[str | None, Any]:
+def _finish_reason(out: Any) -> tuple[str | None, Any]:
     reason = out.finish_reason or {}
     kind = reason.get("type")
     return (
         {"stop": "stop", "length": "length"}.get(kind, kind) if kind else None,
         reason.get("matched"),
     )
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
 # -- /v1/models -------------------------------------------------------------------------------
@@ -55,29 +51,38 @@ async def get_model(model_id: str, request: Request) -> dict[str, Any]:
 async def completions(body: CompletionRequest, request: Request) -> Any:
     ctx = _ctx(request)
     ctx.refuse_unsupported(body.unsupported())
-    prompts = ctx.prompt_ids(body.prompt)
     n = body.n
     best_of = body.best_of or n
-    if best_of < n:
-        raise ApiError(400, f"best_of ({best_of}) must be >= n ({n})")
+    if not 1 <= n <= MAX_N:
+        raise ApiError(400, f"n must be in [1, {MAX_N}], got {n}")
+    if not n <= best_of <= MAX_BEST_OF:
+        raise ApiError(400, f"best_of must be in [n, {MAX_BEST_OF}], got {best_of} (n is {n})")
     if body.stream and best_of != n:
         raise ApiError(400, "best_of > n cannot be streamed")
     want_lp = body.logprobs is not None or best_of > n
-    reqs = ctx.make_requests(
-        prompts,
-        body.sampling_params(body.max_tokens),
-        best_of,
-        top_logprobs=(body.logprobs or 0) if want_lp else None,
-        priority=body.priority,
-    )
-    echo = [ctx.decode(p) if body.echo else "" for p in prompts]
+
+    def build() -> tuple[list[list[int]], list[str], list[Any]]:
+        prompts = ctx.prompt_ids(body.prompt)
+        echo = [ctx.decode(p) if body.echo else "" for p in prompts]
+        reqs = ctx.make_requests(
+            prompts,
+            body.sampling_params(body.max_tokens),
+            best_of,
+            top_logprobs=(body.logprobs or 0) if want_lp else None,
+            priority=body.priority,
+            rid=body.rid,
+        )
+        return prompts, echo, reqs
+
+    prompts, echo, reqs = await ctx.off_loop(build)
+    ctx.admit(reqs)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-        async def events() -> AsyncIterator[str]:
+        async def chunks() -> AsyncIterator[str]:
             started: set[int] = set()
             completion_tokens = 0
             cached = {}
@@ -100,7 +105,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                     "finish_reason": reason,
                     "matched_stop": matched,
                 }
-                yield _sse({**head, "choices": [choice]})
+                yield sse({**head, "choices": [choice]})
             if include_usage:
                 usage = ctx.usage(
                     reqs,
@@ -108,10 +113,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                     completion_tokens,
                     sum(cached.get(i * n, 0) for i in range(len(prompts))),
                 )
-                yield _sse({**head, "choices": [], "usage": usage})
-            yield "data: [DONE]\n\n"
+                yield sse({**head, "choices": [], "usage": usage})
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(events(chunks), media_type="text/event-stream")
 
     finals = await ctx.collect(request, reqs)
     choices = []
@@ -156,12 +160,21 @@ def _completion_logprobs(ctx: ServingContext, lps: list[TokenLogprob]) -> dict[s
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     ctx = _ctx(request)
     ctx.refuse_unsupported(body.unsupported())
-    ids = ctx.chat_prompt_ids(body.messages)
     max_tokens = body.max_completion_tokens or body.max_tokens
     top = (body.top_logprobs or 0) if body.logprobs else None
-    reqs = ctx.make_requests(
-        [ids], body.sampling_params(max_tokens), body.n, top_logprobs=top, priority=body.priority
-    )
+
+    def build() -> list[Any]:
+        ids = ctx.chat_prompt_ids(body.messages, body.chat_template_kwargs)
+        return ctx.make_requests(
+            [ids],
+            body.sampling_params(max_tokens),
+            body.n,
+            top_logprobs=top,
+            priority=body.priority,
+            rid=body.rid,
+        )
+
+    reqs = await ctx.build(build)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "created": created, "model": ctx.model_name}
 
@@ -169,17 +182,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunk_head = {**head, "object": "chat.completion.chunk"}
 
-        async def events() -> AsyncIterator[str]:
+        async def chunks() -> AsyncIterator[str]:
             for i in range(body.n):
                 delta = {"role": "assistant", "content": ""}
-                yield _sse(
-                    {
-                        **chunk_head,
-                        "choices": [
-                            {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
-                        ],
-                    }
-                )
+                first = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+                yield sse({**chunk_head, "choices": [first]})
             completion_tokens = cached = 0
             async for i, out in merged(ctx, reqs):
                 completion_tokens += len(out.token_ids)
@@ -194,13 +201,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                     "finish_reason": reason,
                     "matched_stop": matched,
                 }
-                yield _sse({**chunk_head, "choices": [choice]})
+                yield sse({**chunk_head, "choices": [choice]})
             if include_usage:
                 usage = ctx.usage(reqs, body.n, completion_tokens, cached)
-                yield _sse({**chunk_head, "choices": [], "usage": usage})
-            yield "data: [DONE]\n\n"
+                yield sse({**chunk_head, "choices": [], "usage": usage})
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(events(chunks), media_type="text/event-stream")
 
     finals = await ctx.collect(request, reqs)
     choices = []
@@ -223,8 +229,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 
 def _chat_logprobs(ctx: ServingContext, lps: list[TokenLogprob]) -> dict[str, Any]:
     def entry(token: int, logprob: float) -> dict[str, Any]:
-        text = ctx.token_text(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": ctx.token_text(token), "logprob": logprob, "bytes": ctx.token_bytes(token)}
 
     return {
         "content": [

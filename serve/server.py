@@ -1,27 +1,108 @@
-"""`kiln serve`: load an artefact and serve it with uvicorn until SIGINT/SIGTERM."""
+"""`kiln serve`: load an artefact and serve it with uvicorn until SIGINT/SIGTERM.
+
+The port is bound before the artefact is loaded, so "port in use" is the first thing a
+user hears, in one line. On SIGTERM or SIGINT the server stops taking requests (/health
+turns 503), lets those in flight finish for up to `--shutdown-timeout` seconds, stops the
+rest (each stream gets a final error event, each waiting client a 503), and exits 0. A
+second signal skips the wait.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import socket
+import time
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
+import uvicorn
+
 from kiln.args import ServerArgs
+from kiln.serve.context import ServingContext
 
 log = logging.getLogger("kiln.serve")
+
+SHUTDOWN = {"type": "abort", "message": "the server is shutting down", "status_code": 503}
+# How long stopped streams get to send their final events before connections close.
+_FLUSH_SECONDS = 5
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (listening starts once the server is ready)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"--port {port}: cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
+
+
+class KilnServer(uvicorn.Server):
+    """uvicorn's server with kiln's shutdown: drain, then stop, then exit 0 (uvicorn would
+    re-raise the signal and exit 143)."""
+
+    def __init__(self, config: uvicorn.Config, ctx: ServingContext, drain_seconds: float) -> None:
+        super().__init__(config)
+        self.ctx = ctx
+        self.drain_seconds = drain_seconds
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop_now = asyncio.Event()
+        self._drain: asyncio.Future[None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._loop is None:
+            self.should_exit = True
+        else:
+            self._loop.call_soon_threadsafe(self._on_signal)
+
+    def _on_signal(self) -> None:
+        if self._drain is not None:
+            log.info("second signal: stopping the requests in flight now")
+            self._stop_now.set()
+            return
+        self.ctx.async_engine.draining = True
+        self._drain = asyncio.ensure_future(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        engine = self.ctx.async_engine
+        log.info(
+            "shutting down: %d requests in flight; up to %.0fs for them to finish",
+            engine.num_in_flight,
+            self.drain_seconds,
+        )
+        deadline = time.monotonic() + self.drain_seconds
+        while engine.num_in_flight and time.monotonic() < deadline and not self._stop_now.is_set():
+            await asyncio.sleep(0.05)
+        if engine.num_in_flight:
+            log.info("stopping %d requests still in flight", engine.num_in_flight)
+            engine.abort_all(SHUTDOWN)
+            deadline = time.monotonic() + _FLUSH_SECONDS
+            while engine.num_in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+        self.should_exit = True
 
 
 def serve(artefact: str | Path, explicit: dict[str, Any]) -> None:
     """Serve `artefact`; `explicit` are the server arguments the user gave."""
-    import uvicorn
-
     from kiln.runtime.engine import Engine
     from kiln.serve.app import create_app
 
     args = ServerArgs(**explicit)
-    engine = Engine(artefact, **explicit)
-    app = create_app(engine, args)
-    level = (args.log_level_http or args.log_level).lower()
-    # uvicorn installs SIGINT/SIGTERM handlers: in-flight requests get a few seconds, then
-    # the lifespan shutdown stops the engine thread. One process, so nothing is orphaned.
-    uvicorn.run(app, host=args.host, port=args.port, log_level=level, timeout_graceful_shutdown=5)
+    sock = bind(args.host, args.port)
+    try:
+        engine = Engine(artefact, **explicit)
+        app = create_app(engine, args)
+        level = (args.log_level_http or args.log_level).lower()
+        config = uvicorn.Config(app, log_level=level, timeout_graceful_shutdown=_FLUSH_SECONDS)
+        KilnServer(config, app.state.kiln, args.shutdown_timeout).run(sockets=[sock])
+    finally:
+        sock.close()

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from kiln.args.flags import COMPILE, IMPLEMENTED, PLANNED, RUNTIME, Flag, Section, needs
 
+# The title of the section holding kiln's own flags (not SGLang's).
+KILN_SECTION = "kiln additions (not SGLang flags)"
+
 # fmt: off
 SECTIONS: tuple[Section, ...] = (
     Section('Model and tokenizer', 'model_and_tokenizer', (
         Flag('--model-path', '--model', type='str', stage=COMPILE, status=IMPLEMENTED, help="Hugging Face checkpoint folder (config.json, weights, tokenizer)."),
         Flag('--tokenizer-path', type='str', stage=COMPILE, status=IMPLEMENTED, help="Tokenizer folder, when not the checkpoint folder."),
         Flag('--tokenizer-mode', type='str', default='auto', choices=('auto', 'slow'), stage=RUNTIME),
-        Flag('--tokenizer-worker-num', type='int', default=1, stage=RUNTIME),
+        Flag('--tokenizer-worker-num', type='int', default=1, stage=RUNTIME, status=IMPLEMENTED, help="Threads that tokenize requests and apply chat templates, off the server's event loop."),
         Flag('--skip-tokenizer-init', type='bool', stage=RUNTIME, status=IMPLEMENTED, help="Serve without a tokenizer: requests carry input_ids and get output_ids."),
         Flag('--load-format', type='str', default='auto', choices=('auto', 'pt', 'safetensors', 'npcache', 'dummy', 'sharded_state', 'gguf', 'bitsandbytes', 'layered', 'remote', 'remote_instance'), stage=COMPILE, status=IMPLEMENTED, choice_status={c: PLANNED for c in ("npcache", "sharded_state", "gguf", "bitsandbytes", "layered", "remote", "remote_instance")}, help="Weight file format; dummy makes random weights of the right shapes."),
         Flag('--model-loader-extra-config', type='str', default='{}', stage=COMPILE),
@@ -402,6 +405,12 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--kt-threadpool-count', type='int', default=2, stage=RUNTIME),
         Flag('--kt-num-gpu-experts', type='int', stage=RUNTIME),
         Flag('--kt-max-deferred-experts-per-token', type='int', stage=RUNTIME),
+    )),
+    # kiln's own flags, for what SGLang has no flag for. Kept last; the docs mark them.
+    Section(KILN_SECTION, 'kiln_additions', (
+        Flag('--max-request-body-bytes', type='int', default=8 * 1024 * 1024, stage=RUNTIME, status=IMPLEMENTED, help='Largest HTTP request body accepted; larger ones get a 413.'),
+        Flag('--shutdown-timeout', type='float', default=0.0, stage=RUNTIME, status=IMPLEMENTED, help='On SIGTERM/SIGINT, seconds to let in-flight requests finish before stopping them (each gets a final error); a second signal stops at once.'),
+        Flag('--threads', type='int', stage=RUNTIME, status=IMPLEMENTED, help='CPU threads for kernels (torch and kiln_cpu); default: OMP_NUM_THREADS, else one per core. On a busy or shared machine, fewer can be much faster.'),
     )),
 )
 # fmt: on

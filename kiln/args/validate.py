@@ -48,6 +48,8 @@ POSITIVE = (
     "decode_log_interval",
     "watchdog_timeout",
     "prefill_max_requests",
+    "max_request_body_bytes",
+    "threads",
 )
 FRACTIONS = (
     "swa_full_tokens_ratio",
@@ -141,6 +143,8 @@ def _check_ranges(v: dict[str, Any]) -> None:
     chunk = v["chunked_prefill_size"]
     if chunk is not None and chunk != -1 and chunk <= 0:
         _fail(f"--chunked-prefill-size: must be -1 (off) or > 0, got {v['chunked_prefill_size']}")
+    if v["shutdown_timeout"] < 0:
+        _fail(f"--shutdown-timeout: must be >= 0 seconds, got {v['shutdown_timeout']}")
     if v["schedule_conservativeness"] < 0:
         _fail(f"--schedule-conservativeness: must be >= 0, got {v['schedule_conservativeness']}")
     if v["log_level"].lower() not in LOG_LEVELS:

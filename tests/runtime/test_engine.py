@@ -171,3 +171,39 @@ def test_context_length_flag(artefact) -> None:
     assert out["meta_info"]["completion_tokens"] == 12  # stopped at the context
     with pytest.raises(ArgError, match="--context-length: 1000 is longer than the model's 256"):
         Engine(artefact("llama"), context_length=1000)
+
+
+def test_a_request_that_breaks_the_step_is_the_only_one_lost(engine) -> None:
+    """If a step still fails (here: a parameter the edge would have refused, forced in
+    afterwards), the batch is retried in halves and only the culprit is stopped."""
+    from kiln.runtime.sampling_params import SamplingParams
+
+    expected = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    sampled = SamplingParams.from_dict({**GREEDY, "temperature": 1.0})
+    bad = engine.make_request(list(PROMPTS[2]), sampled)
+    object.__setattr__(bad.params, "top_k", 2.5)  # torch.topk refuses a float k
+    good = [engine.make_request(list(p), SamplingParams.from_dict(GREEDY)) for p in PROMPTS]
+    for req in [*good[:2], bad, *good[2:]]:
+        engine.add_request(req)
+    while any(not r.finished for r in [*good, bad]):
+        engine.step()
+    assert bad.finish_reason["type"] == "abort"
+    assert "internal error" in bad.finish_reason["message"]
+    assert [r.output_ids for r in good] == [e["output_ids"] for e in expected]
+    assert all(r.finish_reason["type"] == "length" for r in good)
+
+
+def test_min_new_tokens_holds_back_stop_tokens(engine) -> None:
+    free = engine.generate(input_ids=PROMPTS[1], sampling_params=GREEDY)
+    first = free["output_ids"][0]
+    params = {**GREEDY, "stop_token_ids": [first], "max_new_tokens": 6}
+    stopped = engine.generate(input_ids=PROMPTS[1], sampling_params=params)
+    assert stopped["output_ids"] == [first]
+    held = engine.generate(input_ids=PROMPTS[1], sampling_params={**params, "min_new_tokens": 3})
+    assert first not in held["output_ids"][:3] and len(held["output_ids"]) >= 3
+
+
+def test_tiny_temperatures_are_greedy(engine) -> None:
+    greedy = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+    tiny = engine.generate(input_ids=PROMPTS[0], sampling_params={**GREEDY, "temperature": 1e-45})
+    assert tiny["output_ids"] == greedy["output_ids"]

@@ -98,3 +98,39 @@ def test_validation(bad, message) -> None:
 def test_aliases_and_stop_as_string() -> None:
     p = SamplingParams.from_dict({"seed": 3, "max_tokens": 9, "stop": "\n"})
     assert p.sampling_seed == 3 and p.max_new_tokens == 9 and p.stop == ("\n",)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"temperature": "hot"}, "temperature: expected a finite number, got 'hot'"),
+        ({"temperature": float("nan")}, "temperature: expected a finite number"),
+        ({"max_new_tokens": "5"}, "max_new_tokens: expected an integer, got '5'"),
+        ({"n": None}, "n: expected a value, got null"),
+        ({"n": 129}, r"n must be in \[1, 128\]"),
+        ({"stop": 5}, "stop: expected a string or a list of strings, got 5"),
+        ({"stop": ["x"] * 33}, "stop: at most 32 strings"),
+        ({"stop": "x" * 1025}, "at most 1024 characters"),
+        ({"sampling_seed": 1.5}, "sampling_seed: expected an integer, got 1.5"),
+        ({"top_k": 2.5}, "top_k: expected an integer, got 2.5"),
+        ({"ignore_eos": 1}, "ignore_eos: expected true or false, got 1"),
+        ({"stop_token_ids": [True]}, "stop_token_ids: expected a list of integers"),
+        ({"logit_bias": {"5": None}}, r"logit_bias\['5'\]: expected a finite number, got null"),
+        ({"logit_bias": [[5.5, 1]]}, "logit_bias: expected an object of token id to bias"),
+        ({"logit_bias": {"x": 1}}, "logit_bias: keys must be token ids"),
+        ({"regex": "a+"}, "regex: not supported by kiln yet"),
+        ({"json_schema": "{}", "ebnf": "x"}, "json_schema, ebnf: not supported"),
+        ({"seed": 1, "sampling_seed": 2}, "give sampling_seed or seed, not both"),
+        ({"min_new_tokens": 9, "max_new_tokens": 4}, "min_new_tokens must be in"),
+    ],
+)
+def test_wrong_types_are_named(bad, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams.from_dict(bad)
+
+
+def test_nullable_fields_mean_not_set() -> None:
+    p = SamplingParams.from_dict({"stop": None, "sampling_seed": None, "logit_bias": None})
+    assert p == SamplingParams()
+    assert SamplingParams.from_dict({"temperature": 1e-45}).greedy
+    assert SamplingParams.from_dict({"regex": None}) == SamplingParams()

@@ -217,10 +217,10 @@ def test_auth(server) -> None:
         ({"prompt": [1, 99999], "max_tokens": 4}, 400, r"outside the vocabulary \[0, 384\)"),
         ({"prompt": "x", "temperature": -1}, 400, "temperature must be >= 0"),
         ({"prompt": "x", "top_p": 0}, 400, r"top_p must be in \(0, 1\]"),
-        ({"prompt": "x", "n": 0}, 400, "n must be >= 1"),
+        ({"prompt": "x", "n": 0}, 400, r"n must be in \[1, 128\], got 0"),
         ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
         ({"max_tokens": 3}, 400, "prompt: Field required"),
-        ({"prompt": "x", "best_of": 1, "n": 2}, 400, r"best_of \(1\) must be >= n \(2\)"),
+        ({"prompt": "x", "best_of": 1, "n": 2}, 400, r"best_of must be in \[n, 20\], got 1"),
     ],
 )
 def test_bad_requests_get_4xx_json_and_the_server_keeps_serving(

@@ -122,15 +122,16 @@ def test_priority_field_orders_waiting_requests(artefact, launch) -> None:
 
     import httpx
 
+    # A context long enough that the busy request outlasts the two submissions below.
     srv = launch(
-        artefact("llama"),
+        artefact("llama", max_position_embeddings=8192),
         "--enable-priority-scheduling",
         "--max-running-requests",
         "1",
         "--priority-scheduling-preemption-threshold",
         "1000",
         "--max-total-tokens",
-        "1024",
+        "8192",
         "--skip-server-warmup",
     )
 
@@ -150,14 +151,15 @@ def test_priority_field_orders_waiting_requests(artefact, launch) -> None:
                 assert r.status_code == 200, r.text
                 done[name] = time.perf_counter()
 
-            busy = asyncio.ensure_future(send("busy", 0, 240))
+            busy = asyncio.ensure_future(send("busy", 0, 6000))
             while (await c.get("/get_server_info")).json()["num_running_reqs"] == 0:
                 await asyncio.sleep(0.02)  # until it holds the only running slot
             # Queued behind it, low first; the high-priority one must still go first.
-            low = asyncio.ensure_future(send("low", 1, 4))
+            # Long enough that who ran first shows in completion times, past HTTP jitter.
+            low = asyncio.ensure_future(send("low", 1, 300))
             while (await c.get("/get_server_info")).json()["num_queue_reqs"] == 0:
                 await asyncio.sleep(0.01)
-            await asyncio.gather(low, send("high", 50, 4), busy)
+            await asyncio.gather(low, send("high", 50, 300), busy)
         return done
 
     done = asyncio.run(run())

@@ -1,0 +1,107 @@
+"""Starting and stopping `kiln serve` as a process manager does: the port is checked
+first, SIGTERM ends streams with a final event and exits 0, and draining is available."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+from serve_helpers import free_port, start_server
+
+LONG = {"max_new_tokens": 3000, "ignore_eos": True, "temperature": 0}
+
+
+async def _stream(c: httpx.AsyncClient) -> list[str]:
+    body = {"text": "Hello", "sampling_params": LONG, "stream": True}
+    async with c.stream("POST", "/generate", json=body) as r:
+        assert r.status_code == 200
+        return [line async for line in r.aiter_lines() if line.startswith("data: ")]
+
+
+async def _signal_mid_stream(server, sig: int, streams: int) -> tuple[list[list[str]], int]:
+    """Start `streams` long streams and one non-streaming request, send `sig` once they
+    run, and return the streams' lines and the non-streaming status."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+        tasks = [asyncio.ensure_future(_stream(c)) for _ in range(streams)]
+        plain = asyncio.ensure_future(
+            c.post("/generate", json={"text": "Hi", "sampling_params": LONG})
+        )
+        while (await c.get("/get_server_info")).json()["num_running_reqs"] < streams + 1:
+            await asyncio.sleep(0.01)
+        server.process.send_signal(sig)
+        return await asyncio.gather(*tasks), (await plain).status_code
+
+
+def test_sigterm_mid_stream_ends_each_stream_with_an_error_then_exits_0(artefact, tmp_path):
+    art = artefact("llama", max_position_embeddings=8192)
+    server = start_server(art, tmp_path / "log", "--max-total-tokens", "16384")
+    results, plain = asyncio.run(_signal_mid_stream(server, signal.SIGTERM, 3))
+    for lines in results:
+        assert lines[-1] == "data: [DONE]"
+        final = json.loads(lines[-2][6:])
+        assert final["error"]["code"] == 503 and "shutting down" in final["error"]["message"]
+    assert plain == 503
+    assert server.process.wait(timeout=30) == 0
+
+
+def test_shutdown_timeout_lets_requests_in_flight_finish(artefact, tmp_path):
+    art = artefact("llama", max_position_embeddings=8192)
+    server = start_server(
+        art, tmp_path / "log", "--max-total-tokens", "16384", "--shutdown-timeout", "60"
+    )
+
+    async def run() -> tuple[list[list[str]], int, int, int]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            tasks = [asyncio.ensure_future(_stream(c)) for _ in range(2)]
+            while (await c.get("/get_server_info")).json()["num_running_reqs"] < 2:
+                await asyncio.sleep(0.01)
+            server.process.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            health = (await c.get("/health")).status_code
+            late = await c.post("/generate", json={"text": "x", "sampling_params": LONG})
+            return await asyncio.gather(*tasks), health, late.status_code, server.process.poll()
+
+    results, health, late, still_running = asyncio.run(run())
+    assert health == 503 and late == 503 and still_running is None
+    for lines in results:
+        final = json.loads(lines[-2][6:])
+        assert final["meta_info"]["finish_reason"]["type"] == "length"
+        assert len(final["output_ids"]) == LONG["max_new_tokens"]
+    assert server.process.wait(timeout=30) == 0
+
+
+def test_idle_sigterm_and_sigint_exit_0(artefact, tmp_path):
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        server = start_server(
+            artefact("llama"), tmp_path / f"log{sig}", "--max-total-tokens", "256"
+        )
+        server.process.send_signal(sig)
+        assert server.process.wait(timeout=30) == 0
+        assert "Application shutdown complete" in server.log.read_text()
+
+
+def test_a_port_in_use_is_one_line_before_loading_anything(artefact):
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        t0 = time.perf_counter()
+        r = subprocess.run(
+            [sys.executable, "-m", "kiln", "serve", str(artefact("llama")), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"kiln serve: error: --port {port}: cannot listen on 127.0.0.1:{port}: "
+        "Address already in use"
+    ]
+    assert "startup complete" not in r.stdout + r.stderr
+    assert time.perf_counter() - t0 < 10
