@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
 
@@ -159,18 +156,3 @@ def verify_files(root: Path, manifest: dict[str, Any]) -> None:
             )
         if sha256_file(p) != entry["sha256"]:
             raise ArtefactError(f"{root}: {rel} is damaged (checksum mismatch)")
-
-
-def publish(tmp: Path, out: Path) -> None:
-    """Move a finished artefact from `tmp` to `out`, replacing an older artefact there."""
-    if out.exists():
-        if not (out / MANIFEST).is_file() and any(out.iterdir()):
-            raise ArtefactError(
-                f"-o {out}: folder exists and is not a kiln artefact; refusing to overwrite it"
-            )
-        old = Path(tempfile.mkdtemp(prefix=".old-", dir=out.parent))
-        os.replace(out, old / "art")
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)

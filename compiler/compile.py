@@ -7,13 +7,13 @@ import hashlib
 import json
 import logging
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tqdm import tqdm
 
@@ -22,6 +22,7 @@ from kiln.args import ArgError, ServerArgs
 from kiln.compiler import artefact as fmt
 from kiln.compiler.checkpoint import CheckpointReader
 from kiln.compiler.ir import Graph
+from kiln.compiler.publish import publish, staging_dir
 from kiln.compiler.trace import trace
 from kiln.models import ModelConfig, build
 from kiln.passes import PIPELINES, PassContext, run_passes
@@ -88,15 +89,17 @@ def compile_model(args: ServerArgs, out: str | Path) -> CompileResult:
         ctx = PassContext(device=device, dtype=dtype, options={"backends": backends})
         graph, pass_log = run_passes(graph, ctx, PIPELINES["default"])
 
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        tmp = staging_dir(out)
         try:
-            _write_weights(tmp / fmt.WEIGHTS, graph, reader, constants)
-            (tmp / fmt.GRAPH).write_text(graph.dumps())
-            _copy_tokenizer(tok_dir, tmp / fmt.TOKENIZER_DIR)
-            manifest = _manifest(args, cfg, graph, tmp, dtype, device, key, factors, pass_log)
-            (tmp / fmt.MANIFEST).write_text(json.dumps(manifest, indent=1))
-            fmt.publish(tmp, out)
+            try:
+                _write_weights(tmp / fmt.WEIGHTS, graph, reader, constants)
+                (tmp / fmt.GRAPH).write_text(graph.dumps())
+                _copy_tokenizer(tok_dir, tmp / fmt.TOKENIZER_DIR)
+                manifest = _manifest(args, cfg, graph, tmp, dtype, device, key, factors, pass_log)
+                (tmp / fmt.MANIFEST).write_text(json.dumps(manifest, indent=1))
+            except (OSError, SafetensorError) as e:
+                raise fmt.ArtefactError(f"-o {out}: cannot write the artefact: {e}") from None
+            publish(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return CompileResult(out, key, False, time.perf_counter() - t0)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
+import re
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
+import kiln
 from kiln.args import ServerArgs, add_cli_args, explicit_values
 
 # Server-argument flags are added with argparse.SUPPRESS as their default, so a namespace
@@ -17,11 +20,38 @@ from kiln.args import ServerArgs, add_cli_args, explicit_values
 _SUPPRESS = argparse.SUPPRESS
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with a short usage line (the full one lists 300 flags) and a "did you
+    mean" for mistyped flags and subcommands."""
+
+    def error(self, message: str) -> NoReturn:
+        hint = _suggestion(self, message)
+        self.exit(2, f"usage: {self.usage or self.prog}\n{self.prog}: error: {message}{hint}\n")
+
+
+def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
+    typo = re.search(r"unrecognized arguments: (\S+)", message)
+    if typo:
+        words = [o for a in parser._actions for o in a.option_strings]
+        wrong = typo.group(1).split("=")[0]
+    else:
+        choice = re.search(r"invalid choice: '([^']+)'", message)
+        if not choice:
+            return ""
+        wrong = choice.group(1)
+        words = [c for a in parser._actions if a.choices for c in map(str, a.choices)]
+    close = difflib.get_close_matches(wrong, words, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def _subcommand(
     sub: argparse._SubParsersAction, name: str, help: str, func: Any, artefact: bool
 ) -> argparse.ArgumentParser:
     """A subcommand taking every server flag (a whole SGLang command line carries over)."""
-    p = sub.add_parser(name, help=help, argument_default=_SUPPRESS)
+    usage = f"kiln {name} {'ARTEFACT ' if artefact else ''}[options]  (kiln {name} --help)"
+    p = sub.add_parser(
+        name, help=help, argument_default=_SUPPRESS, usage=usage, prog=f"kiln {name}"
+    )
     if artefact:
         p.add_argument("artefact", help="artefact folder made by `kiln compile`")
     add_cli_args(p)
@@ -149,19 +179,26 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     for prompt, r in zip(ns.prompt, results, strict=True):
         if ns.json:
             print(json.dumps({"prompt": prompt, **r}))
-        else:
-            print(f"{prompt}{r['text']}")
+        else:  # as vLLM's examples print: quoted, so where the prompt ends is plain
+            print(f"Prompt: {prompt!r}\nGenerated: {r['text']!r}")
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kiln", description="compile and serve LLMs")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(
+        prog="kiln",
+        description="compile and serve LLMs",
+        usage="kiln {compile,generate,serve,launch} ...  (kiln --help)",
+    )
+    parser.add_argument("--version", action="version", version=f"kiln {kiln.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     _compile_parser(sub)
     _generate_parser(sub)
     _serve_parser(sub)
     _launch_parser(sub)
-    ns = parser.parse_args(argv)
+    ns, extra = parser.parse_known_args(argv)
+    if extra:  # reported by the subcommand, which knows its flags (for "did you mean")
+        sub.choices[ns.command].error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(
         level=getattr(ns, "log_level", "info").upper(), format="%(levelname)s %(name)s: %(message)s"
     )

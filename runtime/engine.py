@@ -65,6 +65,7 @@ class Engine:
         self.tokenizer = (
             None if self.args.skip_tokenizer_init else _load_tokenizer(self.art.tokenizer_dir)
         )
+        self.threads, threads_from = _set_threads(self.args.threads)
         self.max_running = self.args.max_running_requests or DEFAULT_MAX_RUNNING
         self.runner = ModelRunner(self.art, self._kv_tokens(self.max_running))
         cache = None
@@ -78,6 +79,24 @@ class Engine:
             else None
         )
         self._live: dict[str, Request] = {}
+        log.info("%s; threads: %d (%s)", self.describe(), self.threads, threads_from)
+
+    def describe(self) -> str:
+        """What runs: model, dtype, kernels per op, KV pool."""
+        spec, pool = self.art.spec, self.runner.pool
+        backends: dict[str, dict[str, int]] = {}
+        for n in self.art.graph.nodes:
+            if "backend" in n.meta:
+                per_op = backends.setdefault(n.op, {})
+                per_op[n.meta["backend"]] = per_op.get(n.meta["backend"], 0) + 1
+        kernels = ", ".join(f"{op} {'/'.join(sorted(b))}" for op, b in sorted(backends.items()))
+        tokens = pool.num_pages * pool.page_size
+        return (
+            f"{spec.served_model_name}: {spec.dtype} on {self.runner.device}; kernels: "
+            f"{kernels}; KV pool: {tokens} tokens ({pool.num_pages} pages of "
+            f"{pool.page_size}), {self.runner.kv.nbytes / 2**30:.2f} GiB reserved"
+            + (", committed as used" if self.runner.device == "cpu" else "")
+        )
 
     def _scheduler_config(self) -> SchedulerConfig:
         a = self.args
@@ -366,6 +385,15 @@ class Engine:
     def shutdown(self) -> None:
         """Release the KV pool and weights (the engine is unusable afterwards)."""
         del self.runner
+
+
+def _set_threads(asked: int | None) -> tuple[int, str]:
+    """Apply --threads; return the kernel thread count and where it came from."""
+    if asked:
+        torch.set_num_threads(asked)
+        return asked, "--threads"
+    env = os.environ.get("OMP_NUM_THREADS")
+    return torch.get_num_threads(), f"OMP_NUM_THREADS={env}" if env else "one per core"
 
 
 def _load_tokenizer(path: Path) -> Any:

@@ -1,6 +1,14 @@
-"""KV memory: a page allocator and the per-layer K/V tensors it indexes."""
+"""KV memory: a page allocator and the per-layer K/V tensors it indexes.
+
+On CPU the K/V tensors live in an anonymous memory mapping: zero-filled, and committed by
+the OS page by page as they are first written, so a server sized for its worst case idles
+at the memory it actually used (the allocator hands out low pages first, which keeps the
+touched part compact). On GPUs the pool is allocated up front, as SGLang does.
+"""
 
 from __future__ import annotations
+
+import mmap
 
 import torch
 
@@ -61,12 +69,25 @@ class KVCache:
         device: str = "cpu",
     ) -> None:
         shape = (num_layers, num_kv_heads, num_slots, head_dim)
-        # zeros, not empty: padded decode reads slot 0 under a mask, and NaN * 0 is NaN.
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Zero-filled, not uninitialised: padded decode reads slot 0 under a mask, and
+        # NaN * 0 is NaN.
+        self.k = _zeros(shape, dtype, device)
+        self.v = _zeros(shape, dtype, device)
+        self.nbytes = 2 * self.k.numel() * self.k.element_size()
 
     @staticmethod
     def bytes_per_token(
         num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    if device != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = max(numel * dtype.itemsize, 1)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)

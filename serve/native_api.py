@@ -141,6 +141,7 @@ async def server_info(request: Request) -> dict[str, Any]:
         "version": kiln.__version__,
         "artefact": {"cache_key": manifest["cache_key"], "target": manifest["target"]},
         "max_total_tokens": pool.num_pages * pool.page_size,
+        "threads": ctx.engine.threads,
         "kv_pages_total": pool.num_pages,
         "kv_pages_free": pool.free_pages,
         "kv_pages_cached": await ctx.async_engine.run(lambda e: e.scheduler.cached_pages),

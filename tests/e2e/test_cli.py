@@ -73,3 +73,46 @@ def test_yaml_config_and_compile_time_mismatch(checkpoint, tmp_path) -> None:
     )
     r = kiln("compile", "--config", str(cfg), "--tp", "2", "-o", str(art))
     assert r.returncode == 2 and "--tensor-parallel-size 2: is not implemented" in r.stderr
+
+
+def test_version_and_usage_errors_do_not_load_torch() -> None:
+    code = (
+        "import sys, contextlib\n"
+        "from kiln.cli import main\n"
+        "for argv in (['--version'], ['compile', '--modle-path', 'x', '-o', 'y']):\n"
+        "    with contextlib.suppress(SystemExit):\n"
+        "        main(argv)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.splitlines() == ["kiln 0.1.0", "False"], r.stdout + r.stderr
+
+
+def test_typos_get_a_short_usage_and_a_suggestion(tmp_path) -> None:
+    r = kiln("compile", "--modle-path", "ckpt", "-o", str(tmp_path / "a"))
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [
+        "usage: kiln compile [options]  (kiln compile --help)",
+        "kiln compile: error: unrecognized arguments: --modle-path ckpt "
+        "(did you mean --model-path?)",
+    ]
+    r = kiln("compiel", "--model-path", "ckpt")
+    assert r.returncode == 2 and "(did you mean compile?)" in r.stderr
+    assert len(r.stderr.splitlines()) == 2
+
+
+def test_generate_prints_prompt_and_completion_apart(artefact) -> None:
+    r = kiln(
+        "generate",
+        str(artefact("llama")),
+        "--prompt",
+        "Hello",
+        "--max-new-tokens",
+        "4",
+        "--ignore-eos",
+        "--max-total-tokens",
+        "256",
+    )
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "Prompt: 'Hello'" and lines[1].startswith("Generated: '")

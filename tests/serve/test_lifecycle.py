@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 from serve_helpers import free_port, start_server
@@ -105,3 +106,35 @@ def test_a_port_in_use_is_one_line_before_loading_anything(artefact):
     ]
     assert "startup complete" not in r.stdout + r.stderr
     assert time.perf_counter() - t0 < 10
+
+
+def _rss_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split("VmRSS:")[1].split()[0]) / 1024
+
+
+def test_idle_memory_startup_line_and_threads(artefact, tmp_path):
+    """Default KV pool (30% of free RAM) reserved but committed only as used; one line
+    says what runs; --threads sets the kernel threads."""
+    import re
+
+    # A long context makes the default pool as large as the memory budget allows (GiBs).
+    art = artefact("llama", max_position_embeddings=131072)
+    server = start_server(art, tmp_path / "log", "--threads", "1")
+    try:
+        rss = _rss_mb(server.process.pid)
+        log = server.log.read_text()
+        info = server.get("/get_server_info").json()
+    finally:
+        server.process.send_signal(signal.SIGTERM)
+        server.process.wait(timeout=30)
+    assert rss < 800, f"an idle server of a 1 MB model holds {rss:.0f} MB"
+    line = re.search(r"kiln\.engine: (.*)", log).group(1)
+    assert re.fullmatch(
+        r"\S+: float32 on cpu; kernels: .*linear kiln_cpu.*; KV pool: \d+ tokens "
+        r"\(\d+ pages of 1\), [\d.]+ GiB reserved, committed as used; threads: 1 \(--threads\)",
+        line,
+    ), line
+    assert info["threads"] == 1
+    reserved = float(re.search(r"([\d.]+) GiB reserved", line).group(1))
+    assert reserved > 1.0, "the test needs a pool larger than what it may hold"

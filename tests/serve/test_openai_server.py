@@ -132,6 +132,11 @@ def test_logprobs(client) -> None:
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(c.top_logprobs) == 3 for c in content)
     assert all(c.logprob <= 0 for c in content)
+    for c in content:  # the token's own bytes; a partial character's are not U+FFFD's
+        if "\ufffd" in c.token:
+            assert bytes(c.bytes) != "\ufffd".encode()
+        else:
+            assert bytes(c.bytes) == c.token.encode()
 
 
 def test_chat_uses_the_template_and_streams(client, engine) -> None:
