@@ -6,7 +6,8 @@ clients work unchanged. Every field a body may carry falls in one of three group
 - implemented;
 - accepted and ignored: only fields OpenAI or SGLang document as not changing the output
   (`user`, `metadata`, `service_tier`, reasoning-parser switches without a parser...);
-- known but not implemented (`REFUSED`): a 400 naming them unless left at their default.
+- known but not implemented (`REFUSED`, each with its default): a 400 naming them unless
+  given their default (or null), screened out before the model sees the body.
 
 Anything else is an unknown field and a 400, on every route alike: a typo in a sampling
 parameter must not silently give unconstrained output. Types are strict (no "5" for 5, no
@@ -17,7 +18,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    PrivateAttr,
+    ValidatorFunctionWrapHandler,
+    model_validator,
+)
 
 
 def _is_int(v: Any) -> bool:
@@ -83,60 +92,77 @@ def lone_surrogate(data: Any, path: str = "") -> str | None:
     return None
 
 
+def _is_default(value: Any, default: Any) -> bool:
+    return value is None or value == default or value in ([], {})
+
+
 class Body(BaseModel):
-    """Strict, closed request body. `REFUSED`: known fields kiln does not implement."""
+    """Strict, closed request body. `REFUSED`: fields OpenAI or SGLang define and kiln does
+    not implement, with their defaults."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-    REFUSED: ClassVar[tuple[str, ...]] = ()
+    REFUSED: ClassVar[dict[str, Any]] = {}
+    _refused: list[str] = PrivateAttr(default_factory=list)
 
-    @model_validator(mode="before")
+    @model_validator(mode="wrap")
     @classmethod
-    def _unicode(cls, data: Any) -> Any:
+    def _screen(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         where = lone_surrogate(data)
         if where is not None:
             raise ValueError(f"{where} holds a lone surrogate, which is not valid Unicode")
-        return data
+        refused: list[str] = []
+        if isinstance(data, dict) and cls.REFUSED:
+            refused = [
+                k for k, d in cls.REFUSED.items() if k in data and not _is_default(data[k], d)
+            ]
+            data = {k: v for k, v in data.items() if k not in cls.REFUSED}
+        model = handler(data)
+        model._refused = refused
+        return model
 
     def unsupported(self) -> list[str]:
-        """Refused fields given a value other than their default."""
-        fields = type(self).model_fields
-        return [n for n in self.REFUSED if getattr(self, n) != fields[n].default]
+        """Refused fields the body gave a value other than their default."""
+        return list(self._refused)
 
 
 # SGLang extensions both OpenAI routes define and kiln does not implement (yet).
-_SGLANG_REFUSED = (
-    "regex",
-    "ebnf",
-    "stop_regex",
-    "lora_path",
-    "session_id",
-    "session_params",
-    "custom_params",
-    "custom_logit_processor",
-    "images_config",
-    "return_hidden_states",
-    "return_routed_experts",
-    "routed_experts_start_len",
-    "return_cached_tokens_details",
-    "return_token_ids",
-    "bootstrap_host",
-    "bootstrap_port",
-    "bootstrap_room",
-    "routed_dp_rank",
-    "disagg_prefill_dp_rank",
-    "data_parallel_rank",
-    "extra_key",
-    "cache_salt",
-    "ngram_corpus_id",
-    "custom_labels",
-)
+_SGLANG_REFUSED: dict[str, Any] = {
+    "regex": None,
+    "ebnf": None,
+    "stop_regex": None,
+    "lora_path": None,
+    "session_id": None,
+    "session_params": None,
+    "custom_params": None,
+    "custom_logit_processor": None,
+    "images_config": None,
+    "return_hidden_states": False,
+    "return_routed_experts": False,
+    "routed_experts_start_len": 0,
+    "return_cached_tokens_details": False,
+    "return_token_ids": False,
+    "bootstrap_host": None,
+    "bootstrap_port": None,
+    "bootstrap_room": None,
+    "routed_dp_rank": None,
+    "disagg_prefill_dp_rank": None,
+    "data_parallel_rank": None,
+    "extra_key": None,
+    "cache_salt": None,
+    "ngram_corpus_id": None,
+    "custom_labels": None,
+}
 
 
 class StreamOptions(Body):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
-    REFUSED = ("continuous_usage_stats",)
+    REFUSED = {"continuous_usage_stats": False}
+
+
+class ResponseFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Any = None
 
 
 class _Sampling(Body):
@@ -163,33 +189,17 @@ class _Sampling(Body):
     logit_bias: dict[str, float] | None = None
     rid: Texts | None = None
     priority: int = 0  # used with --enable-priority-scheduling
+    response_format: ResponseFormat | None = None  # type "text" only
     # Accepted and ignored: who is asking, not what to generate (OpenAI).
     user: str | None = None
-    # Known, not implemented: defaults accepted, anything else refused (see REFUSED).
-    regex: Any = None
-    ebnf: Any = None
-    stop_regex: Any = None
-    lora_path: Any = None
-    session_id: Any = None
-    session_params: Any = None
-    custom_params: Any = None
-    custom_logit_processor: Any = None
-    images_config: Any = None
-    return_hidden_states: Any = False
-    return_routed_experts: Any = False
-    routed_experts_start_len: Any = 0
-    return_cached_tokens_details: Any = False
-    return_token_ids: Any = False
-    bootstrap_host: Any = None
-    bootstrap_port: Any = None
-    bootstrap_room: Any = None
-    routed_dp_rank: Any = None
-    disagg_prefill_dp_rank: Any = None
-    data_parallel_rank: Any = None
-    extra_key: Any = None
-    cache_salt: Any = None
-    ngram_corpus_id: Any = None
-    custom_labels: Any = None
+
+    REFUSED = _SGLANG_REFUSED
+
+    def unsupported(self) -> list[str]:
+        out = super().unsupported()
+        if self.response_format is not None and self.response_format.type != "text":
+            out.append(f"response_format {self.response_format.type!r}")
+        return out
 
     def sampling_params(self, max_tokens: int | None) -> dict[str, Any]:
         params = {
@@ -213,28 +223,14 @@ class _Sampling(Body):
         return {k: v for k, v in params.items() if v is not None}
 
 
-class ResponseFormat(Body):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: Any = None
-
-
 class CompletionRequest(_Sampling):
     prompt: Prompt
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
     best_of: int | None = None
-    suffix: str | None = None
-    json_schema: Any = None
-    response_format: ResponseFormat | None = None
 
-    REFUSED = ("suffix", "json_schema", *_SGLANG_REFUSED)
-
-    def unsupported(self) -> list[str]:
-        out = super().unsupported()
-        if self.response_format is not None and self.response_format.type != "text":
-            out.append(f"response_format {self.response_format.type!r}")
-        return out
+    REFUSED = {**_SGLANG_REFUSED, "suffix": None, "json_schema": None}
 
 
 class ChatMessage(Body):
@@ -242,10 +238,8 @@ class ChatMessage(Body):
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     reasoning_content: str | None = None
-    tool_call_id: Any = None
-    tool_calls: Any = None
 
-    REFUSED = ("tool_call_id", "tool_calls")
+    REFUSED = {"tool_call_id": None, "tool_calls": None}
 
 
 class ChatCompletionRequest(_Sampling):
@@ -254,8 +248,8 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Only "none" (or "auto", which without tools means none) is implemented.
     tool_choice: Any = None
     # Accepted and ignored: no effect without tools or a reasoning parser, or metadata.
     parallel_tool_calls: bool = True
@@ -265,53 +259,32 @@ class ChatCompletionRequest(_Sampling):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    store: bool = False
     modalities: list[Literal["text"]] | None = None
-    # Known, not implemented.
-    tools: Any = None
-    functions: Any = None
-    function_call: Any = None
-    reasoning_effort: Any = None
-    reasoning: Any = None
-    continue_final_message: Any = False
-    return_prompt_token_ids: Any = False
-    return_meta_info: Any = False
-    input_ids: Any = None
-    max_dynamic_patch: Any = None
-    min_dynamic_patch: Any = None
-    use_audio_in_video: Any = False
-    audio: Any = None
-    prediction: Any = None
-    web_search_options: Any = None
-    verbosity: Any = None
-    task: Any = None
 
-    REFUSED = (
-        "tools",
-        "functions",
-        "function_call",
-        "reasoning_effort",
-        "reasoning",
-        "continue_final_message",
-        "return_prompt_token_ids",
-        "return_meta_info",
-        "input_ids",
-        "max_dynamic_patch",
-        "min_dynamic_patch",
-        "use_audio_in_video",
-        "audio",
-        "prediction",
-        "web_search_options",
-        "verbosity",
-        "task",
-        "store",
-        *_SGLANG_REFUSED,
-    )
+    REFUSED = {
+        **_SGLANG_REFUSED,
+        "tools": None,
+        "functions": None,
+        "function_call": None,
+        "reasoning_effort": None,
+        "reasoning": None,
+        "continue_final_message": False,
+        "return_prompt_token_ids": False,
+        "return_meta_info": False,
+        "input_ids": None,
+        "max_dynamic_patch": None,
+        "min_dynamic_patch": None,
+        "use_audio_in_video": False,
+        "audio": None,
+        "prediction": None,
+        "web_search_options": None,
+        "verbosity": None,
+        "task": None,
+        "store": False,
+    }
 
     def unsupported(self) -> list[str]:
-        out = [n for n in super().unsupported() if n != "tools" or self.tools]
-        if self.response_format is not None and self.response_format.type != "text":
-            out.append(f"response_format {self.response_format.type!r}")
+        out = super().unsupported()
         if self.tool_choice not in (None, "none", "auto"):
             out.append("tool_choice")
         return out
@@ -331,58 +304,29 @@ class GenerateRequest(Body):
     # Accepted and ignored: metric and logging switches (kiln logs no request content).
     log_metrics: bool = True
     no_logs: bool = False
-    # Known, not implemented.
-    logprob_start_len: Any = None
-    token_ids_logprob: Any = None
-    return_text_in_logprobs: Any = False
-    input_embeds: Any = None
-    image_data: Any = None
-    video_data: Any = None
-    audio_data: Any = None
-    modalities: Any = None
-    lora_path: Any = None
-    lora_id: Any = None
-    session_params: Any = None
-    custom_logit_processor: Any = None
-    return_hidden_states: Any = False
-    return_routed_experts: Any = False
-    bootstrap_host: Any = None
-    bootstrap_port: Any = None
-    bootstrap_room: Any = None
-    routed_dp_rank: Any = None
-    data_parallel_rank: Any = None
-    extra_key: Any = None
-    cache_salt: Any = None
-    background: Any = False
-    custom_labels: Any = None
 
-    REFUSED = (
-        "token_ids_logprob",
-        "return_text_in_logprobs",
-        "input_embeds",
-        "image_data",
-        "video_data",
-        "audio_data",
-        "modalities",
-        "lora_path",
-        "lora_id",
-        "session_params",
-        "custom_logit_processor",
-        "return_hidden_states",
-        "return_routed_experts",
-        "bootstrap_host",
-        "bootstrap_port",
-        "bootstrap_room",
-        "routed_dp_rank",
-        "data_parallel_rank",
-        "extra_key",
-        "cache_salt",
-        "background",
-        "custom_labels",
-    )
-
-    def unsupported(self) -> list[str]:
-        out = super().unsupported()
-        if self.logprob_start_len not in (None, -1):
-            out.append("logprob_start_len")
-        return out
+    REFUSED = {
+        "logprob_start_len": -1,
+        "token_ids_logprob": None,
+        "return_text_in_logprobs": False,
+        "input_embeds": None,
+        "image_data": None,
+        "video_data": None,
+        "audio_data": None,
+        "modalities": None,
+        "lora_path": None,
+        "lora_id": None,
+        "session_params": None,
+        "custom_logit_processor": None,
+        "return_hidden_states": False,
+        "return_routed_experts": False,
+        "bootstrap_host": None,
+        "bootstrap_port": None,
+        "bootstrap_room": None,
+        "routed_dp_rank": None,
+        "data_parallel_rank": None,
+        "extra_key": None,
+        "cache_salt": None,
+        "background": False,
+        "custom_labels": None,
+    }
