@@ -8,23 +8,30 @@ attention gets `--batch` sequences of `--kv-len` cached tokens on pages scattere
 pool of `--layers` layers, and each repeat reads the next layer so K/V come from memory,
 as in a real step. Figures are min / median microseconds per call over `--repeats` calls;
 attention also prints the K/V bytes it reads per call against the measured bandwidth.
-Then every linear of one forward pass per backend (kiln_cpu, onednn, torch_native) at each
-of `--gemm-rows` row counts, against the bandwidth floor of reading the weights once.
+Then every linear of one forward pass at each of `--gemm-rows` row counts: kiln_cpu's two
+micro-kernels on panels (narrow, wide; the layout pass picks by rows), oneDNN on its own
+prepacked weights (what torch's mkldnn path would run) and torch_native (MKL), against the
+bandwidth floor of reading the weights once. `--isa` picks the kiln_cpu build (default:
+this host's level; avx2 runs the AVX2 build on an AVX-512 machine too).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from decode_cpu import SMOLLM2_135M, machine, read_bandwidth_gbs
 
-from kiln.kernels import registry
+from kiln.compiler.layout import pack_panels, panel_shape, panels_name
+from kiln.compiler.target import cpu_target
+from kiln.kernels import native, registry
 from kiln.kernels.attention import AttentionBatch, SeqSpan
 
 
@@ -51,12 +58,14 @@ def main() -> None:
         default="1,2,4,8,16,32,64,128",
         help="row counts for the linear table ('' skips it)",
     )
+    p.add_argument("--isa", default="native", help="kiln_cpu build: native, x86-64, avx2, avx512")
     args = p.parse_args()
 
-    from kiln.kernels import cpu
-
-    if not cpu.available():
-        raise SystemExit("kiln_cpu kernels could not be built here (see the warning above)")
+    toolchain = native.Toolchain.find()
+    if toolchain is None:
+        raise SystemExit(f"no C compiler ({native.compiler_command()}) to build kiln_cpu")
+    target = cpu_target(args.isa)
+    lib = native.load(native.build(target, toolchain))
     cfg = json.loads(args.config.read_text()) if args.config else SMOLLM2_135M
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads", heads)
@@ -65,7 +74,8 @@ def main() -> None:
     torch.manual_seed(0)
 
     def op(name: str, backend: str) -> Callable[..., object]:
-        return registry.get(name, backend).fn
+        kernel = registry.get(name, backend)
+        return functools.partial(kernel.fn, lib=lib) if kernel.native else kernel.fn
 
     x, res, w = torch.randn(b, hidden), torch.randn(b, hidden), torch.randn(hidden)
     gate_up = torch.randn(b, 2 * inter)
@@ -105,7 +115,7 @@ def main() -> None:
             attention,
         ),
     ]
-    print(machine())
+    print(machine(), f"kiln_cpu build: {target}")
     print("| kernel | torch_native us (min / median) | kiln_cpu us (min / median) | speed-up |")
     print("| --- | --- | --- | --- |")
     medians = {}
@@ -126,10 +136,12 @@ def main() -> None:
         f"read bandwidth ({kv_bytes / gbs / 1e3:.0f} us limit)"
     )
     if args.gemm_rows:
-        gemms(cfg, [int(r) for r in args.gemm_rows.split(",")], gbs)
+        gemms(cfg, [int(r) for r in args.gemm_rows.split(",")], gbs, op, target)
 
 
-def gemms(cfg: dict, row_counts: list[int], gbs: float) -> None:
+def gemms(
+    cfg: dict, row_counts: list[int], gbs: float, op: Callable[..., Any], target: Any
+) -> None:
     """Every linear of one forward pass (distinct, cold weights, as the fused graph has
     them) at each row count, per backend."""
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
@@ -141,7 +153,27 @@ def gemms(cfg: dict, row_counts: list[int], gbs: float) -> None:
     shapes = per_layer * cfg["num_hidden_layers"] + [(cfg["vocab_size"], hidden)]
     weights = [torch.randn(n, k) for n, k in shapes]
     nbytes = sum(w.numel() for w in weights) * 4
-    backends = ("kiln_cpu", "onednn", "torch_native")
+    layout = panels_name(*panel_shape(target))
+    packed = [pack_panels(w, layout) for w in weights]
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
+    kiln = op("packed_linear", "kiln_cpu")
+    ref = op("linear", "torch_native")
+    runs: dict[str, Callable[[dict[int, torch.Tensor]], object]] = {
+        "kiln_cpu narrow": lambda xs: [
+            kiln(xs[w.shape[1]], p, out_features=w.shape[0], small_rows=1 << 30)
+            for w, p in zip(weights, packed, strict=True)
+        ],
+        "kiln_cpu wide": lambda xs: [
+            kiln(xs[w.shape[1]], p, out_features=w.shape[0], small_rows=0)
+            for w, p in zip(weights, packed, strict=True)
+        ],
+        "onednn (prepacked)": lambda xs: [
+            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], o, None, "none", [], "")
+            for w, o in zip(weights, onednn, strict=True)
+        ],
+        "torch_native": lambda xs: [ref(xs[w.shape[1]], w) for w in weights],
+    }
+    backends = tuple(runs)
     print(
         f"\n{len(weights)} linears of one forward pass, {nbytes / 1e6:.0f} MB of weights "
         f"(bandwidth floor {nbytes / gbs / 1e6:.1f} ms); ms per pass, min / median of 5"
@@ -152,10 +184,7 @@ def gemms(cfg: dict, row_counts: list[int], gbs: float) -> None:
         xs = {k: torch.randn(rows, k) for _, k in shapes}
         cells = []
         for backend in backends:
-            fn = registry.get("linear", backend).fn
-            best, median = per_call_us(
-                lambda i, fn=fn, xs=xs: [fn(xs[w.shape[1]], w) for w in weights], 5
-            )
+            best, median = per_call_us(lambda i, run=runs[backend], xs=xs: run(xs), 5)
             cells.append(f"{best / 1e3:.1f} / {median / 1e3:.1f}")
         print(f"| {rows} | " + " | ".join(cells) + " |")
 

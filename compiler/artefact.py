@@ -5,6 +5,7 @@ art/
   graph.json               the IR after all passes
   weights/rank0.safetensors
   tokenizer/               tokenizer files and chat template copied from the checkpoint
+  kernels/cpu_kernels.so   kiln_cpu built for the target (CPU artefacts with C kernels)
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 GRAPH = "graph.json"
 WEIGHTS = "weights/rank0.safetensors"
 TOKENIZER_DIR = "tokenizer"
+NATIVE_LIB = "kernels/cpu_kernels.so"
 
 # Tokenizer-side files worth carrying; whichever of them the checkpoint has.
 TOKENIZER_FILES = (
@@ -65,6 +67,21 @@ class FileEntry(_Strict):
 
 class Target(_Strict):
     device: Literal["cpu", "cuda"]
+    isa: str = Field(pattern=r"^(x86-64|avx2|avx512|sm_\d{2,3})$")
+    features: list[Annotated[str, Field(pattern=r"^[a-z0-9_]{1,32}$")]]
+
+
+class NativeLib(_Strict):
+    """The native kernel library built for the target, and how it was built."""
+
+    file: Literal["kernels/cpu_kernels.so"]
+    build_id: str = Field(pattern=r"^[0-9a-f]{20}$")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    source_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    flags: list[str]
+    compiler: str
+    lanes: Literal[8, 16]
+    group_panels: int = Field(ge=1, le=8)
 
 
 class RuntimeSpec(_Strict):
@@ -94,6 +111,7 @@ class Manifest(_Strict):
     cache_factors: dict[str, Any]
     passes: list[dict[str, Any]]
     files: dict[str, FileEntry]
+    native: NativeLib | None
 
     @field_validator("files")
     @classmethod

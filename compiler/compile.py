@@ -21,9 +21,13 @@ import kiln
 from kiln.args import ArgError, ServerArgs
 from kiln.compiler import artefact as fmt
 from kiln.compiler.checkpoint import CheckpointReader
-from kiln.compiler.ir import Graph
+from kiln.compiler.ir import STRUCTURAL_OPS, Graph
+from kiln.compiler.layout import pack_panels, panel_shape
 from kiln.compiler.publish import publish, staging_dir
+from kiln.compiler.target import Target, TargetError
+from kiln.compiler.target import resolve as resolve_target
 from kiln.compiler.trace import trace
+from kiln.kernels import native
 from kiln.models import ModelConfig, build
 from kiln.passes import PIPELINES, PassContext, run_passes
 
@@ -44,21 +48,24 @@ class CompileResult:
     cache_key: str
     cache_hit: bool
     seconds: float
+    target: str = ""  # what was compiled for, and in which dtype (said in the CLI's output)
+    dtype: str = ""
 
 
-def resolve_dtype(requested: str, checkpoint_dtype: str) -> str:
-    """SGLang's rule for 'auto': BF16 checkpoints stay BF16, FP32 and FP16 become FP16."""
+# Float dtypes kiln's CPU kernels run at full speed: fp32 today. A bf16 kernel set for
+# targets with native bf16 dot products would make `auto` keep bf16 checkpoints in bf16.
+CPU_FAST_DTYPES = ("float32",)
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str, target: Target) -> str:
+    """--dtype auto. CUDA: SGLang's rule (BF16 checkpoints stay BF16, FP32 and FP16 become
+    FP16). CPU (a kiln deviation): the fastest float kiln's kernels for the target run at
+    full accuracy, which today is fp32 (fp16 and bf16 run on the slower reference kernels)."""
     if requested != "auto":
         return _DTYPE_NAMES[requested]
+    if target.device == "cpu":
+        return checkpoint_dtype if checkpoint_dtype in CPU_FAST_DTYPES else "float32"
     return "bfloat16" if checkpoint_dtype == "bfloat16" else "float16"
-
-
-def resolve_device(requested: str | None) -> str:
-    if requested is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise ArgError("--device cuda: no CUDA device and no CUDA build of torch here")
-    return requested
 
 
 def compile_model(args: ServerArgs, out: str | Path) -> CompileResult:
@@ -72,37 +79,88 @@ def compile_model(args: ServerArgs, out: str | Path) -> CompileResult:
     out = Path(out)
     tok_dir = Path(args.tokenizer_path) if args.tokenizer_path else ckpt
     cfg = ModelConfig.from_hf(ckpt)
-    dtype = resolve_dtype(args.dtype, cfg.torch_dtype)
-    device = resolve_device(args.device)
+    try:
+        target = resolve_target(args.device, args.target_isa)
+    except TargetError as e:
+        raise ArgError(str(e)) from None
+    dtype = resolve_dtype(args.dtype, cfg.torch_dtype, target)
+    toolchain = _toolchain(target)
 
     with CheckpointReader(ckpt, args.load_format) as reader:
-        factors = _cache_factors(args, ckpt, tok_dir, reader, dtype, device)
+        factors = _cache_factors(args, ckpt, tok_dir, reader, dtype, target, toolchain)
         key = hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()
         if _is_hit(out, key, factors):
-            return CompileResult(out, key, True, time.perf_counter() - t0)
+            return CompileResult(out, key, True, time.perf_counter() - t0, str(target), dtype)
 
         graph, constants = trace(build(cfg))
         for spec in graph.weights.values():
             if "load" in spec.source:
                 spec.dtype = dtype
         backends = {"attention": args.attention_backend} if args.attention_backend else {}
-        ctx = PassContext(device=device, dtype=dtype, options={"backends": backends})
+        options = {"backends": backends, "native_kernels": toolchain is not None}
+        ctx = PassContext(target=target, dtype=dtype, options=options)
         graph, pass_log = run_passes(graph, ctx, PIPELINES["default"])
+        uses_native = any(
+            n.meta.get("backend") == "kiln_cpu" for n in graph.nodes if n.op not in STRUCTURAL_OPS
+        )
 
         tmp = staging_dir(out)
         try:
             try:
+                built = None
+                if uses_native:
+                    assert toolchain is not None
+                    built = _native_build(target, toolchain, tmp)
                 _write_weights(tmp / fmt.WEIGHTS, graph, reader, constants)
                 (tmp / fmt.GRAPH).write_text(graph.dumps())
                 _copy_tokenizer(tok_dir, tmp / fmt.TOKENIZER_DIR)
-                manifest = _manifest(args, cfg, graph, tmp, dtype, device, key, factors, pass_log)
+                manifest = _manifest(args, cfg, graph, tmp, dtype, target, key, factors, pass_log)
+                manifest["native"] = built
                 (tmp / fmt.MANIFEST).write_text(json.dumps(manifest, indent=1))
             except (OSError, SafetensorError) as e:
                 raise fmt.ArtefactError(f"-o {out}: cannot write the artefact: {e}") from None
             publish(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return CompileResult(out, key, False, time.perf_counter() - t0)
+    return CompileResult(out, key, False, time.perf_counter() - t0, str(target), dtype)
+
+
+def _toolchain(target: Target) -> native.Toolchain | None:
+    """The C compiler that builds kiln_cpu for a CPU target; None (with one warning) where
+    there is none: the artefact then runs torch's reference kernels everywhere."""
+    if target.device != "cpu":
+        return None
+    toolchain = native.Toolchain.find()
+    if toolchain is None:
+        log.warning(
+            "no C compiler (%s): kiln's CPU kernels are not built, the artefact runs the "
+            "slower reference kernels; install gcc and recompile for the fast path",
+            native.compiler_command(),
+        )
+    return toolchain
+
+
+def _native_build(target: Target, toolchain: native.Toolchain, root: Path) -> dict[str, Any]:
+    """Build (or take from the kernel store) the library for `target`, copy it into the
+    artefact and describe it for the manifest."""
+    try:
+        lib = native.build(target, toolchain)
+    except native.KernelBuildError as e:
+        raise ArgError(f"--target-isa {target.isa}: {e}") from None
+    dst = root / fmt.NATIVE_LIB
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(lib, dst)
+    lanes, group = panel_shape(target)
+    return {
+        "file": fmt.NATIVE_LIB,
+        "build_id": native.build_id(target, toolchain),
+        "sha256": fmt.sha256_file(dst),
+        "source_sha256": native.source_sha256(),
+        "flags": list(native.flags(target)),
+        "compiler": toolchain.version,
+        "lanes": lanes,
+        "group_panels": group,
+    }
 
 
 def _is_hit(out: Path, key: str, factors: dict[str, Any]) -> bool:
@@ -142,7 +200,13 @@ def _hash_files(files: list[Path], root: Path) -> dict[str, str]:
 
 
 def _cache_factors(
-    args: ServerArgs, ckpt: Path, tok_dir: Path, reader: CheckpointReader, dtype: str, device: str
+    args: ServerArgs,
+    ckpt: Path,
+    tok_dir: Path,
+    reader: CheckpointReader,
+    dtype: str,
+    target: Target,
+    toolchain: native.Toolchain | None,
 ) -> dict[str, Any]:
     """Everything the artefact depends on; stored whole so a miss can be explained."""
     tok_files = [tok_dir / n for n in fmt.TOKENIZER_FILES if (tok_dir / n).is_file()]
@@ -152,7 +216,12 @@ def _cache_factors(
         "kiln_source_sha256": _source_hash(),
         "torch_version": torch.__version__,
         "compile_args": _portable_args(args),
-        "resolved": {"dtype": dtype, "device": device},
+        "resolved": {"dtype": dtype, "device": target.device},
+        "target": target.to_json(),
+        # The C compiler and its flags make the native kernels (the source is in kiln's).
+        "native_toolchain": None
+        if toolchain is None
+        else {"compiler": toolchain.version, "flags": list(native.flags(target))},
         "config_sha256": fmt.sha256_file(ckpt / "config.json"),
         "weights_sha256": {}
         if reader.load_format == "dummy"
@@ -174,7 +243,7 @@ def _source_hash() -> str:
     h = hashlib.sha256()
     for pkg in (kiln.args, kiln.compiler, kiln.kernels, kiln.models, kiln.passes):
         root = Path(str(pkg.__file__)).parent
-        for f in sorted(root.rglob("*.py")):
+        for f in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".c", ".h")):
             h.update(str(f.relative_to(root)).encode())
             h.update(f.read_bytes())
     return h.hexdigest()
@@ -216,7 +285,7 @@ def _write_weights(
             raise ValueError(
                 f"weight {name}: built shape {tuple(t.shape)}, graph wants {spec.shape}"
             )
-        tensors[name] = t
+        tensors[name] = t if spec.layout == "rows" else pack_panels(t, spec.layout)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata={"format": "pt", "producer": "kiln"})
 
@@ -247,7 +316,7 @@ def _manifest(
     graph: Graph,
     root: Path,
     dtype: str,
-    device: str,
+    target: Target,
     key: str,
     factors: dict[str, Any],
     pass_log: list[dict[str, Any]],
@@ -257,7 +326,7 @@ def _manifest(
         "format_version": fmt.FORMAT_VERSION,
         "kiln_version": kiln.__version__,
         "torch_version": torch.__version__,
-        "target": {"device": device},
+        "target": target.to_json(),
         "model": cfg.to_dict(),
         # What the runtime needs to know about the model, without reading `model`.
         "runtime": {

@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 from kiln.compiler.ir import OPS, Graph, IRError, Node, WeightSpec
+from kiln.compiler.layout import LAYOUT
 
 NODE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 WEIGHT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,255}")
@@ -108,7 +109,12 @@ def _decode_weight(name: Any, w: Any) -> WeightSpec:
         raise _fail(where, f"dtype must be one of {', '.join(DTYPES)}, got {_show(dtype)}")
     if not isinstance(source, dict):
         raise _fail(where, "source must be an object")
-    return WeightSpec(tuple(shape), dtype, source)
+    layout = w.get("layout", "rows")
+    if not isinstance(layout, str) or not LAYOUT.fullmatch(layout):
+        raise _fail(where, f"layout must be rows or panels<lanes>x<group>, got {_show(layout)}")
+    if layout != "rows" and len(shape) != 2:
+        raise _fail(where, f"a {layout} layout needs a 2-D weight, got {_show(shape)}")
+    return WeightSpec(tuple(shape), dtype, source, layout)
 
 
 def graph_from_json(data: Any) -> Graph:

@@ -38,6 +38,11 @@ OPS: dict[str, OpSchema] = {
     "getitem": OpSchema(1, 1, (("index", "int"),)),
     "embedding": OpSchema(2, 2),
     "linear": OpSchema(2, 3),
+    # A linear whose weight the layout pass stored as panels (kernels/native.py); rows up to
+    # `small_rows` take the narrow micro-kernel, more the wide one (decided at compile).
+    "packed_linear": OpSchema(2, 3, (("out_features", "int"), ("small_rows", "int"))),
+    # An embedding that reads its table from the panels of the tied lm_head.
+    "packed_embedding": OpSchema(2, 2),
     "rmsnorm": OpSchema(2, 2, (("eps", "float"), ("group", "int"))),
     "add_rmsnorm": OpSchema(3, 3, (("eps", "float"),), outputs=2),
     "add": OpSchema(2, 2),
@@ -98,18 +103,29 @@ class WeightSpec:
 
     `source` is a small recipe tree: {"load": hf_name}, {"concat": [recipes], "dim": 0},
     {"constant": key} for tensors computed by the model definition (e.g. rope frequencies).
+    `shape` is the logical shape; `layout` how the artefact stores it: "rows" (as is) or
+    "panels{L}x{G}" (a kiln_cpu linear's weight, see kernels/native.py `stored_shape`).
     """
 
     shape: tuple[int, ...]
     dtype: str
     source: dict[str, Any]
+    layout: str = "rows"
 
     def to_json(self) -> dict[str, Any]:
-        return {"shape": list(self.shape), "dtype": self.dtype, "source": self.source}
+        d = {"shape": list(self.shape), "dtype": self.dtype, "source": self.source}
+        return d if self.layout == "rows" else {**d, "layout": self.layout}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> WeightSpec:
-        return cls(tuple(d["shape"]), d["dtype"], d["source"])
+        return cls(tuple(d["shape"]), d["dtype"], d["source"], d.get("layout", "rows"))
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The shape of the tensor the artefact holds for this weight."""
+        from kiln.compiler.layout import stored_shape
+
+        return stored_shape(self.shape, self.layout)
 
 
 class Graph:

@@ -46,9 +46,24 @@ def _weight_shape(graph: Graph, node: Node, dims: int) -> tuple[int, ...]:
     return spec.shape
 
 
+# Ops whose kernels read weights stored as panels (and only those).
+PACKED_OPS = ("packed_linear", "packed_embedding")
+
+
+def _panels(graph: Graph, node: Node, param: Node) -> None:
+    """A packed op's weight must be stored as panels (its kernel reads them, nothing else)."""
+    spec = graph.weight_of(param)
+    if spec is None or spec.layout == "rows":
+        raise IRError(f"%{node.name}: {node.op} needs a weight stored as panels")
+
+
 def _feature(graph: Graph, n: Node, sizes: list[Feature]) -> Feature:
     a, at = n.args, n.attrs
     op = n.op
+    if op not in PACKED_OPS and any(
+        (spec := graph.weight_of(x)) is not None and spec.layout != "rows" for x in a
+    ):
+        raise IRError(f"%{n.name}: {op} cannot read a weight stored as panels")
     if op == "input":
         return None
     if op == "param":
@@ -57,10 +72,16 @@ def _feature(graph: Graph, n: Node, sizes: list[Feature]) -> Feature:
         return shape[-1] if shape else None
     if op == "output":
         return tuple(sizes)
-    if op == "embedding":
+    if op in ("embedding", "packed_embedding"):
+        if op == "packed_embedding":
+            _panels(graph, n, a[1])
         return _weight_shape(graph, a[1], 2)[1]
-    if op == "linear":
+    if op in ("linear", "packed_linear"):
         out, inp = _weight_shape(graph, a[1], 2)
+        if op == "packed_linear":
+            _panels(graph, n, a[1])
+            _expect(n, "out_features", at["out_features"], out)
+            _positive(n, small_rows=at["small_rows"])
         _expect(n, "input features", sizes[0], inp)
         if len(a) == 3:
             _expect(n, "bias size", _weight_shape(graph, a[2], 1)[0], out)

@@ -1,184 +1,69 @@
-"""kiln_cpu: hand-written fp32 CPU kernels (csrc/cpu_kernels.c), built for this machine.
+"""kiln_cpu: hand-written fp32 CPU kernels (csrc/cpu_kernels.c).
 
 What they replace, per batch-16 decode step of SmolLM2-135M on the CI machine kind (2
 cores), torch profiler: paged decode attention gathered every sequence's K/V pages into a padded
 batch (index_select, ~20 ms) and then ran SDPA on it (~11 ms); the C kernel reads K/V in
 place through the page table. RMSNorm, SiLU-and-mul and rope were 4-6 small aten ops each.
-The linear for decode batches streams weights repacked into column blocks, prefetched
-ahead, where oneDNN and MKL reached 50-70% of the memory bandwidth.
+The linear streams weights the compiler stored as panels (compiler/layout.py), where
+oneDNN and MKL reached 50-70% of the memory bandwidth on decode batches.
 Figures: benchmarks/RESULTS.md.
 
-The library is compiled on first use with the system C compiler (`$CC`, else `cc`) and
-`-O3 -march=native -fopenmp` (fused multiply-adds on), and cached under the kiln cache
-folder, keyed by the source, the flags, the compiler and the CPU. Without a compiler the
-kernels fall back to the torch_native ones, with one warning, so an artefact still runs
-anywhere.
+The library is built by `kiln compile` for the artefact's target (kernels/native.py) and
+opened by the runtime (runtime/native.py); the executor binds it to each kernel as `lib`.
+These kernels run what the graph says or raise: the compiler checked every shape they rely
+on, so a tensor they cannot take is a bug to report, not something to route elsewhere.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import subprocess
-from pathlib import Path
+from collections.abc import Callable
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from kiln.kernels import onednn, torch_native
 from kiln.kernels.attention import AttentionBatch, attend_one
 from kiln.kernels.attention import attention as torch_attention
-from kiln.kernels.packed import PackedWeights
 from kiln.kernels.registry import register
-from kiln.paths import cache_dir
 
-log = logging.getLogger("kiln.kernels")
-
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
-# -ffp-contract=fast: ISO C mode (-std=c11) otherwise keeps a * b + c as two roundings and
-# two instructions; fused multiply-adds are what the dot products want.
-FLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-# Ops this backend implements; select_backends takes it for these on fp32 CPU graphs.
-OPS = ("linear", "rmsnorm", "add_rmsnorm", "silu_and_mul", "rope", "attention")
-# Rows up to which `linear` runs the packed small-M kernel, by its tile height (16 rows
-# where AVX-512 gives 32 vector registers, 8 otherwise); above, oneDNN (where it exists,
-# else MKL's GEMM on the plain weight). Measured on every linear of a SmolLM2-135M pass
-# (benchmarks/RESULTS.md): the 16-row build matches or beats oneDNN up to 64-96 rows (37
-# against 55 ms at 16 rows); the 8-row build, run on the same AVX-512 machine against
-# oneDNN's AVX-512 code, wins up to 8 rows (31 against 43 ms) and loses from 16.
-LINEAR_MAX_ROWS = {16: 64, 8: 8}
-
-_P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-_SIGNATURES = {
-    "kiln_rmsnorm_f32": (None, [_P, _I64, _I64, _P, _P, _I64, _I64, _F32, _INT]),
-    "kiln_add_rmsnorm_f32": (None, [_P, _P, _P, _P, _P, _I64, _I64, _F32, _INT]),
-    "kiln_silu_and_mul_f32": (None, [_P, _P, _I64, _I64, _INT]),
-    "kiln_rope_f32": (None, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT]),
-    "kiln_kv_write_f32": (None, [_P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64]),
-    "kiln_linear_lanes": (_I64, []),
-    "kiln_linear_tile_rows": (_I64, []),
-    "kiln_pack_linear_f32": (None, [_P, _I64, _I64, _P, _INT]),
-    "kiln_linear_f32": (_INT, [_P, _I64, _I64, _P, _I64, _P, _P, _INT]),
-    "kiln_decode_attention_f32": (
-        _INT,
-        [_P, _I64, _P, _P, _I64, _P, _I64, _P, _P] + [_I64] * 5 + [_I64, _F32, _INT],
-    ),
-}
+# Ops this backend implements for rows-layout weights; select_backends takes it for these on
+# fp32 CPU targets (the packed ops come from the layout pass).
+OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "rope", "attention")
 
 
-class KernelBuildError(RuntimeError):
-    pass
+class KernelError(RuntimeError):
+    """A kiln_cpu kernel got what the compiled graph promised it would not."""
 
 
-def _compiler() -> str:
-    return os.environ.get("CC", "cc")
+def _native(op: str, needs_ctx: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    return register(op, backend="kiln_cpu", devices=("cpu",), needs_ctx=needs_ctx, native=True)
 
 
-def _cpu_id() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def build(out_dir: Path | None = None, march: str = "native") -> Path:
-    """Compile the kernels for this machine (or find them built) and return the library.
-    `march` other than native builds for another CPU level (tests use the x86-64 baseline
-    to run the code paths that have no AVX)."""
-    cc = _compiler()
-    try:
-        version = subprocess.run(
-            [cc, "--version"], capture_output=True, text=True, check=True
-        ).stdout
-    except (OSError, subprocess.CalledProcessError) as e:
-        raise KernelBuildError(f"no working C compiler ({cc!r}: {e})") from None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256()
-    flags = (*FLAGS, f"-march={march}")
-    for part in (source, " ".join(flags).encode(), version.encode(), _cpu_id().encode()):
-        key.update(part)
-    out_dir = out_dir or cache_dir() / "kernels"
-    lib = out_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"
-    if lib.exists():
-        return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = lib.with_name(f"{lib.name}.{os.getpid()}.tmp")
-    command = [cc, *flags, "-o", str(tmp), str(SOURCE), "-lm"]  # libraries after the source
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        tail = done.stderr.strip().splitlines()[-3:]
-        raise KernelBuildError(f"{cc} failed on {SOURCE.name}: {' / '.join(tail)}")
-    os.replace(tmp, lib)  # atomic: concurrent builders (TP ranks) never load a partial file
-    return lib
-
-
-def load(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
-    for name, (restype, argtypes) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = restype, argtypes
-    return lib
-
-
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The loaded library, or None (with one warning) where it cannot be built."""
-    try:
-        return load(build())
-    except (KernelBuildError, OSError) as e:
-        log.warning("kiln_cpu kernels unavailable, using torch_native instead: %s", e)
-        return None
-
-
-def available() -> bool:
-    return library() is not None
-
-
-@functools.cache
-def _linear_shape() -> tuple[int, int]:
-    """(lanes of a packed column block, most rows the packed kernel takes) of this build."""
-    lib = library()
-    assert lib is not None
-    return lib.kiln_linear_lanes(), LINEAR_MAX_ROWS[lib.kiln_linear_tile_rows()]
-
-
-def _pack_linear(weight: torch.Tensor) -> torch.Tensor:
-    lib = library()
-    assert lib is not None
-    n, k = weight.shape
-    lanes = _linear_shape()[0]
-    packed = torch.empty(-(-n // lanes) * k * lanes)
-    lib.kiln_pack_linear_f32(weight.data_ptr(), n, k, packed.data_ptr(), _threads())
-    return packed
-
-
-_packed = PackedWeights(_pack_linear)
-
-
-@register("linear", backend="kiln_cpu", devices=("cpu",))
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    lib = library()
-    dense = _dense(x) and _dense(weight) and (bias is None or _dense(bias, dims=1))
-    if lib is None or not dense or x.shape[0] > _linear_shape()[1]:
-        return onednn.linear(x, weight, bias) if onednn.available() else F.linear(x, weight, bias)
-    (m, k), n = x.shape, weight.shape[0]
-    out = torch.empty(m, n)
+@_native("packed_linear")
+def packed_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out_features: int,
+    small_rows: int,
+    lib: ctypes.CDLL,
+) -> torch.Tensor:
+    """x @ W.T (+ bias) on W stored as panels; up to `small_rows` rows take the narrow
+    micro-kernel (decode), more the wide one (prefill), as the layout pass decided."""
+    x = _rows(x, "packed_linear input")
+    m, k = x.shape
+    out = torch.empty(m, out_features)
     rc = lib.kiln_linear_f32(
         x.data_ptr(),
+        x.stride(0),
         m,
         k,
-        _packed.get(weight).data_ptr(),
-        n,
+        weight.data_ptr(),
+        out_features,
         None if bias is None else bias.data_ptr(),
         out.data_ptr(),
+        int(m > small_rows),
         _threads(),
     )
     if rc != 0:
@@ -186,18 +71,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out
 
 
-def _rows(x: torch.Tensor) -> bool:
-    """fp32, 2-D, unit stride along the row: what the C kernels read."""
-    return x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+@_native("packed_embedding")
+def packed_embedding(ids: torch.Tensor, table: torch.Tensor, *, lib: ctypes.CDLL) -> torch.Tensor:
+    """Rows `ids` of a [V, h] table stored as panels (the tied lm_head's)."""
+    ids = ids.contiguous()
+    h = table.shape[1]
+    vocab = table.shape[0] * table.shape[2]  # padded rows read zeros; ids are checked below
+    out = torch.empty(ids.shape[0], h)
+    if lib.kiln_embedding_packed_f32(
+        ids.data_ptr(), ids.shape[0], table.data_ptr(), vocab, h, out.data_ptr()
+    ):
+        raise KernelError(f"kiln_cpu embedding: a token id is outside [0, {vocab})")
+    return out
 
 
-@register("rmsnorm", backend="kiln_cpu", devices=("cpu",))
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int = 0) -> torch.Tensor:
+@_native("rmsnorm")
+def rmsnorm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, group: int = 0, *, lib: ctypes.CDLL
+) -> torch.Tensor:
     """`group`: normalise every `group` features on their own (Qwen3's per-head q/k norm)."""
-    lib = library()
+    x = _rows(x, "rmsnorm input")
     n = group or x.shape[-1]
-    if lib is None or not _rows(x) or not _dense(weight, dims=1) or x.shape[1] % n:
-        return torch_native.rmsnorm(x, weight, eps, group)
     groups = x.shape[1] // n
     out = torch.empty(x.shape)
     lib.kiln_rmsnorm_f32(
@@ -214,15 +108,14 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int = 0) -
     return out
 
 
-@register("add_rmsnorm", backend="kiln_cpu", devices=("cpu",))
+@_native("add_rmsnorm")
 def add_rmsnorm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, lib: ctypes.CDLL
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    lib = library()
-    dense = _dense(x) and _dense(residual) and _dense(weight, dims=1)
-    if lib is None or not dense or x.shape != residual.shape:
-        return torch_native.add_rmsnorm(x, residual, weight, eps)
+    x, residual = x.contiguous(), residual.contiguous()
     rows, n = x.shape
+    if residual.shape != x.shape:
+        raise KernelError(f"add_rmsnorm: residual {tuple(residual.shape)} against x {(rows, n)}")
     out, total = torch.empty(rows, n), torch.empty(rows, n)
     lib.kiln_add_rmsnorm_f32(
         x.data_ptr(),
@@ -238,25 +131,24 @@ def add_rmsnorm(
     return out, total
 
 
-@register("silu_and_mul", backend="kiln_cpu", devices=("cpu",))
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    lib = library()
-    if lib is None or not _dense(x):
-        return torch_native.silu_and_mul(x)
+@_native("silu_and_mul")
+def silu_and_mul(x: torch.Tensor, *, lib: ctypes.CDLL) -> torch.Tensor:
+    x = x.contiguous()
     rows, d = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, d)
     lib.kiln_silu_and_mul_f32(x.data_ptr(), out.data_ptr(), rows, d, _threads())
     return out
 
 
-@register("rope", backend="kiln_cpu", devices=("cpu",))
-def rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], head_dim: int) -> torch.Tensor:
-    lib = library()
-    cos, sin = cos_sin
+@_native("rope")
+def rope(
+    x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], head_dim: int, *, lib: ctypes.CDLL
+) -> torch.Tensor:
+    x = _rows(x, "rope input")
+    cos, sin = (t.contiguous() for t in cos_sin)
     tokens = x.shape[0]
-    tables_ok = all(t.dtype == torch.float32 and t.is_contiguous() for t in cos_sin)
-    if lib is None or not _rows(x) or cos.shape[-1] != head_dim or not tables_ok:
-        return torch_native.rope(x, cos_sin, head_dim)
+    if cos.shape[-1] != head_dim or cos.dtype != torch.float32:
+        raise KernelError(f"rope: tables of {cos.shape[-1]} {cos.dtype}, head_dim {head_dim}")
     heads = x.shape[1] // head_dim
     out = torch.empty(tokens, heads * head_dim)
     lib.kiln_rope_f32(
@@ -273,7 +165,7 @@ def rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], head_dim: int) -> t
     return out
 
 
-@register("attention", backend="kiln_cpu", devices=("cpu",), needs_ctx=True)
+@_native("attention", needs_ctx=True)
 def attention(
     ctx: AttentionBatch,
     q: torch.Tensor,
@@ -286,15 +178,13 @@ def attention(
     head_dim: int,
     scale: float,
     sliding_window: int | None,
+    lib: ctypes.CDLL,
 ) -> torch.Tensor:
     """Single-token rows (all of a decode step, the decoding requests of a mixed chunk) run
     the C kernel on the paged pool; multi-token rows keep SDPA (compute-bound, where aten's
-    flash kernel is already good)."""
-    lib = library()
+    flash kernel is already good), so a step of prefills only is SDPA throughout."""
     k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
-    cache_ok = _dense(k_cache, dims=3) and _dense(v_cache, dims=3)
-    shaped = cache_ok and head_dim % 8 == 0 and all(map(_rows, (q, k, v)))
-    if lib is None or ctx.kv_index is None or not shaped:
+    if ctx.kv_index is None:
         return torch_attention(
             ctx,
             q,
@@ -307,6 +197,11 @@ def attention(
             scale=scale,
             sliding_window=sliding_window,
         )
+    if head_dim % 8:
+        raise KernelError(f"kiln_cpu attention: head_dim {head_dim} is not a multiple of 8")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise KernelError("kiln_cpu attention: the KV pool must be contiguous")
+    q, k, v = (_rows(t, "attention input") for t in (q, k, v))
     slots = k_cache.shape[1]
     lib.kiln_kv_write_f32(
         k.data_ptr(),
@@ -388,8 +283,12 @@ def _decode(
     return out
 
 
-def _dense(x: torch.Tensor, dims: int = 2) -> bool:
-    return x.dtype == torch.float32 and x.dim() == dims and x.is_contiguous()
+def _rows(x: torch.Tensor, what: str) -> torch.Tensor:
+    """x as the C kernels read it: fp32, 2-D, unit stride along the row (a column slice of
+    a wider row is read in place, its row stride passed on)."""
+    if x.dtype != torch.float32 or x.dim() != 2:
+        raise KernelError(f"kiln_cpu {what}: expected 2-D float32, got {x.dim()}-D {x.dtype}")
+    return x if x.stride(1) == 1 else x.contiguous()
 
 
 def _threads() -> int:

@@ -10,10 +10,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-# torch_native: reference, every device. onednn: fp32 GEMM on prepacked weights (CPU).
-# kiln_cpu: kiln's own C kernels for fp32 on CPU (paged decode attention, norms, rope).
-# triton / flashinfer: GPU kernels.
-BACKENDS = ("torch_native", "onednn", "kiln_cpu", "triton", "flashinfer")
+# torch_native: reference, every device. kiln_cpu: kiln's own C kernels for fp32 on CPU
+# (linears on packed weights, paged decode attention, norms, rope). triton / flashinfer:
+# GPU kernels.
+BACKENDS = ("torch_native", "kiln_cpu", "triton", "flashinfer")
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,9 @@ class Kernel:
     # Kernels that read per-step runtime state (the KV cache, sequence layout) take the
     # step's context as their first argument.
     needs_ctx: bool = False
+    # Kernels of the artefact's native library take it as the keyword `lib` (bound by the
+    # executor; the library is opened by runtime/native.py).
+    native: bool = False
 
 
 _KERNELS: dict[str, dict[str, Kernel]] = {}
@@ -35,12 +38,13 @@ def register(
     backend: str = "torch_native",
     devices: tuple[str, ...] = ("cpu", "cuda"),
     needs_ctx: bool = False,
+    native: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}")
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-        _KERNELS.setdefault(op, {})[backend] = Kernel(op, backend, fn, devices, needs_ctx)
+        _KERNELS.setdefault(op, {})[backend] = Kernel(op, backend, fn, devices, needs_ctx, native)
         return fn
 
     return deco
@@ -48,7 +52,7 @@ def register(
 
 def _load_backends() -> None:
     # Importing the backend modules runs their @register decorators.
-    from kiln.kernels import attention, cpu, onednn, torch_native  # noqa: F401
+    from kiln.kernels import attention, cpu, torch_native  # noqa: F401
 
 
 def get(op: str, backend: str) -> Kernel:

@@ -146,10 +146,17 @@ def _cmd_launch(ns: argparse.Namespace) -> int:
         tag = hashlib.sha256(str(ckpt).encode()).hexdigest()[:12]
         out = root / f"{ckpt.name}-{tag}"
     result = compile_model(args, out)
-    state = "cache hit" if result.cache_hit else "compiled"
-    print(f"{state}: {result.path} (key {result.cache_key[:16]}, {result.seconds:.2f}s)")
+    _report(result)
     serve(result.path, explicit)
     return 0
+
+
+def _report(result: Any) -> None:
+    state = "cache hit" if result.cache_hit else "compiled"
+    print(
+        f"{state}: {result.path} ({result.target}, {result.dtype}, "
+        f"key {result.cache_key[:16]}, {result.seconds:.2f}s)"
+    )
 
 
 def _cmd_compile(ns: argparse.Namespace) -> int:
@@ -157,8 +164,7 @@ def _cmd_compile(ns: argparse.Namespace) -> int:
 
     args = ServerArgs.from_namespace(ns)
     result = compile_model(args, ns.output)
-    state = "cache hit" if result.cache_hit else "compiled"
-    print(f"{state}: {result.path} (key {result.cache_key[:16]}, {result.seconds:.2f}s)")
+    _report(result)
     return 0
 
 

@@ -7,13 +7,23 @@ from kiln.passes.dce import dce
 from kiln.passes.fuse_add_rmsnorm import fuse_add_rmsnorm
 from kiln.passes.fuse_gate_up import fuse_gate_up
 from kiln.passes.fuse_qkv import fuse_qkv
+from kiln.passes.layout import pack_weights
 from kiln.passes.select_backends import select_backends
 from kiln.passes.verify import verify
 
 # Named pipelines: the compile driver picks one from the compile-time arguments.
 PIPELINES: dict[str, list[Pass]] = {
-    "default": [dce, fuse_qkv, fuse_gate_up, fuse_add_rmsnorm, dce, select_backends, verify],
-    "unfused": [dce, select_backends, verify],
+    "default": [
+        dce,
+        fuse_qkv,
+        fuse_gate_up,
+        fuse_add_rmsnorm,
+        dce,
+        pack_weights,
+        select_backends,
+        verify,
+    ],
+    "unfused": [dce, pack_weights, select_backends, verify],
 }
 
 __all__ = [
@@ -26,6 +36,7 @@ __all__ = [
     "fuse_add_rmsnorm",
     "fuse_gate_up",
     "fuse_qkv",
+    "pack_weights",
     "run_passes",
     "select_backends",
     "verify",

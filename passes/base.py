@@ -8,15 +8,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.compiler.ir import Graph, IRError
+from kiln.compiler.target import Target, cpu_target
 
 
 @dataclass(frozen=True)
 class PassContext:
-    """What passes may read: the compile target and the compile-time arguments."""
+    """What passes may read: the compile target and the compile-time arguments. Passes
+    decide from these alone, never by probing the machine that compiles."""
 
-    device: str = "cpu"
+    target: Target = field(default_factory=lambda: cpu_target("x86-64"))
     dtype: str = "float32"
     options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def device(self) -> str:
+        return self.target.device
 
 
 @dataclass

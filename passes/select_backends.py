@@ -1,15 +1,15 @@
 """Backend selection: record in each node's meta which registered kernel runs it.
 
-Rules come from measurements on the targets (kernels/onednn.py, benchmarks/RESULTS.md):
-on CPU in fp32, the ops kiln's C kernels cover (linear, attention, norms, rope,
-SiLU-and-mul) run on kiln_cpu where a C compiler can build them, else linears on oneDNN;
-everything else on the reference kernels, unless the user asks for a backend
-(--attention-backend)."""
+Decided from the pass context alone (target, dtype, the toolchain's native-kernel support,
+the user's --*-backend choices), never by probing the machine that compiles, so the same
+inputs always give the same graph. On fp32 CPU targets the ops kiln's C kernels cover run on
+kiln_cpu (measurements in benchmarks/RESULTS.md) where the node's shapes suit them; every
+other node runs the reference kernels. The runtime runs exactly what is recorded here.
+"""
 
 from __future__ import annotations
 
-from kiln.compiler.ir import STRUCTURAL_OPS, Graph
-from kiln.kernels import cpu as cpu_kernels
+from kiln.compiler.ir import STRUCTURAL_OPS, Graph, Node
 from kiln.kernels import registry
 from kiln.passes.base import PassContext, PassResult
 
@@ -29,16 +29,20 @@ def select_backends(graph: Graph, ctx: PassContext) -> PassResult:
                 f"%{n.name}: backend {wanted!r} has no {n.op} kernel on {ctx.device} "
                 f"(available: {', '.join(have)})"
             )
-        choice = wanted or _preferred(n.op, ctx, have)
+        choice = wanted or _preferred(n, ctx, have)
         if n.meta.get("backend") != choice:
             n.meta["backend"] = choice
             changed = True
     return PassResult(graph, changed)
 
 
-def _preferred(op: str, ctx: PassContext, have: list[str]) -> str:
-    if ctx.dtype == "float32" and "kiln_cpu" in have and cpu_kernels.available():
+def native_suits(n: Node) -> bool:
+    """Shapes kiln's C kernels take: attention vectorises head_dim by 8 lanes."""
+    return n.op != "attention" or n.attrs["head_dim"] % 8 == 0
+
+
+def _preferred(n: Node, ctx: PassContext, have: list[str]) -> str:
+    native = ctx.options.get("native_kernels", False)
+    if ctx.dtype == "float32" and native and "kiln_cpu" in have and native_suits(n):
         return "kiln_cpu"
-    if op == "linear" and ctx.dtype == "float32" and "onednn" in have:
-        return "onednn"  # where kiln's C kernels cannot be built
     return "torch_native" if "torch_native" in have else have[0]

@@ -13,6 +13,7 @@ dtype, and the manifest's model numbers against the graph's. A failure is one li
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,10 +21,15 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+import kiln
 from kiln.compiler import artefact as fmt
 from kiln.compiler.ir import STRUCTURAL_OPS, Graph, IRError
 from kiln.compiler.shapes import check_features
+from kiln.compiler.target import Target, missing_on_host
 from kiln.kernels import registry
+from kiln.runtime.native import open_library
+
+log = logging.getLogger("kiln.runtime")
 
 
 @dataclass(frozen=True)
@@ -53,22 +59,22 @@ class Artefact:
     spec: ModelSpec
     graph: Graph
     weights: dict[str, torch.Tensor]
+    lib: Any = None  # the native kernel library (runtime/native.py), when the graph uses it
 
     @property
     def tokenizer_dir(self) -> Path:
         return self.root / fmt.TOKENIZER_DIR
 
     @classmethod
-    def open(cls, root: str | Path, verify: bool = True) -> Artefact:
+    def open(
+        cls, root: str | Path, verify: bool = True, trust_remote_code: bool = False
+    ) -> Artefact:
         """Load and check an artefact; raises ArtefactError with one line naming the problem."""
         root = Path(root)
         manifest = fmt.read_manifest(root)
+        check_versions(root, manifest)
+        check_target(root, manifest)
         device = manifest["target"]["device"]
-        if device == "cuda" and not torch.cuda.is_available():
-            raise fmt.ArtefactError(
-                f"{root} was compiled for cuda; this machine has no CUDA "
-                "device (recompile with --device cpu)"
-            )
         if verify:
             fmt.verify_files(root, manifest)
         rt = dict(manifest["runtime"])
@@ -81,7 +87,42 @@ class Artefact:
             raise fmt.ArtefactError(f"{root}/{fmt.WEIGHTS} is damaged: {e}") from e
         _check_weights(root, graph, weights)
         _check_agreement(root, spec, graph)
-        return cls(root, manifest, spec, graph, weights)
+        lib = open_library(root, manifest, graph, trust_remote_code)
+        return cls(root, manifest, spec, graph, weights, lib)
+
+
+def _major_minor(version: str) -> tuple[str, ...]:
+    return tuple(version.split("+")[0].split(".")[:2])
+
+
+def check_versions(root: Path, manifest: dict[str, Any]) -> None:
+    """The documented rule (docs/serving.md): the artefact format must match exactly (checked
+    with the manifest); kiln and torch must match in major.minor, else the artefact is
+    refused; a different patch release (or local build tag) only warns."""
+    for name, ours in (("kiln", kiln.__version__), ("torch", torch.__version__)):
+        theirs = manifest[f"{name}_version"]
+        if theirs == ours:
+            continue
+        if _major_minor(theirs) != _major_minor(ours):
+            raise fmt.ArtefactError(
+                f"{root} was compiled with {name} {theirs}; this is {name} {ours}: "
+                "recompile it with this kiln (`kiln compile`)"
+            )
+        log.warning("%s was compiled with %s %s; this is %s %s", root, name, theirs, name, ours)
+
+
+def check_target(root: Path, manifest: dict[str, Any]) -> None:
+    """The host must have what the artefact's target requires."""
+    target = Target.from_json(manifest["target"])
+    missing = missing_on_host(target)
+    if missing:
+        model = manifest["compile_args"].get("model_path") or "CKPT"
+        raise fmt.ArtefactError(
+            f"{root} was compiled for {target}; this machine lacks {', '.join(missing)}. "
+            f"Compile for this machine: kiln compile --model-path {model} --device "
+            f"{'cpu' if target.device == 'cpu' or missing == ['a CUDA GPU'] else 'cuda'} "
+            "--target-isa native"
+        )
 
 
 def _load_graph(root: Path) -> Graph:
@@ -112,11 +153,14 @@ def _check_weights(root: Path, graph: Graph, weights: dict[str, torch.Tensor]) -
         t = weights.get(name)
         if t is None:
             raise fmt.ArtefactError(f"{where} lacks {name!r}")
-        if tuple(t.shape) != spec.shape or str(t.dtype).removeprefix("torch.") != spec.dtype:
+        shape = spec.stored_shape
+        if tuple(t.shape) != shape or str(t.dtype).removeprefix("torch.") != spec.dtype:
             raise fmt.ArtefactError(
                 f"{where}: {name!r} is {tuple(t.shape)} {t.dtype}, the graph says "
-                f"{spec.shape} {spec.dtype}"
+                f"{shape} {spec.dtype}"
             )
+        if not t.is_contiguous():
+            raise fmt.ArtefactError(f"{where}: {name!r} is not stored contiguously")
 
 
 def _check_agreement(root: Path, spec: ModelSpec, graph: Graph) -> None:
@@ -138,7 +182,7 @@ def _check_agreement(root: Path, spec: ModelSpec, graph: Graph) -> None:
                 refuse("num_kv_heads", spec.num_kv_heads, n.attrs["num_kv_heads"])
             if n.attrs["head_dim"] != spec.head_dim:
                 refuse("head_dim", spec.head_dim, n.attrs["head_dim"])
-        if n.op == "embedding":
+        if n.op in ("embedding", "packed_embedding"):
             table = graph.weights[n.args[1].attrs["name"]]
             if table.shape[0] != spec.vocab_size:
                 refuse("vocab_size", spec.vocab_size, f"an embedding of {table.shape[0]} rows")

@@ -52,7 +52,7 @@ class Engine:
 
     def __init__(self, artefact: str | Path, **server_args: Any) -> None:
         self.args = ServerArgs(**server_args)
-        self.art = Artefact.open(artefact)
+        self.art = Artefact.open(artefact, trust_remote_code=self.args.trust_remote_code)
         refuse_compile_time_changes(server_args, self.art.manifest)
         spec = self.art.spec
         asked = self.args.context_length

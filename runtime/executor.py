@@ -22,7 +22,9 @@ from kiln.compiler.ir import GRAPH_INPUTS, Graph, Node
 from kiln.kernels import registry
 
 
-def generate_source(graph: Graph, weights: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+def generate_source(
+    graph: Graph, weights: dict[str, Any], lib: Any = None
+) -> tuple[str, dict[str, Any]]:
     """Source of `forward(ctx, input_ids, positions, logits_indices)` and its globals."""
     env: dict[str, Any] = {}
     names: dict[int, str] = {}
@@ -55,7 +57,7 @@ def generate_source(graph: Graph, weights: dict[str, Any]) -> tuple[str, dict[st
                 raise ValueError(f"%{n.name}: getitem index must be an int")
             lines.append(f"    {var} = {args[0]}[{index:d}]")
         else:
-            env[f"k{i}"], needs_ctx = _bound_kernel(n)
+            env[f"k{i}"], needs_ctx = _bound_kernel(n, lib)
             call_args = (["ctx"] if needs_ctx else []) + args
             lines.append(f"    {var} = k{i}({', '.join(call_args)})")
         dead = [
@@ -75,20 +77,26 @@ def _unique(nodes: list[Node]) -> list[Node]:
     return list(seen.values())
 
 
-def _bound_kernel(n: Node) -> tuple[Callable[..., Any], bool]:
+def _bound_kernel(n: Node, lib: Any) -> tuple[Callable[..., Any], bool]:
     backend = n.meta.get("backend")
     if not isinstance(backend, str):
         raise ValueError(f"%{n.name}: no backend recorded; was select_backends run?")
     kernel = registry.get(n.op, backend)
-    fn = functools.partial(kernel.fn, **n.attrs) if n.attrs else kernel.fn
+    bound = dict(n.attrs)
+    if kernel.native:
+        if lib is None:
+            raise ValueError(f"%{n.name}: the {backend} {n.op} kernel needs the native library")
+        bound["lib"] = lib
+    fn = functools.partial(kernel.fn, **bound) if bound else kernel.fn
     return fn, kernel.needs_ctx
 
 
 class Executor:
     """Runs the compiled graph: `executor(ctx, input_ids, positions, logits_indices)`."""
 
-    def __init__(self, graph: Graph, weights: dict[str, torch.Tensor]) -> None:
-        self.source, namespace = generate_source(graph, weights)
+    def __init__(self, graph: Graph, weights: dict[str, torch.Tensor], lib: Any = None) -> None:
+        """`lib`: the artefact's native library (runtime/native.py), for kiln_cpu nodes."""
+        self.source, namespace = generate_source(graph, weights, lib)
         exec(compile(self.source, "<kiln graph>", "exec"), namespace)
         self._forward: Callable[..., Any] = namespace["forward"]
 

@@ -16,7 +16,7 @@ class ModelRunner:
         spec = art.spec
         self.spec = spec
         self.device = art.manifest["target"]["device"]
-        self.executor = Executor(art.graph, art.weights)
+        self.executor = Executor(art.graph, art.weights, art.lib)
         self.pool = PagePool(max(1, max_total_tokens // spec.page_size), spec.page_size)
         self.kv = KVCache(
             spec.num_layers,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,10 @@ import pytest
 from kiln.args import ServerArgs
 from kiln.compiler.compile import compile_model
 from kiln.example import make_checkpoint
+
+# The session's own kiln cache (artefacts, kernel builds, file hashes), shared with the
+# processes tests start; the user's ~/.cache/kiln is never touched.
+os.environ["KILN_CACHE_DIR"] = tempfile.mkdtemp(prefix="kiln-test-cache-")
 
 
 @pytest.fixture(scope="session")

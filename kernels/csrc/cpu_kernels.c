@@ -1,7 +1,8 @@
 /*
- * kiln's CPU kernels (fp32), built on the machine that runs them (see kernels/cpu.py):
- * gcc -O3 -march=native -fopenmp. Plain C with a flat ABI, called through ctypes, so the
- * build needs no torch headers (about a second) and is tied to no torch version.
+ * kiln's CPU kernels (fp32), built by `kiln compile` for the artefact's target (see
+ * kernels/native.py): gcc -O3 -march=<x86-64 level> -fopenmp. Plain C with a flat ABI, called
+ * through ctypes, so the build needs no torch headers (about a second) and is tied to no
+ * torch version.
  *
  * Tensors arrive as raw pointers with an explicit row stride (elements) where a view of a
  * wider row (a column slice of the fused QKV output) is read in place. Loops meant for
@@ -275,52 +276,51 @@ int kiln_decode_attention_f32(const float *q, int64_t q_stride, const float *k_c
     return failed ? -1 : 0;
 }
 
-/* ---- Linear layers with few rows (serving decode batches) ----
+/* ---- Linear layers ----
  *
- * out[m, n] = x[m, :] . w[n, :] (+ bias[n]) for m up to a few dozen rows. Such a GEMM
- * streams every weight once and uses each m times, so it lives or dies by how well the
- * weight stream flows. Weights are repacked once into column blocks, [N / L][K][L]
- * (L = lanes of one vector; zero past N): a block is one contiguous stream. x is
- * transposed per call into row tiles, [tiles][K][TILE_ROWS], so the rows' values for one
- * k share a cache line. Per k, a tile does one weight-vector load and one FMA per row
- * with x broadcast from memory, accumulating in registers. The weight stream is
- * software-prefetched PREFETCH_BYTES ahead: the hardware prefetcher alone left it about
- * 25% slower, and x read in place, rows apart, cost up to 40% from 16 rows up. */
+ * out[m, n] = x[m, :] . w[n, :] (+ bias[n]). Weights come packed by the compiler (the
+ * layout pass, compiler/layout.py) into panels of L = lanes of one vector:
+ * [N_pad / L][K][L], N padded with zeros to whole groups of GROUP_PANELS panels, so each
+ * panel is one contiguous stream and a group never runs short. x is transposed per call
+ * into row tiles, [tiles][K][rows], so the rows' values for one k share a cache line.
+ *
+ * Two micro-tiles over that one layout; the compiler records which row counts take which
+ * (the graph's `small_rows`), this file does not choose:
+ * - narrow (few rows, decode batches): TILE_ROWS rows x 1 panel. The weight stream is the
+ *   cost; per k one weight load and one FMA per row with x broadcast from memory, and the
+ *   stream software-prefetched PREFETCH_BYTES ahead (the hardware prefetcher alone left it
+ *   about 25% slower).
+ * - wide (many rows, prefill): WIDE_ROWS rows x GROUP_PANELS panels, for fewer loads per
+ *   FMA (10 per 24 on AVX-512 against 17 per 16), where compute is the cost.
+ * Threads split the panels; each runs all row tiles of its panels, so a panel is read from
+ * memory once and from cache after. */
 #ifdef __AVX512F__
 #define LANES 16
-#define TILE_ROWS 16 /* 16 accumulators + the weight vector fit in 32 registers */
+#define TILE_ROWS 16  /* 16 accumulators + the weight vector of 32 registers */
+#define WIDE_ROWS 6   /* 6 x 4 accumulators + 4 weight vectors + 1 broadcast */
+#define GROUP_PANELS 4
 #else
 #define LANES 8
-#define TILE_ROWS 8 /* 16 registers on AVX2 */
+#define TILE_ROWS 8   /* of 16 registers */
+#define WIDE_ROWS 4   /* 4 x 3 accumulators + 3 weight vectors + 1 broadcast */
+#define GROUP_PANELS 3
 #endif
 #define PREFETCH_BYTES 2048
 typedef float vlf __attribute__((vector_size(LANES * 4), aligned(4)));
 
 int64_t kiln_linear_lanes(void) { return LANES; }
-int64_t kiln_linear_tile_rows(void) { return TILE_ROWS; }
+int64_t kiln_linear_group_panels(void) { return GROUP_PANELS; }
 
-/* packed[b][k][l] = w[b * LANES + l][k] for w [n, k] row-major. */
-void kiln_pack_linear_f32(const float *w, int64_t n, int64_t k, float *packed, int threads) {
-    const int64_t blocks = (n + LANES - 1) / LANES;
-#pragma omp parallel for num_threads(threads)
-    for (int64_t b = 0; b < blocks; b++)
-        for (int64_t kk = 0; kk < k; kk++)
-            for (int64_t l = 0; l < LANES; l++) {
-                const int64_t row = b * LANES + l;
-                packed[(b * k + kk) * LANES + l] = row < n ? w[row * k + kk] : 0.0f;
-            }
-}
-
-/* One tile: `rows` rows (xt: [k][TILE_ROWS]) against one packed column block. Always
- * inlined with a constant `rows`, so the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void linear_tile(
-    const float *xt, int64_t k, const float *block, const float *bias, float *out, int64_t n,
+/* One narrow tile: `rows` rows (xt: [k][TILE_ROWS]) against one panel. Always inlined with
+ * a constant `rows`, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void narrow_tile(
+    const float *xt, int64_t k, const float *panel, const float *bias, float *out, int64_t n,
     int64_t cols, const int rows) {
     vlf acc[TILE_ROWS];
     for (int r = 0; r < rows; r++) acc[r] = (vlf){0};
     for (int64_t kk = 0; kk < k; kk++) {
-        __builtin_prefetch(block + kk * LANES + PREFETCH_BYTES / 4);
-        const vlf w = *(const vlf *)(block + kk * LANES);
+        __builtin_prefetch(panel + kk * LANES + PREFETCH_BYTES / 4);
+        const vlf w = *(const vlf *)(panel + kk * LANES);
         const float *xk = xt + kk * TILE_ROWS;
         for (int r = 0; r < rows; r++) acc[r] += xk[r] * w;
     }
@@ -336,52 +336,126 @@ static inline __attribute__((always_inline)) void linear_tile(
     }
 }
 
-#define TILE_CASE(R) \
-    case R: linear_tile(xt, k, block, bias, out, n, cols, R); break;
+#define NARROW_CASE(R) \
+    case R: narrow_tile(xt, k, panel, bias, out, n, cols, R); break;
 
-static void linear_rows(const float *xt, int64_t k, const float *block, const float *bias,
+static void narrow_rows(const float *xt, int64_t k, const float *panel, const float *bias,
                         float *out, int64_t n, int64_t cols, int64_t rows) {
     switch (rows) {
-        TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4)
-        TILE_CASE(5) TILE_CASE(6) TILE_CASE(7) TILE_CASE(8)
+        NARROW_CASE(1) NARROW_CASE(2) NARROW_CASE(3) NARROW_CASE(4)
+        NARROW_CASE(5) NARROW_CASE(6) NARROW_CASE(7) NARROW_CASE(8)
 #if TILE_ROWS == 16
-        TILE_CASE(9) TILE_CASE(10) TILE_CASE(11) TILE_CASE(12)
-        TILE_CASE(13) TILE_CASE(14) TILE_CASE(15) TILE_CASE(16)
+        NARROW_CASE(9) NARROW_CASE(10) NARROW_CASE(11) NARROW_CASE(12)
+        NARROW_CASE(13) NARROW_CASE(14) NARROW_CASE(15) NARROW_CASE(16)
 #endif
         default: break;
     }
 }
 
-/* x: [m, k] contiguous; packed: from kiln_pack_linear_f32; bias: [n] or NULL; out: [m, n].
- * Column blocks are split between threads; each thread runs all row tiles of its blocks
- * (a block re-read for a further row tile comes from cache). Returns -1 if the transposed
- * copy of x could not be allocated, else 0. */
-int kiln_linear_f32(const float *x, int64_t m, int64_t k, const float *packed, int64_t n,
-                    const float *bias, float *out, int threads) {
-    const int64_t blocks = (n + LANES - 1) / LANES;
-    const int64_t tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
-    float *xt = malloc((size_t)(tiles * k * TILE_ROWS) * sizeof(float));
+/* One wide tile: `rows` rows (xt: [k][WIDE_ROWS]) against GROUP_PANELS consecutive panels
+ * (`panel`, the next ones k * LANES further). `cols`: the group's real columns (< its
+ * width only in the last group, where the padding is zeros). */
+static inline __attribute__((always_inline)) void wide_tile(
+    const float *xt, int64_t k, const float *panel, const float *bias, float *out, int64_t n,
+    int64_t cols, const int rows) {
+    vlf acc[WIDE_ROWS][GROUP_PANELS];
+    for (int r = 0; r < rows; r++)
+        for (int p = 0; p < GROUP_PANELS; p++) acc[r][p] = (vlf){0};
+    for (int64_t kk = 0; kk < k; kk++) {
+        vlf w[GROUP_PANELS];
+        for (int p = 0; p < GROUP_PANELS; p++) w[p] = *(const vlf *)(panel + (p * k + kk) * LANES);
+        const float *xk = xt + kk * WIDE_ROWS;
+        for (int r = 0; r < rows; r++) {
+            const float xr = xk[r];
+            for (int p = 0; p < GROUP_PANELS; p++) acc[r][p] += xr * w[p];
+        }
+    }
+    for (int p = 0; p < GROUP_PANELS; p++) {
+        const int64_t base = p * LANES;
+        if (base >= cols) break;
+        const int64_t width = cols - base < LANES ? cols - base : LANES;
+        vlf add = {0};
+        for (int64_t c = 0; bias && c < width; c++) add[c] = bias[base + c];
+        for (int r = 0; r < rows; r++) {
+            const vlf v = acc[r][p] + add;
+            if (width == LANES) {
+                *(vlf *)(out + r * n + base) = v;
+            } else {
+                for (int64_t c = 0; c < width; c++) out[r * n + base + c] = v[c];
+            }
+        }
+    }
+}
+
+#define WIDE_CASE(R) \
+    case R: wide_tile(xt, k, panel, bias, out, n, cols, R); break;
+
+static void wide_rows(const float *xt, int64_t k, const float *panel, const float *bias,
+                      float *out, int64_t n, int64_t cols, int64_t rows) {
+    switch (rows) {
+        WIDE_CASE(1) WIDE_CASE(2) WIDE_CASE(3) WIDE_CASE(4)
+#if WIDE_ROWS == 6
+        WIDE_CASE(5) WIDE_CASE(6)
+#endif
+        default: break;
+    }
+}
+
+/* x: [m, k] rows `x_stride` apart; packed: [N_pad / LANES][k][LANES] (N_pad a multiple of
+ * LANES * GROUP_PANELS); bias: [n] or NULL; out: [m, n]. `wide`: 0 narrow tiles, 1 wide.
+ * Returns -1 if the transposed copy of x could not be allocated, else 0. */
+int kiln_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k,
+                    const float *packed, int64_t n, const float *bias, float *out, int wide,
+                    int threads) {
+    const int64_t tile = wide ? WIDE_ROWS : TILE_ROWS;
+    const int64_t step = wide ? GROUP_PANELS : 1; /* panels per work item */
+    const int64_t groups = (n + LANES * GROUP_PANELS - 1) / (LANES * GROUP_PANELS);
+    const int64_t items = groups * (GROUP_PANELS / step);
+    const int64_t tiles = (m + tile - 1) / tile;
+    float *xt = malloc((size_t)(tiles * k * tile) * sizeof(float));
     if (!xt) return -1;
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(threads) if (m * n * k >= PARALLEL_MIN_ELEMS)
     {
 #pragma omp for collapse(2)
         for (int64_t t = 0; t < tiles; t++)
             for (int64_t kk = 0; kk < k; kk++)
-                for (int r = 0; r < TILE_ROWS; r++) {
-                    const int64_t row = t * TILE_ROWS + r;
-                    xt[(t * k + kk) * TILE_ROWS + r] = row < m ? x[row * k + kk] : 0.0f;
+                for (int64_t r = 0; r < tile; r++) {
+                    const int64_t row = t * tile + r;
+                    xt[(t * k + kk) * tile + r] = row < m ? x[row * x_stride + kk] : 0.0f;
                 }
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < blocks; b++) {
-            const float *block = packed + b * k * LANES;
-            const int64_t cols = n - b * LANES < LANES ? n - b * LANES : LANES;
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t col0 = it * step * LANES;
+            if (col0 >= n) continue; /* a padding panel */
+            const float *panel = packed + it * step * k * LANES;
+            const int64_t span = step * LANES;
+            const int64_t cols = n - col0 < span ? n - col0 : span;
+            const float *b = bias ? bias + col0 : NULL;
             for (int64_t t = 0; t < tiles; t++) {
-                const int64_t rows = m - t * TILE_ROWS < TILE_ROWS ? m - t * TILE_ROWS : TILE_ROWS;
-                linear_rows(xt + t * k * TILE_ROWS, k, block, bias ? bias + b * LANES : NULL,
-                            out + t * TILE_ROWS * n + b * LANES, n, cols, rows);
+                const int64_t rows = m - t * tile < tile ? m - t * tile : tile;
+                const float *xtt = xt + t * k * tile;
+                float *o = out + t * tile * n + col0;
+                if (wide)
+                    wide_rows(xtt, k, panel, b, o, n, cols, rows);
+                else
+                    narrow_rows(xtt, k, panel, b, o, n, cols, rows);
             }
         }
     }
     free(xt);
+    return 0;
+}
+
+/* out[t, :] = row ids[t] of a table stored as panels ([V_pad / LANES][h][LANES]): the
+ * embedding lookup of a table the lm_head shares (tied), read in place. Returns -1 (and
+ * writes nothing further) at the first id outside [0, vocab). */
+int kiln_embedding_packed_f32(const int64_t *ids, int64_t tokens, const float *packed,
+                              int64_t vocab, int64_t h, float *out) {
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t id = ids[t];
+        if (id < 0 || id >= vocab) return -1;
+        const float *panel = packed + (id / LANES) * h * LANES + id % LANES;
+        for (int64_t j = 0; j < h; j++) out[t * h + j] = panel[j * LANES];
+    }
     return 0;
 }

@@ -22,7 +22,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--skip-tokenizer-init', type='bool', stage=RUNTIME, status=IMPLEMENTED, help="Serve without a tokenizer: requests carry input_ids and get output_ids."),
         Flag('--load-format', type='str', default='auto', choices=('auto', 'pt', 'safetensors', 'npcache', 'dummy', 'sharded_state', 'gguf', 'bitsandbytes', 'layered', 'remote', 'remote_instance'), stage=COMPILE, status=IMPLEMENTED, choice_status={c: PLANNED for c in ("npcache", "sharded_state", "gguf", "bitsandbytes", "layered", "remote", "remote_instance")}, help="Weight file format; dummy makes random weights of the right shapes."),
         Flag('--model-loader-extra-config', type='str', default='{}', stage=COMPILE),
-        Flag('--trust-remote-code', type='bool', stage=COMPILE, status=IMPLEMENTED, help="Accepted; kiln never runs checkpoint code, it traces its own model definitions."),
+        Flag('--trust-remote-code', type='bool', stage=RUNTIME, status=IMPLEMENTED, help="kiln never runs checkpoint code (it traces its own model definitions). Serving: load an artefact's compiled kernel library that this machine did not build and cannot rebuild (no C compiler); see docs/serving.md."),
         Flag('--context-length', type='int', stage=RUNTIME, status=IMPLEMENTED, help="Longest prompt plus output per request; at most the model's own."),
         Flag('--is-embedding', type='bool', stage=COMPILE),
         Flag('--enable-multimodal', type='bool', stage=COMPILE),
@@ -72,7 +72,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--enable-dynamic-chunking', type='bool', stage=RUNTIME),
     )),
     Section('Runtime options', 'runtime_options', (
-        Flag('--device', type='str', stage=COMPILE, status=PLANNED, choice_status={"cpu": IMPLEMENTED, "cuda": needs("a CUDA GPU", "cuda", implemented=True)}, help="Target device; default: cuda when present, else cpu."),
+        Flag('--device', type='str', stage=COMPILE, status=PLANNED, choice_status={"cpu": IMPLEMENTED, "cuda": IMPLEMENTED}, help="Target device; default: cuda when this host has an NVIDIA GPU, else cpu. Compiling for cuda needs no GPU; serving it does."),
         Flag('--elastic-ep-backend', type='bool', stage=RUNTIME),
         Flag('--mooncake-ib-device', type='bool', stage=RUNTIME),
         Flag('--tensor-parallel-size', '--tp-size', '--tp', type='int', default=1, dest='tp_size', stage=COMPILE),
@@ -408,6 +408,7 @@ SECTIONS: tuple[Section, ...] = (
     )),
     # kiln's own flags, for what SGLang has no flag for. Kept last; the docs mark them.
     Section(KILN_SECTION, 'kiln_additions', (
+        Flag('--target-isa', type='str', default='native', stage=COMPILE, status=IMPLEMENTED, help='Instruction set to compile for: native (this host), x86-64, avx2, avx512 on --device cpu; sm_XX (e.g. sm_90) on --device cuda.'),
         Flag('--max-request-body-bytes', type='int', default=8 * 1024 * 1024, stage=RUNTIME, status=IMPLEMENTED, help='Largest HTTP request body accepted; larger ones get a 413.'),
         Flag('--shutdown-timeout', type='float', default=0.0, stage=RUNTIME, status=IMPLEMENTED, help='On SIGTERM/SIGINT, seconds to let in-flight requests finish before stopping them (each gets a final error); a second signal stops at once.'),
         Flag('--threads', type='int', stage=RUNTIME, status=IMPLEMENTED, help='CPU threads for kernels (torch and kiln_cpu); default: OMP_NUM_THREADS, else one per core. On a busy or shared machine, fewer can be much faster.'),

@@ -124,8 +124,8 @@ def test_support_status() -> None:
     # Hardware this machine lacks is named.
     with pytest.raises(ArgError, match=r"--attention-backend fa3: needs an NVIDIA Hopper GPU"):
         cli("--attention-backend", "fa3")
-    with pytest.raises(ArgError, match=r"--device cuda: needs a CUDA GPU, which this machine"):
-        cli("--device", "cuda")
+    # Compiling for cuda needs no GPU (a CPU CI machine builds for a GPU fleet).
+    assert cli("--device", "cuda", "--target-isa", "sm_90").device == "cuda"
     assert cli("--attention-backend", "torch_native").attention_backend == "torch_native"
     assert cli("--load-format", "dummy").load_format == "dummy"
     with pytest.raises(ArgError, match="--load-format gguf: is not implemented"):

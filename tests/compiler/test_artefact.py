@@ -15,6 +15,7 @@ from kiln.args import ArgError, ServerArgs
 from kiln.compiler.artefact import ArtefactError
 from kiln.compiler.checkpoint import CheckpointError
 from kiln.compiler.compile import compile_model
+from kiln.compiler.target import host_cpu_level
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 PROMPT = [1, 4, 9, 16, 25]
@@ -35,7 +36,8 @@ def test_layout_and_manifest(artefact) -> None:
     ):
         assert (art / rel).is_file(), rel
     m = json.loads((art / "manifest.json").read_text())
-    assert m["format_version"] == 1 and m["target"] == {"device": "cpu"}
+    assert m["format_version"] == 2 and m["target"]["device"] == "cpu"
+    assert m["target"]["isa"] == host_cpu_level()
     assert m["torch_version"] == torch.__version__
     assert m["compile_args"]["dtype"] == "float32"
     assert [p["pass"] for p in m["passes"]][:2] == ["dce", "fuse_qkv"]
@@ -45,6 +47,13 @@ def test_layout_and_manifest(artefact) -> None:
     assert "model.layers.0.self_attn.qkv_proj.weight" in weights
     assert "model.layers.0.self_attn.q_proj.weight" not in weights
     assert "model.layers.0.mlp.gate_up_proj.weight" in weights
+    # The kernels are built for the target and carried along; the packed linears' weights
+    # are stored in the panel layout of that build.
+    assert (art / "kernels/cpu_kernels.so").is_file()
+    assert m["native"]["lanes"] in (8, 16) and m["files"]["kernels/cpu_kernels.so"]
+    if host_cpu_level() != "x86-64":
+        qkv = weights["model.layers.0.self_attn.qkv_proj.weight"]
+        assert qkv.dim() == 3 and qkv.shape[2] == m["native"]["lanes"]
 
 
 def test_no_absolute_paths_inside(artefact, checkpoint) -> None:
@@ -142,10 +151,21 @@ def test_compile_errors_name_the_flag(checkpoint, tmp_path) -> None:
     assert (stranger / "keep.txt").read_text() == "mine"
 
 
-def test_auto_dtype_follows_sglang(checkpoint, tmp_path) -> None:
-    out = compile_model(ServerArgs(model_path=str(checkpoint("llama"))), tmp_path / "art")
+def test_auto_dtype_follows_sglang_on_cuda_and_the_fast_kernels_on_cpu(
+    checkpoint, tmp_path
+) -> None:
+    ckpt = str(checkpoint("llama"))  # an fp32 checkpoint
+    # CUDA (compiled here for an H100 fleet, no GPU needed): fp32 becomes fp16, as SGLang.
+    out = compile_model(
+        ServerArgs(model_path=ckpt, device="cuda", target_isa="sm_90"), tmp_path / "gpu"
+    )
     m = json.loads((out.path / "manifest.json").read_text())
-    assert m["runtime"]["dtype"] == "float16"  # an fp32 checkpoint becomes fp16, as SGLang
+    assert m["runtime"]["dtype"] == "float16" and m["target"]["isa"] == "sm_90"
+    assert m["native"] is None and not (out.path / "kernels").exists()
+    # CPU: the float kiln's kernels run at full speed, fp32 (a documented kiln deviation).
+    out = compile_model(ServerArgs(model_path=ckpt), tmp_path / "cpu")
+    m = json.loads((out.path / "manifest.json").read_text())
+    assert m["runtime"]["dtype"] == "float32"
 
 
 def test_every_compile_time_argument_is_recorded(artefact) -> None:

@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kiln.compiler.ir import STRUCTURAL_OPS as STRUCTURAL
 from kiln.compiler.ir import Graph
+from kiln.compiler.target import Target, cpu_target
 from kiln.compiler.trace import trace
 from kiln.kernels import cpu as cpu_kernels
 from kiln.models import ModelConfig, build
@@ -24,9 +27,10 @@ from kiln.passes import (
 LAYERS = 3
 
 
-def graph(model_type: str = "qwen2") -> Graph:
+def graph(model_type: str = "qwen2", tie: bool = False) -> Graph:
     cfg = ModelConfig.from_dict(
         {
+            "tie_word_embeddings": tie,
             "model_type": model_type,
             "hidden_size": 32,
             "intermediate_size": 64,
@@ -40,7 +44,7 @@ def graph(model_type: str = "qwen2") -> Graph:
     return trace(build(cfg))[0]
 
 
-CTX = PassContext()
+CTX = PassContext(target=cpu_target("avx512"), options={"native_kernels": True})
 
 
 def test_fuse_qkv_stacks_weights_and_biases() -> None:
@@ -101,19 +105,56 @@ def test_default_pipeline_logs_each_pass_and_picks_backends() -> None:
     g, log = run_passes(graph(), CTX, PIPELINES["default"])
     assert [e["pass"] for e in log] == [p.__name__ for p in PIPELINES["default"]]
     compute = [n for n in g.nodes if n.op not in ("input", "param", "output", "getitem")]
-    # fp32 on CPU: the ops kiln's C kernels cover (linears included) on kiln_cpu, the rest
-    # on torch.
+    # fp32 on an AVX-512 CPU with the C kernels: linears packed, the ops kiln's C kernels
+    # cover on kiln_cpu, the rest on torch.
     backend = {n.op: n.meta["backend"] for n in compute}
-    for op in cpu_kernels.OPS:
+    for op in (*cpu_kernels.OPS, "packed_linear"):
         assert backend.pop(op) == "kiln_cpu"
-    assert set(backend.values()) == {"torch_native"}
-    g16, _ = run_passes(graph(), PassContext(dtype="bfloat16"), PIPELINES["default"])
+    assert "linear" not in backend and set(backend.values()) == {"torch_native"}
+    g16, _ = run_passes(graph(), replace(CTX, dtype="bfloat16"), PIPELINES["default"])
     assert {n.meta["backend"] for n in g16.nodes if n.op not in STRUCTURAL} == {"torch_native"}
     # --attention-backend torch_native keeps the reference attention, the rest unchanged.
-    ctx = PassContext(options={"backends": {"attention": "torch_native"}})
+    ctx = replace(CTX, options={**CTX.options, "backends": {"attention": "torch_native"}})
     g_ref, _ = run_passes(graph(), ctx, PIPELINES["default"])
     chosen = {n.op: n.meta["backend"] for n in g_ref.nodes if n.op not in STRUCTURAL}
     assert chosen["attention"] == "torch_native" and chosen["rmsnorm"] == "kiln_cpu"
+
+
+@pytest.mark.parametrize(
+    ("isa", "layout", "small_rows"), [("avx512", "panels16x4", 32), ("avx2", "panels8x3", 8)]
+)
+def test_layout_is_decided_by_the_target_alone(isa: str, layout: str, small_rows: int) -> None:
+    ctx = replace(CTX, target=cpu_target(isa))
+    g, _ = run_passes(graph("llama", tie=True), ctx, PIPELINES["default"])
+    packed = [n for n in g.nodes if n.op == "packed_linear"]
+    # per layer qkv, o, gate_up, down; and the lm_head
+    assert len(packed) == 1 + LAYERS * 4 and g.count("linear") == 0
+    assert {n.attrs["small_rows"] for n in packed} == {small_rows}
+    for n in packed:
+        spec = g.weight_of(n.args[1])
+        assert spec is not None and spec.layout == layout
+        assert n.attrs["out_features"] == spec.shape[0]
+    # The tied table: one copy, read as panels by the embedding too.
+    (emb,) = [n for n in g.nodes if n.op == "packed_embedding"]
+    assert emb.args[1] in [n.args[1] for n in packed] and emb.meta["backend"] == "kiln_cpu"
+    assert len(g.weights) == len({id(w) for w in g.weights.values()})
+
+
+@pytest.mark.parametrize(
+    "ctx",
+    [
+        replace(CTX, target=cpu_target("x86-64")),  # no vector FMA: torch's GEMM
+        replace(CTX, options={}),  # no C compiler where it compiled
+        replace(CTX, target=Target("cuda", "sm_90")),
+    ],
+    ids=["x86-64", "no-compiler", "cuda"],
+)
+def test_linears_keep_rows_where_the_target_has_no_packed_kernel(ctx: PassContext) -> None:
+    g, _ = run_passes(graph(), ctx, PIPELINES["default"])
+    assert g.count("packed_linear") == 0 and g.count("linear") == 1 + LAYERS * 4
+    assert all(w.layout == "rows" for w in g.weights.values())
+    native = {n.meta["backend"] for n in g.nodes if n.meta.get("backend") == "kiln_cpu"}
+    assert native == ({"kiln_cpu"} if ctx.target.isa == "x86-64" else set())
 
 
 def test_failure_names_the_passes_that_ran_before() -> None:

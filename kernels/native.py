@@ -1,0 +1,120 @@
+"""kiln_cpu's native library: built for a target at compile time, loaded by the runtime.
+
+The C source (csrc/cpu_kernels.c) is compiled with the system C compiler (`$CC`, else
+`cc`) and `-march` of the target's x86-64 level, never `native`, so the library runs on
+every machine of that level. Builds are kept in the kiln cache (`kernels/`) under an id
+that hashes the source, the flags and the compiler's version; `kiln compile` copies the
+build into the artefact. A library in that folder was built by this user's kiln, which is
+what lets the runtime trust it (see runtime/native.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from kiln.compiler.target import Target
+from kiln.paths import cache_dir
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+# -ffp-contract=fast: ISO C mode (-std=c11) otherwise keeps a * b + c as two roundings and
+# two instructions; fused multiply-adds are what the dot products want.
+BASE_FLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+
+_P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    "kiln_rmsnorm_f32": (None, [_P, _I64, _I64, _P, _P, _I64, _I64, _F32, _INT]),
+    "kiln_add_rmsnorm_f32": (None, [_P, _P, _P, _P, _P, _I64, _I64, _F32, _INT]),
+    "kiln_silu_and_mul_f32": (None, [_P, _P, _I64, _I64, _INT]),
+    "kiln_rope_f32": (None, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT]),
+    "kiln_kv_write_f32": (None, [_P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64]),
+    "kiln_linear_lanes": (_I64, []),
+    "kiln_linear_group_panels": (_I64, []),
+    "kiln_linear_f32": (_INT, [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _INT, _INT]),
+    "kiln_embedding_packed_f32": (_INT, [_P, _I64, _P, _I64, _I64, _P]),
+    "kiln_decode_attention_f32": (
+        _INT,
+        [_P, _I64, _P, _P, _I64, _P, _I64, _P, _P] + [_I64] * 5 + [_I64, _F32, _INT],
+    ),
+}
+
+
+class KernelBuildError(RuntimeError):
+    pass
+
+
+def compiler_command() -> str:
+    return os.environ.get("CC", "cc")
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    """The C compiler a build uses: its command and what `--version` says."""
+
+    cc: str
+    version: str
+
+    @classmethod
+    def find(cls) -> Toolchain | None:
+        cc = compiler_command()
+        if shutil.which(cc) is None:
+            return None
+        try:
+            out = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True)
+        except (OSError, subprocess.CalledProcessError):
+            return None
+        return cls(cc, out.stdout.splitlines()[0].strip() if out.stdout else cc)
+
+
+def flags(target: Target) -> tuple[str, ...]:
+    return (*BASE_FLAGS, f"-march={target.march}", "-mtune=generic")
+
+
+def source_sha256() -> str:
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
+
+
+def build_id(target: Target, toolchain: Toolchain) -> str:
+    h = hashlib.sha256()
+    for part in (source_sha256(), " ".join(flags(target)), toolchain.version):
+        h.update(part.encode())
+    return h.hexdigest()[:20]
+
+
+def store() -> Path:
+    """Where this user's builds are kept (and trusted)."""
+    return cache_dir() / "kernels"
+
+
+def build(target: Target, toolchain: Toolchain, out_dir: Path | None = None) -> Path:
+    """Compile the kernels for `target` (or find them built) and return the library."""
+    if target.device != "cpu":
+        raise KernelBuildError(f"kiln_cpu kernels are for cpu targets, not {target}")
+    out_dir = out_dir or store()
+    lib = out_dir / f"cpu_kernels-{build_id(target, toolchain)}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = lib.with_name(f"{lib.name}.{os.getpid()}.tmp")
+    # libraries after the source
+    command = [toolchain.cc, *flags(target), "-o", str(tmp), str(SOURCE), "-lm"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        tail = done.stderr.strip().splitlines()[-3:]
+        raise KernelBuildError(f"{toolchain.cc} failed on {SOURCE.name}: {' / '.join(tail)}")
+    os.replace(tmp, lib)  # atomic: concurrent builders never load a partial file
+    return lib
+
+
+def load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib

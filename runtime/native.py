@@ -1,0 +1,87 @@
+"""Opening an artefact's native kernel library (kernels/cpu_kernels.so).
+
+A shared library is code, and an artefact is untrusted input, so the runtime never loads
+the artefact's copy just because its checksum matches (whoever edits a file recomputes
+checksums). It loads, in this order:
+
+1. this user's own build with that checksum, from the kiln kernel store ($KILN_CACHE_DIR/
+   kernels, where `kiln compile` keeps what it built; a CI cache restores it with the rest);
+2. else, where a C compiler exists, a build of this kiln's own source for the artefact's
+   target (when the artefact was built from the same source);
+3. else the artefact's copy, only if the user says so with --trust-remote-code;
+4. else nothing: one line says why and what to do.
+
+The library's vector width and panel grouping must match the weights' stored layout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+from typing import Any
+
+from kiln.compiler import artefact as fmt
+from kiln.compiler.ir import Graph
+from kiln.compiler.layout import panels_of
+from kiln.compiler.target import Target
+from kiln.kernels import native
+
+log = logging.getLogger("kiln.runtime")
+
+
+def open_library(
+    root: Path, manifest: dict[str, Any], graph: Graph, trust_remote_code: bool = False
+) -> ctypes.CDLL | None:
+    """The artefact's kiln_cpu library, loaded; None when the artefact has none."""
+    info = manifest.get("native")
+    if info is None:
+        return None
+    path = _trusted_copy(root, manifest, info, trust_remote_code)
+    try:
+        lib = native.load(path)
+    except (OSError, AttributeError) as e:
+        raise fmt.ArtefactError(f"{root}/{info['file']}: cannot load the kernels: {e}") from None
+    got = (int(lib.kiln_linear_lanes()), int(lib.kiln_linear_group_panels()))
+    if got != (info["lanes"], info["group_panels"]):
+        raise fmt.ArtefactError(
+            f"{root}: kernels of {got[0]} lanes x {got[1]} panels, the manifest says "
+            f"{info['lanes']} x {info['group_panels']}"
+        )
+    for name, spec in graph.weights.items():
+        panels = panels_of(spec.layout)
+        if panels is not None and panels != got:
+            raise fmt.ArtefactError(
+                f"{root}: weight {name!r} is stored as {spec.layout}, the kernels read "
+                f"panels{got[0]}x{got[1]}"
+            )
+    return lib
+
+
+def _trusted_copy(
+    root: Path, manifest: dict[str, Any], info: dict[str, Any], trust_remote_code: bool
+) -> Path:
+    stored = native.store() / f"cpu_kernels-{info['build_id']}.so"
+    if stored.is_file() and fmt.sha256_file(stored) == info["sha256"]:
+        return stored
+    toolchain = native.Toolchain.find()
+    if toolchain is not None and info["source_sha256"] == native.source_sha256():
+        target = Target.from_json(manifest["target"])
+        try:
+            path = native.build(target, toolchain)
+        except native.KernelBuildError as e:
+            raise fmt.ArtefactError(f"{root}: cannot rebuild its kernels here: {e}") from None
+        log.info("kiln_cpu kernels rebuilt here from kiln's source for %s", target)
+        return path
+    if trust_remote_code:
+        log.warning("loading %s/%s as built elsewhere (--trust-remote-code)", root, info["file"])
+        return root / info["file"]
+    why = (
+        f"no C compiler ({native.compiler_command()}) to rebuild them"
+        if toolchain is None
+        else "this kiln's kernel source differs from the one they were built from"
+    )
+    raise fmt.ArtefactError(
+        f"{root}: its compiled kernels were not built on this machine and {why}; "
+        "pass --trust-remote-code to load them if you trust where the artefact came from"
+    )
