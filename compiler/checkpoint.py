@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -11,46 +10,27 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-LOAD_FORMATS = ("auto", "pt", "safetensors", "dummy")
+from kiln.compiler.ckpt_files import LOAD_FORMATS, CheckpointError, resolve_format, weight_files
 
-
-class CheckpointError(ValueError):
-    """The checkpoint's files are missing, unreadable or lack a tensor the graph needs."""
+__all__ = ["LOAD_FORMATS", "CheckpointError", "CheckpointReader"]
 
 
 class CheckpointReader:
     """Name -> tensor over the checkpoint's weight files, opened lazily (memory-mapped)."""
 
     def __init__(self, path: Path, load_format: str = "auto") -> None:
-        if load_format not in LOAD_FORMATS:
-            raise CheckpointError(f"--load-format {load_format!r}: choose from {LOAD_FORMATS}")
         self.path = path
-        self.load_format = _resolve_format(path, load_format)
-        self.files: list[Path] = []
+        self.load_format = resolve_format(path, load_format)
         self._where: dict[str, Path] = {}
         self._stack = ExitStack()
         self._open: dict[Path, Any] = {}
-        if self.load_format == "safetensors":
-            self._index("model.safetensors.index.json", "*.safetensors")
-        elif self.load_format == "pt":
-            self._index("pytorch_model.bin.index.json", "*.bin")
-            if not self.files:
-                self._index("", "*.pt")
-
-    def _index(self, index_name: str, pattern: str) -> None:
-        index = self.path / index_name if index_name else None
-        if index is not None and index.is_file():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            self.files = sorted({self.path / f for f in weight_map.values()})
-            missing = [f.name for f in self.files if not f.is_file()]
-            if missing:
-                raise CheckpointError(f"{index.name} names missing shards: {missing}")
-            self._where = {k: self.path / f for k, f in weight_map.items()}
-            return
-        self.files = sorted(self.path.glob(pattern))
-        for f in self.files:
-            for name in self._names(f):
-                self._where[name] = f
+        self.files, weight_map = weight_files(path, self.load_format)
+        if weight_map is not None:
+            self._where = {k: path / f for k, f in weight_map.items()}
+        else:
+            for f in self.files:
+                for name in self._names(f):
+                    self._where[name] = f
 
     def _names(self, f: Path) -> list[str]:
         # A safetensors handle and a loaded pt state dict both answer keys().
@@ -107,21 +87,6 @@ def _torch_load(f: Path) -> Any:
         return torch.load(f, map_location="cpu", weights_only=True, mmap=True)
     except RuntimeError:
         return torch.load(f, map_location="cpu", weights_only=True)
-
-
-def _resolve_format(path: Path, load_format: str) -> str:
-    if load_format != "auto":
-        if load_format == "safetensors" and not any(path.glob("*.safetensors")):
-            raise CheckpointError(f"--load-format safetensors: no *.safetensors in {path}")
-        return load_format
-    if any(path.glob("*.safetensors")):
-        return "safetensors"
-    if any(path.glob("*.bin")) or any(path.glob("*.pt")):
-        return "pt"
-    raise CheckpointError(
-        f"no weights in {path} (*.safetensors, *.bin or *.pt); "
-        "use --load-format dummy for random weights"
-    )
 
 
 def _dummy(name: str, shape: tuple[int, ...]) -> torch.Tensor:

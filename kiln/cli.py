@@ -1,4 +1,7 @@
-"""The `kiln` command: compile, generate, serve, launch."""
+"""The `kiln` command: compile, generate, serve, launch, cache, inspect, diff.
+
+Cheap paths stay cheap: --help, --version, flag refusals, cache hits, `cache`, `inspect`
+and `diff` never import torch."""
 
 from __future__ import annotations
 
@@ -67,7 +70,13 @@ def _compile_parser(sub: argparse._SubParsersAction) -> None:
         _cmd_compile,
         artefact=False,
     )
-    p.add_argument("-o", "--output", required=True, help="artefact folder to write")
+    p.add_argument(
+        "-o",
+        "--output",
+        default=None,
+        help="also place the artefact here (hard links to the cache entry); "
+        "default: print the cache entry's path",
+    )
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -115,9 +124,137 @@ def _launch_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--artefact-dir",
         default=None,
-        help="where the compiled artefact is kept (default: $KILN_CACHE_DIR or "
-        "~/.cache/kiln, one folder per checkpoint)",
+        help="also place the artefact here (default: only in the cache, $KILN_CACHE_DIR "
+        "or ~/.cache/kiln)",
     )
+
+
+def _cache_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "cache",
+        help="the compiled-artefact cache: key, ls, rm, gc",
+        usage="kiln cache {key,ls,rm,gc} ...",
+        prog="kiln cache",
+    )
+    actions = p.add_subparsers(dest="action", required=True, parser_class=Parser)
+    key = actions.add_parser(
+        "key",
+        help="print the cache key of a compile (for CI cache keys)",
+        argument_default=_SUPPRESS,
+        usage="kiln cache key --model-path CKPT [compile flags]",
+        prog="kiln cache key",
+    )
+    add_cli_args(key)
+    key.add_argument(
+        "--rehash", action="store_true", default=False, help="read every file, ignore memos"
+    )
+    actions.add_parser("ls", help="list entries, least recently used first", prog="kiln cache ls")
+    rm = actions.add_parser(
+        "rm", help="remove entries by key (a prefix will do)", prog="kiln cache rm"
+    )
+    rm.add_argument("keys", nargs="+", metavar="KEY")
+    gc = actions.add_parser(
+        "gc", help="remove least recently used entries past a size", prog="kiln cache gc"
+    )
+    gc.add_argument("--max-size", required=True, help="e.g. 20G, 500M, 1T (bytes if no suffix)")
+    p.set_defaults(func=_cmd_cache)
+
+
+_SIZES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _size(text: str) -> int:
+    hit = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?", text.strip(), re.IGNORECASE)
+    if not hit:
+        raise ValueError(f"--max-size {text!r}: expected a size such as 20G, 500M or 1T")
+    return int(float(hit.group(1)) * _SIZES[hit.group(2).upper()])
+
+
+def _cmd_cache(ns: argparse.Namespace) -> int:
+    import time
+
+    from kiln.compiler.key import compile_key
+    from kiln.compiler.store import Store
+
+    store = Store()
+    if ns.action == "key":
+        print(compile_key(ServerArgs.from_namespace(ns), rehash=ns.rehash).key)
+    elif ns.action == "ls":
+        entries = sorted(store.entries(), key=lambda e: e.last_used)
+        for e in entries:
+            age = time.time() - e.last_used
+            print(f"{e.key[:16]}  {e.bytes / 1e6:9.1f} MB  used {_ago(age):>9}  {e.summary}")
+        total = sum(e.bytes for e in entries)
+        print(f"{len(entries)} entries, {total / 1e6:.1f} MB in {store.root}")
+    elif ns.action == "rm":
+        for prefix in ns.keys:
+            found = store.find(prefix)
+            if len(found) != 1:
+                what = "no entry" if not found else f"{len(found)} entries"
+                raise ValueError(f"kiln cache rm {prefix}: {what} with that key")
+            store.remove(found[0].key)
+            print(f"removed {found[0].key[:16]} ({found[0].summary})")
+    else:
+        for e in store.gc(_size(ns.max_size)):
+            print(f"removed {e.key[:16]} ({e.summary}, {e.bytes / 1e6:.1f} MB)")
+    return 0
+
+
+def _ago(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit} ago"
+    return "just now"
+
+
+def _inspect_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "inspect",
+        help="what an artefact holds: model, target, passes, kernels, weights, KV",
+        usage="kiln inspect ARTEFACT [--graph | --json | --dot]",
+        prog="kiln inspect",
+    )
+    p.add_argument("artefact")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--graph", action="store_true", help="print the IR")
+    how.add_argument("--json", action="store_true", help="the summary as JSON")
+    how.add_argument("--dot", action="store_true", help="the graph for graphviz")
+    p.set_defaults(func=_cmd_inspect)
+    d = sub.add_parser(
+        "diff",
+        help="how two artefacts differ: cache factors, graph, weights",
+        usage="kiln diff ARTEFACT_A ARTEFACT_B",
+        prog="kiln diff",
+    )
+    d.add_argument("a")
+    d.add_argument("b")
+    d.set_defaults(func=_cmd_diff)
+
+
+def _cmd_inspect(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kiln.compiler import report
+
+    root = Path(ns.artefact)
+    if ns.graph or ns.dot:
+        graph = report.load(root)[1]
+        print(report.to_dot(graph) if ns.dot else graph.format())
+    elif ns.json:
+        print(json.dumps(report.summary(root), indent=1))
+    else:
+        print(report.format_summary(report.summary(root)))
+    return 0
+
+
+def _cmd_diff(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kiln.compiler import report
+
+    lines = report.diff(Path(ns.a), Path(ns.b))
+    print("\n".join(lines) if lines else "same cache key inputs, graph and files")
+    return 0
 
 
 def _cmd_serve(ns: argparse.Namespace) -> int:
@@ -128,24 +265,11 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def _cmd_launch(ns: argparse.Namespace) -> int:
-    import hashlib
-    from pathlib import Path
-
-    from kiln.compiler.compile import compile_model
-    from kiln.paths import cache_dir
+    from kiln.compiler.store import compile_cached
     from kiln.serve.server import serve
 
     explicit = explicit_values(ns)
-    args = ServerArgs(**explicit)
-    if not args.model_path:
-        raise ValueError("--model-path: required (the Hugging Face checkpoint folder)")
-    out = ns.artefact_dir
-    if out is None:
-        root = cache_dir()
-        ckpt = Path(args.model_path).resolve()
-        tag = hashlib.sha256(str(ckpt).encode()).hexdigest()[:12]
-        out = root / f"{ckpt.name}-{tag}"
-    result = compile_model(args, out)
+    result = compile_cached(ServerArgs(**explicit), ns.artefact_dir)
     _report(result)
     serve(result.path, explicit)
     return 0
@@ -153,6 +277,10 @@ def _cmd_launch(ns: argparse.Namespace) -> int:
 
 def _report(result: Any) -> None:
     state = "cache hit" if result.cache_hit else "compiled"
+    if result.miss:
+        print(f"cache miss; {result.miss[0]} differs in:")
+        for line in result.miss[1:]:
+            print(f"  {line}")
     print(
         f"{state}: {result.path} ({result.target}, {result.dtype}, "
         f"key {result.cache_key[:16]}, {result.seconds:.2f}s)"
@@ -160,10 +288,9 @@ def _report(result: Any) -> None:
 
 
 def _cmd_compile(ns: argparse.Namespace) -> int:
-    from kiln.compiler.compile import compile_model
+    from kiln.compiler.store import compile_cached
 
-    args = ServerArgs.from_namespace(ns)
-    result = compile_model(args, ns.output)
+    result = compile_cached(ServerArgs.from_namespace(ns), ns.output)
     _report(result)
     return 0
 
@@ -194,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = Parser(
         prog="kiln",
         description="compile and serve LLMs",
-        usage="kiln {compile,generate,serve,launch} ...  (kiln --help)",
+        usage="kiln {compile,generate,serve,launch,cache,inspect,diff} ...  (kiln --help)",
     )
     parser.add_argument("--version", action="version", version=f"kiln {kiln.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
@@ -202,6 +329,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _generate_parser(sub)
     _serve_parser(sub)
     _launch_parser(sub)
+    _cache_parser(sub)
+    _inspect_parser(sub)
     ns, extra = parser.parse_known_args(argv)
     if extra:  # reported by the subcommand, which knows its flags (for "did you mean")
         sub.choices[ns.command].error(f"unrecognized arguments: {' '.join(extra)}")

@@ -52,3 +52,11 @@ def artefact(
         return made[key]
 
     return make
+
+
+@pytest.fixture
+def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty kiln cache for this test (and the processes it starts)."""
+    root = tmp_path / "kiln-cache"
+    monkeypatch.setenv("KILN_CACHE_DIR", str(root))
+    return root

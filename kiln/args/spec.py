@@ -39,7 +39,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--grpc-mode', type='bool', stage=RUNTIME),
     )),
     Section('Quantization and data type', 'quantization', (
-        Flag('--dtype', type='str', default='auto', choices=('auto', 'half', 'float16', 'bfloat16', 'float', 'float32'), stage=COMPILE, status=IMPLEMENTED, help="Weight and activation dtype; auto: BF16 for BF16 checkpoints, else FP16."),
+        Flag('--dtype', type='str', default='auto', choices=('auto', 'half', 'float16', 'bfloat16', 'float', 'float32'), stage=COMPILE, status=IMPLEMENTED, help="Weight and activation dtype. auto on cuda: BF16 for BF16 checkpoints, else FP16 (SGLang's rule); on cpu (kiln deviation): the fastest float kiln's CPU kernels run at full accuracy, today float32."),
         Flag('--quantization', type='str', choices=('awq', 'fp8', 'gptq', 'marlin', 'gptq_marlin', 'awq_marlin', 'bitsandbytes', 'gguf', 'modelopt', 'modelopt_fp4', 'petit_nvfp4', 'w8a8_int8', 'w8a8_fp8', 'moe_wna16', 'qoq', 'w4afp8', 'mxfp4'), stage=COMPILE),
         Flag('--quantization-param-path', type='str', stage=COMPILE),
         Flag('--modelopt-quant', type='str', stage=COMPILE),

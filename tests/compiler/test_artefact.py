@@ -64,7 +64,9 @@ def test_no_absolute_paths_inside(artefact, checkpoint) -> None:
         assert str(ckpt) not in text and str(art) not in text
 
 
-def test_second_compile_is_a_cache_hit_and_a_change_is_not(checkpoint, tmp_path) -> None:
+def test_second_compile_is_a_cache_hit_and_a_change_is_not(
+    checkpoint, tmp_path, fresh_cache
+) -> None:
     ckpt = checkpoint("llama")
     first = compile_(ckpt, tmp_path / "art")
     again = compile_(ckpt, tmp_path / "art")
@@ -174,7 +176,10 @@ def test_every_compile_time_argument_is_recorded(artefact) -> None:
     m = json.loads((artefact("llama") / "manifest.json").read_text())
     compile_time = {d for d, f in FLAGS.items() if f.stage == "compile"}
     assert set(m["compile_args"]) == compile_time
-    assert m["cache_factors"]["resolved"] == {"dtype": "float32", "device": "cpu"}
+    # The key's copy is resolved: what `auto` and `native` became, paths dropped.
+    resolved = m["cache_factors"]["compile_args"]
+    assert resolved["dtype"] == "float32" and resolved["device"] == "cpu"
+    assert resolved["target_isa"] == m["target"]["isa"] and "model_path" not in resolved
 
 
 def test_kiln_source_is_a_cache_factor(artefact) -> None:

@@ -17,6 +17,8 @@ from pathlib import Path
 from kiln.args import ServerArgs
 from kiln.compiler.compile import compile_model
 from kiln.compiler.publish import publish, staging_dir
+from kiln.compiler.target import cpu_target
+from kiln.kernels import native
 
 WRITER = textwrap.dedent(
     """
@@ -101,19 +103,23 @@ def _compile_with_file_limit(ckpt: Path, out: Path, limit: int) -> subprocess.Co
     )
 
 
-def test_a_failed_write_is_one_line_and_leaves_nothing(checkpoint, tmp_path) -> None:
+def test_a_failed_write_is_one_line_and_leaves_nothing(checkpoint, tmp_path, fresh_cache) -> None:
     """The kernel refuses writes past RLIMIT_FSIZE the way a full disk refuses them: the
-    same error path (OSError from the weights writer), reproducible in any sandbox."""
+    same error path (OSError from the artefact writer), reproducible in any sandbox."""
+    toolchain = native.Toolchain.find()
+    assert toolchain is not None
+    native.build(cpu_target("native"), toolchain)  # in the kernel store before the limit
     out = tmp_path / "art"
     r = _compile_with_file_limit(checkpoint("llama"), out, 64 * 1024)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot write the artefact" in lines[0], r.stderr
     assert "Traceback" not in r.stderr
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == ["kiln-cache"]
+    assert not [p for p in (fresh_cache / "artefacts").iterdir() if not p.name.endswith(".lock")]
 
 
-def test_artefacts_get_the_umasks_normal_modes(checkpoint, tmp_path) -> None:
+def test_artefacts_get_the_umasks_normal_modes(checkpoint, tmp_path, fresh_cache) -> None:
     old = os.umask(0o022)
     try:
         art = compile_model(

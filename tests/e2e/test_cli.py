@@ -13,7 +13,7 @@ def kiln(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_compile_then_generate(checkpoint, tmp_path) -> None:
+def test_compile_then_generate(checkpoint, tmp_path, fresh_cache) -> None:
     ckpt = checkpoint("qwen2")
     art = tmp_path / "art"
     first = kiln("compile", "--model", str(ckpt), "--dtype", "float32", "-o", str(art))

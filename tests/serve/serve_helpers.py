@@ -47,12 +47,13 @@ def start_server(art: Path, log: Path, *flags: str) -> Server:
     return start_kiln(["serve", str(art), *flags], log)
 
 
-def start_kiln(argv: list[str], log: Path) -> Server:
-    """Run `kiln ARGV --port P` and wait until /health answers."""
+def start_kiln(argv: list[str], log: Path, launcher: tuple[str, ...] = ("-m", "kiln")) -> Server:
+    """Run `kiln ARGV --port P` and wait until /health answers. `launcher`: what follows
+    the interpreter in place of `-m kiln` (a `-c` script that runs kiln's main)."""
     port = free_port()
     out = open(log, "wb")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kiln", *argv, "--port", str(port)],
+        [sys.executable, *launcher, *argv, "--port", str(port)],
         stdout=out,
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},

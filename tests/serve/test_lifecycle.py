@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
-from serve_helpers import free_port, start_server
+from serve_helpers import free_port, start_kiln, start_server, stop_server
 
 LONG = {"max_new_tokens": 3000, "ignore_eos": True, "temperature": 0}
 
@@ -138,3 +138,36 @@ def test_idle_memory_startup_line_and_threads(artefact, tmp_path):
     assert info["threads"] == 1
     reserved = float(re.search(r"([\d.]+) GiB reserved", line).group(1))
     assert reserved > 1.0, "the test needs a pool larger than what it may hold"
+
+
+# Runs kiln's CLI; at exit, writes the kiln modules that were imported.
+_MODULE_PROBE = """
+import atexit, json, sys
+out = sys.argv.pop(1)
+def dump():
+    with open(out, "w") as f:
+        json.dump(sorted(m for m in sys.modules if m.startswith("kiln")), f)
+atexit.register(dump)
+from kiln.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_serving_never_imports_models_or_passes(artefact, tmp_path) -> None:
+    """What the runtime needs is in the artefact: loading it and serving a request imports
+    neither the model definitions nor the compiler passes."""
+    dump = tmp_path / "modules.json"
+    server = start_kiln(
+        ["serve", str(artefact("llama")), "--max-total-tokens", "512"],
+        tmp_path / "serve.log",
+        launcher=("-c", _MODULE_PROBE, str(dump)),
+    )
+    try:
+        body = {"text": "Hello", "sampling_params": {"max_new_tokens": 3}}
+        assert server.post("/generate", json=body).status_code == 200
+    finally:
+        stop_server(server)
+    modules = json.loads(dump.read_text())
+    assert "kiln.runtime.engine" in modules and "kiln.serve.app" in modules
+    assert not [m for m in modules if m.startswith(("kiln.models", "kiln.passes"))], modules
+    assert "kiln.compiler.compile" not in modules

@@ -89,7 +89,7 @@ def test_cached_tokens_are_reported_and_flushed(server, client) -> None:
     assert info["kv_pages_cached"] == 0 and info["kv_pages_free"] == info["kv_pages_total"]
 
 
-def test_launch_compiles_through_the_cache_then_serves(checkpoint, tmp_path) -> None:
+def test_launch_compiles_through_the_cache_then_serves(checkpoint, tmp_path, fresh_cache) -> None:
     ckpt = checkpoint("llama")
     argv = [
         "launch",

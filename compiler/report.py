@@ -1,0 +1,146 @@
+"""What `kiln inspect` and `kiln diff` print about artefacts; reads files only (no torch)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from kiln.compiler import artefact as fmt
+from kiln.compiler.ir import STRUCTURAL_OPS, Graph
+from kiln.compiler.store import explain
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "int32": 4}
+
+
+def load(root: Path) -> tuple[dict[str, Any], Graph]:
+    manifest = fmt.read_manifest(root)
+    graph = Graph.loads((root / fmt.GRAPH).read_text())
+    return manifest, graph
+
+
+def summary(root: Path) -> dict[str, Any]:
+    manifest, graph = load(root)
+    rt = manifest["runtime"]
+    kernels = Counter(
+        f"{n.op} -> {n.meta.get('backend')}" for n in graph.nodes if n.op not in STRUCTURAL_OPS
+    )
+    by_dtype: Counter[str] = Counter()
+    for w in graph.weights.values():
+        count = 1
+        for d in w.stored_shape:
+            count *= d
+        by_dtype[f"{w.dtype} {w.layout}"] += count * _DTYPE_BYTES.get(w.dtype, 4)
+    kv_per_token = 2 * rt["num_layers"] * rt["num_kv_heads"] * rt["head_dim"]
+    kv_per_token *= _DTYPE_BYTES[rt["dtype"]]
+    native = manifest.get("native")
+    return {
+        "path": str(root),
+        "model": {
+            "name": rt["served_model_name"],
+            "type": manifest["model"].get("model_type"),
+            "layers": rt["num_layers"],
+            "vocab_size": rt["vocab_size"],
+            "context_length": rt["context_length"],
+        },
+        "target": f"{manifest['target']['device']}/{manifest['target']['isa']}",
+        "features": manifest["target"]["features"],
+        "dtype": rt["dtype"],
+        "versions": {k: manifest[f"{k}_version"] for k in ("kiln", "torch")}
+        | {"format": manifest["format_version"]},
+        "cache_key": manifest["cache_key"],
+        "passes": [
+            f"{p['pass']}{'' if p.get('changed') else ' (no change)'}" for p in manifest["passes"]
+        ],
+        "kernels": dict(sorted(kernels.items())),
+        "weight_bytes": dict(sorted(by_dtype.items())),
+        "kv_cache": {
+            "layers": rt["num_layers"],
+            "kv_heads": rt["num_kv_heads"],
+            "head_dim": rt["head_dim"],
+            "page_size": rt["page_size"],
+            "bytes_per_token": kv_per_token,
+        },
+        "native_kernels": None
+        if native is None
+        else {k: native[k] for k in ("build_id", "compiler", "flags", "lanes", "group_panels")},
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    m = s["model"]
+    lines = [
+        f"artefact   {s['path']}",
+        f"model      {m['name']} ({m['type']}, {m['layers']} layers, vocab {m['vocab_size']}, "
+        f"context {m['context_length']})",
+        f"target     {s['target']} [{' '.join(s['features']) or 'baseline'}], {s['dtype']}",
+        f"built by   kiln {s['versions']['kiln']}, torch {s['versions']['torch']}, "
+        f"format {s['versions']['format']}",
+        f"cache key  {s['cache_key']}",
+        f"passes     {', '.join(s['passes'])}",
+        "kernels",
+        *(f"  {k:<40} {n}" for k, n in s["kernels"].items()),
+        "weights",
+        *(f"  {k:<40} {_mb(b)}" for k, b in s["weight_bytes"].items()),
+    ]
+    kv = s["kv_cache"]
+    lines.append(
+        f"kv cache   {kv['layers']} layers x {kv['kv_heads']} kv heads x {kv['head_dim']}, "
+        f"pages of {kv['page_size']}, {kv['bytes_per_token']} bytes per token"
+    )
+    nk = s["native_kernels"]
+    if nk:
+        lines.append(
+            f"native     {nk['compiler']}, {' '.join(nk['flags'])} (build {nk['build_id']})"
+        )
+    return "\n".join(lines)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def to_dot(graph: Graph) -> str:
+    """The graph for graphviz: compute nodes labelled op / backend, weights as notes."""
+    out = ["digraph kiln {", "  rankdir=TB; node [shape=box, fontname=monospace];"]
+    ids = {id(n): f"n{i}" for i, n in enumerate(graph.nodes)}
+    for n in graph.nodes:
+        if n.op == "param":
+            label = json.dumps(n.attrs["name"])
+            out.append(f"  {ids[id(n)]} [shape=note, label={label}];")
+            continue
+        label = n.op + (f"\\n{n.meta['backend']}" if "backend" in n.meta else "")
+        out.append(f'  {ids[id(n)]} [label="{label}"];')
+        out += [f"  {ids[id(a)]} -> {ids[id(n)]};" for a in n.args]
+    out.append("}")
+    return "\n".join(out)
+
+
+def diff(a: Path, b: Path) -> list[str]:
+    """Cache factors that differ (old -> new), then graph and weight changes."""
+    ma, ga = load(a)
+    mb, gb = load(b)
+    lines = [f"factor  {x}" for x in explain(ma["cache_factors"], mb["cache_factors"])]
+    ka, kb = (
+        Counter(f"{n.op} -> {n.meta.get('backend')}" for n in g.nodes if n.op not in STRUCTURAL_OPS)
+        for g in (ga, gb)
+    )
+    for k in sorted(set(ka) | set(kb)):
+        if ka[k] != kb[k]:
+            lines.append(f"graph   {k}: {ka[k]} -> {kb[k]} nodes")
+    for name in sorted(set(ga.weights) | set(gb.weights)):
+        wa, wb = ga.weights.get(name), gb.weights.get(name)
+        if wa is None or wb is None:
+            lines.append(f"weight  {name} {'added' if wa is None else 'removed'}")
+        elif (wa.shape, wa.dtype, wa.layout) != (wb.shape, wb.dtype, wb.layout):
+            lines.append(
+                f"weight  {name}: {list(wa.shape)} {wa.dtype} {wa.layout} -> "
+                f"{list(wb.shape)} {wb.dtype} {wb.layout}"
+            )
+    fa, fb = ma["files"], mb["files"]
+    for rel in sorted(set(fa) | set(fb)):
+        if fa.get(rel, {}).get("sha256") != fb.get(rel, {}).get("sha256"):
+            what = "added" if rel not in fa else "removed" if rel not in fb else "differs"
+            lines.append(f"file    {rel}: {what}")
+    return lines

@@ -1,0 +1,242 @@
+"""The artefact cache: one folder per cache key under `$KILN_CACHE_DIR/artefacts/`.
+
+`compile_cached` is what `kiln compile` runs. It computes the key without torch
+(compiler/key.py); a hit returns the entry at once (torch is never imported); a miss takes
+the key's lock, so of N compiles of one key one compiles and the others wait and reuse it,
+builds the artefact in a staging folder beside the entry and publishes it by rename (a
+compile killed mid-way leaves no entry, and its staging folder is swept later). `-o` places
+hard links to the entry's files (copies across file systems), published the same way, so
+two compiles into one `-o` never leave a mix. A miss is explained against the nearest
+entry, factor by factor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kiln.args import ServerArgs
+from kiln.compiler import artefact as fmt
+from kiln.compiler.key import compile_key
+from kiln.compiler.publish import publish, staging_dir, sweep
+from kiln.paths import cache_dir
+
+log = logging.getLogger("kiln.compile")
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    path: Path
+    cache_key: str
+    cache_hit: bool
+    seconds: float
+    target: str = ""  # what was compiled for, and in which dtype (said in the CLI's output)
+    dtype: str = ""
+    miss: tuple[str, ...] = ()  # how the key differs from the nearest entry, on a miss
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: str
+    path: Path
+    bytes: int
+    last_used: float
+    manifest: dict[str, Any]
+
+    @property
+    def summary(self) -> str:
+        m = self.manifest
+        t = m["target"]
+        return (
+            f"{m['runtime']['served_model_name']} {t['device']}/{t['isa']} {m['runtime']['dtype']}"
+        )
+
+
+class Store:
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = (root or cache_dir()) / "artefacts"
+
+    def entry(self, key: str) -> Path:
+        return self.root / key
+
+    def lookup(self, key: str) -> Path | None:
+        """The entry of `key` if it is there and whole (sizes checked, not checksums: those
+        are checked when the artefact is loaded); marks it used."""
+        path = self.entry(key)
+        if not _whole(path, key):
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # last used, for gc
+        return path
+
+    @contextlib.contextmanager
+    def lock(self, key: str) -> Iterator[None]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root / f".{key}.lock", os.O_CREAT | os.O_RDWR, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def entries(self) -> list[Entry]:
+        out = []
+        for path in sorted(self.root.glob("[0-9a-f]" * 8 + "*")) if self.root.is_dir() else []:
+            try:
+                manifest = fmt.read_manifest(path)
+            except fmt.ArtefactError:
+                continue
+            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            out.append(Entry(path.name, path, size, path.stat().st_mtime, manifest))
+        return out
+
+    def find(self, prefix: str) -> list[Entry]:
+        return [e for e in self.entries() if e.key.startswith(prefix)]
+
+    def remove(self, key: str) -> None:
+        with self.lock(key):
+            shutil.rmtree(self.entry(key), ignore_errors=True)
+        with contextlib.suppress(OSError):
+            (self.root / f".{key}.lock").unlink()
+
+    def gc(self, max_bytes: int) -> list[Entry]:
+        """Remove least recently used entries until the rest fit in `max_bytes`."""
+        entries = sorted(self.entries(), key=lambda e: e.last_used)
+        total = sum(e.bytes for e in entries)
+        removed = []
+        for e in entries:
+            if total <= max_bytes:
+                break
+            self.remove(e.key)
+            total -= e.bytes
+            removed.append(e)
+        if self.root.is_dir():
+            sweep(self.root)
+        return removed
+
+    def nearest(self, factors: dict[str, Any]) -> tuple[Entry, list[str]] | None:
+        """The entry whose factors differ least from `factors`, with the differences."""
+        best: tuple[Entry, list[str]] | None = None
+        for e in self.entries():
+            diff = explain(e.manifest.get("cache_factors", {}), factors)
+            if best is None or len(diff) < len(best[1]):
+                best = (e, diff)
+        return best
+
+
+def _whole(path: Path, key: str) -> bool:
+    try:
+        manifest = fmt.read_manifest(path)
+    except fmt.ArtefactError:
+        return False
+    if manifest["cache_key"] != key:
+        return False
+    try:
+        return all(
+            (path / rel).stat().st_size == f["bytes"] for rel, f in manifest["files"].items()
+        )
+    except OSError:
+        return False
+
+
+def compile_cached(
+    args: ServerArgs, out: str | Path | None = None, rehash: bool = False
+) -> CompileResult:
+    """Compile through the cache; with `out`, also place the artefact there."""
+    t0 = time.perf_counter()
+    ck = compile_key(args, rehash=rehash)
+    store = Store()
+    path = store.lookup(ck.key)
+    miss: tuple[str, ...] = ()
+    built = False
+    if path is None:
+        with store.lock(ck.key):
+            path = store.lookup(ck.key)  # compiled by another process while we waited
+            if path is None:
+                near = store.nearest(ck.factors)
+                if near is not None:
+                    miss = (f"nearest entry {near[0].key[:16]} ({near[0].summary})", *near[1])
+                    log.debug("cache miss: %s differs in: %s", miss[0], "; ".join(miss[1:]))
+                from kiln.compiler.compile import build_artefact  # torch: only on a miss
+
+                path = store.entry(ck.key)
+                build_artefact(args, ck, path)
+                built = True
+    if out is not None:
+        out = Path(out)
+        if not _whole(out, ck.key):
+            place(path, out)
+        path = out
+    seconds = time.perf_counter() - t0
+    return CompileResult(path, ck.key, not built, seconds, str(ck.target), ck.dtype, miss)
+
+
+def place(entry: Path, out: Path) -> None:
+    """Publish a copy of `entry` at `out`: hard links where the file system allows."""
+    tmp = staging_dir(out)
+    try:
+        for src in sorted(entry.rglob("*")):
+            dst = tmp / src.relative_to(entry)
+            if src.is_dir():
+                dst.mkdir(parents=True, exist_ok=True)
+                continue
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copy2(src, dst)
+        publish(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v):
+        return v[:12]
+    if isinstance(v, dict) and set(v) == {"device", "isa", "features"}:
+        return f"{v['device']}/{v['isa']}"
+    return json.dumps(v) if not isinstance(v, str) else v
+
+
+_WORDS = {
+    "kiln_source_sha256": "kiln's compiler or kernel source",
+    "config_sha256": "the checkpoint's config.json",
+    "weights_sha256": "checkpoint weights",
+    "tokenizer_sha256": "tokenizer files",
+    "native_toolchain": "C compiler",
+}
+
+
+def explain(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Plain-words differences between two sets of cache factors, old -> new."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if a == b:
+            continue
+        name = _WORDS.get(k, k.replace("_", " "))
+        if k == "compile_args" and isinstance(a, dict) and isinstance(b, dict):
+            out += [
+                f"--{f.replace('_', '-')}: {_show(a.get(f))} -> {_show(b.get(f))}"
+                for f in sorted(set(a) | set(b))
+                if a.get(f) != b.get(f)
+            ]
+        elif k.endswith("sha256") and isinstance(a, dict) and isinstance(b, dict):
+            for f in sorted(set(a) | set(b)):
+                if a.get(f) != b.get(f):
+                    what = "added" if f not in a else "removed" if f not in b else "changed"
+                    out.append(f"{name}: {f} {what}")
+        elif k.endswith("sha256"):
+            out.append(f"{name} changed")
+        else:
+            out.append(f"{name}: {_show(a)} -> {_show(b)}")
+    return out
