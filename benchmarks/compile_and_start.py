@@ -7,7 +7,8 @@ A checkpoint of the config's shape with random weights (safetensors, fp32, as
 `save_pretrained` writes it) is made once. Each round, in a fresh cache folder:
   cold compile   `kiln compile --model-path CKPT` (key, trace, passes, C kernels, weights)
   hit            the same command again (a new process: start-up included)
-  key            `kiln cache key --model-path CKPT`
+  key            `kiln cache key --model-path CKPT` (file hashes remembered)
+  key, rehashed  the same with --rehash: every checkpoint byte read and hashed
   first token    from starting `kiln serve` to the first /generate answer (1 new token)
   serving RSS    after 8 requests (128-token prompts, 32 new tokens each, 4 at once),
                  against the budget weights x 1.1 + KV pool + 400 MB
@@ -121,7 +122,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="kiln-bench-"))
     try:
         ckpt = make_checkpoint(args.config, work / "ckpt")
-        times: dict[str, list[float]] = {k: [] for k in ("cold", "hit", "key", "first")}
+        names = ("cold", "hit", "key", "rehash", "first")
+        times: dict[str, list[float]] = {k: [] for k in names}
         rss: list[int] = []
         for r in range(args.rounds):
             env = dict(os.environ, KILN_CACHE_DIR=str(work / f"cache{r}"))
@@ -130,8 +132,9 @@ def main() -> None:
             hit, out = kiln("compile", "--model-path", str(ckpt), env=env)
             assert out.startswith("cache hit"), out
             key, _ = kiln("cache", "key", "--model-path", str(ckpt), env=env)
+            rehash, _ = kiln("cache", "key", "--model-path", str(ckpt), "--rehash", env=env)
             first, used = serve_round(art, env, args.max_total_tokens)
-            for name, v in zip(times, (cold, hit, key, first), strict=True):
+            for name, v in zip(times, (cold, hit, key, rehash, first), strict=True):
                 times[name].append(v)
             rss.append(used)
         summary = json.loads(kiln("inspect", str(art), "--json", env=env)[1])
@@ -145,6 +148,7 @@ def main() -> None:
         print(f"| cold compile (`kiln compile`) | {spread(times['cold'])} |")
         print(f"| cache hit (`kiln compile`, new process) | {spread(times['hit'])} |")
         print(f"| `kiln cache key` | {spread(times['key'])} |")
+        print(f"| `kiln cache key --rehash` | {spread(times['rehash'])} |")
         print(f"| serve start to first token | {spread(times['first'])} |")
         print(f"| serving RSS | {spread([float(x) for x in rss], 'MB', 1e-6)} |")
         print(
