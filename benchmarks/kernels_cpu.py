@@ -160,11 +160,11 @@ def gemms(
     ref = op("linear", "torch_native")
     runs: dict[str, Callable[[dict[int, torch.Tensor]], object]] = {
         "kiln_cpu narrow": lambda xs: [
-            kiln(xs[w.shape[1]], p, out_features=w.shape[0], small_rows=1 << 30)
+            kiln(xs[w.shape[1]], p, out_features=w.shape[0], narrow_rows=[0, 1 << 30])
             for w, p in zip(weights, packed, strict=True)
         ],
         "kiln_cpu wide": lambda xs: [
-            kiln(xs[w.shape[1]], p, out_features=w.shape[0], small_rows=0)
+            kiln(xs[w.shape[1]], p, out_features=w.shape[0], narrow_rows=[0, 0])
             for w, p in zip(weights, packed, strict=True)
         ],
         "onednn (prepacked)": lambda xs: [

@@ -38,9 +38,10 @@ OPS: dict[str, OpSchema] = {
     "getitem": OpSchema(1, 1, (("index", "int"),)),
     "embedding": OpSchema(2, 2),
     "linear": OpSchema(2, 3),
-    # A linear whose weight the layout pass stored as panels (kernels/native.py); rows up to
-    # `small_rows` take the narrow micro-kernel, more the wide one (decided at compile).
-    "packed_linear": OpSchema(2, 3, (("out_features", "int"), ("small_rows", "int"))),
+    # A linear whose weight the layout pass stored as panels (compiler/layout.py); row counts
+    # in `narrow_rows` ([lo, hi]) take the narrow micro-kernel, others the wide one (decided
+    # at compile).
+    "packed_linear": OpSchema(2, 3, (("out_features", "int"), ("narrow_rows", "ints"))),
     # An embedding that reads its table from the panels of the tied lm_head.
     "packed_embedding": OpSchema(2, 2),
     "rmsnorm": OpSchema(2, 2, (("eps", "float"), ("group", "int"))),

@@ -81,7 +81,9 @@ def _feature(graph: Graph, n: Node, sizes: list[Feature]) -> Feature:
         if op == "packed_linear":
             _panels(graph, n, a[1])
             _expect(n, "out_features", at["out_features"], out)
-            _positive(n, small_rows=at["small_rows"])
+            lo_hi = at["narrow_rows"]
+            if len(lo_hi) != 2 or not 0 <= lo_hi[0] <= lo_hi[1]:
+                raise IRError(f"%{n.name}: narrow_rows must be [lo, hi], 0 <= lo <= hi")
         _expect(n, "input features", sizes[0], inp)
         if len(a) == 3:
             _expect(n, "bias size", _weight_shape(graph, a[2], 1)[0], out)

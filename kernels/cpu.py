@@ -46,11 +46,11 @@ def packed_linear(
     bias: torch.Tensor | None = None,
     *,
     out_features: int,
-    small_rows: int,
+    narrow_rows: list[int],
     lib: ctypes.CDLL,
 ) -> torch.Tensor:
-    """x @ W.T (+ bias) on W stored as panels; up to `small_rows` rows take the narrow
-    micro-kernel (decode), more the wide one (prefill), as the layout pass decided."""
+    """x @ W.T (+ bias) on W stored as panels; a row count in `narrow_rows` takes the
+    narrow micro-kernel, any other the wide one, as the layout pass decided."""
     x = _rows(x, "packed_linear input")
     m, k = x.shape
     out = torch.empty(m, out_features)
@@ -63,7 +63,7 @@ def packed_linear(
         out_features,
         None if bias is None else bias.data_ptr(),
         out.data_ptr(),
-        int(m > small_rows),
+        int(not narrow_rows[0] <= m <= narrow_rows[1]),
         _threads(),
     )
     if rc != 0:

@@ -6,12 +6,14 @@ weight is written into the artefact in the panel layout of the target's build
 embedding that shares its table with a linear (tied lm_head) reads the same panels
 (`packed_embedding`): one copy of the table, not two.
 
-The pass also records the micro-kernel choice by row count: up to `small_rows` rows (decode
-batches) the narrow tile, which streams each panel once; above, the wide tile (prefill),
-which does fewer loads per multiply-add. Crossovers measured per level with every linear
-shape of SmolLM2-135M, one thread (benchmarks/RESULTS.md):
-  avx512: narrow wins to 16 rows, even at 32, wide from 64 (2.90 against 3.22 ms)
-  avx2:   narrow wins to 8 rows, wide from 16 (1.39 against 1.45 ms)
+The pass also records the micro-kernel choice by row count (`narrow_rows`, [lo, hi]): the
+narrow tile (16 or 8 rows x one panel) for row counts in that range, the wide tile (6 or 4
+rows x a group of panels, fewer loads per multiply-add and more weight streams in flight)
+for all others. Measured per build with every linear of a SmolLM2-135M pass, 2 threads,
+ms per pass (benchmarks/RESULTS.md, `kernels_cpu.py`):
+  avx512: wide wins at 1-4 rows (16.2 against 18.1 at 1), narrow at 8-16 (27.8 against
+          29.6 at 16), wide again from 32 (64.7 against 73.3 at 64)
+  avx2:   wide wins everywhere but about 8 rows (25.4 narrow against 26.4)
 The x86-64 baseline has no vector FMA; its linears stay on torch's runtime-dispatched GEMM.
 """
 
@@ -21,7 +23,7 @@ from kiln.compiler.ir import Graph, Node
 from kiln.compiler.layout import panel_shape, panels_name
 from kiln.passes.base import PassContext, PassResult
 
-SMALL_ROWS = {"avx512": 32, "avx2": 8}
+NARROW_ROWS = {"avx512": [6, 16], "avx2": [6, 8]}
 _READERS = {"linear": "packed_linear", "embedding": "packed_embedding"}
 
 
@@ -29,7 +31,7 @@ def packs(ctx: PassContext) -> bool:
     """Whether the target's linears run kiln_cpu on panels."""
     native = ctx.options.get("native_kernels", False)
     return (
-        ctx.device == "cpu" and ctx.dtype == "float32" and native and ctx.target.isa in SMALL_ROWS
+        ctx.device == "cpu" and ctx.dtype == "float32" and native and ctx.target.isa in NARROW_ROWS
     )
 
 
@@ -37,7 +39,7 @@ def pack_weights(graph: Graph, ctx: PassContext) -> PassResult:
     if not packs(ctx):
         return PassResult(graph, False)
     layout = panels_name(*panel_shape(ctx.target))
-    small_rows = SMALL_ROWS[ctx.target.isa]
+    narrow = NARROW_ROWS[ctx.target.isa]
     users = graph.users()
     changed = False
     for param in [n for n in graph.nodes if n.op == "param"]:
@@ -48,7 +50,7 @@ def pack_weights(graph: Graph, ctx: PassContext) -> PassResult:
         spec.layout = layout
         for n in readers:
             if n.op == "linear":
-                n.attrs = {"out_features": spec.shape[0], "small_rows": small_rows}
+                n.attrs = {"out_features": spec.shape[0], "narrow_rows": list(narrow)}
             n.op = _READERS[n.op]
             n.meta.pop("backend", None)
         changed = True

@@ -285,7 +285,7 @@ int kiln_decode_attention_f32(const float *q, int64_t q_stride, const float *k_c
  * into row tiles, [tiles][K][rows], so the rows' values for one k share a cache line.
  *
  * Two micro-tiles over that one layout; the compiler records which row counts take which
- * (the graph's `small_rows`), this file does not choose:
+ * (the graph's `narrow_rows`), this file does not choose:
  * - narrow (few rows, decode batches): TILE_ROWS rows x 1 panel. The weight stream is the
  *   cost; per k one weight load and one FMA per row with x broadcast from memory, and the
  *   stream software-prefetched PREFETCH_BYTES ahead (the hardware prefetcher alone left it

@@ -121,15 +121,15 @@ def test_default_pipeline_logs_each_pass_and_picks_backends() -> None:
 
 
 @pytest.mark.parametrize(
-    ("isa", "layout", "small_rows"), [("avx512", "panels16x4", 32), ("avx2", "panels8x3", 8)]
+    ("isa", "layout", "narrow"), [("avx512", "panels16x4", [6, 16]), ("avx2", "panels8x3", [6, 8])]
 )
-def test_layout_is_decided_by_the_target_alone(isa: str, layout: str, small_rows: int) -> None:
+def test_layout_is_decided_by_the_target_alone(isa: str, layout: str, narrow: list[int]) -> None:
     ctx = replace(CTX, target=cpu_target(isa))
     g, _ = run_passes(graph("llama", tie=True), ctx, PIPELINES["default"])
     packed = [n for n in g.nodes if n.op == "packed_linear"]
     # per layer qkv, o, gate_up, down; and the lm_head
     assert len(packed) == 1 + LAYERS * 4 and g.count("linear") == 0
-    assert {n.attrs["small_rows"] for n in packed} == {small_rows}
+    assert all(n.attrs["narrow_rows"] == narrow for n in packed)
     for n in packed:
         spec = g.weight_of(n.args[1])
         assert spec is not None and spec.layout == layout

@@ -58,20 +58,22 @@ def test_rmsnorm_and_add_rmsnorm(backend: str, rows: int) -> None:
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_linear_both_micro_kernels(backend: str, rows: int, with_bias: bool) -> None:
     # 1000 outputs: the last panel and the last group are partial; rows across the tiles'
-    # edges of both micro-kernels (small_rows 0: all wide; 128: all narrow)
+    # edges of both micro-kernels (narrow_rows [0, 0]: all wide; [1, 128]: all narrow)
     lib = library(backend.partition("/")[2])
     lanes, group = lib.kiln_linear_lanes(), lib.kiln_linear_group_panels()
     x, w = torch.randn(rows, 96), torch.randn(1000, 96)
     b = torch.randn(1000) if with_bias else None
     packed = pack_panels(w, panels_name(lanes, group))
     assert packed.shape == (-(-1000 // (lanes * group)) * group, 96, lanes)
-    for small_rows in (0, 128):
-        out = k("packed_linear", backend)(x, packed, b, out_features=1000, small_rows=small_rows)
+    for narrow in ([0, 0], [1, 128]):
+        out = k("packed_linear", backend)(x, packed, b, out_features=1000, narrow_rows=narrow)
         torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
     # x read in place from a wider row (a split's view)
     wide = torch.randn(rows, 128)
     wide[:, :96] = x
-    out = k("packed_linear", backend)(wide[:, :96], packed, b, out_features=1000, small_rows=4)
+    out = k("packed_linear", backend)(
+        wide[:, :96], packed, b, out_features=1000, narrow_rows=[2, 4]
+    )
     torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
 
 

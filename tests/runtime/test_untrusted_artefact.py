@@ -176,7 +176,26 @@ def test_manifest_file_paths_stay_inside(copy) -> None:
         Engine(copy, max_total_tokens=64)
 
 
+def _unpack(g: dict) -> dict:
+    """The packed lm_head's weight declared as plain rows: the kernel would read panels."""
+    name = next(n for n in g["nodes"] if n["op"] == "packed_linear")["args"][1]
+    param = next(n for n in g["nodes"] if n["name"] == name)
+    g["weights"][param["attrs"]["name"]].pop("layout")
+    return g
+
+
 GRAPH_DEFECTS = [
+    (
+        "packed out_features",
+        lambda g: (_first(g, "packed_linear")["attrs"].update(out_features=10**6), g)[1],
+        "packed_linear out_features is 1000000",
+    ),
+    (
+        "packed narrow_rows",
+        lambda g: (_first(g, "packed_linear")["attrs"].update(narrow_rows=[9, 2]), g)[1],
+        "narrow_rows must be [lo, hi]",
+    ),
+    ("packed layout", _unpack, "packed_linear needs a weight stored as panels"),
     (
         "heads",
         lambda g: (_first(g, "attention")["attrs"].update(num_heads=40), g)[1],
