@@ -1,16 +1,25 @@
-"""Reading checkpoint tensors by name: safetensors (single or sharded), pt, or dummy."""
+"""Reading checkpoint tensors by name: safetensors (single or sharded), pt, GGUF, or dummy."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 
-from kiln.compiler.ckpt_files import LOAD_FORMATS, CheckpointError, resolve_format, weight_files
+if TYPE_CHECKING:
+    from kiln.compiler.gguf_import import GGUFFile
+
+from kiln.compiler.ckpt_files import (
+    LOAD_FORMATS,
+    CheckpointError,
+    find_gguf,
+    resolve_format,
+    weight_files,
+)
 
 __all__ = ["LOAD_FORMATS", "CheckpointError", "CheckpointReader"]
 
@@ -25,7 +34,14 @@ class CheckpointReader:
         self._stack = ExitStack()
         self._open: dict[Path, Any] = {}
         self.files, weight_map = weight_files(path, self.load_format)
-        if weight_map is not None:
+        self.gguf: GGUFFile | None = None
+        if self.load_format == "gguf":
+            from kiln.compiler.gguf_import import GGUFFile
+
+            gguf = find_gguf(path)
+            assert gguf is not None  # resolve_format found it
+            self.gguf = GGUFFile(gguf)
+        elif weight_map is not None:
             self._where = {k: path / f for k, f in weight_map.items()}
         else:
             for f in self.files:
@@ -50,11 +66,20 @@ class CheckpointReader:
         return h
 
     def names(self) -> list[str]:
-        return sorted(self._where)
+        return sorted(self.gguf.tensors if self.gguf is not None else self._where)
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if self.load_format == "dummy":
             return _dummy(name, shape)
+        if self.gguf is not None:
+            if name not in self.gguf.tensors:
+                raise CheckpointError(f"{self.gguf.path.name} has no tensor for {name!r}")
+            t = torch.from_numpy(self.gguf.get(name).copy())
+            if tuple(t.shape) != tuple(shape):
+                raise CheckpointError(
+                    f"tensor {name!r} has shape {tuple(t.shape)}, the model expects {tuple(shape)}"
+                )
+            return t
         f = self._where.get(name)
         if f is None:
             raise CheckpointError(f"checkpoint {self.path} has no tensor {name!r}")

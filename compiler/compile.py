@@ -39,7 +39,6 @@ __all__ = ["build_artefact", "compile_model", "resolve_dtype"]
 def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
     """Trace, run the passes and write the artefact of `ck` at `out` (staged, then
     published); the cache (compiler/store.py) decides when this runs."""
-    cfg = ModelConfig.from_hf(ck.checkpoint)
     target, dtype, toolchain = ck.target, ck.dtype, ck.toolchain
     if target.device == "cpu" and toolchain is None:
         log.warning(
@@ -48,6 +47,10 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
             native.compiler_command(),
         )
     with CheckpointReader(ck.checkpoint, ck.load_format) as reader:
+        if reader.gguf is not None:
+            cfg = ModelConfig.from_dict(reader.gguf.hf_config())
+        else:
+            cfg = ModelConfig.from_hf(ck.checkpoint)
         graph, constants = trace(build(cfg))
         for spec in graph.weights.values():
             if "load" in spec.source:
@@ -69,7 +72,11 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
                     built = _native_build(target, toolchain, tmp)
                 _write_weights(tmp / fmt.WEIGHTS, graph, reader, constants)
                 (tmp / fmt.GRAPH).write_text(graph.dumps())
-                _copy_tokenizer(ck.tokenizer_dir, tmp / fmt.TOKENIZER_DIR)
+                if ck.tokenizer_dir is not None:
+                    _copy_tokenizer(ck.tokenizer_dir, tmp / fmt.TOKENIZER_DIR)
+                else:
+                    assert reader.gguf is not None  # only GGUF carries its own tokenizer
+                    reader.gguf.write_tokenizer(tmp / fmt.TOKENIZER_DIR)
                 manifest = _manifest(args, cfg, graph, tmp, ck, pass_log)
                 manifest["native"] = built
                 (tmp / fmt.MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -101,6 +108,11 @@ def _native_build(target: Target, toolchain: native.Toolchain, root: Path) -> di
         "lanes": lanes,
         "group_panels": group,
     }
+
+
+def _model_name(model_path: str | None) -> str:
+    path = Path(model_path or "model")
+    return path.stem if path.suffix == ".gguf" else path.name
 
 
 def _recorded_args(args: ServerArgs) -> dict[str, Any]:
@@ -190,7 +202,7 @@ def _manifest(
             "page_size": args.page_size,
             "bos_token_id": cfg.bos_token_id,
             "eos_token_ids": _eos_ids(cfg, root / fmt.TOKENIZER_DIR),
-            "served_model_name": Path(args.model_path or "model").name,
+            "served_model_name": _model_name(args.model_path),
         },
         # As given (serving compares what it is given with these); the key's are resolved.
         "compile_args": _recorded_args(args),

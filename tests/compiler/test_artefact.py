@@ -138,7 +138,7 @@ def test_sharded_safetensors_pt_and_dummy_formats(checkpoint, artefact, tmp_path
 def test_compile_errors_name_the_flag(checkpoint, tmp_path) -> None:
     with pytest.raises(ArgError, match="--model-path: required"):
         compile_model(ServerArgs(), tmp_path / "a")
-    with pytest.raises(ArgError, match="--model-path: .* is not a folder"):
+    with pytest.raises(ArgError, match="--model-path: .* does not exist"):
         compile_model(ServerArgs(model_path=str(tmp_path / "nope")), tmp_path / "a")
     empty = tmp_path / "empty"
     empty.mkdir()

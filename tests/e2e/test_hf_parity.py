@@ -11,12 +11,10 @@ from typing import Any
 
 import pytest
 import torch
+from oracle import kiln_all_logits
 from transformers import AutoModelForCausalLM
 
 from kiln import Engine
-from kiln.runtime.request import Request
-from kiln.runtime.sampling_params import SamplingParams
-from kiln.runtime.scheduler import Batch
 
 # One prompt longer than Mistral's 16-token window in the example config.
 PROMPTS = [[1, 5, 9, 33], list(range(3, 43)), [7, 8], [1, *range(100, 120)]]
@@ -44,17 +42,6 @@ def hf_greedy(model: Any, prompt: list[int]) -> list[int]:
         pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()  # type: ignore[no-any-return]
-
-
-def kiln_all_logits(engine: Engine, seq: list[int]) -> torch.Tensor:
-    """Logits at every position of `seq`, through the runtime's own batch path."""
-    runner = engine.runner
-    req = Request("parity", seq, SamplingParams())
-    req.pages = runner.pool.allocate(runner.pool.pages_for(len(seq)))
-    try:
-        return runner.forward(Batch([req], [seq], [True], is_prefill=True), all_logits=True)
-    finally:
-        runner.pool.free(req.pages)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

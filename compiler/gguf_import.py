@@ -1,0 +1,333 @@
+"""GGUF checkpoints (llama.cpp's single-file format) as a kiln compile input.
+
+Three things come out of one `.gguf` file, each in the form the rest of the compiler already
+reads from a Hugging Face folder:
+
+- a `config.json`-shaped dict from the file's metadata (`hf_config`);
+- tokenizer files (`write_tokenizer`): a `tokenizer.json` that the `tokenizers` library
+  loads, and a `tokenizer_config.json` with the chat template and special tokens;
+- tensors under Hugging Face names (`GGUFTensors`), as float (`get`, dequantized) or, for
+  block formats kiln runs as they are, as the raw blocks (`raw`).
+
+The `gguf` package parses the file and does the block maths of every quantization type;
+kiln only maps names, layouts and metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kiln.compiler.ckpt_files import CheckpointError, find_gguf
+
+__all__ = ["ARCHITECTURES", "GGUFFile", "find_gguf"]
+
+# GGUF architectures kiln builds, and the Hugging Face model_type each becomes.
+ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+# llama.cpp's converter interleaves the rotary halves of q/k for these (its rope is the
+# GPT-J pairing); kiln's models rotate halves as transformers does, so the rows go back.
+_PERMUTED_QK = ("llama", "mistral")
+
+# Pre-tokenizer split patterns by `tokenizer.ggml.pre`; the ones not listed use GPT-2's,
+# which the `tokenizers` ByteLevel pre-tokenizer applies itself.
+_LETTERS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
+_REST = r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_SPLIT_PATTERNS = {
+    "llama-bpe": _LETTERS + r"\p{N}{1,3}|" + _REST,
+    "llama3": _LETTERS + r"\p{N}{1,3}|" + _REST,
+    "qwen2": _LETTERS + r"\p{N}|" + _REST,
+}
+_GPT2_PRE = ("default", "gpt2", "smollm", "gpt-2")
+
+# GGUF tensor names -> transformers' names, per layer and global.
+_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+
+# Token types of the GGUF vocabulary (gguf.TokenType).
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+class GGUFFile:
+    """Metadata and tensors of one GGUF file, memory-mapped by the `gguf` package."""
+
+    def __init__(self, path: Path) -> None:
+        from gguf import GGUFReader
+
+        self.path = path
+        try:
+            self._reader = GGUFReader(str(path))
+        except (ValueError, OSError, IndexError, KeyError) as e:
+            raise CheckpointError(f"{path.name}: not a readable GGUF file ({e})") from None
+        arch = self.field("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise CheckpointError(
+                f"{path.name}: GGUF architecture {arch!r} is not supported "
+                f"(supported: {', '.join(ARCHITECTURES)})"
+            )
+        self.arch: str = arch
+
+    def field(self, key: str, default: Any = None) -> Any:
+        f = self._reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    def arch_field(self, key: str, default: Any = None) -> Any:
+        return self.field(f"{self.arch}.{key}", default)
+
+    @cached_property
+    def tensors(self) -> dict[str, Any]:
+        """Hugging Face name -> the gguf package's tensor record."""
+        out = {}
+        for t in self._reader.tensors:
+            name = _hf_name(t.name)
+            if name is None:
+                raise CheckpointError(f"{self.path.name}: unknown tensor {t.name!r}")
+            out[name] = t
+        return out
+
+    # -- config ---------------------------------------------------------------------------
+    def hf_config(self) -> dict[str, Any]:
+        """The metadata as the fields of a transformers `config.json`."""
+        tokens = self.field("tokenizer.ggml.tokens") or []
+        heads = int(self.arch_field("attention.head_count"))
+        hidden = int(self.arch_field("embedding_length"))
+        cfg: dict[str, Any] = {
+            "model_type": ARCHITECTURES[self.arch],
+            "architectures": [_ARCH_CLASS[self.arch]],
+            "vocab_size": int(self.arch_field("vocab_size", len(tokens))),
+            "hidden_size": hidden,
+            "intermediate_size": int(self.arch_field("feed_forward_length")),
+            "num_hidden_layers": int(self.arch_field("block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(self.arch_field("attention.head_count_kv", heads)),
+            "head_dim": int(self.arch_field("attention.key_length", hidden // heads)),
+            "rms_norm_eps": float(self.arch_field("attention.layer_norm_rms_epsilon", 1e-6)),
+            "max_position_embeddings": int(self.arch_field("context_length", 2048)),
+            "rope_theta": float(self.arch_field("rope.freq_base", 10000.0)),
+            "tie_word_embeddings": "lm_head.weight" not in self.tensors,
+            "hidden_act": "silu",
+            "torch_dtype": "float32",
+            "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self.field("tokenizer.ggml.eos_token_id"),
+        }
+        scaling = self.arch_field("rope.scaling.type")
+        if scaling == "linear":
+            factor = float(self.arch_field("rope.scaling.factor", 1.0))
+            cfg["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+        elif scaling not in (None, "none"):
+            raise CheckpointError(f"{self.path.name}: rope scaling {scaling!r} is not supported")
+        window = self.arch_field("attention.sliding_window")
+        if window:
+            cfg["sliding_window"] = int(window)
+        if self.arch == "qwen2":
+            cfg["attention_bias"] = True
+        return cfg
+
+    # -- tensors --------------------------------------------------------------------------
+    def shape(self, name: str) -> tuple[int, ...]:
+        t = self._record(name)
+        return tuple(int(d) for d in reversed(t.shape.tolist()))
+
+    def qtype(self, name: str) -> str:
+        return str(self._record(name).tensor_type.name)
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor as float32 in transformers' layout (dequantized, q/k rows restored)."""
+        from gguf.quants import dequantize
+
+        t = self._record(name)
+        shape = self.shape(name)
+        data = dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32, copy=False)
+        return self._unpermute(name, data)
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's blocks as stored (uint8 rows for block formats), q/k rows restored."""
+        t = self._record(name)
+        return self._unpermute(name, np.asarray(t.data))
+
+    def _record(self, name: str) -> Any:
+        t = self.tensors.get(name)
+        if t is None:
+            raise CheckpointError(f"{self.path.name} has no tensor for {name!r}")
+        return t
+
+    def _unpermute(self, name: str, rows: np.ndarray) -> np.ndarray:
+        if self.arch not in _PERMUTED_QK:
+            return rows
+        if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+            heads = int(self.arch_field("attention.head_count"))
+        elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+            heads = int(self.arch_field("attention.head_count_kv"))
+        else:
+            return rows
+        # Each head's rows were stored as (pairs, 2) -> undo to (2, pairs): a pure row
+        # permutation, so it applies to quantized blocks (which run along a row) as well.
+        n = rows.shape[0]
+        rest = rows.shape[1:]
+        restored = rows.reshape(heads, n // heads // 2, 2, *rest).swapaxes(1, 2)
+        return np.ascontiguousarray(restored.reshape(n, *rest))
+
+    # -- tokenizer ------------------------------------------------------------------------
+    def write_tokenizer(self, dst: Path) -> None:
+        """tokenizer.json + tokenizer_config.json for a byte-level BPE vocabulary."""
+        model = self.field("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise CheckpointError(
+                f"{self.path.name}: tokenizer model {model!r} is not supported yet (kiln reads "
+                "byte-level BPE vocabularies, tokenizer.ggml.model = gpt2); pass the "
+                "original model's tokenizer folder with --tokenizer-path"
+            )
+        tokens: list[str] = list(self.field("tokenizer.ggml.tokens"))
+        types: list[int] = list(self.field("tokenizer.ggml.token_type") or [1] * len(tokens))
+        merges: list[str] = list(self.field("tokenizer.ggml.merges") or [])
+        pre = self.field("tokenizer.ggml.pre", "default")
+        bos = self.field("tokenizer.ggml.bos_token_id")
+        eos = self.field("tokenizer.ggml.eos_token_id")
+        add_bos = bool(self.field("tokenizer.ggml.add_bos_token", False))
+
+        added = [
+            {
+                "id": i,
+                "content": tok,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": types[i] != _CONTROL,
+                "special": types[i] == _CONTROL,
+            }
+            for i, tok in enumerate(tokens)
+            if types[i] in (_CONTROL, _USER_DEFINED)
+        ]
+        if pre in _SPLIT_PATTERNS:
+            pre_tokenizer: dict[str, Any] = {
+                "type": "Sequence",
+                "pretokenizers": [
+                    {
+                        "type": "Split",
+                        "pattern": {"Regex": _SPLIT_PATTERNS[pre]},
+                        "behavior": "Isolated",
+                        "invert": False,
+                    },
+                    {
+                        "type": "ByteLevel",
+                        "add_prefix_space": False,
+                        "trim_offsets": True,
+                        "use_regex": False,
+                    },
+                ],
+            }
+        elif pre in _GPT2_PRE:
+            pre_tokenizer = {
+                "type": "ByteLevel",
+                "add_prefix_space": False,
+                "trim_offsets": True,
+                "use_regex": True,
+            }
+        else:
+            raise CheckpointError(
+                f"{self.path.name}: pre-tokenizer {pre!r} is not supported yet (supported: "
+                f"{', '.join(sorted({*_GPT2_PRE, *_SPLIT_PATTERNS}))}); pass the original "
+                "model's tokenizer folder with --tokenizer-path"
+            )
+        post: dict[str, Any] | None = None
+        if add_bos and bos is not None:
+            bos_tok = tokens[bos]
+            post = {
+                "type": "TemplateProcessing",
+                "single": [
+                    {"SpecialToken": {"id": bos_tok, "type_id": 0}},
+                    {"Sequence": {"id": "A", "type_id": 0}},
+                ],
+                "pair": [
+                    {"SpecialToken": {"id": bos_tok, "type_id": 0}},
+                    {"Sequence": {"id": "A", "type_id": 0}},
+                    {"Sequence": {"id": "B", "type_id": 1}},
+                ],
+                "special_tokens": {bos_tok: {"id": bos_tok, "ids": [bos], "tokens": [bos_tok]}},
+            }
+        tokenizer = {
+            "version": "1.0",
+            "truncation": None,
+            "padding": None,
+            "added_tokens": added,
+            "normalizer": None,
+            "pre_tokenizer": pre_tokenizer,
+            "post_processor": post,
+            "decoder": {
+                "type": "ByteLevel",
+                "add_prefix_space": True,
+                "trim_offsets": True,
+                "use_regex": True,
+            },
+            "model": {
+                "type": "BPE",
+                "dropout": None,
+                "unk_token": None,
+                "continuing_subword_prefix": None,
+                "end_of_word_suffix": None,
+                "fuse_unk": False,
+                "byte_fallback": False,
+                "ignore_merges": False,
+                "vocab": {tok: i for i, tok in enumerate(tokens)},
+                "merges": [m.split(" ", 1) for m in merges],
+            },
+        }
+        config: dict[str, Any] = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "add_bos_token": add_bos,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": int(self.arch_field("context_length", 2048)),
+        }
+        for key, tid in (("bos_token", bos), ("eos_token", eos)):
+            if tid is not None:
+                config[key] = tokens[tid]
+        pad = self.field("tokenizer.ggml.padding_token_id")
+        if pad is not None:
+            config["pad_token"] = tokens[pad]
+        template = self.field("tokenizer.chat_template")
+        if template:
+            config["chat_template"] = template
+        dst.mkdir(parents=True, exist_ok=True)
+        (dst / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
+        (dst / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+
+
+_ARCH_CLASS = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL:
+        return _GLOBAL[gguf_name]
+    m = _BLOCK.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _LAYER:
+        return None
+    return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"

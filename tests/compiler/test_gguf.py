@@ -1,0 +1,129 @@
+"""GGUF import against the oracle: transformers' own GGUF loader on the same file.
+
+Tiny checkpoints are written as GGUF the way llama.cpp's converter lays them out, with every
+matrix in one block format; kiln compiles the file and must produce transformers' greedy ids
+and logits (both dequantize to fp32), and the tokenizer kiln writes must encode and render
+the chat template as transformers' converted one does.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from gguf_files import write_gguf
+from oracle import kiln_all_logits
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from kiln import Engine
+from kiln.args import ServerArgs
+from kiln.compiler.ckpt_files import CheckpointError
+from kiln.compiler.compile import compile_model
+from kiln.compiler.key import compile_key
+
+PROMPTS = [[1, 5, 9, 33], list(range(3, 43)), [7, 8]]
+TEXTS = ["The kiln turns clay into stone.", "Hello, world!\n\n  twice  ", "<|user|>hi</s>"]
+
+CASES = {
+    "llama-f32": ("llama", "F32", {}),
+    "llama-q8_0": ("llama", "Q8_0", {}),
+    "llama-q4_0-tied": ("llama", "Q4_0", {"tie_word_embeddings": True}),
+    "llama-q4_1": ("llama", "Q4_1", {}),
+    "qwen2-f16-bias": ("qwen2", "F16", {}),
+    # transformers' GGUF loader leaves Qwen3's head_dim at its default of 128.
+    "qwen3-bf16-qk-norm": ("qwen3", "BF16", {"head_dim": 128, "hidden_size": 256, "num_heads": 2}),
+}
+
+
+@pytest.fixture(scope="module")
+def gguf_file(
+    checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], Path]:
+    made: dict[str, Path] = {}
+
+    def make(case: str) -> Path:
+        if case not in made:
+            family, qtype, kw = CASES[case]
+            out = tmp_path_factory.mktemp("gguf") / f"{case}.gguf"
+            made[case] = write_gguf(checkpoint(family, **kw), out, qtype)
+        return made[case]
+
+    return make
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gguf_compiles_to_transformers_greedy_ids_and_logits(
+    case: str, gguf_file: Callable[[str], Path], tmp_path: Path
+) -> None:
+    path = gguf_file(case)
+    art = tmp_path / "art"
+    result = compile_model(ServerArgs(model_path=str(path)), art)
+    assert result.dtype == "float32"
+    engine = Engine(art, max_total_tokens=1024)
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    outs = engine.generate(
+        input_ids=PROMPTS,
+        sampling_params={"temperature": 0, "max_new_tokens": 16, "ignore_eos": True},
+    )
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        ref = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None
+        )
+        assert out["output_ids"] == ref[0, len(prompt) :].tolist()
+        seq = prompt + out["output_ids"]
+        with torch.no_grad():
+            ref_logits = hf(torch.tensor([seq])).logits[0]
+        torch.testing.assert_close(kiln_all_logits(engine, seq), ref_logits, atol=1e-4, rtol=0)
+
+
+def test_gguf_tokenizer_matches_transformers_conversion(
+    gguf_file: Callable[[str], Path], tmp_path: Path
+) -> None:
+    path = gguf_file("llama-q8_0")
+    art = tmp_path / "art"
+    compile_model(ServerArgs(model_path=str(path)), art)
+    ours = AutoTokenizer.from_pretrained(art / "tokenizer")
+    ref = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in TEXTS:
+        assert ours(text)["input_ids"] == ref(text)["input_ids"], text
+        assert ours.decode(ours(text)["input_ids"], skip_special_tokens=True) == text.replace(
+            "<|user|>", ""
+        ).replace("</s>", "")
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    kw = {"add_generation_prompt": True, "tokenize": False}
+    assert ours.apply_chat_template(msgs, **kw) == ref.apply_chat_template(msgs, **kw)
+    assert ours.eos_token == "</s>" and ours.bos_token == "<s>"
+
+
+def test_a_folder_with_one_gguf_is_auto_detected_and_the_name_is_not_in_the_key(
+    gguf_file: Callable[[str], Path], tmp_path: Path
+) -> None:
+    src = gguf_file("llama-q4_1")
+    folder = tmp_path / "some-folder"
+    folder.mkdir()
+    shutil.copy(src, folder / "renamed.gguf")
+    a = compile_key(ServerArgs(model_path=str(src)))
+    b = compile_key(ServerArgs(model_path=str(folder)))
+    assert a.load_format == b.load_format == "gguf"
+    assert a.key != "" and list(b.factors["weights_sha256"].values()) == list(
+        a.factors["weights_sha256"].values()
+    )
+    shutil.copy(src, folder / "second.gguf")
+    with pytest.raises(CheckpointError, match="several GGUF files .*renamed.gguf, second.gguf"):
+        compile_key(ServerArgs(model_path=str(folder)))
+
+
+def test_unsupported_gguf_files_are_refused_in_one_line(
+    gguf_file: Callable[[str], Path], tmp_path: Path
+) -> None:
+    bad = tmp_path / "junk.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(CheckpointError, match="junk.gguf: not a readable GGUF file"):
+        compile_model(ServerArgs(model_path=str(bad)), tmp_path / "a")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointError, match="--load-format gguf: no \\*.gguf file"):
+        compile_key(ServerArgs(model_path=str(empty), load_format="gguf"))

