@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
+from kiln.compiler.quant import GGUF_FORMATS, from_gguf_blocks, quantize
+
 if TYPE_CHECKING:
     from kiln.compiler.gguf_import import GGUFFile
 
@@ -90,6 +92,25 @@ class CheckpointReader:
                 f"tensor {name!r} has shape {tuple(t.shape)}, the model expects {tuple(shape)}"
             )
         return t
+
+    def quantized(self, name: str, fmt: str, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, scales) of checkpoint tensor `name` in `fmt` (compiler/quant.py): GGUF
+        blocks of that format are decoded as stored, anything else is quantized."""
+        if self.gguf is not None and GGUF_FORMATS.get(self.gguf.qtype(name)) == (fmt, group):
+            n, k = self.gguf.shape(name)
+            codes, scales = from_gguf_blocks(self.gguf.raw(name), self.gguf.qtype(name), n, k)
+            return torch.from_numpy(codes), torch.from_numpy(scales)
+        t = self.get(name, self.gguf.shape(name) if self.gguf else self._shape(name))
+        return quantize(t, fmt, group)
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        f = self._where.get(name)
+        if f is None:
+            raise CheckpointError(f"checkpoint {self.path} has no tensor {name!r}")
+        h = self._handle(f)
+        if self.load_format == "safetensors":
+            return tuple(h.get_slice(name).get_shape())
+        return tuple(h[name].shape)
 
     def close(self) -> None:
         self._stack.close()

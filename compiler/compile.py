@@ -20,14 +20,16 @@ from kiln.compiler import artefact as fmt
 from kiln.compiler.checkpoint import CheckpointReader
 from kiln.compiler.ir import STRUCTURAL_OPS, Graph
 from kiln.compiler.key import CompileKey, resolve_dtype
-from kiln.compiler.layout import pack_panels, panel_shape
+from kiln.compiler.layout import pack_panels, pack_qpanels, panel_shape
 from kiln.compiler.publish import publish, staging_dir
+from kiln.compiler.quant import quantize
 from kiln.compiler.store import compile_cached
 from kiln.compiler.target import Target
 from kiln.compiler.trace import trace
 from kiln.kernels import native
 from kiln.models import ModelConfig, build
 from kiln.passes import PIPELINES, PassContext, run_passes
+from kiln.passes.quantize import TORCHAO
 
 log = logging.getLogger("kiln.compile")
 
@@ -56,7 +58,11 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
             if "load" in spec.source:
                 spec.dtype = dtype
         backends = {"attention": args.attention_backend} if args.attention_backend else {}
-        options = {"backends": backends, "native_kernels": toolchain is not None}
+        options = {
+            "backends": backends,
+            "native_kernels": toolchain is not None,
+            "quantization": quant_scheme(args, target, reader),
+        }
         ctx = PassContext(target=target, dtype=dtype, options=options)
         graph, pass_log = run_passes(graph, ctx, PIPELINES["default"])
         uses_native = any(
@@ -85,6 +91,40 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
             publish(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def quant_scheme(
+    args: ServerArgs, target: Target, reader: CheckpointReader
+) -> dict[str, Any] | None:
+    """The quantize pass's scheme from --quantization / --torchao-config (passes/quantize.py);
+    ArgError names the flag for what kiln does not run."""
+    if args.quantization and args.torchao_config:
+        raise ArgError("--quantization and --torchao-config: give one of them, not both")
+    gguf = reader.gguf
+    wants = args.quantization or args.torchao_config
+    if wants and target.device != "cpu":
+        flag = "--quantization" if args.quantization else "--torchao-config"
+        raise ArgError(f"{flag} {wants}: quantized kernels exist for cpu targets only so far")
+    if args.quantization == "gguf" or (gguf is not None and not wants and args.dtype == "auto"):
+        if gguf is None:
+            raise ArgError("--quantization gguf: the checkpoint is not a GGUF file")
+        if target.device != "cpu":
+            return None  # no quantized kernels for this target: the blocks are read as floats
+        return {"gguf_types": {name: gguf.qtype(name) for name in gguf.tensors}}
+    if args.quantization == "fp8":
+        return {"format": "fp8_e4m3", "group": 0}
+    if args.quantization:
+        raise ArgError(
+            f"--quantization {args.quantization}: not implemented yet (kiln runs fp8, gguf)"
+        )
+    if args.torchao_config:
+        if args.torchao_config not in TORCHAO:
+            raise ArgError(
+                f"--torchao-config {args.torchao_config}: kiln runs {', '.join(TORCHAO)}"
+            )
+        fmt, group = TORCHAO[args.torchao_config]
+        return {"format": fmt, "group": group}
+    return None
 
 
 def _native_build(target: Target, toolchain: native.Toolchain, root: Path) -> dict[str, Any]:
@@ -137,12 +177,38 @@ def _materialise(
     raise ValueError(f"unknown weight recipe {src}")
 
 
+def _quantized(
+    src: dict[str, Any], reader: CheckpointReader, constants: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) of a {"quantize": recipe} weight; row concatenations part by part
+    (scales are per row), checkpoint tensors through the reader (GGUF blocks as stored)."""
+    inner, fmt, group = src["quantize"], src["format"], src["group"]
+    if "concat" in inner:
+        parts = [_quantized({**src, "quantize": s}, reader, constants) for s in inner["concat"]]
+        return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
+    if "load" in inner:
+        return reader.quantized(inner["load"], fmt, group)
+    return quantize(_materialise(inner, reader, constants), fmt, group)
+
+
 def _write_weights(
     path: Path, graph: Graph, reader: CheckpointReader, constants: dict[str, torch.Tensor]
 ) -> None:
     tensors: dict[str, torch.Tensor] = {}
+    done: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # codes and scales, by recipe
     bar = tqdm(graph.weights.items(), desc="weights", unit="tensor", disable=None, leave=False)
     for name, spec in bar:
+        if "quantize" in spec.source:
+            key = json.dumps({k: v for k, v in spec.source.items() if k != "part"}, sort_keys=True)
+            if key not in done:
+                done[key] = _quantized(spec.source, reader, constants)
+            t = done[key][0 if spec.source["part"] == "codes" else 1]
+            if tuple(t.shape) != spec.shape:
+                raise ValueError(
+                    f"weight {name}: quantized {tuple(t.shape)}, graph wants {spec.shape}"
+                )
+            tensors[name] = pack_qpanels(t.contiguous(), spec.layout)
+            continue
         t = _materialise(spec.source, reader, constants)
         dtype = getattr(torch, spec.dtype)
         t = t.to(dtype).contiguous()

@@ -44,6 +44,12 @@ OPS: dict[str, OpSchema] = {
     "packed_linear": OpSchema(2, 3, (("out_features", "int"), ("narrow_rows", "ints"))),
     # An embedding that reads its table from the panels of the tied lm_head.
     "packed_embedding": OpSchema(2, 2),
+    # Linear and embedding on quantized weights (compiler/quant.py): args codes, scales
+    # (and a bias), stored as q8/q4 panels and spanels by the quantize pass.
+    "quant_linear": OpSchema(3, 4, (("format", "str"), ("group", "int"), ("out_features", "int"))),
+    "quant_embedding": OpSchema(
+        3, 3, (("format", "str"), ("group", "int"), ("num_embeddings", "int"))
+    ),
     "rmsnorm": OpSchema(2, 2, (("eps", "float"), ("group", "int"))),
     "add_rmsnorm": OpSchema(3, 3, (("eps", "float"),), outputs=2),
     "add": OpSchema(2, 2),

@@ -125,6 +125,10 @@ def compile_key(args: ServerArgs, rehash: bool = False) -> CompileKey:
         else [tok_dir / n for n in fmt.TOKENIZER_FILES if (tok_dir / n).is_file()]
     )
     resolved = {"dtype": dtype, "device": target.device, "target_isa": target.isa}
+    if load_format == "gguf" and args.dtype == "auto" and not args.torchao_config:
+        # A GGUF file's blocks run as stored unless a float dtype is asked for: `auto` and
+        # `--quantization gguf` are one compile, an explicit --dtype another.
+        resolved["quantization"] = args.quantization or "gguf"
     factors = {
         "format_version": fmt.FORMAT_VERSION,
         "kiln_version": kiln.__version__,

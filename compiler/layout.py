@@ -6,6 +6,11 @@ the loader (no torch import: the loader checks shapes from the graph alone).
   output columns (one vector of fp32), [N_pad / L][K][L]; N padded with zeros to whole
   groups of G panels (the wide micro-tile's width), so every panel is one contiguous stream
   and no group runs short. L and G are fixed by the target's build of the kernels.
+- "q8panels{L}" / "q4panels{L}": a quantized linear's [N, K] codes for the same kernels,
+  panels of L columns with N padded to whole panels: one byte per k ([N_pad / L][K][L],
+  int8 or fp8 codes) or two k's per byte ([N_pad / L][K / 2][L], k even in the low nibble).
+- "spanels{L}": the scales (and mins) of those codes, logical [N, K / group, P] with P = 1
+  (scale) or 2 (scale, min), stored [N_pad / L][K / group][P][L].
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from kiln.compiler.target import Target
 if TYPE_CHECKING:
     import torch
 
-LAYOUT = re.compile(r"rows|panels(8|16)x([1-8])")
+LAYOUT = re.compile(r"rows|panels(8|16)x([1-8])|(q8|q4|s)panels(8|16)")
 
 
 def panel_shape(target: Target) -> tuple[int, int]:
@@ -31,22 +36,46 @@ def panels_name(lanes: int, group: int) -> str:
     return f"panels{lanes}x{group}"
 
 
-def panels_of(layout: str) -> tuple[int, int] | None:
-    """(lanes, group) of a panels layout; None for plain rows."""
+def _match(layout: str) -> re.Match[str]:
     hit = LAYOUT.fullmatch(layout)
     if hit is None:
         raise ValueError(f"unknown weight layout {layout!r}")
-    return None if layout == "rows" else (int(hit.group(1)), int(hit.group(2)))
+    return hit
+
+
+def panels_of(layout: str) -> tuple[int, int] | None:
+    """(lanes, group) of an fp32 panels layout; None for any other."""
+    hit = _match(layout)
+    return (int(hit.group(1)), int(hit.group(2))) if hit.group(1) else None
+
+
+def qpanels_of(layout: str) -> tuple[str, int] | None:
+    """(kind, lanes) of a quantized layout (kind q8, q4 or s); None for any other."""
+    hit = _match(layout)
+    return (hit.group(3), int(hit.group(4))) if hit.group(3) else None
+
+
+def lanes_of(layout: str) -> int | None:
+    """The vector width a layout was stored for; None for plain rows."""
+    panels, q = panels_of(layout), qpanels_of(layout)
+    return panels[0] if panels else (q[1] if q else None)
 
 
 def stored_shape(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
     """The shape a weight of logical `shape` is stored in under `layout`."""
     panels = panels_of(layout)
-    if panels is None:
+    if panels is not None:
+        lanes, group = panels
+        n, k = shape
+        return (-(-n // (lanes * group)) * group, k, lanes)
+    q = qpanels_of(layout)
+    if q is None:
         return shape
-    lanes, group = panels
-    n, k = shape
-    return (-(-n // (lanes * group)) * group, k, lanes)
+    kind, lanes = q
+    tiles = -(-shape[0] // lanes)
+    if kind == "s":
+        return (tiles, shape[1], shape[2], lanes)
+    return (tiles, shape[1] // 2 if kind == "q4" else shape[1], lanes)
 
 
 def pack_panels(w: torch.Tensor, layout: str) -> torch.Tensor:
@@ -61,3 +90,24 @@ def pack_panels(w: torch.Tensor, layout: str) -> torch.Tensor:
     if padded != n:
         w = torch.cat([w, w.new_zeros(padded - n, k)])
     return w.view(padded // lanes, lanes, k).transpose(1, 2).contiguous()
+
+
+def pack_qpanels(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """Codes [N, K] (one per element; 4-bit ones as uint8 0..15) or scales [N, G, P] -> the
+    stored tensor of a quantized layout."""
+    import torch
+
+    q = qpanels_of(layout)
+    assert q is not None
+    kind, lanes = q
+    n = t.shape[0]
+    padded = -(-n // lanes) * lanes
+    if padded != n:
+        t = torch.cat([t, t.new_zeros(padded - n, *t.shape[1:])])
+    tiles = t.view(padded // lanes, lanes, *t.shape[1:])
+    if kind == "s":  # [T, L, G, P] -> [T, G, P, L]
+        return tiles.permute(0, 2, 3, 1).contiguous()
+    panels = tiles.transpose(1, 2).contiguous()  # [T, K, L]
+    if kind == "q8":
+        return panels
+    return (panels[:, 0::2] | (panels[:, 1::2] << 4)).contiguous()

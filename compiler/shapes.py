@@ -47,7 +47,7 @@ def _weight_shape(graph: Graph, node: Node, dims: int) -> tuple[int, ...]:
 
 
 # Ops whose kernels read weights stored as panels (and only those).
-PACKED_OPS = ("packed_linear", "packed_embedding")
+PACKED_OPS = ("packed_linear", "packed_embedding", "quant_linear", "quant_embedding")
 
 
 def _panels(graph: Graph, node: Node, param: Node) -> None:
@@ -55,6 +55,31 @@ def _panels(graph: Graph, node: Node, param: Node) -> None:
     spec = graph.weight_of(param)
     if spec is None or spec.layout == "rows":
         raise IRError(f"%{node.name}: {node.op} needs a weight stored as panels")
+
+
+def _quant(graph: Graph, node: Node) -> tuple[int, int]:
+    """A quantized op's codes and scales agree with its format and group: (N, K)."""
+    from kiln.compiler.quant import CODE_DTYPE, PLANES
+
+    fmt, group = node.attrs["format"], node.attrs["group"]
+    if fmt not in CODE_DTYPE:
+        raise IRError(f"%{node.name}: unknown quantization format {fmt!r}")
+    _positive(node, group=group)
+    codes, scales = graph.weight_of(node.args[1]), graph.weight_of(node.args[2])
+    if codes is None or scales is None:
+        raise IRError(f"%{node.name}: {node.op} needs stored codes and scales")
+    want = "q4panels" if fmt == "uint4" else "q8panels"
+    if not codes.layout.startswith(want) or codes.dtype != CODE_DTYPE[fmt]:
+        raise IRError(f"%{node.name}: {fmt} codes must be {CODE_DTYPE[fmt]} {want}")
+    if not scales.layout.startswith("spanels") or scales.dtype != "float32":
+        raise IRError(f"%{node.name}: scales must be float32 spanels")
+    n, k = _weight_shape(graph, node.args[1], 2)
+    if k % group:
+        raise IRError(f"%{node.name}: group {group} does not divide {k} input features")
+    _expect(
+        node, "scales shape", _weight_shape(graph, node.args[2], 3), (n, k // group, PLANES[fmt])
+    )
+    return n, k
 
 
 def _feature(graph: Graph, n: Node, sizes: list[Feature]) -> Feature:
@@ -76,6 +101,17 @@ def _feature(graph: Graph, n: Node, sizes: list[Feature]) -> Feature:
         if op == "packed_embedding":
             _panels(graph, n, a[1])
         return _weight_shape(graph, a[1], 2)[1]
+    if op == "quant_linear":
+        out, inp = _quant(graph, n)
+        _expect(n, "out_features", at["out_features"], out)
+        _expect(n, "input features", sizes[0], inp)
+        if len(a) == 4:
+            _expect(n, "bias size", _weight_shape(graph, a[3], 1)[0], out)
+        return out
+    if op == "quant_embedding":
+        rows, h = _quant(graph, n)
+        _expect(n, "num_embeddings", at["num_embeddings"], rows)
+        return h
     if op in ("linear", "packed_linear"):
         out, inp = _weight_shape(graph, a[1], 2)
         if op == "packed_linear":

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from kiln.compiler.quant import KERNEL_FORMAT
 from kiln.kernels.attention import AttentionBatch, attend_one
 from kiln.kernels.attention import attention as torch_attention
 from kiln.kernels.registry import register
@@ -82,6 +83,76 @@ def packed_embedding(ids: torch.Tensor, table: torch.Tensor, *, lib: ctypes.CDLL
         ids.data_ptr(), ids.shape[0], table.data_ptr(), vocab, h, out.data_ptr()
     ):
         raise KernelError(f"kiln_cpu embedding: a token id is outside [0, {vocab})")
+    return out
+
+
+@_native("quant_linear")
+def quant_linear(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    format: str,
+    group: int,
+    out_features: int,
+    lib: ctypes.CDLL,
+) -> torch.Tensor:
+    """x @ dequant(W).T (+ bias) on codes and scales stored as quantized panels."""
+    x = _rows(x, "quant_linear input")
+    m, k = x.shape
+    out = torch.empty(m, out_features)
+    rc = lib.kiln_qlinear_f32(
+        x.data_ptr(),
+        x.stride(0),
+        m,
+        k,
+        codes.data_ptr(),
+        scales.data_ptr(),
+        KERNEL_FORMAT[format],
+        group,
+        out_features,
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        _threads(),
+    )
+    if rc == -1:
+        raise MemoryError(f"kiln_cpu quant_linear: no memory for a {m} x {k} copy of its input")
+    if rc != 0:
+        raise KernelError(f"kiln_cpu quant_linear: {format} with group {group} over {k} inputs")
+    return out
+
+
+@_native("quant_embedding")
+def quant_embedding(
+    ids: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    format: str,
+    group: int,
+    num_embeddings: int,
+    lib: ctypes.CDLL,
+) -> torch.Tensor:
+    """Rows `ids` of a quantized [V, h] table (the tied lm_head's), as float32."""
+    ids = ids.contiguous()
+    h = scales.shape[1] * group
+    out = torch.empty(ids.shape[0], h)
+    rc = lib.kiln_qembedding_f32(
+        ids.data_ptr(),
+        ids.shape[0],
+        codes.data_ptr(),
+        scales.data_ptr(),
+        KERNEL_FORMAT[format],
+        group,
+        num_embeddings,
+        h,
+        out.data_ptr(),
+    )
+    if rc == -1:
+        raise KernelError(f"kiln_cpu embedding: a token id is outside [0, {num_embeddings})")
+    if rc != 0:
+        raise KernelError(f"kiln_cpu quant_embedding: {format} with group {group} over {h}")
     return out
 
 

@@ -37,6 +37,11 @@ _SIGNATURES = {
     "kiln_linear_group_panels": (_I64, []),
     "kiln_linear_f32": (_INT, [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _INT, _INT]),
     "kiln_embedding_packed_f32": (_INT, [_P, _I64, _P, _I64, _I64, _P]),
+    "kiln_qlinear_f32": (
+        _INT,
+        [_P, _I64, _I64, _I64, _P, _P, _INT, _I64, _I64, _P, _P, _INT],
+    ),
+    "kiln_qembedding_f32": (_INT, [_P, _I64, _P, _P, _INT, _I64, _I64, _I64, _P]),
     "kiln_decode_attention_f32": (
         _INT,
         [_P, _I64, _P, _P, _I64, _P, _I64, _P, _P] + [_I64] * 5 + [_I64, _F32, _INT],

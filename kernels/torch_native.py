@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kiln.compiler.quant import dequantize
 from kiln.kernels.registry import register
 
 
@@ -16,6 +17,48 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @register("linear")
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, weight, bias)
+
+
+def _unpack_quant(codes: torch.Tensor, scales: torch.Tensor, fmt: str, rows: int) -> torch.Tensor:
+    """Quantized panels (compiler/layout.py) -> float32 [rows, K]."""
+    tiles, _, lanes = codes.shape
+    if fmt == "uint4":  # [T, K/2, L] bytes -> [T, K, L] codes, k even from the low nibble
+        codes = torch.stack([codes & 0xF, codes >> 4], dim=2).reshape(tiles, -1, lanes)
+    if fmt == "int8":
+        codes = codes.view(torch.int8)
+    q = codes.transpose(1, 2).reshape(tiles * lanes, -1)[:rows]
+    s = scales.permute(0, 3, 1, 2).reshape(tiles * lanes, *scales.shape[1:3])[:rows]
+    return dequantize(q, s, fmt)
+
+
+@register("quant_linear")
+def quant_linear(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    format: str,
+    group: int,
+    out_features: int,
+) -> torch.Tensor:
+    """Reference: dequantize the whole weight, then a float GEMM."""
+    return F.linear(x, _unpack_quant(codes, scales, format, out_features).to(x.dtype), bias)
+
+
+@register("quant_embedding")
+def quant_embedding(
+    ids: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    format: str,
+    group: int,
+    num_embeddings: int,
+) -> torch.Tensor:
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_embeddings):
+        raise IndexError(f"a token id is outside [0, {num_embeddings})")
+    return F.embedding(ids, _unpack_quant(codes, scales, format, num_embeddings))
 
 
 @register("rmsnorm")

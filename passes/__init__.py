@@ -8,6 +8,7 @@ from kiln.passes.fuse_add_rmsnorm import fuse_add_rmsnorm
 from kiln.passes.fuse_gate_up import fuse_gate_up
 from kiln.passes.fuse_qkv import fuse_qkv
 from kiln.passes.layout import pack_weights
+from kiln.passes.quantize import quantize
 from kiln.passes.select_backends import select_backends
 from kiln.passes.verify import verify
 
@@ -19,11 +20,12 @@ PIPELINES: dict[str, list[Pass]] = {
         fuse_gate_up,
         fuse_add_rmsnorm,
         dce,
+        quantize,
         pack_weights,
         select_backends,
         verify,
     ],
-    "unfused": [dce, pack_weights, select_backends, verify],
+    "unfused": [dce, quantize, pack_weights, select_backends, verify],
 }
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "fuse_gate_up",
     "fuse_qkv",
     "pack_weights",
+    "quantize",
     "run_passes",
     "select_backends",
     "verify",

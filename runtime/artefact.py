@@ -182,11 +182,11 @@ def _check_agreement(root: Path, spec: ModelSpec, graph: Graph) -> None:
                 refuse("num_kv_heads", spec.num_kv_heads, n.attrs["num_kv_heads"])
             if n.attrs["head_dim"] != spec.head_dim:
                 refuse("head_dim", spec.head_dim, n.attrs["head_dim"])
-        if n.op in ("embedding", "packed_embedding"):
+        if n.op in ("embedding", "packed_embedding", "quant_embedding"):
             table = graph.weights[n.args[1].attrs["name"]]
             if table.shape[0] != spec.vocab_size:
                 refuse("vocab_size", spec.vocab_size, f"an embedding of {table.shape[0]} rows")
-            if table.dtype != spec.dtype:
+            if table.dtype != spec.dtype and n.op != "quant_embedding":
                 refuse("dtype", spec.dtype, table.dtype)
     logits = check_features(graph)[graph.output.name]
     if logits != (spec.vocab_size,):

@@ -23,7 +23,7 @@ from typing import Any
 
 from kiln.compiler import artefact as fmt
 from kiln.compiler.ir import Graph
-from kiln.compiler.layout import panels_of
+from kiln.compiler.layout import lanes_of, panels_of
 from kiln.compiler.target import Target
 from kiln.kernels import native
 
@@ -50,7 +50,7 @@ def open_library(
         )
     for name, spec in graph.weights.items():
         panels = panels_of(spec.layout)
-        if panels is not None and panels != got:
+        if (panels is not None and panels != got) or lanes_of(spec.layout) not in (None, got[0]):
             raise fmt.ArtefactError(
                 f"{root}: weight {name!r} is stored as {spec.layout}, the kernels read "
                 f"panels{got[0]}x{got[1]}"

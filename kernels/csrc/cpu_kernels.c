@@ -459,3 +459,170 @@ int kiln_embedding_packed_f32(const int64_t *ids, int64_t tokens, const float *p
     }
     return 0;
 }
+
+/* ---- Quantized linear layers ----
+ *
+ * out[m, n] = x[m, :] . dequant(w)[n, :] (+ bias[n]) with w stored by the compiler
+ * (compiler/layout.py, `qpanels`) as panels of LANES output columns, N padded with zeros to
+ * whole panels, and one scale (and one min) per column per group of `group` k's:
+ *   QFMT_INT8:     q [N_pad / L][K][L] int8,        w = q * s            (s: [N_pad/L][K/g][L])
+ *   QFMT_UINT4:    q [N_pad / L][K / 2][L] uint8,   w = q * s + min       (k even in the low
+ *                  nibble, k odd in the high one; s, min: [N_pad/L][K/g][2][L], s then min)
+ *   QFMT_FP8_E4M3: q [N_pad / L][K][L] fp8 e4m3,    w = q * s
+ * The weights are dequantized in registers, one vector of L columns per k, and then meet
+ * every row of the tile (the narrow tile of the fp32 linear above): at batch 1 the weight
+ * stream is the cost, and it is 4x (8-bit) or 8x (4-bit) shorter than fp32's. */
+enum { QFMT_INT8 = 0, QFMT_UINT4 = 1, QFMT_FP8_E4M3 = 2 };
+typedef int32_t vli __attribute__((vector_size(LANES * 4), aligned(4)));
+typedef int8_t vlb __attribute__((vector_size(LANES), aligned(1)));
+typedef uint8_t vlu __attribute__((vector_size(LANES), aligned(1)));
+
+/* fp8 e4m3 bytes (no NaN: weights are finite) as floats: the exponent and mantissa bits
+ * moved into an fp32's exponent and mantissa fields, then 2^(127 - 7) undoes the bias;
+ * e4m3 subnormals land on fp32 subnormals, which the same product scales exactly. */
+static inline vlf fp8_e4m3_to_f32(vlu b) {
+    const vli u = __builtin_convertvector(b, vli);
+    const vli bits = ((u & 0x80) << 24) | ((u & 0x7F) << 20);
+    vlf f;
+    memcpy(&f, &bits, sizeof f);
+    return f * 0x1p120f;
+}
+
+static inline __attribute__((always_inline)) void qtile(
+    const float *xt, int64_t k, const uint8_t *panel, const float *sc, int fmt, int64_t group,
+    const float *bias, float *out, int64_t n, int64_t cols, const int rows) {
+    vlf acc[TILE_ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = (vlf){0};
+    const int64_t groups = k / group;
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t k0 = g * group;
+        if (fmt == QFMT_UINT4) {
+            const vlf s = *(const vlf *)(sc + g * 2 * LANES);
+            const vlf mn = *(const vlf *)(sc + (g * 2 + 1) * LANES);
+            for (int64_t kk = k0; kk < k0 + group; kk += 2) {
+                const uint8_t *p = panel + (kk / 2) * LANES;
+                __builtin_prefetch(p + PREFETCH_BYTES);
+                const vli u = __builtin_convertvector(*(const vlu *)p, vli);
+                const vlf w0 = __builtin_convertvector(u & 0xF, vlf) * s + mn;
+                const vlf w1 = __builtin_convertvector(u >> 4, vlf) * s + mn;
+                const float *x0 = xt + kk * TILE_ROWS, *x1 = x0 + TILE_ROWS;
+                for (int r = 0; r < rows; r++) acc[r] += x0[r] * w0 + x1[r] * w1;
+            }
+        } else {
+            const vlf s = *(const vlf *)(sc + g * LANES);
+            for (int64_t kk = k0; kk < k0 + group; kk++) {
+                const uint8_t *p = panel + kk * LANES;
+                __builtin_prefetch(p + PREFETCH_BYTES);
+                const vlf w = fmt == QFMT_INT8
+                                  ? __builtin_convertvector(*(const vlb *)p, vlf) * s
+                                  : fp8_e4m3_to_f32(*(const vlu *)p) * s;
+                const float *xk = xt + kk * TILE_ROWS;
+                for (int r = 0; r < rows; r++) acc[r] += xk[r] * w;
+            }
+        }
+    }
+    vlf add = {0};
+    for (int64_t c = 0; bias && c < cols; c++) add[c] = bias[c];
+    for (int r = 0; r < rows; r++) {
+        acc[r] += add;
+        if (cols == LANES) {
+            *(vlf *)(out + r * n) = acc[r];
+        } else {
+            for (int64_t c = 0; c < cols; c++) out[r * n + c] = acc[r][c];
+        }
+    }
+}
+
+#define QTILE_CASE(R) \
+    case R: qtile(xt, k, panel, sc, fmt, group, bias, out, n, cols, R); break;
+
+static void qtile_rows(const float *xt, int64_t k, const uint8_t *panel, const float *sc,
+                       int fmt, int64_t group, const float *bias, float *out, int64_t n,
+                       int64_t cols, int64_t rows) {
+    switch (rows) {
+        QTILE_CASE(1) QTILE_CASE(2) QTILE_CASE(3) QTILE_CASE(4)
+        QTILE_CASE(5) QTILE_CASE(6) QTILE_CASE(7) QTILE_CASE(8)
+#if TILE_ROWS == 16
+        QTILE_CASE(9) QTILE_CASE(10) QTILE_CASE(11) QTILE_CASE(12)
+        QTILE_CASE(13) QTILE_CASE(14) QTILE_CASE(15) QTILE_CASE(16)
+#endif
+        default: break;
+    }
+}
+
+/* x: [m, k] rows `x_stride` apart; q, scales: as above for `fmt`; `group` divides k (and is
+ * even for QFMT_UINT4); bias: [n] or NULL; out: [m, n]. Returns -1 if the transposed copy
+ * of x could not be allocated, -2 for a format or group it does not know, else 0. */
+int kiln_qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const void *q,
+                     const float *scales, int fmt, int64_t group, int64_t n, const float *bias,
+                     float *out, int threads) {
+    if (fmt < QFMT_INT8 || fmt > QFMT_FP8_E4M3 || group <= 0 || k % group ||
+        (fmt == QFMT_UINT4 && group % 2))
+        return -2;
+    const int64_t panels = (n + LANES - 1) / LANES;
+    const int64_t tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
+    const int64_t panel_bytes = fmt == QFMT_UINT4 ? k / 2 * LANES : k * LANES;
+    const int64_t panel_scales = (k / group) * LANES * (fmt == QFMT_UINT4 ? 2 : 1);
+    float *xt = malloc((size_t)(tiles * k * TILE_ROWS) * sizeof(float));
+    if (!xt) return -1;
+#pragma omp parallel num_threads(threads) if (m * n * k >= PARALLEL_MIN_ELEMS)
+    {
+#pragma omp for collapse(2)
+        for (int64_t t = 0; t < tiles; t++)
+            for (int64_t kk = 0; kk < k; kk++)
+                for (int64_t r = 0; r < TILE_ROWS; r++) {
+                    const int64_t row = t * TILE_ROWS + r;
+                    xt[(t * k + kk) * TILE_ROWS + r] = row < m ? x[row * x_stride + kk] : 0.0f;
+                }
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            const int64_t col0 = p * LANES;
+            const int64_t cols = n - col0 < LANES ? n - col0 : LANES;
+            const uint8_t *panel = (const uint8_t *)q + p * panel_bytes;
+            const float *sc = scales + p * panel_scales;
+            const float *b = bias ? bias + col0 : NULL;
+            for (int64_t t = 0; t < tiles; t++) {
+                const int64_t rows = m - t * TILE_ROWS < TILE_ROWS ? m - t * TILE_ROWS : TILE_ROWS;
+                qtile_rows(xt + t * k * TILE_ROWS, k, panel, sc, fmt, group, b,
+                           out + t * TILE_ROWS * n + col0, n, cols, rows);
+            }
+        }
+    }
+    free(xt);
+    return 0;
+}
+
+/* out[t, :] = row ids[t] of a quantized table stored as above (the tied lm_head's), as
+ * floats. Returns -1 at the first id outside [0, vocab), -2 for an unknown format. */
+int kiln_qembedding_f32(const int64_t *ids, int64_t tokens, const void *q, const float *scales,
+                        int fmt, int64_t group, int64_t vocab, int64_t h, float *out) {
+    if (fmt < QFMT_INT8 || fmt > QFMT_FP8_E4M3 || group <= 0 || h % group) return -2;
+    const int64_t panel_bytes = fmt == QFMT_UINT4 ? h / 2 * LANES : h * LANES;
+    const int64_t per = fmt == QFMT_UINT4 ? 2 : 1;
+    const int64_t panel_scales = (h / group) * LANES * per;
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t id = ids[t];
+        if (id < 0 || id >= vocab) return -1;
+        const int64_t c = id % LANES;
+        const uint8_t *panel = (const uint8_t *)q + (id / LANES) * panel_bytes;
+        const float *sc = scales + (id / LANES) * panel_scales;
+        for (int64_t j = 0; j < h; j++) {
+            const float s = sc[(j / group) * per * LANES + c];
+            float v;
+            if (fmt == QFMT_UINT4) {
+                const uint8_t byte = panel[(j / 2) * LANES + c];
+                v = (float)((j & 1) ? byte >> 4 : byte & 0xF) * s +
+                    sc[((j / group) * 2 + 1) * LANES + c];
+            } else if (fmt == QFMT_INT8) {
+                v = (float)((const int8_t *)panel)[j * LANES + c] * s;
+            } else {
+                const uint8_t b = panel[j * LANES + c];
+                const uint32_t bits = ((uint32_t)(b & 0x80) << 24) | ((uint32_t)(b & 0x7F) << 20);
+                memcpy(&v, &bits, sizeof v);
+                v *= 0x1p120f * s;
+            }
+            out[t * h + j] = v;
+        }
+    }
+    return 0;
+}

@@ -40,7 +40,7 @@ SECTIONS: tuple[Section, ...] = (
     )),
     Section('Quantization and data type', 'quantization', (
         Flag('--dtype', type='str', default='auto', choices=('auto', 'half', 'float16', 'bfloat16', 'float', 'float32'), stage=COMPILE, status=IMPLEMENTED, help="Weight and activation dtype. auto on cuda: BF16 for BF16 checkpoints, else FP16 (SGLang's rule); on cpu (kiln deviation): the fastest float kiln's CPU kernels run at full accuracy, today float32."),
-        Flag('--quantization', type='str', choices=('awq', 'fp8', 'gptq', 'marlin', 'gptq_marlin', 'awq_marlin', 'bitsandbytes', 'gguf', 'modelopt', 'modelopt_fp4', 'petit_nvfp4', 'w8a8_int8', 'w8a8_fp8', 'moe_wna16', 'qoq', 'w4afp8', 'mxfp4'), stage=COMPILE),
+        Flag('--quantization', type='str', choices=('awq', 'fp8', 'gptq', 'marlin', 'gptq_marlin', 'awq_marlin', 'bitsandbytes', 'gguf', 'modelopt', 'modelopt_fp4', 'petit_nvfp4', 'w8a8_int8', 'w8a8_fp8', 'moe_wna16', 'qoq', 'w4afp8', 'mxfp4'), stage=COMPILE, status=IMPLEMENTED, choice_status={c: PLANNED for c in ('awq', 'gptq', 'marlin', 'gptq_marlin', 'awq_marlin', 'bitsandbytes', 'modelopt', 'modelopt_fp4', 'petit_nvfp4', 'w8a8_int8', 'w8a8_fp8', 'moe_wna16', 'qoq', 'w4afp8', 'mxfp4')}, help="Weight quantization, done by the compiler. fp8: fp8 e4m3 weights with one scale per output row (CPU targets: dequantized in registers, fp32 activations). gguf: keep a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks as they are (the default for a GGUF checkpoint with --dtype auto). The lm_head of a float checkpoint stays float."),
         Flag('--quantization-param-path', type='str', stage=COMPILE),
         Flag('--modelopt-quant', type='str', stage=COMPILE),
         Flag('--modelopt-checkpoint-restore-path', type='str', stage=COMPILE),
@@ -290,7 +290,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--piecewise-cuda-graph-tokens', type='str', stage=COMPILE),
         Flag('--torch-compile-max-bs', type='int', default=32, stage=COMPILE),
         Flag('--piecewise-cuda-graph-max-tokens', type='int', default=4096, stage=COMPILE),
-        Flag('--torchao-config', type='str', stage=COMPILE),
+        Flag('--torchao-config', type='str', stage=COMPILE, status=IMPLEMENTED, help="Weight-only quantization in torchao's spelling, done by the compiler: int8wo (int8, one scale per output row) or int4wo-G for G in 32, 64, 128, 256 (4-bit, a scale and a min per G inputs). The lm_head stays float."),
         Flag('--enable-nan-detection', type='bool', stage=RUNTIME),
         Flag('--enable-p2p-check', type='bool', stage=RUNTIME),
         Flag('--triton-attention-reduce-in-fp32', type='bool', stage=COMPILE),

@@ -8,6 +8,7 @@ the chat template as transformers' converted one does.
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -127,3 +128,23 @@ def test_unsupported_gguf_files_are_refused_in_one_line(
     empty.mkdir()
     with pytest.raises(CheckpointError, match="--load-format gguf: no \\*.gguf file"):
         compile_key(ServerArgs(model_path=str(empty), load_format="gguf"))
+
+
+def test_gguf_blocks_run_as_stored_unless_a_float_dtype_is_asked(
+    gguf_file: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Q8_0 / Q4_0 / Q4_1 matrices compile to quantized linears (the parity test above then
+    shows the mapping is exact); the tied table is quantized with them; F16 and --dtype
+    float32 give float linears."""
+    expect = {"llama-q8_0": "int8", "llama-q4_0-tied": "uint4", "llama-q4_1": "uint4"}
+    for case, fmt in expect.items():
+        compile_model(ServerArgs(model_path=str(gguf_file(case))), tmp_path / case)
+        nodes = json.loads((tmp_path / case / "graph.json").read_text())["nodes"]
+        formats = {n["attrs"]["format"] for n in nodes if n["op"].startswith("quant_")}
+        assert formats == {fmt}, case
+        assert any(n["op"] == "quant_embedding" for n in nodes) == case.endswith("tied")
+    for case, flags in (("qwen2-f16-bias", {}), ("llama-q4_1", {"dtype": "float32"})):
+        out = tmp_path / f"{case}-float"
+        compile_model(ServerArgs(model_path=str(gguf_file(case)), **flags), out)
+        nodes = json.loads((out / "graph.json").read_text())["nodes"]
+        assert not any(n["op"].startswith("quant_") for n in nodes), case

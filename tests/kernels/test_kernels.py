@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from native_libs import HOST_LEVELS, library
 
-from kiln.compiler.layout import pack_panels, panels_name
+from kiln.compiler.layout import pack_panels, pack_qpanels, panels_name
+from kiln.compiler.quant import dequantize, quantize
 from kiln.kernels import registry
 from kiln.kernels.attention import AttentionBatch, SeqSpan
 
@@ -90,6 +91,71 @@ def test_packed_embedding_reads_the_tied_panels(backend: str) -> None:
     )
     with pytest.raises(RuntimeError, match="outside"):
         k("packed_embedding", backend)(torch.tensor([3, 10**6]), packed)
+
+
+def _lanes(backend: str) -> int:
+    level = backend.partition("/")[2]
+    return int(library(level).kiln_linear_lanes()) if level else 16
+
+
+QUANT_CASES = [("int8", 32), ("int8", 96), ("uint4", 32), ("uint4", 48), ("fp8_e4m3", 96)]
+
+
+@BOTH
+@pytest.mark.parametrize(("fmt", "group"), QUANT_CASES)
+@pytest.mark.parametrize("rows", [1, 3, 8, 17, 40])
+def test_quant_linear_matches_its_dequantized_weight(
+    backend: str, fmt: str, group: int, rows: int
+) -> None:
+    # 1000 outputs: a partial last panel; rows across the tile edge (8 or 16 rows).
+    lanes = _lanes(backend)
+    x, w, b = torch.randn(rows, 96), torch.randn(1000, 96), torch.randn(1000)
+    q, s = quantize(w, fmt, group)
+    codes = pack_qpanels(q, f"{'q4' if fmt == 'uint4' else 'q8'}panels{lanes}")
+    scales = pack_qpanels(s, f"spanels{lanes}")
+    ref = F.linear(x, dequantize(q, s, fmt), b)
+    kw = {"format": fmt, "group": group, "out_features": 1000}
+    torch.testing.assert_close(
+        k("quant_linear", backend)(x, codes, scales, b, **kw), ref, atol=1e-4, rtol=1e-4
+    )
+    # x read in place from a wider row, no bias
+    wide = torch.randn(rows, 128)
+    wide[:, :96] = x
+    out = k("quant_linear", backend)(wide[:, :96], codes, scales, **kw)
+    torch.testing.assert_close(out, ref - b, atol=1e-4, rtol=1e-4)
+
+
+@BOTH
+@pytest.mark.parametrize(("fmt", "group"), QUANT_CASES)
+def test_quant_embedding_reads_the_quantized_table(backend: str, fmt: str, group: int) -> None:
+    lanes = _lanes(backend)
+    table = torch.randn(100, 96)
+    q, s = quantize(table, fmt, group)
+    codes = pack_qpanels(q, f"{'q4' if fmt == 'uint4' else 'q8'}panels{lanes}")
+    scales = pack_qpanels(s, f"spanels{lanes}")
+    ids = torch.tensor([0, 99, 17, 17, 64])
+    kw = {"format": fmt, "group": group, "num_embeddings": 100}
+    got = k("quant_embedding", backend)(ids, codes, scales, **kw)
+    torch.testing.assert_close(got, dequantize(q, s, fmt)[ids], rtol=0, atol=1e-6)
+    with pytest.raises((RuntimeError, IndexError), match="outside"):
+        k("quant_embedding", backend)(torch.tensor([3, 100]), codes, scales, **kw)
+
+
+def test_quantized_weights_are_close_to_the_floats() -> None:
+    """The formats themselves: worst error per weight within half a step of the grid."""
+    w = torch.randn(64, 256)
+    g = w.reshape(64, -1, 32)
+    steps = {
+        "int8": g.abs().amax(-1, keepdim=True) / 127,
+        "uint4": (g.amax(-1, keepdim=True) - g.amin(-1, keepdim=True)) / 15,
+    }
+    for fmt, step in steps.items():
+        q, s = quantize(w, fmt, 32)
+        err = (dequantize(q, s, fmt) - w).reshape(64, -1, 32).abs()
+        assert (err <= step * 0.501 + 1e-6).all(), fmt
+    q, s = quantize(w, "fp8_e4m3", 256)  # 3 mantissa bits: relative error <= 2^-4
+    rel = (dequantize(q, s, "fp8_e4m3") - w).abs() / w.abs().clamp_min(s[:, 0] * 2**-6)
+    assert rel.max() <= 2**-4 + 1e-6
 
 
 @BOTH

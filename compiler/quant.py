@@ -1,0 +1,103 @@
+"""Quantization formats of kiln's quantized linears, and the compile-time maths that makes
+their codes and scales (from float weights, or from GGUF blocks without loss).
+
+A format is what a kernel reads; a scheme (the `quantize` pass, passes/quantize.py) says
+which weights get which format and group size. Every format stores, per output row and
+group of `group` consecutive inputs, float32 scales and codes:
+
+- int8:     w = q * s,           q in [-127, 127]      (symmetric; GGUF Q8_0 is group 32)
+- uint4:    w = q * s + m,       q in [0, 15]          (scale and min; GGUF Q4_1 is group 32,
+                                                         Q4_0 is s = d, m = -8 d)
+- fp8_e4m3: w = fp8(q) * s                              (one scale per row by default)
+
+`dequantize` is the reference every kernel is tested against.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+FORMATS = ("int8", "uint4", "fp8_e4m3")
+# Stored code dtype and scale planes (1: scale; 2: scale, min) per format.
+CODE_DTYPE = {"int8": "int8", "uint4": "uint8", "fp8_e4m3": "uint8"}
+PLANES = {"int8": 1, "uint4": 2, "fp8_e4m3": 1}
+# The C kernels' format numbers (csrc: QFMT_*).
+KERNEL_FORMAT = {"int8": 0, "uint4": 1, "fp8_e4m3": 2}
+# GGUF block types kiln runs as they are: type -> (format, group).
+GGUF_FORMATS = {"Q8_0": ("int8", 32), "Q4_0": ("uint4", 32), "Q4_1": ("uint4", 32)}
+FP8_E4M3_MAX = 448.0
+
+
+class QuantError(ValueError):
+    """A weight cannot take the asked format (shape, group)."""
+
+
+def quantize(w: torch.Tensor, fmt: str, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float [N, K] -> (codes [N, K], scales [N, K / group, planes]) in `fmt`."""
+    import torch
+
+    n, k = w.shape
+    if group <= 0 or k % group:
+        raise QuantError(f"group size {group} does not divide {k} input features")
+    g = w.float().reshape(n, k // group, group)
+    if fmt == "int8":
+        s = g.abs().amax(-1, keepdim=True) / 127.0
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        q = torch.round(g / s).clamp(-127, 127).to(torch.int8)
+        return q.reshape(n, k), s
+    if fmt == "uint4":
+        lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+        s = (hi - lo) / 15.0
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        q = torch.round((g - lo) / s).clamp(0, 15).to(torch.uint8)
+        return q.reshape(n, k), torch.cat([s, lo], dim=-1)
+    if fmt == "fp8_e4m3":
+        s = g.abs().amax(-1, keepdim=True) / FP8_E4M3_MAX
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        q = (g / s).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+        return q.view(torch.uint8).reshape(n, k), s
+    raise QuantError(f"unknown quantization format {fmt!r} (known: {', '.join(FORMATS)})")
+
+
+def dequantize(q: torch.Tensor, s: torch.Tensor, fmt: str) -> torch.Tensor:
+    """(codes [N, K], scales [N, G, planes]) -> float32 [N, K]."""
+    import torch
+
+    n, k = q.shape
+    groups = s.shape[1]
+    vals = q.view(torch.float8_e4m3fn).float() if fmt == "fp8_e4m3" else q.float()
+    vals = vals.reshape(n, groups, k // groups)
+    out = vals * s[..., :1]
+    if fmt == "uint4":
+        out = out + s[..., 1:2]
+    return out.reshape(n, k)
+
+
+def from_gguf_blocks(raw: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF rows of Q8_0 / Q4_0 / Q4_1 blocks (uint8 [N, bytes]) -> (codes [N, K], scales
+    [N, K / 32, planes]) that `dequantize` turns into exactly what llama.cpp computes.
+
+    Blocks of 32 weights: Q8_0 = f16 d, 32 x int8; Q4_0 = f16 d, 16 bytes of nibbles
+    (weight j in the low nibble of byte j, weight j + 16 in the high one), w = d (q - 8);
+    Q4_1 = f16 d, f16 m, the same nibbles, w = d q + m."""
+    blocks = k // 32
+    rows = np.ascontiguousarray(raw).reshape(n, blocks, -1)
+    d = rows[..., 0:2].copy().view(np.float16).astype(np.float32)  # [N, B, 1]
+    if qtype == "Q8_0":
+        codes = rows[..., 2:34].copy().view(np.int8)
+        return codes.reshape(n, k), d
+    start = 2 if qtype == "Q4_0" else 4
+    nib = rows[..., start : start + 16]
+    codes = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).astype(np.uint8)
+    if qtype == "Q4_0":
+        m = -8.0 * d
+    elif qtype == "Q4_1":
+        m = rows[..., 2:4].copy().view(np.float16).astype(np.float32)
+    else:
+        raise QuantError(f"GGUF type {qtype} has no kiln format")
+    return codes.reshape(n, k), np.concatenate([d, m], axis=-1)

@@ -1,0 +1,109 @@
+"""Quantization: linears (and the embedding tables they share) onto quantized formats.
+
+The scheme comes from the compile arguments, resolved by `scheme_from_args`:
+- `--quantization fp8`: fp8 e4m3 codes, one float32 scale per output row;
+- `--torchao-config int8wo`: int8 codes, one scale per output row (weight-only);
+- `--torchao-config int4wo-G` (G = 32, 64, 128, 256): 4-bit codes with a scale and a min
+  per G inputs of a row (weight-only);
+- a GGUF checkpoint with `--dtype auto` (or `--quantization gguf`): each weight keeps the
+  format of its GGUF blocks where kiln runs it as it is (Q8_0, Q4_0, Q4_1: compiler/quant.py,
+  no loss), tied embedding and lm_head included; other block types are read as floats.
+With a float checkpoint the lm_head stays float, as SGLang leaves it.
+
+A quantized linear becomes `quant_linear(x, codes, scales[, bias])` with its format and group
+as attributes; the weight's recipe becomes {"quantize": recipe, "format", "group", "part"},
+which the compile driver turns into stored codes and scales (the runtime only runs them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kiln.compiler.ir import Graph, Node, WeightSpec
+from kiln.compiler.layout import panel_shape
+from kiln.compiler.quant import CODE_DTYPE, GGUF_FORMATS, PLANES
+from kiln.passes.base import PassContext, PassResult
+
+TORCHAO = {"int8wo": ("int8", 0), **{f"int4wo-{g}": ("uint4", g) for g in (32, 64, 128, 256)}}
+_FLOAT_HEAD = ("lm_head.weight", "model.embed_tokens.weight")
+
+
+def quantize(graph: Graph, ctx: PassContext) -> PassResult:
+    scheme: dict[str, Any] | None = ctx.options.get("quantization")
+    if not scheme:
+        return PassResult(graph, False)
+    lanes = panel_shape(ctx.target)[0] if ctx.device == "cpu" else 16
+    users = graph.users()
+    changed = False
+    for param in [n for n in graph.nodes if n.op == "param"]:
+        spec = graph.weight_of(param)
+        readers = users.get(param, [])
+        if spec is None or len(spec.shape) != 2 or not _quantizable(param, readers):
+            continue
+        chosen = _format_for(spec, scheme)
+        if chosen is None:
+            continue
+        fmt, group = chosen
+        group = group or spec.shape[1]
+        if spec.shape[1] % group:
+            continue  # a GGUF row is whole blocks, so this is only a float scheme's group
+        name = param.attrs["name"]
+        recipe = {"quantize": spec.source, "format": fmt, "group": group}
+        n, k = spec.shape
+        graph.weights[name] = WeightSpec(
+            (n, k),
+            CODE_DTYPE[fmt],
+            {**recipe, "part": "codes"},
+            f"{'q4' if fmt == 'uint4' else 'q8'}panels{lanes}",
+        )
+        scales_name = f"{name}.scales"
+        graph.weights[scales_name] = WeightSpec(
+            (n, k // group, PLANES[fmt]),
+            "float32",
+            {**recipe, "part": "scales"},
+            f"spanels{lanes}",
+        )
+        scales = graph.param(scales_name, before=param)
+        for r in readers:
+            attrs = {"format": fmt, "group": group}
+            if r.op == "linear":
+                r.op, r.args = "quant_linear", [r.args[0], param, scales, *r.args[2:]]
+                r.attrs = {**attrs, "out_features": n}
+            else:
+                r.op, r.args = "quant_embedding", [r.args[0], param, scales]
+                r.attrs = {**attrs, "num_embeddings": n}
+            r.meta.pop("backend", None)
+        changed = True
+    return PassResult(graph, changed)
+
+
+def _quantizable(param: Node, readers: list[Node]) -> bool:
+    """Read only as a linear's weight or an embedding's table, and by a linear at least."""
+    ok = all(n.op in ("linear", "embedding") and n.args[1] is param for n in readers)
+    return ok and any(n.op == "linear" for n in readers) and param not in _rest(readers)
+
+
+def _rest(readers: list[Node]) -> list[Node]:
+    return [a for n in readers for a in n.args[2:]]
+
+
+def _loads(source: dict[str, Any]) -> list[str] | None:
+    """The checkpoint tensors a recipe reads, if it only loads and concatenates rows."""
+    if "load" in source:
+        return [source["load"]]
+    if "concat" in source and source.get("dim") == 0:
+        parts = [_loads(s) for s in source["concat"]]
+        return None if any(p is None for p in parts) else [x for p in parts for x in p or []]
+    return None
+
+
+def _format_for(spec: WeightSpec, scheme: dict[str, Any]) -> tuple[str, int] | None:
+    loads = _loads(spec.source)
+    if loads is None:
+        return None
+    if "gguf_types" in scheme:
+        formats = {GGUF_FORMATS.get(scheme["gguf_types"].get(x, "")) for x in loads}
+        return formats.pop() if len(formats) == 1 else None
+    if any(x in _FLOAT_HEAD for x in loads):
+        return None
+    return scheme["format"], scheme["group"]

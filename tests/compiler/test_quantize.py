@@ -1,0 +1,103 @@
+"""Quantization schemes, compiled: each against transformers running the same quantized
+weights (every linear but the lm_head replaced by its dequantized codes), so kiln's greedy
+ids must match exactly and its logits closely; and the flags' refusals."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from oracle import kiln_all_logits
+from transformers import AutoModelForCausalLM
+
+from kiln import Engine
+from kiln.args import ArgError, ServerArgs
+from kiln.compiler.compile import compile_model
+from kiln.compiler.quant import dequantize, quantize
+
+SHAPE = {"hidden_size": 128, "intermediate_size": 256}
+SCHEMES = {
+    "int8wo": ({"torchao_config": "int8wo"}, "int8", 0),
+    "int4wo-32": ({"torchao_config": "int4wo-32"}, "uint4", 32),
+    "int4wo-64": ({"torchao_config": "int4wo-64"}, "uint4", 64),
+    "fp8": ({"quantization": "fp8"}, "fp8_e4m3", 0),
+}
+PROMPTS = [[1, 5, 9, 33], list(range(3, 43))]
+
+
+def quantized_reference(ckpt: Path, fmt: str, group: int) -> torch.nn.Module:
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, mod in hf.named_modules():
+            if isinstance(mod, torch.nn.Linear) and name != "lm_head":
+                w = mod.weight
+                mod.weight.copy_(dequantize(*quantize(w, fmt, group or w.shape[1]), fmt))
+    return hf
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_scheme_matches_transformers_on_the_same_quantized_weights(
+    scheme: str, checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    flags, fmt, group = SCHEMES[scheme]
+    ckpt = checkpoint("qwen2", **SHAPE)  # biases too
+    art = tmp_path / "art"
+    compile_model(ServerArgs(model_path=str(ckpt), **flags), art)
+    graph = json.loads((art / "graph.json").read_text())
+    quant = [n for n in graph["nodes"] if n["op"] == "quant_linear"]
+    # q/k/v and gate/up are fused: 4 linears per layer, each quantized; the lm_head is not.
+    assert len(quant) == 4 * 2 and all(n["attrs"]["format"] == fmt for n in quant)
+    assert sum(n["op"] in ("linear", "packed_linear") for n in graph["nodes"]) == 1
+
+    engine = Engine(art, max_total_tokens=1024)
+    hf = quantized_reference(ckpt, fmt, group)
+    outs = engine.generate(
+        input_ids=PROMPTS,
+        sampling_params={"temperature": 0, "max_new_tokens": 16, "ignore_eos": True},
+    )
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        ref = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None
+        )
+        assert out["output_ids"] == ref[0, len(prompt) :].tolist()
+        seq = prompt + out["output_ids"]
+        with torch.no_grad():
+            ref_logits = hf(torch.tensor([seq])).logits[0]
+        torch.testing.assert_close(kiln_all_logits(engine, seq), ref_logits, atol=1e-4, rtol=0)
+
+
+def test_schemes_store_fewer_bytes(checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    ckpt = checkpoint("llama", **SHAPE)
+    sizes = {}
+    for name, flags in (("float", {}), ("int8wo", {"torchao_config": "int8wo"})):
+        art = tmp_path / name
+        compile_model(ServerArgs(model_path=str(ckpt), **flags), art)
+        sizes[name] = (art / "weights" / "rank0.safetensors").stat().st_size
+    # Layer matrices shrink 4x; the float embedding and lm_head stay.
+    assert sizes["int8wo"] < 0.75 * sizes["float"]
+
+
+def test_quantization_flags_are_refused_in_one_line(
+    checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    ckpt = str(checkpoint("llama", **SHAPE))
+    cases = [
+        ({"torchao_config": "int3wo"}, "--torchao-config int3wo: kiln runs int8wo, int4wo-32"),
+        (
+            {"torchao_config": "int8wo", "quantization": "fp8"},
+            "--quantization and --torchao-config: give one of them",
+        ),
+        (
+            {"quantization": "fp8", "device": "cuda", "target_isa": "sm_90"},
+            "--quantization fp8: quantized kernels exist for cpu targets only",
+        ),
+        ({"quantization": "gguf"}, "--quantization gguf: the checkpoint is not a GGUF file"),
+    ]
+    for flags, message in cases:
+        with pytest.raises(ArgError, match=message):
+            compile_model(ServerArgs(model_path=ckpt, **flags), tmp_path / "a")
+    with pytest.raises(ArgError, match="--quantization awq: is not implemented"):
+        ServerArgs.from_cli(["--model-path", ckpt, "--quantization", "awq"])
