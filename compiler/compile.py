@@ -112,7 +112,7 @@ def quant_scheme(
             return None  # no quantized kernels for this target: the blocks are read as floats
         return {"gguf_types": {name: gguf.qtype(name) for name in gguf.tensors}}
     if args.quantization == "fp8":
-        return {"format": "fp8_e4m3", "group": 0}
+        return {"format": "fp8_e4m3", "group": 0, "flag": "--quantization fp8"}
     if args.quantization:
         raise ArgError(
             f"--quantization {args.quantization}: not implemented yet (kiln runs fp8, gguf)"
@@ -123,7 +123,7 @@ def quant_scheme(
                 f"--torchao-config {args.torchao_config}: kiln runs {', '.join(TORCHAO)}"
             )
         fmt, group = TORCHAO[args.torchao_config]
-        return {"format": fmt, "group": group}
+        return {"format": fmt, "group": group, "flag": f"--torchao-config {args.torchao_config}"}
     return None
 
 

@@ -54,14 +54,45 @@ def quantize(w: torch.Tensor, fmt: str, group: int) -> tuple[torch.Tensor, torch
         lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
         s = (hi - lo) / 15.0
         s = torch.where(s > 0, s, torch.ones_like(s))
-        q = torch.round((g - lo) / s).clamp(0, 15).to(torch.uint8)
-        return q.reshape(n, k), torch.cat([s, lo], dim=-1)
+        q, s, lo = _refine_uint4(g, s, lo)
+        return q.to(torch.uint8).reshape(n, k), torch.cat([s, lo], dim=-1)
     if fmt == "fp8_e4m3":
         s = g.abs().amax(-1, keepdim=True) / FP8_E4M3_MAX
         s = torch.where(s > 0, s, torch.ones_like(s))
         q = (g / s).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
         return q.view(torch.uint8).reshape(n, k), s
     raise QuantError(f"unknown quantization format {fmt!r} (known: {', '.join(FORMATS)})")
+
+
+def _refine_uint4(
+    g: torch.Tensor, s: torch.Tensor, m: torch.Tensor, rounds: int = 4
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes for the min/max grid, then a few rounds of: the least-squares scale and min for
+    those codes, and the codes for that grid (each round lowers the group's squared error;
+    a group whose codes are all equal keeps its grid)."""
+    import torch
+
+    size = g.shape[-1]
+    best_q = torch.round((g - m) / s).clamp(0, 15)
+    best_s, best_m = s, m
+    best_err = ((best_q * s + m - g) ** 2).sum(-1, keepdim=True)
+    q = best_q
+    for _ in range(rounds):
+        sq, sw = q.sum(-1, keepdim=True), g.sum(-1, keepdim=True)
+        sqq, sqw = (q * q).sum(-1, keepdim=True), (q * g).sum(-1, keepdim=True)
+        det = size * sqq - sq * sq
+        ok = det > 0
+        s_new = torch.where(ok, (size * sqw - sq * sw) / torch.where(ok, det, 1.0), best_s)
+        s_new = torch.where(s_new > 0, s_new, best_s)
+        m_new = torch.where(ok, (sw - s_new * sq) / size, best_m)
+        q = torch.round((g - m_new) / s_new).clamp(0, 15)
+        err = ((q * s_new + m_new - g) ** 2).sum(-1, keepdim=True)
+        better = err < best_err
+        best_q = torch.where(better, q, best_q)
+        best_s = torch.where(better, s_new, best_s)
+        best_m = torch.where(better, m_new, best_m)
+        best_err = torch.minimum(err, best_err)
+    return best_q, best_s, best_m
 
 
 def dequantize(q: torch.Tensor, s: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.args import ArgError
 from kiln.compiler.ir import Graph, IRError
 from kiln.compiler.target import Target, cpu_target
 
@@ -51,6 +52,8 @@ def run_passes(
             result = p(graph, ctx)
             if lint_each:
                 result.graph.lint()
+        except ArgError:
+            raise  # the user's flag does not fit this model: their error, named, not a bug
         except (IRError, ValueError, KeyError) as e:
             ran = ", ".join(e["pass"] for e in log) or "none"
             raise PassError(f"pass {name} failed: {e} (passes before it: {ran})") from e

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kiln.args import ArgError
 from kiln.compiler.ir import Graph, Node, WeightSpec
 from kiln.compiler.layout import panel_shape
 from kiln.compiler.quant import CODE_DTYPE, GGUF_FORMATS, PLANES
@@ -45,8 +46,11 @@ def quantize(graph: Graph, ctx: PassContext) -> PassResult:
             continue
         fmt, group = chosen
         group = group or spec.shape[1]
-        if spec.shape[1] % group:
-            continue  # a GGUF row is whole blocks, so this is only a float scheme's group
+        if spec.shape[1] % group:  # GGUF rows are whole blocks: only a float scheme's group
+            raise ArgError(
+                f"{scheme.get('flag', 'quantization')}: group {group} does not divide the "
+                f"{spec.shape[1]} inputs of {param.attrs['name']}; choose a group that does"
+            )
         name = param.attrs["name"]
         recipe = {"quantize": spec.source, "format": fmt, "group": group}
         n, k = spec.shape

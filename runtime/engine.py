@@ -378,6 +378,21 @@ class Engine:
             "meta_info": meta,
         }
 
+    def prompt_logits(self, input_ids: list[int]) -> torch.Tensor:
+        """Logits after every token of `input_ids` ([len, vocab], float32), in one prefill
+        outside the scheduler (for scoring text: perplexity, quality gates)."""
+        if not input_ids or len(input_ids) > self.runner.pool.free_tokens:
+            raise RequestError(
+                f"prompt_logits: {len(input_ids)} tokens; 1 to {self.runner.pool.free_tokens}"
+            )
+        req = Request("score", list(input_ids), SamplingParams())
+        req.pages = self.runner.pool.allocate(self.runner.pool.pages_for(len(input_ids)))
+        try:
+            batch = Batch([req], [list(input_ids)], [True], is_prefill=True)
+            return self.runner.forward(batch, all_logits=True)
+        finally:
+            self.runner.pool.free(req.pages)
+
     def flush_cache(self) -> int:
         """Drop every prefix-cache entry no request is using; returns tokens freed."""
         return self.scheduler.flush_cache() * self.runner.pool.page_size

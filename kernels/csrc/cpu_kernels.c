@@ -474,14 +474,45 @@ int kiln_embedding_packed_f32(const int64_t *ids, int64_t tokens, const float *p
  * stream is the cost, and it is 4x (8-bit) or 8x (4-bit) shorter than fp32's. */
 enum { QFMT_INT8 = 0, QFMT_UINT4 = 1, QFMT_FP8_E4M3 = 2 };
 typedef int32_t vli __attribute__((vector_size(LANES * 4), aligned(4)));
-typedef int8_t vlb __attribute__((vector_size(LANES), aligned(1)));
-typedef uint8_t vlu __attribute__((vector_size(LANES), aligned(1)));
+
+/* LANES bytes widened to int32 lanes, and int32 lanes to floats. With AVX-512 / AVX2 one
+ * instruction each (vpmov[sz]xbd, vcvtdq2ps): GCC's generic vector conversions turned these
+ * into scalar byte loads and scalar int-to-float conversions, 6x slower than the memory. */
+#if defined(__AVX512F__)
+static inline vli widen_u8(const uint8_t *p) {
+    return (vli)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+static inline vli widen_i8(const uint8_t *p) {
+    return (vli)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+static inline vlf to_float(vli v) { return (vlf)_mm512_cvtepi32_ps((__m512i)v); }
+#elif defined(__AVX2__)
+static inline vli widen_u8(const uint8_t *p) {
+    return (vli)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+static inline vli widen_i8(const uint8_t *p) {
+    return (vli)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+static inline vlf to_float(vli v) { return (vlf)_mm256_cvtepi32_ps((__m256i)v); }
+#else
+static inline vli widen_u8(const uint8_t *p) {
+    vli v;
+    for (int i = 0; i < LANES; i++) v[i] = p[i];
+    return v;
+}
+static inline vli widen_i8(const uint8_t *p) {
+    vli v;
+    for (int i = 0; i < LANES; i++) v[i] = (int8_t)p[i];
+    return v;
+}
+static inline vlf to_float(vli v) { return __builtin_convertvector(v, vlf); }
+#endif
 
 /* fp8 e4m3 bytes (no NaN: weights are finite) as floats: the exponent and mantissa bits
  * moved into an fp32's exponent and mantissa fields, then 2^(127 - 7) undoes the bias;
  * e4m3 subnormals land on fp32 subnormals, which the same product scales exactly. */
-static inline vlf fp8_e4m3_to_f32(vlu b) {
-    const vli u = __builtin_convertvector(b, vli);
+static inline vlf fp8_e4m3_to_f32(const uint8_t *p) {
+    const vli u = widen_u8(p);
     const vli bits = ((u & 0x80) << 24) | ((u & 0x7F) << 20);
     vlf f;
     memcpy(&f, &bits, sizeof f);
@@ -502,9 +533,9 @@ static inline __attribute__((always_inline)) void qtile(
             for (int64_t kk = k0; kk < k0 + group; kk += 2) {
                 const uint8_t *p = panel + (kk / 2) * LANES;
                 __builtin_prefetch(p + PREFETCH_BYTES);
-                const vli u = __builtin_convertvector(*(const vlu *)p, vli);
-                const vlf w0 = __builtin_convertvector(u & 0xF, vlf) * s + mn;
-                const vlf w1 = __builtin_convertvector(u >> 4, vlf) * s + mn;
+                const vli u = widen_u8(p);
+                const vlf w0 = to_float(u & 0xF) * s + mn;
+                const vlf w1 = to_float(u >> 4) * s + mn;
                 const float *x0 = xt + kk * TILE_ROWS, *x1 = x0 + TILE_ROWS;
                 for (int r = 0; r < rows; r++) acc[r] += x0[r] * w0 + x1[r] * w1;
             }
@@ -513,9 +544,8 @@ static inline __attribute__((always_inline)) void qtile(
             for (int64_t kk = k0; kk < k0 + group; kk++) {
                 const uint8_t *p = panel + kk * LANES;
                 __builtin_prefetch(p + PREFETCH_BYTES);
-                const vlf w = fmt == QFMT_INT8
-                                  ? __builtin_convertvector(*(const vlb *)p, vlf) * s
-                                  : fp8_e4m3_to_f32(*(const vlu *)p) * s;
+                const vlf w = fmt == QFMT_INT8 ? to_float(widen_i8(p)) * s
+                                               : fp8_e4m3_to_f32(p) * s;
                 const float *xk = xt + kk * TILE_ROWS;
                 for (int r = 0; r < rows; r++) acc[r] += xk[r] * w;
             }

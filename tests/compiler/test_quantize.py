@@ -95,6 +95,10 @@ def test_quantization_flags_are_refused_in_one_line(
             "--quantization fp8: quantized kernels exist for cpu targets only",
         ),
         ({"quantization": "gguf"}, "--quantization gguf: the checkpoint is not a GGUF file"),
+        (
+            {"torchao_config": "int4wo-256"},
+            "--torchao-config int4wo-256: group 256 does not divide the 128 inputs of",
+        ),
     ]
     for flags, message in cases:
         with pytest.raises(ArgError, match=message):

@@ -1,0 +1,148 @@
+"""Quality of each quantization scheme on the real model, against its float reference.
+
+    python benchmarks/quality.py                 # kiln's schemes, and llama.cpp's if installed
+
+The model is SmolLM2-135M-Instruct from its Q4_1 GGUF file (`python -m kiln.example --fetch
+smollm2`); the float reference is that file read as fp32 (`--dtype float32`), so every other
+variant is measured against the same weights. The text is benchmarks/data/quality_text.txt
+(plain English written for this project), scored in windows of --window tokens.
+
+Per variant: perplexity of the text, mean KL divergence KL(reference || variant) of the
+next-token distribution, and top-1 agreement with the reference. llama.cpp's own runtime
+(llama-cpp-python, logits of every position) is scored the same way on the file as shipped
+(Q4_1) and on Q4_0 / Q8_0 files its own quantizer makes from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import math
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+TEXT = HERE / "data" / "quality_text.txt"
+
+# kiln variants: name -> compile flags on the GGUF file.
+KILN = {
+    "kiln float32 (reference)": {"dtype": "float32"},
+    "kiln GGUF Q4_1 as stored": {},
+    "kiln int8wo": {"torchao_config": "int8wo"},
+    "kiln fp8 (e4m3, per row)": {"quantization": "fp8"},
+    "kiln int4wo-32": {"torchao_config": "int4wo-32"},
+    "kiln int4wo-64": {"torchao_config": "int4wo-64"},
+}
+
+
+def metrics(ref: torch.Tensor, got: torch.Tensor, ids: list[int]) -> tuple[float, float, float]:
+    """(sum of next-token NLL, sum of KL(ref || got), top-1 matches) over the positions
+    that predict a token of `ids`."""
+    ref_lp = torch.log_softmax(ref[:-1].double(), -1)
+    got_lp = torch.log_softmax(got[:-1].double(), -1)
+    target = torch.tensor(ids[1:])
+    nll = -got_lp.gather(1, target[:, None]).sum().item()
+    kl = (ref_lp.exp() * (ref_lp - got_lp)).sum().item()
+    top1 = (ref_lp.argmax(-1) == got_lp.argmax(-1)).sum().item()
+    return nll, kl, float(top1)
+
+
+def kiln_scorer(gguf: Path, flags: dict, work: Path) -> Callable[[list[int]], torch.Tensor]:
+    from kiln import Engine
+    from kiln.args import ServerArgs
+    from kiln.compiler.compile import compile_model
+
+    art = work / ("art-" + str(abs(hash(str(sorted(flags.items()))))))
+    compile_model(ServerArgs(model_path=str(gguf), **flags), art)
+    engine = Engine(art, max_total_tokens=4096, disable_radix_cache=True)
+    return engine.prompt_logits
+
+
+def llama_cpp_files(gguf: Path, work: Path) -> dict[str, Path]:
+    """The shipped file and llama.cpp's own Q4_0 / Q8_0 requantizations of it."""
+    import llama_cpp
+
+    files = {"llama.cpp Q4_1 (the file)": gguf}
+    for name, ftype in (("Q4_0", 2), ("Q8_0", 7)):
+        out = work / f"smollm2-{name}.gguf"
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.allow_requantize, params.nthread = ftype, True, 2
+        rc = llama_cpp.llama_model_quantize(
+            str(gguf).encode(), str(out).encode(), ctypes.byref(params)
+        )
+        if rc != 0:
+            raise RuntimeError(f"llama.cpp could not make {name}: {rc}")
+        files[f"llama.cpp {name}"] = out
+    return files
+
+
+def llama_cpp_scorer(path: Path, window: int) -> Callable[[list[int]], torch.Tensor]:
+    from llama_cpp import Llama
+
+    model = Llama(
+        model_path=str(path),
+        n_ctx=window,
+        n_batch=window,
+        logits_all=True,
+        n_threads=2,
+        verbose=False,
+    )
+
+    def score(ids: list[int]) -> torch.Tensor:
+        model.reset()
+        model.eval(ids)
+        return torch.tensor(model.scores[: len(ids)], dtype=torch.float32)
+
+    return score
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--window", type=int, default=512, help="tokens scored together")
+    p.add_argument("--no-llama-cpp", action="store_true", help="kiln's variants only")
+    args = p.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from kiln.example import fetch
+
+    gguf = fetch("smollm2")
+    work = Path(tempfile.mkdtemp(prefix="kiln-quality-"))
+    scorers = {name: kiln_scorer(gguf, flags, work) for name, flags in KILN.items()}
+    tok_dir = next(work.glob("art-*")) / "tokenizer"
+    ids = AutoTokenizer.from_pretrained(tok_dir)(TEXT.read_text())["input_ids"]
+    windows = [ids[i : i + args.window] for i in range(0, len(ids) - 1, args.window)]
+    windows = [w for w in windows if len(w) > 1]
+    if not args.no_llama_cpp:
+        try:
+            for name, path in llama_cpp_files(gguf, work).items():
+                scorers[name] = llama_cpp_scorer(path, args.window)
+        except ImportError:
+            print("llama-cpp-python is not installed: llama.cpp rows left out")
+
+    ref_name = next(iter(KILN))
+    totals = {name: [0.0, 0.0, 0.0] for name in scorers}
+    positions = 0
+    for w in windows:
+        ref = scorers[ref_name](w)
+        positions += len(w) - 1
+        for name, score in scorers.items():
+            for i, v in enumerate(metrics(ref, score(w), w)):
+                totals[name][i] += v
+
+    print(f"\n## Quality: SmolLM2-135M-Instruct, {len(ids)} tokens of {TEXT.name}")
+    print(f"{len(windows)} windows of up to {args.window} tokens; reference: {ref_name}\n")
+    print("| variant | perplexity | mean KL vs reference | top-1 agreement |")
+    print("| --- | --- | --- | --- |")
+    for name, (nll, kl, top1) in totals.items():
+        print(
+            f"| {name} | {math.exp(nll / positions):.3f} | {kl / positions:.5f} | "
+            f"{top1 / positions:.2%} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

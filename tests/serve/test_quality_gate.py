@@ -1,0 +1,47 @@
+"""A fast quality gate for CI: each quantization scheme on the real model scores one window of
+benchmarks/data/quality_text.txt against the float reference, with bounds loose enough for
+noise and tight enough that a broken kernel or scale fails (the full measurement, with its
+targets, is `python benchmarks/quality.py`; figures in benchmarks/RESULTS.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from quality import TEXT, metrics
+
+from kiln import Engine
+from kiln.args import ServerArgs
+from kiln.compiler.compile import compile_model
+from kiln.example import fetch
+
+# scheme flags -> (largest mean KL, smallest top-1 agreement) over 256 tokens. Measured over
+# the whole text (RESULTS.md): int8wo 0.003 / 97%, fp8 0.015 / 93%, int4wo-64 ~0.1 / 85%.
+GATES = {
+    "int8wo": ({"torchao_config": "int8wo"}, 0.01, 0.93),
+    "fp8": ({"quantization": "fp8"}, 0.05, 0.85),
+    "int4wo-64": ({"torchao_config": "int4wo-64"}, 0.3, 0.7),
+}
+
+
+@pytest.fixture(scope="module")
+def window(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int], object]:
+    gguf = fetch("smollm2")
+    art = tmp_path_factory.mktemp("ref") / "art"
+    compile_model(ServerArgs(model_path=str(gguf), dtype="float32"), art)
+    engine = Engine(art, max_total_tokens=1024, disable_radix_cache=True)
+    ids = engine.encode(TEXT.read_text())[:256]
+    return gguf, ids, engine.prompt_logits(ids)
+
+
+@pytest.mark.parametrize("scheme", sorted(GATES))
+def test_scheme_passes_its_quality_gate(scheme: str, window, tmp_path: Path) -> None:
+    gguf, ids, ref = window
+    flags, max_kl, min_top1 = GATES[scheme]
+    compile_model(ServerArgs(model_path=str(gguf), **flags), tmp_path / "art")
+    got = Engine(tmp_path / "art", max_total_tokens=1024).prompt_logits(ids)
+    _, kl, top1 = metrics(ref, got, ids)
+    n = len(ids) - 1
+    assert kl / n <= max_kl and top1 / n >= min_top1, (kl / n, top1 / n)
+    # and a gate that a wrong kernel could not pass: the float path against itself
+    assert metrics(ref, ref, ids)[1] == 0.0
