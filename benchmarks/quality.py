@@ -55,7 +55,7 @@ def kiln_scorer(gguf: Path, flags: dict, work: Path) -> Callable[[list[int]], to
     from kiln.args import ServerArgs
     from kiln.compiler.compile import compile_model
 
-    art = work / ("art-" + str(abs(hash(str(sorted(flags.items()))))))
+    art = work / ("art-" + str(abs(hash(str((gguf, sorted(flags.items())))))))
     compile_model(ServerArgs(model_path=str(gguf), **flags), art)
     engine = Engine(art, max_total_tokens=4096, disable_radix_cache=True)
     return engine.prompt_logits
@@ -118,8 +118,13 @@ def main() -> None:
     windows = [w for w in windows if len(w) > 1]
     if not args.no_llama_cpp:
         try:
-            for name, path in llama_cpp_files(gguf, work).items():
+            files = llama_cpp_files(gguf, work)
+            for name, path in files.items():
                 scorers[name] = llama_cpp_scorer(path, args.window)
+            # kiln on the same Q4_0 file: the same weights, kiln's fp32 activations
+            scorers["kiln on llama.cpp's Q4_0 file"] = kiln_scorer(
+                files["llama.cpp Q4_0"], {}, work
+            )
         except ImportError:
             print("llama-cpp-python is not installed: llama.cpp rows left out")
 
