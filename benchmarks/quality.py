@@ -32,6 +32,7 @@ KILN = {
     "kiln float32 (reference)": {"dtype": "float32"},
     "kiln GGUF Q4_1 as stored": {},
     "kiln int8wo": {"torchao_config": "int8wo"},
+    "kiln w8a8_int8": {"quantization": "w8a8_int8"},
     "kiln fp8 (e4m3, per row)": {"quantization": "fp8"},
     "kiln int4wo-32": {"torchao_config": "int4wo-32"},
     "kiln int4wo-64": {"torchao_config": "int4wo-64"},

@@ -67,7 +67,7 @@ class FileEntry(_Strict):
 
 class Target(_Strict):
     device: Literal["cpu", "cuda"]
-    isa: str = Field(pattern=r"^(x86-64|avx2|avx512|sm_\d{2,3})$")
+    isa: str = Field(pattern=r"^(x86-64|avx2|avx512|avx512_vnni|sm_\d{2,3})$")
     features: list[Annotated[str, Field(pattern=r"^[a-z0-9_]{1,32}$")]]
 
 

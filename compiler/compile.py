@@ -113,9 +113,12 @@ def quant_scheme(
         return {"gguf_types": {name: gguf.qtype(name) for name in gguf.tensors}}
     if args.quantization == "fp8":
         return {"format": "fp8_e4m3", "group": 0, "flag": "--quantization fp8"}
+    if args.quantization == "w8a8_int8":
+        return {"format": "w8a8_int8", "group": 0, "flag": "--quantization w8a8_int8"}
     if args.quantization:
         raise ArgError(
-            f"--quantization {args.quantization}: not implemented yet (kiln runs fp8, gguf)"
+            f"--quantization {args.quantization}: not implemented yet "
+            "(kiln runs fp8, w8a8_int8, gguf)"
         )
     if args.torchao_config:
         if args.torchao_config not in TORCHAO:

@@ -9,6 +9,9 @@ group of `group` consecutive inputs, float32 scales and codes:
 - uint4:    w = q * s + m,       q in [0, 15]          (scale and min; GGUF Q4_1 is group 32,
                                                          Q4_0 is s = d, m = -8 d)
 - fp8_e4m3: w = fp8(q) * s                              (one scale per row by default)
+- w8a8_int8: w = q * s, one scale per row, q in [-127, 127]; the kernel also quantizes
+  the activations per token (SGLang's w8a8_int8) and sums in int32. Its second plane is
+  128 * sum_k q, the correction for the kernel's unsigned activation bytes.
 
 `dequantize` is the reference every kernel is tested against.
 """
@@ -22,10 +25,12 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-FORMATS = ("int8", "uint4", "fp8_e4m3")
-# Stored code dtype and scale planes (1: scale; 2: scale, min) per format.
-CODE_DTYPE = {"int8": "int8", "uint4": "uint8", "fp8_e4m3": "uint8"}
-PLANES = {"int8": 1, "uint4": 2, "fp8_e4m3": 1}
+FORMATS = ("int8", "uint4", "fp8_e4m3", "w8a8_int8")
+# Stored code dtype and scale planes (1: scale; 2: scale, min or correction) per format.
+CODE_DTYPE = {"int8": "int8", "uint4": "uint8", "fp8_e4m3": "uint8", "w8a8_int8": "int8"}
+PLANES = {"int8": 1, "uint4": 2, "fp8_e4m3": 1, "w8a8_int8": 2}
+# The layout kind (compiler/layout.py) each format's codes are stored in.
+CODE_LAYOUT = {"int8": "q8", "uint4": "q4", "fp8_e4m3": "q8", "w8a8_int8": "a8"}
 # The C kernels' format numbers (csrc: QFMT_*).
 KERNEL_FORMAT = {"int8": 0, "uint4": 1, "fp8_e4m3": 2}
 # GGUF block types kiln runs as they are: type -> (format, group).
@@ -45,6 +50,14 @@ def quantize(w: torch.Tensor, fmt: str, group: int) -> tuple[torch.Tensor, torch
     if group <= 0 or k % group:
         raise QuantError(f"group size {group} does not divide {k} input features")
     g = w.float().reshape(n, k // group, group)
+    if fmt == "w8a8_int8":
+        if group != k:
+            raise QuantError(f"w8a8_int8 has one scale per row, not a group of {group}")
+        if k % 4:
+            raise QuantError(f"w8a8_int8 needs input features in fours, got {k}")
+        q, s = quantize(w, "int8", k)
+        corr = 128.0 * q.sum(-1, dtype=torch.int64).to(torch.float64)
+        return q, torch.cat([s, corr.float().reshape(n, 1, 1)], dim=-1)
     if fmt == "int8":
         s = g.abs().amax(-1, keepdim=True) / 127.0
         s = torch.where(s > 0, s, torch.ones_like(s))
@@ -95,8 +108,18 @@ def _refine_uint4(
     return best_q, best_s, best_m
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w8a8_int8's per-token activations, as its kernel computes them: (codes [M, K] in
+    [-127, 127] as float, scales [M, 1])."""
+    import torch
+
+    amax = x.abs().amax(-1, keepdim=True)
+    sx = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    return torch.round(x / sx).clamp(-127, 127), sx
+
+
 def dequantize(q: torch.Tensor, s: torch.Tensor, fmt: str) -> torch.Tensor:
-    """(codes [N, K], scales [N, G, planes]) -> float32 [N, K]."""
+    """(codes [N, K], scales [N, G, planes]) -> float32 [N, K] (w8a8_int8: its weights)."""
     import torch
 
     n, k = q.shape

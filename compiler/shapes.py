@@ -59,7 +59,7 @@ def _panels(graph: Graph, node: Node, param: Node) -> None:
 
 def _quant(graph: Graph, node: Node) -> tuple[int, int]:
     """A quantized op's codes and scales agree with its format and group: (N, K)."""
-    from kiln.compiler.quant import CODE_DTYPE, PLANES
+    from kiln.compiler.quant import CODE_DTYPE, CODE_LAYOUT, PLANES
 
     fmt, group = node.attrs["format"], node.attrs["group"]
     if fmt not in CODE_DTYPE:
@@ -68,7 +68,7 @@ def _quant(graph: Graph, node: Node) -> tuple[int, int]:
     codes, scales = graph.weight_of(node.args[1]), graph.weight_of(node.args[2])
     if codes is None or scales is None:
         raise IRError(f"%{node.name}: {node.op} needs stored codes and scales")
-    want = "q4panels" if fmt == "uint4" else "q8panels"
+    want = f"{CODE_LAYOUT[fmt]}panels"
     if not codes.layout.startswith(want) or codes.dtype != CODE_DTYPE[fmt]:
         raise IRError(f"%{node.name}: {fmt} codes must be {CODE_DTYPE[fmt]} {want}")
     if not scales.layout.startswith("spanels") or scales.dtype != "float32":

@@ -8,6 +8,7 @@ level, not only on the one that built it:
   x86-64   the baseline (SSE2)
   avx2     x86-64-v3: AVX2, FMA, F16C (Haswell, Zen and later)
   avx512   x86-64-v4: AVX-512 F/BW/CD/DQ/VL (Skylake-SP, Zen 4 and later)
+  avx512_vnni  x86-64-v4 with AVX-512 VNNI int8 dot products (Cascade Lake, Zen 4, later)
 
 CUDA targets are compute capabilities (`sm_90`). Hosts are read from /proc/cpuinfo and
 nvidia-smi (torch only when it is already loaded), so naming or checking a target never
@@ -33,8 +34,11 @@ CPU_LEVELS: dict[str, tuple[tuple[str, ...], str]] = {
     "x86-64": ((), "x86-64"),
     "avx2": (_V3, "x86-64-v3"),
     "avx512": (_V4, "x86-64-v4"),
+    "avx512_vnni": ((*_V4, "avx512_vnni"), "x86-64-v4"),
 }
-CPU_ORDER = ("x86-64", "avx2", "avx512")
+CPU_ORDER = ("x86-64", "avx2", "avx512", "avx512_vnni")
+# gcc flags a level adds to its -march.
+CPU_EXTRA_CFLAGS: dict[str, tuple[str, ...]] = {"avx512_vnni": ("-mavx512vnni",)}
 # Features a CPU target may carry beyond its level, for kernels that use them.
 EXTRA_FEATURES = ("avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
 CUDA_ARCH = re.compile(r"sm_(\d)(\d+)")
@@ -65,7 +69,7 @@ class Target:
     @property
     def vector_lanes(self) -> int:
         """fp32 lanes of one vector register on this target (kiln_cpu's packing width)."""
-        return 16 if self.isa == "avx512" else 8
+        return 16 if self.isa.startswith("avx512") else 8
 
     def __str__(self) -> str:
         return f"{self.device}/{self.isa}"

@@ -102,20 +102,34 @@ def quant_linear(
     x = _rows(x, "quant_linear input")
     m, k = x.shape
     out = torch.empty(m, out_features)
-    rc = lib.kiln_qlinear_f32(
-        x.data_ptr(),
-        x.stride(0),
-        m,
-        k,
-        codes.data_ptr(),
-        scales.data_ptr(),
-        KERNEL_FORMAT[format],
-        group,
-        out_features,
-        None if bias is None else bias.data_ptr(),
-        out.data_ptr(),
-        _threads(),
-    )
+    if format == "w8a8_int8":
+        rc = lib.kiln_a8_linear_f32(
+            x.data_ptr(),
+            x.stride(0),
+            m,
+            k,
+            codes.data_ptr(),
+            scales.data_ptr(),
+            out_features,
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            _threads(),
+        )
+    else:
+        rc = lib.kiln_qlinear_f32(
+            x.data_ptr(),
+            x.stride(0),
+            m,
+            k,
+            codes.data_ptr(),
+            scales.data_ptr(),
+            KERNEL_FORMAT[format],
+            group,
+            out_features,
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            _threads(),
+        )
     if rc == -1:
         raise MemoryError(f"kiln_cpu quant_linear: no memory for a {m} x {k} copy of its input")
     if rc != 0:

@@ -18,7 +18,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.compiler.target import Target
+from kiln.compiler.target import CPU_EXTRA_CFLAGS, Target
 from kiln.paths import cache_dir
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
@@ -41,6 +41,8 @@ _SIGNATURES = {
         _INT,
         [_P, _I64, _I64, _I64, _P, _P, _INT, _I64, _I64, _P, _P, _INT],
     ),
+    "kiln_a8_linear_f32": (_INT, [_P, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _INT]),
+    "kiln_a8_vnni": (_I64, []),
     "kiln_qembedding_f32": (_INT, [_P, _I64, _P, _P, _INT, _I64, _I64, _I64, _P]),
     "kiln_decode_attention_f32": (
         _INT,
@@ -77,7 +79,8 @@ class Toolchain:
 
 
 def flags(target: Target) -> tuple[str, ...]:
-    return (*BASE_FLAGS, f"-march={target.march}", "-mtune=generic")
+    extra = CPU_EXTRA_CFLAGS.get(target.isa, ())
+    return (*BASE_FLAGS, f"-march={target.march}", *extra, "-mtune=generic")
 
 
 def source_sha256() -> str:

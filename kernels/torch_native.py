@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kiln.compiler.quant import dequantize
+from kiln.compiler.quant import dequantize, quantize_activations
 from kiln.kernels.registry import register
 
 
@@ -21,10 +21,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _unpack_quant(codes: torch.Tensor, scales: torch.Tensor, fmt: str, rows: int) -> torch.Tensor:
     """Quantized panels (compiler/layout.py) -> float32 [rows, K]."""
+    if fmt == "w8a8_int8":  # [T, K/4, L, 4] -> [T, K, L]
+        codes = codes.permute(0, 1, 3, 2).reshape(codes.shape[0], -1, codes.shape[2])
     tiles, _, lanes = codes.shape
     if fmt == "uint4":  # [T, K/2, L] bytes -> [T, K, L] codes, k even from the low nibble
         codes = torch.stack([codes & 0xF, codes >> 4], dim=2).reshape(tiles, -1, lanes)
-    if fmt == "int8":
+    if fmt in ("int8", "w8a8_int8"):
         codes = codes.view(torch.int8)
     q = codes.transpose(1, 2).reshape(tiles * lanes, -1)[:rows]
     s = scales.permute(0, 3, 1, 2).reshape(tiles * lanes, *scales.shape[1:3])[:rows]
@@ -42,8 +44,18 @@ def quant_linear(
     group: int,
     out_features: int,
 ) -> torch.Tensor:
-    """Reference: dequantize the whole weight, then a float GEMM."""
-    return F.linear(x, _unpack_quant(codes, scales, format, out_features).to(x.dtype), bias)
+    """Reference: dequantize the whole weight, then a float GEMM (w8a8_int8: the integer
+    sums of per-token int8 activations, exact in float64, then the two scales)."""
+    w = _unpack_quant(codes, scales, format, out_features)
+    if format != "w8a8_int8":
+        return F.linear(x, w.to(x.dtype), bias)
+    tiles, _, lanes, _ = codes.shape
+    sw = scales[:, 0, 0, :].reshape(tiles * lanes)[:out_features]
+    wq = torch.round(w / sw[:, None])
+    xq, sx = quantize_activations(x.float())
+    sums = (xq.double() @ wq.double().T).float()
+    out = sums * (sx * sw)
+    return out if bias is None else out + bias
 
 
 @register("quant_embedding")

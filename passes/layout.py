@@ -23,7 +23,7 @@ from kiln.compiler.ir import Graph, Node
 from kiln.compiler.layout import panel_shape, panels_name
 from kiln.passes.base import PassContext, PassResult
 
-NARROW_ROWS = {"avx512": [6, 16], "avx2": [6, 8]}
+NARROW_ROWS = {"avx512": [6, 16], "avx512_vnni": [6, 16], "avx2": [6, 8]}
 _READERS = {"linear": "packed_linear", "embedding": "packed_embedding"}
 
 

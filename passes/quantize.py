@@ -2,6 +2,8 @@
 
 The scheme comes from the compile arguments, resolved by `scheme_from_args`:
 - `--quantization fp8`: fp8 e4m3 codes, one float32 scale per output row;
+- `--quantization w8a8_int8`: int8 codes, one scale per output row, activations quantized
+  per token by the kernel (int8 dot products);
 - `--torchao-config int8wo`: int8 codes, one scale per output row (weight-only);
 - `--torchao-config int4wo-G` (G = 32, 64, 128, 256): 4-bit codes with a scale and a min
   per G inputs of a row (weight-only);
@@ -22,7 +24,7 @@ from typing import Any
 from kiln.args import ArgError
 from kiln.compiler.ir import Graph, Node, WeightSpec
 from kiln.compiler.layout import panel_shape
-from kiln.compiler.quant import CODE_DTYPE, GGUF_FORMATS, PLANES
+from kiln.compiler.quant import CODE_DTYPE, CODE_LAYOUT, GGUF_FORMATS, PLANES
 from kiln.passes.base import PassContext, PassResult
 
 TORCHAO = {"int8wo": ("int8", 0), **{f"int4wo-{g}": ("uint4", g) for g in (32, 64, 128, 256)}}
@@ -58,7 +60,7 @@ def quantize(graph: Graph, ctx: PassContext) -> PassResult:
             (n, k),
             CODE_DTYPE[fmt],
             {**recipe, "part": "codes"},
-            f"{'q4' if fmt == 'uint4' else 'q8'}panels{lanes}",
+            f"{CODE_LAYOUT[fmt]}panels{lanes}",
         )
         scales_name = f"{name}.scales"
         graph.weights[scales_name] = WeightSpec(

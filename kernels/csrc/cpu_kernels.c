@@ -805,3 +805,138 @@ int kiln_qembedding_f32(const int64_t *ids, int64_t tokens, const void *q, const
     }
     return 0;
 }
+
+/* ---- w8a8 int8 linear (SGLang's --quantization w8a8_int8) ----
+ *
+ * Weights int8, one scale per output row; activations quantized per token at run time:
+ * sx = max|x| / 127, xq = round(x / sx) (half to even). out = sx * sw * sum_k xq wq, the sum
+ * exact in int32. With AVX-512 VNNI one vpdpbusd multiplies 4 k's for 16 rows of weights:
+ * it takes unsigned x bytes, so x is stored as xq + 128 and the compiler's per-row
+ * correction c = 128 * sum_k wq comes off the sum. Without VNNI the same integer sums are
+ * computed plainly (identical results, slower).
+ *
+ * codes: [N_pad / L][K / 4][L][4] int8 (k % 4 == 0); scales: [N_pad / L][1][2][L]:
+ * the row's scale, then c. */
+#ifdef __AVX512VNNI__
+#define A8_VNNI 1
+#else
+#define A8_VNNI 0
+#endif
+
+int64_t kiln_a8_vnni(void) { return A8_VNNI; }
+
+#define A8_ROWS 4
+
+static inline __attribute__((always_inline)) void a8_tile(
+    const uint32_t *xb, int64_t k4, const int8_t *panel, int64_t pstride, const float *sc,
+    int64_t sstride, const float *sx, const float *bias, float *out, int64_t n, int64_t cols,
+    const int rows, const int np) {
+    int32_t acc[4][A8_ROWS][LANES];
+#if A8_VNNI
+    __m512i va[4][A8_ROWS];
+    for (int p = 0; p < np; p++)
+        for (int r = 0; r < rows; r++) va[p][r] = _mm512_setzero_si512();
+    for (int64_t kk = 0; kk < k4; kk++) {
+        for (int p = 0; p < np; p++) {
+            const int8_t *q = panel + p * pstride + kk * LANES * 4;
+            __builtin_prefetch(q + PREFETCH_BYTES);
+            const __m512i w = _mm512_loadu_si512((const void *)q);
+            for (int r = 0; r < rows; r++)
+                va[p][r] = _mm512_dpbusd_epi32(va[p][r], _mm512_set1_epi32((int)xb[r * k4 + kk]), w);
+        }
+    }
+    for (int p = 0; p < np; p++)
+        for (int r = 0; r < rows; r++) _mm512_storeu_si512((void *)acc[p][r], va[p][r]);
+#else
+    for (int p = 0; p < np; p++)
+        for (int r = 0; r < rows; r++)
+            for (int c = 0; c < LANES; c++) acc[p][r][c] = 0;
+    for (int64_t kk = 0; kk < k4; kk++) {
+        for (int p = 0; p < np; p++) {
+            const int8_t *q = panel + p * pstride + kk * LANES * 4;
+            for (int r = 0; r < rows; r++) {
+                const uint32_t xv = xb[r * k4 + kk];
+                const int32_t x0 = (int32_t)(xv & 0xFF), x1 = (int32_t)((xv >> 8) & 0xFF);
+                const int32_t x2 = (int32_t)((xv >> 16) & 0xFF), x3 = (int32_t)(xv >> 24);
+                for (int c = 0; c < LANES; c++)
+                    acc[p][r][c] += x0 * q[c * 4] + x1 * q[c * 4 + 1] + x2 * q[c * 4 + 2] +
+                                    x3 * q[c * 4 + 3];
+            }
+        }
+    }
+#endif
+    for (int p = 0; p < np; p++) {
+        const int64_t base = p * LANES;
+        if (base >= cols) break;
+        const int64_t width = cols - base < LANES ? cols - base : LANES;
+        const float *s = sc + p * sstride, *corr = s + LANES;
+        for (int r = 0; r < rows; r++)
+            for (int64_t c = 0; c < width; c++) {
+                const float v = (float)((double)acc[p][r][c] - (double)corr[c]) * (sx[r] * s[c]);
+                out[r * n + base + c] = bias ? v + bias[base + c] : v;
+            }
+    }
+}
+
+#define A8_CASE(R, NP) \
+    case R: a8_tile(xb, k4, panel, pstride, sc, sstride, sx, b, o, n, cols, R, NP); break;
+
+/* x: [m, k] rows `x_stride` apart, k % 4 == 0; codes, scales as above; out: [m, n].
+ * Returns -1 without scratch memory, -2 if k is not a multiple of 4, else 0. */
+int kiln_a8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k,
+                       const int8_t *codes, const float *scales, int64_t n, const float *bias,
+                       float *out, int threads) {
+    if (k % 4) return -2;
+    const int64_t k4 = k / 4, panels = (n + LANES - 1) / LANES;
+    const int np = 4;
+    const int64_t items = (panels + np - 1) / np;
+    const int64_t pstride = k * LANES, sstride = 2 * LANES;
+    uint32_t *xball = malloc((size_t)(m * k4) * sizeof(uint32_t) + (size_t)m * sizeof(float));
+    if (!xball) return -1;
+    float *sxall = (float *)(xball + m * k4);
+    for (int64_t r = 0; r < m; r++) {
+        const float *xr = x + r * x_stride;
+        float amax = 0.0f;
+        for (int64_t i = 0; i < k; i++) amax = fabsf(xr[i]) > amax ? fabsf(xr[i]) : amax;
+        const float sx = amax > 0.0f ? amax / 127.0f : 1.0f;
+        sxall[r] = sx;
+        uint8_t *bytes = (uint8_t *)(xball + r * k4);
+        for (int64_t i = 0; i < k; i++) {
+            float q = nearbyintf(xr[i] / sx);
+            q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+            bytes[i] = (uint8_t)((int)q + 128);
+        }
+    }
+#pragma omp parallel for schedule(static) num_threads(threads) if (m * n * k >= PARALLEL_MIN_ELEMS)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t p0 = it * np, col0 = p0 * LANES;
+        const int64_t have = panels - p0 < np ? panels - p0 : np;
+        const int64_t cols = n - col0 < have * LANES ? n - col0 : have * LANES;
+        const int8_t *panel = codes + p0 * pstride;
+        const float *sc = scales + p0 * sstride;
+        const float *b = bias ? bias + col0 : NULL;
+        for (int64_t r0 = 0; r0 < m; r0 += A8_ROWS) {
+            const int64_t rows = m - r0 < A8_ROWS ? m - r0 : A8_ROWS;
+            const uint32_t *xb = xball + r0 * k4;
+            const float *sx = sxall + r0;
+            float *o = out + r0 * n + col0;
+            if (have == 4) {
+                switch (rows) { A8_CASE(1, 4) A8_CASE(2, 4) A8_CASE(3, 4) A8_CASE(4, 4) default: break; }
+            } else {
+                for (int64_t p = 0; p < have; p++) {
+                    const int64_t c0 = p * LANES, w = cols - c0 < LANES ? cols - c0 : LANES;
+                    const int8_t *pp = panel + p * pstride;
+                    const float *sp = sc + p * sstride, *bp = b ? b + c0 : NULL;
+                    float *op = o + c0;
+                    switch (rows) {
+#define A8_ONE(R) \
+    case R: a8_tile(xb, k4, pp, pstride, sp, sstride, sx, bp, op, n, w, R, 1); break;
+                        A8_ONE(1) A8_ONE(2) A8_ONE(3) A8_ONE(4) default: break;
+                    }
+                }
+            }
+        }
+    }
+    free(xball);
+    return 0;
+}

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from native_libs import HOST_LEVELS, library
 
 from kiln.compiler.layout import pack_panels, pack_qpanels, panels_name
-from kiln.compiler.quant import dequantize, quantize
+from kiln.compiler.quant import dequantize, quantize, quantize_activations
 from kiln.kernels import registry
 from kiln.kernels.attention import AttentionBatch, SeqSpan
 
@@ -123,6 +123,29 @@ def test_quant_linear_matches_its_dequantized_weight(
     wide[:, :96] = x
     out = k("quant_linear", backend)(wide[:, :96], codes, scales, **kw)
     torch.testing.assert_close(out, ref - b, atol=1e-4, rtol=1e-4)
+
+
+@BOTH
+@pytest.mark.parametrize("rows", [1, 3, 5, 17])
+def test_w8a8_linear_sums_int8_activations_exactly(backend: str, rows: int) -> None:
+    """Per-token int8 activations times per-row int8 weights, summed exactly, then both
+    scales: every ISA level (VNNI or plain integer code) gives the same numbers."""
+    lanes = _lanes(backend)
+    x, w, b = torch.randn(rows, 96) * 3, torch.randn(1000, 96), torch.randn(1000)
+    q, s = quantize(w, "w8a8_int8", 96)
+    codes, scales = pack_qpanels(q, f"a8panels{lanes}"), pack_qpanels(s, f"spanels{lanes}")
+    xq, sx = quantize_activations(x)
+    ref = (xq.double() @ q.double().T).float() * (sx * s[:, 0, 0]) + b
+    kw = {"format": "w8a8_int8", "group": 96, "out_features": 1000}
+    got = k("quant_linear", backend)(x, codes, scales, b, **kw)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-6)
+    # and it is a quantization of the float product, not something else
+    assert (got - F.linear(x, w, b)).abs().max() < 0.1 * F.linear(x, w).abs().max()
+
+
+def test_the_vnni_build_uses_vnni() -> None:
+    expect = {level: int(level == "avx512_vnni") for level in HOST_LEVELS}
+    assert {level: library(level).kiln_a8_vnni() for level in HOST_LEVELS} == expect
 
 
 @BOTH
