@@ -1,7 +1,7 @@
 """Batch-1 decode and prefill against llama.cpp, on the real model, at each precision.
 
-    python benchmarks/decode_cpu.py                 # fp32, 8-bit and 4-bit, 5 rounds each
-    python benchmarks/decode_cpu.py --rounds 7 --precisions Q4_1
+    python benchmarks/decode_cpu.py                 # every row, 5 rounds each
+    python benchmarks/decode_cpu.py --rounds 7 --rows Q4_1 "w8a8_int8 vs Q8_0"
 
 The model is SmolLM2-135M-Instruct (`python -m kiln.example --fetch smollm2`, a Q4_1 GGUF
 file). For each precision llama.cpp's own quantizer writes the GGUF file (F32 and Q8_0 /
@@ -15,7 +15,7 @@ other's); rounds alternate kiln, llama.cpp, kiln, ... and each figure is the med
 rounds with the spread (min-max). Decode tok/s excludes the prefill: (tokens - 1) over the
 time of a long generation minus a one-token one. The roofline is the measured read
 bandwidth over the weight bytes one decode step reads (the artefact's weight file, all of
-which a step reads: the embedding table is the tied lm_head).
+which a step reads: the embedding table is the tied lm_head), and for llama.cpp its file.
 """
 
 from __future__ import annotations
@@ -34,6 +34,15 @@ from bench_common import machine, read_bandwidth_gbs
 
 # precision -> llama.cpp ftype its quantizer writes (None: the shipped file as it is).
 PRECISIONS = {"F32": 0, "Q8_0": 7, "Q4_0": 2, "Q4_1": None}
+# Rows: label -> (llama.cpp's file, the file kiln compiles, kiln's compile flags). The GGUF
+# rows run identical weights; the scheme rows quantize the F32 file with kiln's schemes and
+# put them beside llama.cpp's format of the same width.
+ROWS: dict[str, tuple[str, str, dict[str, str]]] = {
+    **{p: (p, p, {}) for p in PRECISIONS},
+    "int8wo vs Q8_0": ("Q8_0", "F32", {"torchao_config": "int8wo"}),
+    "w8a8_int8 vs Q8_0": ("Q8_0", "F32", {"quantization": "w8a8_int8"}),
+    "int4wo-64 vs Q4_0": ("Q4_0", "F32", {"torchao_config": "int4wo-64"}),
+}
 
 
 def gguf_for(precision: str, shipped: Path, work: Path) -> Path:
@@ -130,7 +139,7 @@ def spread(xs: list[float]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
+    p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--prefill-tokens", type=int, default=128)
@@ -147,10 +156,15 @@ def main() -> None:
     long_prompt = list(range(2000, 2000 + args.prefill_tokens))
     bw = read_bandwidth_gbs()
     rows = []
-    for precision in args.precisions:
-        gguf = gguf_for(precision, shipped, work)
-        art = work / f"art-{precision}"
-        compile_model(ServerArgs(model_path=str(gguf)), art)
+    files: dict[str, Path] = {}
+    for row in args.rows:
+        peer, mine, flags = ROWS[row]
+        for precision in (peer, mine):
+            if precision not in files:
+                files[precision] = gguf_for(precision, shipped, work)
+        gguf = files[peer]
+        art = work / f"art-{len(rows)}"
+        compile_model(ServerArgs(model_path=str(files[mine]), **flags), art)
         step_bytes = (art / "weights" / "rank0.safetensors").stat().st_size
         engines = {
             "kiln": Engine("kiln", art, args.threads),
@@ -165,14 +179,16 @@ def main() -> None:
         for e in engines.values():
             e.close()
         limit = bw * 1e9 / step_bytes
+        peer_limit = bw * 1e9 / gguf.stat().st_size
         kd = [d for d, _ in got["kiln"]]
         ld = [d for d, _ in got["llama.cpp"]]
         kp = [q for _, q in got["kiln"]]
         lp = [q for _, q in got["llama.cpp"]]
         rows.append(
-            f"| {precision} | {step_bytes / 1e6:.0f} | {spread(kd)} | {spread(ld)} | "
+            f"| {row} | {step_bytes / 1e6:.0f} / {gguf.stat().st_size / 1e6:.0f} | "
+            f"{spread(kd)} | {spread(ld)} | "
             f"{statistics.median(kd) / statistics.median(ld):.2f}x | "
-            f"{statistics.median(kd) / limit:.0%} / {statistics.median(ld) / limit:.0%} | "
+            f"{statistics.median(kd) / limit:.0%} / {statistics.median(ld) / peer_limit:.0%} | "
             f"{spread(kp)} | {spread(lp)} | "
             f"{statistics.median(kp) / statistics.median(lp):.2f}x |"
         )
@@ -184,7 +200,8 @@ def main() -> None:
         f"(min-max); {args.threads} threads each\n"
     )
     print(
-        "| precision | MB read per step | kiln decode tok/s | llama.cpp decode tok/s | "
+        "| kiln (vs llama.cpp) | MB read per step (kiln / llama.cpp) | kiln decode tok/s | "
+        "llama.cpp decode tok/s | "
         "decode ratio | roofline (kiln / llama.cpp) | kiln prefill tok/s | "
         "llama.cpp prefill tok/s | prefill ratio |"
     )
