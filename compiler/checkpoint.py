@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
-from kiln.compiler.quant import GGUF_FORMATS, from_gguf_blocks, quantize
+from kiln.compiler.quant import GGUF_FORMATS, dequantize, from_gguf_blocks, quantize
 
 if TYPE_CHECKING:
     from kiln.compiler.gguf_import import GGUFFile
@@ -82,26 +83,87 @@ class CheckpointReader:
                     f"tensor {name!r} has shape {tuple(t.shape)}, the model expects {tuple(shape)}"
                 )
             return t
-        f = self._where.get(name)
-        if f is None:
-            raise CheckpointError(f"checkpoint {self.path} has no tensor {name!r}")
-        h = self._handle(f)
-        t = h.get_tensor(name) if self.load_format == "safetensors" else h[name]
+        t = self._raw(name)
+        if t.dtype == torch.float8_e4m3fn:  # an fp8 checkpoint's weight, read as floats
+            codes, scales = self._fp8(name)
+            t = dequantize(codes, scales, "fp8_e4m3")
         if tuple(t.shape) != tuple(shape):
             raise CheckpointError(
                 f"tensor {name!r} has shape {tuple(t.shape)}, the model expects {tuple(shape)}"
             )
         return t
 
+    def stored_formats(self) -> dict[str, tuple[str, int]]:
+        """Checkpoint tensors already in a kiln format, as stored: name -> (format, group).
+        GGUF Q8_0 / Q4_0 / Q4_1 blocks, and fp8 e4m3 weights of a checkpoint whose config
+        says `quant_method: fp8` (a scale per 128 x 128 block, `weight_scale_inv`, or per
+        tensor or row, `weight_scale`)."""
+        if self.gguf is not None:
+            types = {n: GGUF_FORMATS.get(self.gguf.qtype(n)) for n in self.gguf.tensors}
+            return {n: f for n, f in types.items() if f is not None}
+        block = self.fp8_block()
+        if block is None:
+            return {}
+        out = {}
+        for name in self._where:
+            if name.endswith(".weight") and self._dtype(name) == "F8_E4M3":
+                k = self._shape(name)[1]
+                group = block[1] if block else k
+                if k % group == 0:
+                    out[name] = ("fp8_e4m3", group)
+        return out
+
+    def fp8_block(self) -> tuple[int, ...] | None:
+        """An fp8 checkpoint's weight_block_size; () (falsy) for per-tensor or per-row
+        scales; None when the checkpoint is not fp8."""
+        config = self.path / "config.json"
+        if not config.is_file():
+            return None
+        q = json.loads(config.read_text()).get("quantization_config") or {}
+        if q.get("quant_method") != "fp8":
+            return None
+        block = q.get("weight_block_size")
+        return (int(block[0]), int(block[1])) if block else ()
+
+    def _fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes as uint8 [N, K], scales [N, K / group, 1]) of a stored fp8 weight."""
+        q = self._raw(name)
+        n, k = q.shape
+        block = self.fp8_block()
+        if block:
+            bn, bk = block
+            inv = self._raw(name + "_scale_inv").float()  # [ceil(N / bn), ceil(K / bk)]
+            rows = inv.repeat_interleave(bn, dim=0)[:n]
+            return q.view(torch.uint8), rows[:, : k // bk].reshape(n, k // bk, 1).contiguous()
+        s = self._raw(name + "_scale").float().reshape(-1)
+        s = s.expand(n) if s.numel() == 1 else s
+        return q.view(torch.uint8), s.reshape(n, 1, 1).contiguous()
+
     def quantized(self, name: str, fmt: str, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(codes, scales) of checkpoint tensor `name` in `fmt` (compiler/quant.py): GGUF
-        blocks of that format are decoded as stored, anything else is quantized."""
+        """(codes, scales) of checkpoint tensor `name` in `fmt` (compiler/quant.py): tensors
+        stored in that format (`stored_formats`) as they are, anything else quantized."""
         if self.gguf is not None and GGUF_FORMATS.get(self.gguf.qtype(name)) == (fmt, group):
             n, k = self.gguf.shape(name)
             codes, scales = from_gguf_blocks(self.gguf.raw(name), self.gguf.qtype(name), n, k)
             return torch.from_numpy(codes), torch.from_numpy(scales)
+        if self.gguf is None and self.stored_formats().get(name) == (fmt, group):
+            return self._fp8(name)
         t = self.get(name, self.gguf.shape(name) if self.gguf else self._shape(name))
         return quantize(t, fmt, group)
+
+    def _raw(self, name: str) -> torch.Tensor:
+        f = self._where.get(name)
+        if f is None:
+            raise CheckpointError(f"checkpoint {self.path} has no tensor {name!r}")
+        h = self._handle(f)
+        return h.get_tensor(name) if self.load_format == "safetensors" else h[name]
+
+    def _dtype(self, name: str) -> str:
+        f = self._where[name]
+        h = self._handle(f)
+        if self.load_format == "safetensors":
+            return str(h.get_slice(name).get_dtype())
+        return "F8_E4M3" if h[name].dtype == torch.float8_e4m3fn else str(h[name].dtype)
 
     def _shape(self, name: str) -> tuple[int, ...]:
         f = self._where.get(name)

@@ -110,7 +110,14 @@ def quant_scheme(
             raise ArgError("--quantization gguf: the checkpoint is not a GGUF file")
         if target.device != "cpu":
             return None  # no quantized kernels for this target: the blocks are read as floats
-        return {"gguf_types": {name: gguf.qtype(name) for name in gguf.tensors}}
+        return {"stored": reader.stored_formats()}
+    if reader.fp8_block() is not None and not args.torchao_config:
+        # An fp8 checkpoint (config quant_method: fp8) runs as stored, as SGLang detects it.
+        if args.quantization not in (None, "fp8"):
+            raise ArgError(f"--quantization {args.quantization}: the checkpoint is fp8 already")
+        if target.device != "cpu":
+            return None
+        return {"stored": reader.stored_formats()}
     if args.quantization == "fp8":
         return {"format": "fp8_e4m3", "group": 0, "flag": "--quantization fp8"}
     if args.quantization == "w8a8_int8":

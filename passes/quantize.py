@@ -9,7 +9,9 @@ The scheme comes from the compile arguments, resolved by `scheme_from_args`:
   per G inputs of a row (weight-only);
 - a GGUF checkpoint with `--dtype auto` (or `--quantization gguf`): each weight keeps the
   format of its GGUF blocks where kiln runs it as it is (Q8_0, Q4_0, Q4_1: compiler/quant.py,
-  no loss), tied embedding and lm_head included; other block types are read as floats.
+  no loss), tied embedding and lm_head included; other block types are read as floats;
+- an fp8 checkpoint (config `quant_method: fp8`): its fp8 e4m3 weights as stored, the
+  128 x 128 block scales as a scale per row per 128 inputs (no loss).
 With a float checkpoint the lm_head stays float, as SGLang leaves it.
 
 A quantized linear becomes `quant_linear(x, codes, scales[, bias])` with its format and group
@@ -24,7 +26,7 @@ from typing import Any
 from kiln.args import ArgError
 from kiln.compiler.ir import Graph, Node, WeightSpec
 from kiln.compiler.layout import panel_shape
-from kiln.compiler.quant import CODE_DTYPE, CODE_LAYOUT, GGUF_FORMATS, PLANES
+from kiln.compiler.quant import CODE_DTYPE, CODE_LAYOUT, PLANES
 from kiln.passes.base import PassContext, PassResult
 
 TORCHAO = {"int8wo": ("int8", 0), **{f"int4wo-{g}": ("uint4", g) for g in (32, 64, 128, 256)}}
@@ -107,9 +109,10 @@ def _format_for(spec: WeightSpec, scheme: dict[str, Any]) -> tuple[str, int] | N
     loads = _loads(spec.source)
     if loads is None:
         return None
-    if "gguf_types" in scheme:
-        formats = {GGUF_FORMATS.get(scheme["gguf_types"].get(x, "")) for x in loads}
-        return formats.pop() if len(formats) == 1 else None
+    if "stored" in scheme:  # as the checkpoint stores them, where every part agrees
+        formats = {tuple(scheme["stored"][x]) if x in scheme["stored"] else None for x in loads}
+        found = formats.pop() if len(formats) == 1 else None
+        return None if found is None else (str(found[0]), int(found[1]))
     if any(x in _FLOAT_HEAD for x in loads):
         return None
     return scheme["format"], scheme["group"]

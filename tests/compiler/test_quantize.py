@@ -131,3 +131,69 @@ def test_quantization_flags_are_refused_in_one_line(
             compile_model(ServerArgs(model_path=ckpt, **flags), tmp_path / "a")
     with pytest.raises(ArgError, match="--quantization awq: is not implemented"):
         ServerArgs.from_cli(["--model-path", ckpt, "--quantization", "awq"])
+
+
+def _fp8_checkpoint(src: Path, dst: Path, block: bool) -> dict[str, torch.Tensor]:
+    """`src` as an fp8 checkpoint the way DeepSeek-V3 / Qwen3-FP8 are published (fp8 e4m3
+    weights, `weight_scale_inv` per 128 x 128 block) or per tensor (`weight_scale`); the
+    lm_head stays in the float dtype. Returns the dequantized weights (the oracle's)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    out, dequant = {}, {}
+    for name, w in tensors.items():
+        if w.dim() != 2 or "embed" in name or "lm_head" in name:
+            out[name] = w
+            continue
+        n, k = w.shape
+        if block:
+            rows = -(-n // 128) * 128  # the last block of rows may be partial (k_proj: 64)
+            padded = torch.cat([w, w.new_zeros(rows - n, k)])
+            blocks = padded.reshape(rows // 128, 128, k // 128, 128).abs().amax((1, 3))
+            inv = blocks / 448.0
+            full = inv.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n]
+            out[name + "_scale_inv"] = inv
+        else:
+            inv = w.abs().amax() / 448.0
+            full = inv
+            out[name + "_scale"] = inv.reshape(1)
+        q = (w / full).to(torch.float8_e4m3fn)
+        out[name] = q
+        dequant[name] = q.float() * full
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    if block:
+        cfg["quantization_config"]["weight_block_size"] = [128, 128]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dequant
+
+
+@pytest.mark.parametrize("block", [True, False], ids=["block-128", "per-tensor"])
+def test_fp8_checkpoints_run_as_stored(
+    block: bool, checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    src = checkpoint("llama", **SHAPE)
+    fp8 = tmp_path / "fp8-ckpt"
+    dequant = _fp8_checkpoint(src, fp8, block)
+    art = tmp_path / "art"
+    compile_model(ServerArgs(model_path=str(fp8)), art)
+    graph = json.loads((art / "graph.json").read_text())
+    quant = [n for n in graph["nodes"] if n["op"] == "quant_linear"]
+    assert len(quant) == 4 * 2 and {n["attrs"]["format"] for n in quant} == {"fp8_e4m3"}
+    assert {n["attrs"]["group"] for n in quant} == ({128} if block else {128, 256})
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name in dequant:
+                p.copy_(dequant[name])
+    engine = Engine(art, max_total_tokens=1024)
+    seq = PROMPTS[1]
+    with torch.no_grad():
+        ref = hf(torch.tensor([seq])).logits[0]
+    torch.testing.assert_close(engine.prompt_logits(seq), ref, atol=1e-4, rtol=0)
+    with pytest.raises(ArgError, match="--quantization w8a8_int8: the checkpoint is fp8"):
+        compile_model(ServerArgs(model_path=str(fp8), quantization="w8a8_int8"), tmp_path / "b")

@@ -65,3 +65,21 @@ def test_real_model_chats_through_the_server(smollm2_art: Path, launch) -> None:
     )
     assert "Paris" in (reply.choices[0].message.content or "")
     assert reply.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [{"quantization": "w8a8_int8"}, {"torchao_config": "int4wo-64"}, {"quantization": "fp8"}],
+    ids=["w8a8_int8", "int4wo-64", "fp8"],
+)
+def test_quantized_schemes_serve_the_real_model(
+    flags: dict[str, str], smollm2: Path, tmp_path: Path, launch
+) -> None:
+    art = tmp_path / "art"
+    compile_model(ServerArgs(model_path=str(smollm2), **flags), art)
+    server = launch(art, "--api-key", API_KEY)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+    reply = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct.Q4_1", messages=QUESTION, max_tokens=32, temperature=0
+    )
+    assert "Paris" in (reply.choices[0].message.content or "")
