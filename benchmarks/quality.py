@@ -11,6 +11,11 @@ Per variant: perplexity of the text, mean KL divergence KL(reference || variant)
 next-token distribution, and top-1 agreement with the reference. llama.cpp's own runtime
 (llama-cpp-python, logits of every position) is scored the same way on the file as shipped
 (Q4_1) and on Q4_0 / Q8_0 files its own quantizer makes from it.
+
+The fp8 KV cache variants (`--kv-cache-dtype`) score the text as decoding reads it: one
+token per step, every step attending to the earlier tokens through the fp8 pool (a single
+prefill would attend to its fresh K/V and never read the pool). The reference is the float
+model scored in one prefill; decoding with a float pool gives the same logits.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ KILN = {
     "kiln fp8 (e4m3, per row)": {"quantization": "fp8"},
     "kiln int4wo-32": {"torchao_config": "int4wo-32"},
     "kiln int4wo-64": {"torchao_config": "int4wo-64"},
+    "kiln fp8_e4m3 KV cache (decoded)": {"dtype": "float32", "kv_cache_dtype": "fp8_e4m3"},
+    "kiln fp8_e5m2 KV cache (decoded)": {"dtype": "float32", "kv_cache_dtype": "fp8_e5m2"},
 }
 
 
@@ -59,7 +66,8 @@ def kiln_scorer(gguf: Path, flags: dict, work: Path) -> Callable[[list[int]], to
     art = work / ("art-" + str(abs(hash(str((gguf, sorted(flags.items())))))))
     compile_model(ServerArgs(model_path=str(gguf), **flags), art)
     engine = Engine(art, max_total_tokens=4096, disable_radix_cache=True)
-    return engine.prompt_logits
+    chunk = 1 if flags.get("kv_cache_dtype", "auto") != "auto" else None
+    return lambda ids: engine.prompt_logits(ids, chunk=chunk)
 
 
 def llama_cpp_files(gguf: Path, work: Path) -> dict[str, Path]:

@@ -94,6 +94,8 @@ class RuntimeSpec(_Strict):
     context_length: int = Field(gt=1)
     dtype: Literal["float32", "float16", "bfloat16"]
     page_size: int = Field(gt=0)
+    # The KV pool's element type: the model's dtype, or fp8 (--kv-cache-dtype).
+    kv_dtype: Literal["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]
     bos_token_id: int | None = Field(ge=0)
     eos_token_ids: list[Annotated[int, Field(ge=0)]]
     served_model_name: str

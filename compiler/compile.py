@@ -20,6 +20,7 @@ from kiln.compiler import artefact as fmt
 from kiln.compiler.checkpoint import CheckpointReader
 from kiln.compiler.ir import STRUCTURAL_OPS, Graph
 from kiln.compiler.key import CompileKey, resolve_dtype
+from kiln.compiler.kv_cache import KV_DTYPES, kv_cache_options
 from kiln.compiler.layout import pack_panels, pack_qpanels, panel_shape
 from kiln.compiler.publish import publish, staging_dir
 from kiln.compiler.quant import quantize
@@ -62,6 +63,7 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
             "backends": backends,
             "native_kernels": toolchain is not None,
             "quantization": quant_scheme(args, target, reader),
+            "kv_cache": kv_cache_options(args, cfg.num_layers),
         }
         ctx = PassContext(target=target, dtype=dtype, options=options)
         graph, pass_log = run_passes(graph, ctx, PIPELINES["default"])
@@ -276,6 +278,7 @@ def _manifest(
             "context_length": cfg.max_position_embeddings,
             "dtype": dtype,
             "page_size": args.page_size,
+            "kv_dtype": KV_DTYPES.get(args.kv_cache_dtype, dtype),
             "bos_token_id": cfg.bos_token_id,
             "eos_token_ids": _eos_ids(cfg, root / fmt.TOKENIZER_DIR),
             "served_model_name": _model_name(args.model_path),

@@ -69,6 +69,8 @@ OPS: dict[str, OpSchema] = {
             ("head_dim", "int"),
             ("scale", "float"),
             ("sliding_window", "int?"),
+            # An fp8 KV pool stores K/V / kv_scale (passes/kv_cache.py); 1.0 otherwise.
+            ("kv_scale", "float"),
         ),
     ),
     "index_select": OpSchema(2, 2),

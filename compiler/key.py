@@ -46,7 +46,7 @@ DTYPE_NAMES = {
 CPU_FAST_DTYPES = ("float32",)
 # Compile-time arguments that name inputs rather than shape the artefact: their contents
 # are factors instead.
-_PATH_ARGS = ("model_path", "tokenizer_path")
+_PATH_ARGS = ("model_path", "tokenizer_path", "quantization_param_path")
 # The packages whose source decides what an artefact holds.
 _SOURCE_PACKAGES = (
     *("kiln", "kiln.args", "kiln.compiler", "kiln.kernels", "kiln.models", "kiln.passes"),
@@ -146,9 +146,20 @@ def compile_key(args: ServerArgs, rehash: bool = False) -> CompileKey:
             f.name if ckpt.is_file() else str(f.relative_to(ckpt)): hashed(f) for f in files
         },
         "tokenizer_sha256": {f.name: hashed(f) for f in tok_files},
+        # The KV cache scales file (--quantization-param-path) by its content.
+        "kv_scales_sha256": _scales_sha256(args, hashed),
     }
     key = hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()
     return CompileKey(key, factors, ckpt, tok_dir, target, dtype, load_format, toolchain)
+
+
+def _scales_sha256(args: ServerArgs, hashed: Any) -> str | None:
+    if not args.quantization_param_path:
+        return None
+    path = Path(args.quantization_param_path)
+    if not path.is_file():
+        raise ArgError(f"--quantization-param-path: {path} is not a file")
+    return str(hashed(path))
 
 
 def canonical_args(args: ServerArgs) -> dict[str, Any]:

@@ -73,6 +73,7 @@ def attention(
         head_dim=head_dim,
         scale=scale,
         sliding_window=sliding_window,
+        kv_scale=1.0,
     )
 
 

@@ -12,6 +12,7 @@ from kiln.compiler.ir import STRUCTURAL_OPS, Graph
 from kiln.compiler.store import explain
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "int32": 4}
+_DTYPE_BYTES |= {"float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 def load(root: Path) -> tuple[dict[str, Any], Graph]:
@@ -33,7 +34,7 @@ def summary(root: Path) -> dict[str, Any]:
             count *= d
         by_dtype[f"{w.dtype} {w.layout}"] += count * _DTYPE_BYTES.get(w.dtype, 4)
     kv_per_token = 2 * rt["num_layers"] * rt["num_kv_heads"] * rt["head_dim"]
-    kv_per_token *= _DTYPE_BYTES[rt["dtype"]]
+    kv_per_token *= _DTYPE_BYTES[rt["kv_dtype"]]
     native = manifest.get("native")
     return {
         "path": str(root),
@@ -60,6 +61,7 @@ def summary(root: Path) -> dict[str, Any]:
             "kv_heads": rt["num_kv_heads"],
             "head_dim": rt["head_dim"],
             "page_size": rt["page_size"],
+            "dtype": rt["kv_dtype"],
             "bytes_per_token": kv_per_token,
         },
         "native_kernels": None
@@ -87,7 +89,7 @@ def format_summary(s: dict[str, Any]) -> str:
     kv = s["kv_cache"]
     lines.append(
         f"kv cache   {kv['layers']} layers x {kv['kv_heads']} kv heads x {kv['head_dim']}, "
-        f"pages of {kv['page_size']}, {kv['bytes_per_token']} bytes per token"
+        f"{kv['dtype']}, pages of {kv['page_size']}, {kv['bytes_per_token']} bytes per token"
     )
     nk = s["native_kernels"]
     if nk:

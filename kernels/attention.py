@@ -4,6 +4,10 @@ The runtime builds one `AttentionBatch` per forward step; every attention node o
 graph reads it. The pool is head-major, [layers, kv_heads, slots, head_dim], so gathering
 a sequence's slots yields contiguous [kv_heads, len, head_dim] blocks: SDPA's fast CPU
 path needs contiguous 4-D inputs (a transposed view falls back to a path ~5x slower).
+
+An fp8 pool (`--kv-cache-dtype fp8_e4m3 / fp8_e5m2`) holds value / kv_scale, saturated to
+the format's largest finite value, and is read back as value * kv_scale in the query's
+dtype before SDPA.
 """
 
 from __future__ import annotations
@@ -119,15 +123,38 @@ def attention(
     head_dim: int,
     scale: float,
     sliding_window: int | None,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
-    write_kv(ctx, layer, k, v, num_kv_heads, head_dim)
+    write_kv(ctx, layer, k, v, num_kv_heads, head_dim, kv_scale)
     if ctx.decode:
         return _decode(
-            ctx, q, k_cache, v_cache, num_heads, num_kv_heads, head_dim, scale, sliding_window
+            ctx,
+            q,
+            k_cache,
+            v_cache,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            scale,
+            sliding_window,
+            kv_scale,
         )
     outs = [
-        attend_one(ctx, s, q, k, v, layer, num_heads, num_kv_heads, head_dim, scale, sliding_window)
+        attend_one(
+            ctx,
+            s,
+            q,
+            k,
+            v,
+            layer,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            scale,
+            sliding_window,
+            kv_scale,
+        )
         for s in ctx.seqs
     ]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -140,12 +167,43 @@ def write_kv(
     v: torch.Tensor,
     num_kv_heads: int,
     head_dim: int,
+    kv_scale: float = 1.0,
 ) -> None:
     """Store the step's new K/V rows ([tokens, kv_heads * head_dim]) at `ctx.out_slots`."""
     k = k.view(-1, num_kv_heads, head_dim).transpose(0, 1)  # [kv_heads, tokens, d]
     v = v.view(-1, num_kv_heads, head_dim).transpose(0, 1)
+    pool = ctx.k_cache.dtype
+    if is_fp8(pool):
+        # aten has no fp8 index_copy_ on CPU: the bytes are copied as uint8.
+        k, v = (to_pool(t, pool, kv_scale).view(torch.uint8) for t in (k, v))
+        ctx.k_cache[layer].view(torch.uint8).index_copy_(1, ctx.out_slots, k)
+        ctx.v_cache[layer].view(torch.uint8).index_copy_(1, ctx.out_slots, v)
+        return
     ctx.k_cache[layer].index_copy_(1, ctx.out_slots, k)
     ctx.v_cache[layer].index_copy_(1, ctx.out_slots, v)
+
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_DTYPES
+
+
+def to_pool(x: torch.Tensor, pool: torch.dtype, kv_scale: float) -> torch.Tensor:
+    """x / kv_scale in the pool's fp8 format, saturated (e5m2 would overflow to inf)."""
+    big = torch.finfo(pool).max
+    return (x.float() / kv_scale).clamp_(-big, big).to(pool)
+
+
+def from_pool(x: torch.Tensor, dtype: torch.dtype, kv_scale: float) -> torch.Tensor:
+    """Pool rows as `dtype` values (identity for a float pool)."""
+    if not is_fp8(x.dtype):
+        return x
+    y = x.to(torch.float32)
+    if kv_scale != 1.0:
+        y = y * kv_scale
+    return y.to(dtype)
 
 
 def attend_one(
@@ -160,6 +218,7 @@ def attend_one(
     head_dim: int,
     scale: float,
     window: int | None,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention output rows [q_len, heads * head_dim] of one sequence of a prefill or
     mixed batch (its K/V already written): SDPA on its fresh K/V when nothing was cached
@@ -170,8 +229,10 @@ def attend_one(
         ks = k[rows].view(s.q_len, num_kv_heads, head_dim).transpose(0, 1).unsqueeze(0)
         vs = v[rows].view(s.q_len, num_kv_heads, head_dim).transpose(0, 1).unsqueeze(0)
     else:
-        ks = ctx.k_cache[layer].index_select(1, s.kv_slots).unsqueeze(0)
-        vs = ctx.v_cache[layer].index_select(1, s.kv_slots).unsqueeze(0)
+        ks, vs = (
+            from_pool(c[layer].index_select(1, s.kv_slots), q.dtype, kv_scale).unsqueeze(0)
+            for c in (ctx.k_cache, ctx.v_cache)
+        )
     gqa = num_heads != num_kv_heads
     if s.kv_len == s.q_len and window is None:
         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
@@ -191,6 +252,7 @@ def _decode(
     head_dim: int,
     scale: float,
     window: int | None,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     # One new token per sequence: the query heads sharing a KV head become query *rows*
     # of that head ([kv_heads, batch, group, d]), so no K/V is repeated for GQA.
@@ -200,7 +262,7 @@ def _decode(
     block = ctx.page_size * head_dim
     ks = k_cache.view(num_kv_heads, -1, block).index_select(1, ctx.kv_index)
     vs = v_cache.view(num_kv_heads, -1, block).index_select(1, ctx.kv_index)
-    ks, vs = (t.view(num_kv_heads, b, -1, head_dim) for t in (ks, vs))
+    ks, vs = (from_pool(t, q.dtype, kv_scale).view(num_kv_heads, b, -1, head_dim) for t in (ks, vs))
     qg = q.view(b, num_kv_heads, group, head_dim).transpose(0, 1)
     o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=ctx.decode_mask(window), scale=scale)
     return o.transpose(0, 1).reshape(b, num_heads * head_dim)

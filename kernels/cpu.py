@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from kiln.compiler.quant import KERNEL_FORMAT
-from kiln.kernels.attention import AttentionBatch, attend_one
+from kiln.kernels.attention import AttentionBatch, attend_one, is_fp8, write_kv
 from kiln.kernels.attention import attention as torch_attention
 from kiln.kernels.registry import register
 
@@ -264,6 +264,7 @@ def attention(
     scale: float,
     sliding_window: int | None,
     lib: ctypes.CDLL,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """Single-token rows (all of a decode step, the decoding requests of a mixed chunk) run
     the C kernel on the paged pool; multi-token rows keep SDPA (compute-bound, where aten's
@@ -281,29 +282,32 @@ def attention(
             head_dim=head_dim,
             scale=scale,
             sliding_window=sliding_window,
+            kv_scale=kv_scale,
         )
     if head_dim % 8:
         raise KernelError(f"kiln_cpu attention: head_dim {head_dim} is not a multiple of 8")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise KernelError("kiln_cpu attention: the KV pool must be contiguous")
     q, k, v = (_rows(t, "attention input") for t in (q, k, v))
-    slots = k_cache.shape[1]
-    lib.kiln_kv_write_f32(
-        k.data_ptr(),
-        k.stride(0),
-        v.data_ptr(),
-        v.stride(0),
-        ctx.out_slots.data_ptr(),
-        q.shape[0],
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        slots,
-        num_kv_heads,
-        head_dim,
-    )
+    if is_fp8(k_cache.dtype):
+        write_kv(ctx, layer, k, v, num_kv_heads, head_dim, kv_scale)
+    else:
+        lib.kiln_kv_write_f32(
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            ctx.out_slots.data_ptr(),
+            q.shape[0],
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            k_cache.shape[1],
+            num_kv_heads,
+            head_dim,
+        )
     if ctx.decode:
         return _decode(
-            lib, ctx, q, k_cache, v_cache, num_heads, num_kv_heads, sliding_window, scale
+            lib, ctx, q, k_cache, v_cache, num_heads, num_kv_heads, sliding_window, scale, kv_scale
         )
     # Mixed batch: the single-token rows together in C, the others one by one in SDPA.
     assert ctx.single_rows is not None
@@ -318,13 +322,25 @@ def attention(
         num_kv_heads,
         sliding_window,
         scale,
+        kv_scale,
     )
     out.index_copy_(0, ctx.single_rows, single)
     skip = set(ctx.single_seqs)
     for i, s in enumerate(ctx.seqs):
         if i not in skip:
             out[s.q_start : s.q_start + s.q_len] = attend_one(
-                ctx, s, q, k, v, layer, num_heads, num_kv_heads, head_dim, scale, sliding_window
+                ctx,
+                s,
+                q,
+                k,
+                v,
+                layer,
+                num_heads,
+                num_kv_heads,
+                head_dim,
+                scale,
+                sliding_window,
+                kv_scale,
             )
     return out
 
@@ -339,12 +355,13 @@ def _decode(
     num_kv_heads: int,
     window: int | None,
     scale: float,
+    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """One new token per row of q, each attending to its sequence in `ctx`'s page table."""
     assert ctx.kv_index is not None and ctx.kv_lens is not None
     rows, head_dim = q.shape[0], k_cache.shape[2]
     out = torch.empty(rows, num_heads * head_dim)
-    rc = lib.kiln_decode_attention_f32(
+    rc = lib.kiln_decode_attention(
         q.data_ptr(),
         q.stride(0),
         k_cache.data_ptr(),
@@ -361,11 +378,19 @@ def _decode(
         ctx.page_size,
         window or 0,
         scale,
+        _KV_FORMATS[k_cache.dtype],
+        kv_scale,
         _threads(),
     )
+    if rc == -2:
+        raise KernelError(f"kiln_cpu decode attention: no kernel for a {k_cache.dtype} pool")
     if rc != 0:
         raise MemoryError("kiln_cpu decode attention: out of memory for its scratch rows")
     return out
+
+
+# Pool element type -> the kernel's kv_format (kernels/csrc/cpu_kernels.c).
+_KV_FORMATS = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
 
 def _rows(x: torch.Tensor, what: str) -> torch.Tensor:

@@ -44,9 +44,9 @@ _SIGNATURES = {
     "kiln_a8_linear_f32": (_INT, [_P, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _INT]),
     "kiln_a8_vnni": (_I64, []),
     "kiln_qembedding_f32": (_INT, [_P, _I64, _P, _P, _INT, _I64, _I64, _I64, _P]),
-    "kiln_decode_attention_f32": (
+    "kiln_decode_attention": (
         _INT,
-        [_P, _I64, _P, _P, _I64, _P, _I64, _P, _P] + [_I64] * 5 + [_I64, _F32, _INT],
+        [_P, _I64, _P, _P, _I64, _P, _I64, _P, _P] + [_I64] * 5 + [_I64, _F32, _INT, _F32, _INT],
     ),
 }
 

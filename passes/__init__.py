@@ -7,6 +7,7 @@ from kiln.passes.dce import dce
 from kiln.passes.fuse_add_rmsnorm import fuse_add_rmsnorm
 from kiln.passes.fuse_gate_up import fuse_gate_up
 from kiln.passes.fuse_qkv import fuse_qkv
+from kiln.passes.kv_cache import kv_cache
 from kiln.passes.layout import pack_weights
 from kiln.passes.quantize import quantize
 from kiln.passes.select_backends import select_backends
@@ -21,11 +22,12 @@ PIPELINES: dict[str, list[Pass]] = {
         fuse_add_rmsnorm,
         dce,
         quantize,
+        kv_cache,
         pack_weights,
         select_backends,
         verify,
     ],
-    "unfused": [dce, quantize, pack_weights, select_backends, verify],
+    "unfused": [dce, quantize, kv_cache, pack_weights, select_backends, verify],
 }
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "fuse_add_rmsnorm",
     "fuse_gate_up",
     "fuse_qkv",
+    "kv_cache",
     "pack_weights",
     "quantize",
     "run_passes",

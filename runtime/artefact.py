@@ -43,6 +43,7 @@ class ModelSpec:
     context_length: int
     dtype: str
     page_size: int
+    kv_dtype: str
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     served_model_name: str
@@ -50,6 +51,10 @@ class ModelSpec:
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.kv_dtype)
 
 
 @dataclass

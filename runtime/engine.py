@@ -119,7 +119,7 @@ class Engine:
             return int(self.args.max_total_tokens)
         spec = self.art.spec
         per_token = KVCache.bytes_per_token(
-            spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.torch_dtype
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.kv_torch_dtype
         )
         fraction = self.args.mem_fraction_static or DEFAULT_CPU_MEM_FRACTION
         budget = int(_available_memory() * fraction) // per_token
@@ -378,18 +378,26 @@ class Engine:
             "meta_info": meta,
         }
 
-    def prompt_logits(self, input_ids: list[int]) -> torch.Tensor:
-        """Logits after every token of `input_ids` ([len, vocab], float32), in one prefill
-        outside the scheduler (for scoring text: perplexity, quality gates)."""
+    def prompt_logits(self, input_ids: list[int], chunk: int | None = None) -> torch.Tensor:
+        """Logits after every token of `input_ids` ([len, vocab], float32), outside the
+        scheduler (for scoring text: perplexity, quality gates): one prefill, or steps of
+        `chunk` tokens, each attending to the earlier ones through the KV pool as decoding
+        does (chunk=1 is decoding; what an fp8 --kv-cache-dtype changes)."""
         if not input_ids or len(input_ids) > self.runner.pool.free_tokens:
             raise RequestError(
                 f"prompt_logits: {len(input_ids)} tokens; 1 to {self.runner.pool.free_tokens}"
             )
+        step = chunk or len(input_ids)
         req = Request("score", list(input_ids), SamplingParams())
         req.pages = self.runner.pool.allocate(self.runner.pool.pages_for(len(input_ids)))
         try:
-            batch = Batch([req], [list(input_ids)], [True], is_prefill=True)
-            return self.runner.forward(batch, all_logits=True)
+            out = []
+            for start in range(0, len(input_ids), step):
+                fed = list(input_ids[start : start + step])
+                batch = Batch([req], [fed], [True], is_prefill=len(fed) > 1)
+                out.append(self.runner.forward(batch, all_logits=True))
+                req.kv_len += len(fed)
+            return out[0] if len(out) == 1 else torch.cat(out)
         finally:
             self.runner.pool.free(req.pages)
 

@@ -23,7 +23,7 @@ class ModelRunner:
             self.pool.num_pages * spec.page_size,
             spec.num_kv_heads,
             spec.head_dim,
-            spec.torch_dtype,
+            spec.kv_torch_dtype,
             self.device,
         )
 

@@ -156,24 +156,53 @@ static inline v8f hsum8x8(const v8f *a) {
 #endif
 }
 
+/* Pool element formats of decode attention: fp32, or one byte per element (fp8 e4m3 /
+ * e5m2, as torch's float8_e4m3fn / float8_e5m2 lay them out). */
+enum { KV_F32 = 0, KV_E4M3 = 1, KV_E5M2 = 2 };
+
+typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
+
+/* Eight pool elements from `base` (a row offset `off` elements in) as floats. fp8 bytes
+ * become floats by moving their exponent and mantissa bits into an fp32's fields and
+ * multiplying by 2^(127 - bias), which also turns their subnormals into exact fp32
+ * subnormals. The pool never holds NaN or inf (writes saturate). Always inlined with a
+ * constant format, so the fp32 path is a plain load. */
+static inline __attribute__((always_inline)) v8f kv_load8(const void *base, int64_t off,
+                                                           int fmt) {
+    if (fmt == KV_F32) return *(const v8f *)((const float *)base + off);
+    const uint8_t *p = (const uint8_t *)base + off;
+#ifdef __AVX2__
+    const v8i u = (v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    v8i u;
+    for (int c = 0; c < 8; c++) u[c] = p[c];
+#endif
+    const v8i bits = ((u & 0x80) << 24) | ((u & 0x7F) << (fmt == KV_E4M3 ? 20 : 21));
+    v8f f;
+    memcpy(&f, &bits, sizeof f);
+    return f * (fmt == KV_E4M3 ? 0x1p120f : 0x1p112f);
+}
+
 /* scores[i] = dot(qh, base + offs[i]) for n key rows of width dim (a multiple of 8).
  * Eight keys at a time: one dot is a chain of dim/8 dependent FMAs, so eight independent
  * chains keep the FMA units busy where one would wait on latency. */
-static void score_keys(const float *qh, const float *base, const int64_t *offs, int64_t n,
-                       int64_t dim, float *scores) {
+static inline __attribute__((always_inline)) void score_keys(const float *qh, const void *base,
+                                                             const int64_t *offs, int64_t n,
+                                                             int64_t dim, float *scores,
+                                                             int fmt) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         v8f a[8] = {{0}};
         for (int64_t d = 0; d < dim; d += 8) {
             const v8f qv = *(const v8f *)(qh + d);
-            for (int c = 0; c < 8; c++) a[c] += qv * *(const v8f *)(base + offs[i + c] + d);
+            for (int c = 0; c < 8; c++) a[c] += qv * kv_load8(base, offs[i + c] + d, fmt);
         }
         *(v8f *)(scores + i) = hsum8x8(a);
     }
     for (; i < n; i++) {
-        const float *r = base + offs[i];
         v8f a = {0};
-        for (int64_t d = 0; d < dim; d += 8) a += *(const v8f *)(qh + d) * *(const v8f *)(r + d);
+        for (int64_t d = 0; d < dim; d += 8)
+            a += *(const v8f *)(qh + d) * kv_load8(base, offs[i] + d, fmt);
         scores[i] = hsum8(a);
     }
 }
@@ -181,15 +210,16 @@ static void score_keys(const float *qh, const float *base, const int64_t *offs, 
 /* out = scale * sum_i p[i] * row_i over n value rows at base + offs[i]. The output is
  * built 64 floats at a time in eight registers across all rows (an accumulator kept in
  * memory would put a store-to-load round trip on every row). */
-static void weigh_values(const float *p, const float *base, const int64_t *offs, int64_t n,
-                         int64_t dim, float scale, float *out) {
+static inline __attribute__((always_inline)) void weigh_values(const float *p, const void *base,
+                                                               const int64_t *offs, int64_t n,
+                                                               int64_t dim, float scale,
+                                                               float *out, int fmt) {
     int64_t d = 0;
     for (; d + 64 <= dim; d += 64) {
         v8f a[8] = {{0}};
         for (int64_t i = 0; i < n; i++) {
-            const float *r = base + offs[i] + d;
             const v8f w = {p[i], p[i], p[i], p[i], p[i], p[i], p[i], p[i]};
-            for (int c = 0; c < 8; c++) a[c] += w * *(const v8f *)(r + 8 * c);
+            for (int c = 0; c < 8; c++) a[c] += w * kv_load8(base, offs[i] + d + 8 * c, fmt);
         }
         for (int c = 0; c < 8; c++) *(v8f *)(out + d + 8 * c) = a[c] * scale;
     }
@@ -197,7 +227,7 @@ static void weigh_values(const float *p, const float *base, const int64_t *offs,
         v8f a = {0};
         for (int64_t i = 0; i < n; i++) {
             const v8f w = {p[i], p[i], p[i], p[i], p[i], p[i], p[i], p[i]};
-            a += w * *(const v8f *)(base + offs[i] + d);
+            a += w * kv_load8(base, offs[i] + d, fmt);
         }
         *(v8f *)(out + d) = a * scale;
     }
@@ -222,12 +252,14 @@ static float softmax_unnormalised(float *s, int64_t n) {
  * heads sharing a KV head run on one core and K/V rows come from memory once. q: [batch, heads * dim] (rows `q_stride` apart); pools: one layer, [kv_heads,
  * slots, dim]; page_table: [batch, max_pages]; a key j of a sequence of kv_len tokens is
  * seen when j >= kv_len - window (window <= 0: no window). dim must be a multiple of 8.
- * out: [batch, heads * dim]. Returns -1 if scratch memory could not be had, else 0. */
-int kiln_decode_attention_f32(const float *q, int64_t q_stride, const float *k_cache,
-                              const float *v_cache, int64_t slots, const int64_t *page_table,
-                              int64_t max_pages, const int64_t *kv_lens, float *out,
-                              int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
-                              int64_t page_size, int64_t window, float scale, int threads) {
+ * out: [batch, heads * dim]. Returns -1 if scratch memory could not be had, else 0.
+ * An fp8 pool holds value / kv_scale: kv_scale is folded into the scaled query and into
+ * the softmax's normaliser, not applied per element. */
+static inline __attribute__((always_inline)) int decode_attention(
+    const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, int64_t slots,
+    const int64_t *page_table, int64_t max_pages, const int64_t *kv_lens, float *out,
+    int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, int64_t page_size,
+    int64_t window, float scale, int fmt, float kv_scale, int threads) {
     const int64_t group = heads / kv_heads;
     int64_t longest = 1;
     for (int64_t b = 0; b < batch; b++) longest = kv_lens[b] > longest ? kv_lens[b] : longest;
@@ -254,18 +286,20 @@ int kiln_decode_attention_f32(const float *q, int64_t q_stride, const float *k_c
                 /* Row offset of every visible key within one head's slots. */
                 for (int64_t j = start, i = 0; j < len; j++, i++)
                     offs[i] = (pages[j / page_size] * page_size + j % page_size) * dim;
-                const float *kb = k_cache + kh * slots * dim;
-                const float *vb = v_cache + kh * slots * dim;
+                const int64_t head = kh * slots * dim * (fmt == KV_F32 ? 4 : 1);
+                const void *kb = (const char *)k_cache + head;
+                const void *vb = (const char *)v_cache + head;
                 /* The group's query heads one after another: the K/V rows the first one
                  * brought into cache serve the others. */
                 for (int64_t g = 0; g < group; g++) {
                     const int64_t h = kh * group + g;
                     const float *src = q + b * q_stride + h * dim;
 #pragma omp simd
-                    for (int64_t i = 0; i < dim; i++) qs[i] = src[i] * scale;
-                    score_keys(qs, kb, offs, n, dim, scores);
-                    const float inv = softmax_unnormalised(scores, n);
-                    weigh_values(scores, vb, offs, n, dim, inv, out + (b * heads + h) * dim);
+                    for (int64_t i = 0; i < dim; i++) qs[i] = src[i] * (scale * kv_scale);
+                    score_keys(qs, kb, offs, n, dim, scores, fmt);
+                    const float inv = softmax_unnormalised(scores, n) * kv_scale;
+                    weigh_values(scores, vb, offs, n, dim, inv, out + (b * heads + h) * dim,
+                                 fmt);
                 }
             }
         }
@@ -274,6 +308,26 @@ int kiln_decode_attention_f32(const float *q, int64_t q_stride, const float *k_c
         free(qs);
     }
     return failed ? -1 : 0;
+}
+
+/* The exported entry: kv_format is KV_F32, KV_E4M3 or KV_E5M2 (the pool's element type);
+ * each format is its own instantiation, so the fp32 path carries no conversion. */
+int kiln_decode_attention(const float *q, int64_t q_stride, const void *k_cache,
+                          const void *v_cache, int64_t slots, const int64_t *page_table,
+                          int64_t max_pages, const int64_t *kv_lens, float *out, int64_t batch,
+                          int64_t heads, int64_t kv_heads, int64_t dim, int64_t page_size,
+                          int64_t window, float scale, int kv_format, float kv_scale,
+                          int threads) {
+#define DECODE_ATTENTION(F)                                                                   \
+    decode_attention(q, q_stride, k_cache, v_cache, slots, page_table, max_pages, kv_lens, out, \
+                     batch, heads, kv_heads, dim, page_size, window, scale, F, kv_scale, threads)
+    switch (kv_format) {
+    case KV_F32: return DECODE_ATTENTION(KV_F32);
+    case KV_E4M3: return DECODE_ATTENTION(KV_E4M3);
+    case KV_E5M2: return DECODE_ATTENTION(KV_E5M2);
+    default: return -2;
+    }
+#undef DECODE_ATTENTION
 }
 
 /* ---- Linear layers ----

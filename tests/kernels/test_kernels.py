@@ -345,3 +345,64 @@ def test_mixed_batch_of_decode_rows_and_prefill_chunks(backend: str, window) -> 
     assert not batch.decode and batch.single_seqs == [0, 3]
     new = [n for _, n in shape]
     _check_step(backend, batch, qs, keys, vals, new, window, heads, kv_heads, d)
+
+
+@BOTH
+@pytest.mark.parametrize("pool", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("kv_scale", [1.0, 0.25])
+def test_fp8_pool_stores_scaled_values_and_reads_them_back(backend, pool, kv_scale) -> None:
+    # --kv-cache-dtype fp8_*: a mixed step (decode rows over cached pages, a fresh prompt, a
+    # later chunk) on an fp8 pool equals attention over K/V rounded through that format,
+    # except a fresh prompt's own rows, which attend to its K/V as computed.
+    from kiln.kernels.attention import from_pool, to_pool
+
+    torch.manual_seed(3)
+    heads, kv_heads, d, page = 4, 2, 64, 4
+    kc = torch.zeros(1, kv_heads, 128, d, dtype=pool)
+    vc = torch.zeros(1, kv_heads, 128, d, dtype=pool)
+    shape = [(9, 1), (0, 5), (6, 3), (30, 1)]
+    spans, qs, keys, vals, ref_kv, start, next_page = [], [], [], [], [], 0, 0
+    for cached, new in shape:
+        n = cached + new
+        pages = torch.arange(next_page, next_page + -(-n // page)) * 3 % 32
+        next_page += -(-n // page)
+        slots = (pages[:, None] * page + torch.arange(page)[None]).reshape(-1)[:n]
+        kk, vv = torch.randn(n, kv_heads * d) * 2, torch.randn(n, kv_heads * d) * 2
+        keys.append(kk)
+        vals.append(vv)
+        qs.append(torch.randn(new, heads * d))
+        rounded = [from_pool(to_pool(t, pool, kv_scale), torch.float32, kv_scale) for t in (kk, vv)]
+        ref_kv.append((kk, vv) if cached == 0 else tuple(rounded))
+        for cache, t in ((kc, kk), (vc, vv)):
+            stored = to_pool(t[:cached].view(-1, kv_heads, d).transpose(0, 1), pool, kv_scale)
+            cache[0].view(torch.uint8)[:, slots[:cached]] = stored.view(torch.uint8)
+        spans.append(SeqSpan(start, new, n, slots, pages))
+        start += new
+    batch = AttentionBatch.build(kc, vc, spans, page_size=page)
+    out = k("attention", backend)(
+        batch,
+        torch.cat(qs),
+        torch.cat([x[len(x) - n :] for x, (_, n) in zip(keys, shape, strict=True)]),
+        torch.cat([x[len(x) - n :] for x, (_, n) in zip(vals, shape, strict=True)]),
+        layer=0,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=d,
+        scale=d**-0.5,
+        sliding_window=None,
+        kv_scale=kv_scale,
+    )
+    ref = torch.cat(
+        [
+            _reference(q, kk, vv, None, heads, kv_heads, d)
+            for q, (kk, vv) in zip(qs, ref_kv, strict=True)
+        ]
+    )
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    # The new tokens were written as scaled fp8: what the next step will read.
+    last = spans[3].kv_slots[-1]
+    stored = from_pool(kc[0][:, last], torch.float32, kv_scale).reshape(-1)
+    expect = from_pool(to_pool(keys[3][-1], pool, kv_scale), torch.float32, kv_scale)
+    torch.testing.assert_close(stored, expect)
+    # Rounding is real: the cached keys the reference read are not the float ones.
+    assert not torch.allclose(ref_kv[0][0], keys[0])

@@ -69,8 +69,13 @@ def test_real_model_chats_through_the_server(smollm2_art: Path, launch) -> None:
 
 @pytest.mark.parametrize(
     "flags",
-    [{"quantization": "w8a8_int8"}, {"torchao_config": "int4wo-64"}, {"quantization": "fp8"}],
-    ids=["w8a8_int8", "int4wo-64", "fp8"],
+    [
+        {"quantization": "w8a8_int8"},
+        {"torchao_config": "int4wo-64"},
+        {"quantization": "fp8"},
+        {"kv_cache_dtype": "fp8_e4m3"},
+    ],
+    ids=["w8a8_int8", "int4wo-64", "fp8", "kv-fp8_e4m3"],
 )
 def test_quantized_schemes_serve_the_real_model(
     flags: dict[str, str], smollm2: Path, tmp_path: Path, launch
