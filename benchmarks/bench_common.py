@@ -3,6 +3,7 @@ bandwidth and the bytes a decode step reads."""
 
 from __future__ import annotations
 
+import ctypes
 import platform
 import time
 from datetime import date
@@ -70,3 +71,27 @@ def read_bandwidth_gbs(mb: int = 1024, repeats: int = 7) -> float:
         x.sum()
         best = min(best, time.perf_counter() - t0)
     return x.numel() * 4 / best / 1e9
+
+
+# precision -> llama.cpp ftype its quantizer writes (None: the shipped file as it is).
+PRECISIONS = {"F32": 0, "Q8_0": 7, "Q4_0": 2, "Q4_1": None}
+
+
+def gguf_for(precision: str, shipped: Path, work: Path) -> Path:
+    """The real model's GGUF file at `precision`, written by llama.cpp's own quantizer
+    (llama-cpp-python) from the shipped Q4_1 file."""
+    ftype = PRECISIONS[precision]
+    if ftype is None:
+        return shipped
+    import llama_cpp
+
+    out = work / f"smollm2-{precision}.gguf"
+    if out.exists():
+        return out
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.allow_requantize, params.nthread = ftype, True, 2
+    if llama_cpp.llama_model_quantize(
+        str(shipped).encode(), str(out).encode(), ctypes.byref(params)
+    ):
+        raise RuntimeError(f"llama.cpp could not write {precision}")
+    return out

@@ -21,7 +21,6 @@ which a step reads: the embedding table is the tied lm_head), and for llama.cpp 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import multiprocessing as mp
 import os
 import statistics
@@ -30,10 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import machine, read_bandwidth_gbs
+from bench_common import PRECISIONS, gguf_for, machine, read_bandwidth_gbs
 
-# precision -> llama.cpp ftype its quantizer writes (None: the shipped file as it is).
-PRECISIONS = {"F32": 0, "Q8_0": 7, "Q4_0": 2, "Q4_1": None}
 # Rows: label -> (llama.cpp's file, the file kiln compiles, kiln's compile flags). The GGUF
 # rows run identical weights; the scheme rows quantize the F32 file with kiln's schemes and
 # put them beside llama.cpp's format of the same width.
@@ -43,22 +40,6 @@ ROWS: dict[str, tuple[str, str, dict[str, str]]] = {
     "w8a8_int8 vs Q8_0": ("Q8_0", "F32", {"quantization": "w8a8_int8"}),
     "int4wo-64 vs Q4_0": ("Q4_0", "F32", {"torchao_config": "int4wo-64"}),
 }
-
-
-def gguf_for(precision: str, shipped: Path, work: Path) -> Path:
-    ftype = PRECISIONS[precision]
-    if ftype is None:
-        return shipped
-    import llama_cpp
-
-    out = work / f"smollm2-{precision}.gguf"
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.allow_requantize, params.nthread = ftype, True, 2
-    if llama_cpp.llama_model_quantize(
-        str(shipped).encode(), str(out).encode(), ctypes.byref(params)
-    ):
-        raise RuntimeError(f"llama.cpp could not write {precision}")
-    return out
 
 
 # -- the engines, each in its own process ---------------------------------------------------

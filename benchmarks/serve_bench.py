@@ -1,22 +1,32 @@
-"""Serving throughput and latency: N concurrent clients against `kiln serve`, and the same
-workload through transformers one request at a time (the peer), in the same run.
+"""Serving speed against llama-server, measured with SGLang's own load client.
 
-    python benchmarks/serve_bench.py                       # SmolLM2-135M shape, fp32
-    python benchmarks/serve_bench.py --concurrency 16 --num-requests 64 --output-len 64
+    python benchmarks/serve_bench.py --llama-server ~/llama.cpp/build/bin/llama-server
+    python benchmarks/serve_bench.py --llama-server ... --precisions F32 Q8_0 \\
+        --concurrency 1 16 64 --rounds 3
 
-Prompts are random token ids of a fixed length; every request generates exactly
---output-len tokens (ignore_eos). Requests stream through SGLang's native /generate
-(token ids in, output ids per step out), so TTFT and inter-token latency are measured at
-the client from token arrival times. kiln and the peer alternate for --repeats rounds with
-fresh prompts each round; the peer runs in a child process; reported: best / median per
-side and the ratio of medians.
+Both servers run the real model (SmolLM2-135M-Instruct, `python -m kiln.example --fetch
+smollm2`) from the same GGUF file at each precision (llama.cpp's quantizer writes F32 and
+Q8_0 from the shipped Q4_1; kiln compiles that file, its blocks kept as stored, so both
+run identical weights). The load is `python -m sglang.bench_serving --backend sglang-oai
+--dataset-name random --random-range-ratio 1.0` (streamed /v1/completions, ignore_eos):
+install it with `pip install --no-deps sglang==0.5.6` plus what its `--help` asks for
+(orjson, pybase64, aiohttp, ...; later sglang releases import torchvision and, through it,
+a CUDA torch). Its random prompts are cut from a ShareGPT-shaped file this script writes
+from benchmarks/data/quality_text.txt, one conversation per word offset, so no two prompts
+share a first token and neither server's prefix cache serves anything.
+
+Servers take turns, one at a time on the machine: for each precision, round and
+concurrency, kiln then llama-server (the order flips every round), each started fresh with
+as many slots as the largest concurrency (`kiln serve --max-running-requests C`,
+`llama-server -np C -c C*(input+output+64) -t T -tb T`). Start to first token is the
+wall time from launching the server to the first answer of a one-token completion.
+Reported: the median and spread (min-max) over rounds of output throughput, TTFT p50/p99
+and ITL p50/p99, and the ratios kiln / llama-server of the medians.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import itertools
 import json
 import os
 import socket
@@ -28,243 +38,248 @@ import time
 from pathlib import Path
 
 import httpx
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import SMOLLM2_135M, decode_weight_bytes, machine, read_bandwidth_gbs
+from bench_common import HERE, PRECISIONS, gguf_for, machine, read_bandwidth_gbs
+
+METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")
 
 
-def percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    if not values:
-        return float("nan")
-    k = (len(values) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
-def start_server(
-    art: Path, port: int, concurrency: int, extra: list[str]
-) -> subprocess.Popen[bytes]:
+def sharegpt_file(out: Path, words_per_prompt: int = 400) -> Path:
+    """Conversations in ShareGPT's shape, one starting at every word of our own text (so
+    prompts differ from their first token), each first turn long enough for any input."""
+    words = (HERE / "data" / "quality_text.txt").read_text().split()
+    ring = words * (words_per_prompt // len(words) + 2)
+    convs = [
+        {
+            "conversations": [
+                {"from": "human", "value": " ".join(ring[i : i + words_per_prompt])},
+                {"from": "gpt", "value": "Yes."},
+            ]
+        }
+        for i in range(len(words))
+    ]
+    out.write_text(json.dumps(convs))
+    return out
+
+
+class Server:
+    """One server process: `kiln serve` or `llama-server`, started and timed to its first
+    answered token."""
+
+    def __init__(self, cmd: list[str], port: int, log: Path) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log.open("ab")
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        body = {"model": "m", "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+        deadline = t0 + 300
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{cmd[0]} exited with {self.proc.returncode}; see {log}")
+            try:
+                r = httpx.post(f"{self.url}/v1/completions", json=body, timeout=60)
+                if r.status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.perf_counter() > deadline:
+                self.stop()
+                raise RuntimeError(f"{cmd[0]} did not answer within 300 s; see {log}")
+            time.sleep(0.05)
+        self.start_s = time.perf_counter() - t0
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def bench(
+    url: str, tokenizer: Path, dataset: Path, args: argparse.Namespace, conc: int, seed: int
+) -> dict:
+    prompts = max(args.min_prompts, args.prompts_per_client * conc)
+    with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as f:
+        out = Path(f.name)
     cmd = [
         sys.executable,
         "-m",
-        "kiln",
-        "serve",
-        str(art),
-        "--port",
-        str(port),
-        "--max-running-requests",
-        str(concurrency),
-        "--log-level",
-        "warning",
-        *extra,
+        "sglang.bench_serving",
+        "--backend",
+        "sglang-oai",
+        "--base-url",
+        url,
+        "--model",
+        "m",
+        "--tokenizer",
+        str(tokenizer),
+        "--dataset-name",
+        "random",
+        "--dataset-path",
+        str(dataset),
+        "--random-input-len",
+        str(args.input_len),
+        "--random-output-len",
+        str(args.output_len),
+        "--random-range-ratio",
+        "1.0",
+        "--num-prompts",
+        str(prompts),
+        "--max-concurrency",
+        str(conc),
+        "--seed",
+        str(seed),
+        "--output-file",
+        str(out),
+        "--disable-tqdm",
     ]
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    for _ in range(600):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("kiln serve did not start")
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode != 0 or not out.stat().st_size:
+        sys.exit(f"sglang.bench_serving failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
+    res = json.loads(out.read_text().splitlines()[-1])
+    out.unlink()
+    if res["completed"] != prompts:
+        sys.exit(f"{url}: {prompts - res['completed']} of {prompts} requests failed")
+    return {k: float(res[k]) for k in METRICS}
 
 
-async def one_request(client: httpx.AsyncClient, ids: list[int], out_len: int) -> dict:
-    body = {
-        "input_ids": ids,
-        "stream": True,
-        "sampling_params": {"max_new_tokens": out_len, "ignore_eos": True, "temperature": 0},
-    }
-    t0 = time.perf_counter()
-    arrivals: list[tuple[float, int]] = []
-    async with client.stream("POST", "/generate", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                n = len(json.loads(line[6:])["output_ids"])
-                arrivals.append((time.perf_counter() - t0, n))
-    ttft = arrivals[0][0]
-    itl = []
-    for (t_prev, n_prev), (t, n) in itertools.pairwise(arrivals):
-        itl += [(t - t_prev) / (n - n_prev)] * (n - n_prev) if n > n_prev else []
-    return {"ttft": ttft, "itl": itl, "e2e": arrivals[-1][0], "tokens": arrivals[-1][1]}
-
-
-async def run_kiln(url: str, prompts: list[list[int]], out_len: int, concurrency: int) -> dict:
-    sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
-
-        async def limited(ids: list[int]) -> dict:
-            async with sem:
-                return await one_request(client, ids, out_len)
-
-        await one_request(client, prompts[0], 4)  # warm-up
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(limited(p) for p in prompts))
-        wall = time.perf_counter() - t0
-    return {"wall": wall, "results": results}
-
-
-def measure_peer(cfg: dict, prompts: list[list[int]], out_len: int) -> float:
-    """transformers' output tok/s over `prompts`, one request at a time (it has no server).
-
-    Run in a child process: a live transformers model in the client process measurably
-    slowed the kiln server running beside it (its thread pool competes for the cores)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    hf_cfg = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
-    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
-    kw = {
-        "do_sample": False,
-        "max_new_tokens": out_len,
-        "min_new_tokens": out_len,
-        "pad_token_id": 0,
-    }
-    with torch.inference_mode():
-        model.generate(
-            torch.tensor([prompts[0][:8]]), **{**kw, "max_new_tokens": 2, "min_new_tokens": 2}
-        )
-        t0 = time.perf_counter()
-        for ids in prompts:
-            model.generate(torch.tensor([ids]), **kw)
-        return len(prompts) * out_len / (time.perf_counter() - t0)
-
-
-def peer_in_child(cfg: dict, prompts: list[list[int]], out_len: int) -> float:
-    job = json.dumps({"cfg": cfg, "prompts": prompts, "out_len": out_len})
-    out = subprocess.run(
-        [sys.executable, __file__, "--peer-job"],
-        input=job,
-        text=True,
-        capture_output=True,
-        check=True,
-    )
-    return float(out.stdout.strip().splitlines()[-1])
+def spread(xs: list[float], fmt: str = ".1f") -> str:
+    return f"{statistics.median(xs):{fmt}} ({min(xs):{fmt}}-{max(xs):{fmt}})"
 
 
 def main() -> None:
-    if sys.argv[1:] == ["--peer-job"]:
-        job = json.loads(sys.stdin.read())
-        print(measure_peer(job["cfg"], job["prompts"], job["out_len"]))
-        return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", type=Path, help="a config.json (default: SmolLM2-135M shape)")
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--num-requests", type=int, default=48)
+    p.add_argument("--llama-server", type=Path, required=True, help="llama-server binary")
+    p.add_argument("--precisions", nargs="+", default=["F32", "Q8_0"], choices=list(PRECISIONS))
+    p.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 64])
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument(
-        "--peer-requests",
-        type=int,
-        default=4,
-        help="requests the (sequential) peer runs; its rate is per token",
-    )
-    p.add_argument("--server-args", default="", help="extra `kiln serve` flags")
-    p.add_argument("--page-size", type=int, default=1, help="compile-time KV page size")
-    p.add_argument("--repeats", type=int, default=3, help="alternating kiln / peer rounds")
+    p.add_argument("--prompts-per-client", type=int, default=3)
+    p.add_argument("--min-prompts", type=int, default=8)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--kiln-args", default="", help="extra `kiln serve` flags")
     args = p.parse_args()
+    if not args.llama_server.is_file():
+        sys.exit(f"--llama-server: no such file: {args.llama_server}")
 
     from kiln.args import ServerArgs
     from kiln.compiler.compile import compile_model
+    from kiln.example import fetch
 
-    cfg = json.loads(args.config.read_text()) if args.config else SMOLLM2_135M
     work = Path(tempfile.mkdtemp(prefix="kiln-serve-bench-"))
-    (work / "ckpt").mkdir()
-    (work / "ckpt" / "config.json").write_text(json.dumps(cfg))
-    compile_model(
-        ServerArgs(
-            model_path=str(work / "ckpt"),
-            load_format="dummy",
-            dtype="float32",
-            page_size=args.page_size,
-        ),
-        work / "art",
-    )
-
-    def prompt_set(seed: int, n: int) -> list[list[int]]:
-        # A fresh set per repeat: the prefix cache must not serve a repeat's prompts.
-        g = torch.Generator().manual_seed(seed)
-        return [
-            torch.randint(3, cfg["vocab_size"], (args.input_len,), generator=g).tolist()
-            for _ in range(n)
-        ]
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = start_server(work / "art", port, args.concurrency, args.server_args.split())
-    kiln_tps, peer_tps, runs = [], [], []
-    try:
-        # kiln and the peer alternate, so a noisy minute hits both.
-        for r in range(args.repeats):
-            prompts = prompt_set(r, args.num_requests)
-            run = asyncio.run(
-                run_kiln(f"http://127.0.0.1:{port}", prompts, args.output_len, args.concurrency)
-            )
-            runs.append(run)
-            kiln_tps.append(sum(x["tokens"] for x in run["results"]) / run["wall"])
-            peer_tps.append(
-                peer_in_child(cfg, prompt_set(1000 + r, args.peer_requests), args.output_len)
-            )
-    finally:
-        server.terminate()
-        server.wait(30)
-
-    res = [x for run in runs for x in run["results"]]
-    ttft = [x["ttft"] * 1000 for x in res]
-    itl = [t * 1000 for x in res for t in x["itl"]]
-    k_med, p_med = statistics.median(kiln_tps), statistics.median(peer_tps)
-    print(
-        f"\n## serve_bench: {args.num_requests} requests x {args.repeats} repeats, "
-        f"concurrency {args.concurrency}, input {args.input_len}, output {args.output_len} "
-        f"tokens, fp32; page size {args.page_size}; server flags: "
-        f"{args.server_args or '(none)'}"
-    )
-    print(machine() + "\n")
-    print("| metric | kiln serve (best / median) | transformers, one at a time (best / median) |")
-    print("| --- | --- | --- |")
-    print(
-        f"| output throughput (tok/s) | {max(kiln_tps):.1f} / {k_med:.1f} | "
-        f"{max(peer_tps):.1f} / {p_med:.1f} |"
-    )
-    print(
-        f"| request throughput (req/s) | {k_med / args.output_len:.2f} (median) | "
-        f"{p_med / args.output_len:.2f} (median) |"
-    )
-    print(
-        f"| TTFT p50 / p90 / p99 (ms) | {percentile(ttft, 0.5):.0f} / "
-        f"{percentile(ttft, 0.9):.0f} / {percentile(ttft, 0.99):.0f} | |"
-    )
-    print(
-        f"| ITL p50 / p90 / p99 (ms) | {percentile(itl, 0.5):.1f} / "
-        f"{percentile(itl, 0.9):.1f} / {percentile(itl, 0.99):.1f} | "
-        f"{1000 / p_med:.1f} (mean) |"
-    )
-    ratios = ", ".join(
-        f"{k:.1f}/{p:.1f} = {k / p:.2f}x" for k, p in zip(kiln_tps, peer_tps, strict=True)
-    )
-    print(
-        f"\nkiln output throughput is {k_med / p_med:.2f}x transformers' (ratio of medians; "
-        f"per repeat: {ratios})."
-    )
-    # The memory floor of one decode step at full batch: every weight once, plus the K/V
-    # of every sequence at mid-generation.
-    heads = cfg["num_attention_heads"]
-    d = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    kv_token = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * d * 4
-    step = (
-        decode_weight_bytes(cfg, 4)
-        + args.concurrency * (args.input_len + args.output_len // 2) * kv_token
-    )
+    dataset = sharegpt_file(work / "sharegpt.json")
+    shipped = fetch("smollm2")
+    slots = max(args.concurrency)
     bw = read_bandwidth_gbs()
-    floor_ms = step / bw / 1e6
+    results: dict[tuple[str, str, int], list[dict]] = {}
+    starts: dict[tuple[str, str], list[float]] = {}
+    for precision in args.precisions:
+        gguf = gguf_for(precision, shipped, work)
+        art = work / f"art-{precision}"
+        compile_model(ServerArgs(model_path=str(gguf)), art)
+        cmds = {
+            "kiln": [
+                sys.executable,
+                "-m",
+                "kiln",
+                "serve",
+                str(art),
+                "--max-running-requests",
+                str(slots),
+                "--log-level",
+                "warning",
+                *args.kiln_args.split(),
+            ],
+            "llama-server": [
+                str(args.llama_server),
+                "-m",
+                str(gguf),
+                "-np",
+                str(slots),
+                "-c",
+                str(slots * (args.input_len + args.output_len + 64)),
+                "-t",
+                str(args.threads),
+                "-tb",
+                str(args.threads),
+                "--log-disable",
+            ],
+        }
+        for r in range(args.rounds):
+            order = list(cmds) if r % 2 == 0 else list(cmds)[::-1]
+            for conc in args.concurrency:
+                for name in order:
+                    port = free_port()
+                    extra = ["--port", str(port), "--host", "127.0.0.1"]
+                    srv = Server(cmds[name] + extra, port, work / f"{name}.log")
+                    try:
+                        starts.setdefault((precision, name), []).append(srv.start_s)
+                        got = bench(srv.url, art / "tokenizer", dataset, args, conc, 100 + r)
+                    finally:
+                        srv.stop()
+                    results.setdefault((precision, name, conc), []).append(got)
+                    print(
+                        f"{precision} round {r + 1} c={conc} {name}: "
+                        f"{got['output_throughput']:.1f} tok/s, start {srv.start_s:.2f} s",
+                        file=sys.stderr,
+                    )
+
     print(
-        f"A batch-{args.concurrency} decode step reads at least {step / 1e6:.0f} MB; at the "
-        f"measured {bw:.1f} GB/s that takes {floor_ms:.1f} ms, so ITL p50 is at "
-        f"{floor_ms / percentile(itl, 0.5):.0%} of the memory-bandwidth limit."
+        f"\n## serve_bench: kiln serve against llama-server, SmolLM2-135M-Instruct, "
+        f"{args.input_len} in / {args.output_len} out, {args.rounds} alternating rounds"
     )
+    print(machine())
+    print(
+        f"measured read bandwidth {bw:.1f} GB/s; {args.threads} threads each; "
+        f"{slots} slots each; median (min-max) over rounds\n"
+    )
+    print(
+        "| precision | clients | server | output tok/s | TTFT p50 ms | TTFT p99 ms | "
+        "ITL p50 ms | ITL p99 ms |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    ratios = []
+    for precision in args.precisions:
+        for conc in args.concurrency:
+            med = {}
+            for name in ("kiln", "llama-server"):
+                runs = results[(precision, name, conc)]
+                cols = [spread([x[k] for x in runs]) for k in METRICS]
+                med[name] = {k: statistics.median(x[k] for x in runs) for k in METRICS}
+                print(f"| {precision} | {conc} | {name} | " + " | ".join(cols) + " |")
+            k, ll = med["kiln"], med["llama-server"]
+            ratios.append(
+                f"| {precision} | {conc} | "
+                f"{k['output_throughput'] / ll['output_throughput']:.2f}x | "
+                f"{k['median_ttft_ms'] / ll['median_ttft_ms']:.2f}x | "
+                f"{k['median_itl_ms'] / ll['median_itl_ms']:.2f}x |"
+            )
+    print(
+        "\nkiln / llama-server, ratios of medians (throughput: higher is better; TTFT and "
+        "ITL: lower is better)\n"
+    )
+    print("| precision | clients | output throughput | TTFT p50 | ITL p50 |")
+    print("| --- | --- | --- | --- | --- |")
+    print("\n".join(ratios))
+    print("\nStart to first token, s, median (min-max) over every start\n")
+    print("| precision | kiln serve | llama-server |")
+    print("| --- | --- | --- |")
+    for precision in args.precisions:
+        print(
+            f"| {precision} | {spread(starts[(precision, 'kiln')], '.2f')} | "
+            f"{spread(starts[(precision, 'llama-server')], '.2f')} |"
+        )
 
 
 if __name__ == "__main__":
