@@ -169,6 +169,9 @@ def main() -> None:
     p.add_argument("--min-prompts", type=int, default=8)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--kiln-args", default="", help="extra `kiln serve` flags")
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", help="kiln's KV pool (compile flag), as SGLang's"
+    )
     args = p.parse_args()
     if not args.llama_server.is_file():
         sys.exit(f"--llama-server: no such file: {args.llama_server}")
@@ -187,7 +190,7 @@ def main() -> None:
     for precision in args.precisions:
         gguf = gguf_for(precision, shipped, work)
         art = work / f"art-{precision}"
-        compile_model(ServerArgs(model_path=str(gguf)), art)
+        compile_model(ServerArgs(model_path=str(gguf), kv_cache_dtype=args.kv_cache_dtype), art)
         cmds = {
             "kiln": [
                 sys.executable,
@@ -231,7 +234,8 @@ def main() -> None:
                     results.setdefault((precision, name, conc), []).append(got)
                     print(
                         f"{precision} round {r + 1} c={conc} {name}: "
-                        f"{got['output_throughput']:.1f} tok/s, start {srv.start_s:.2f} s",
+                        f"{got['output_throughput']:.1f} tok/s, start {srv.start_s:.2f} s, "
+                        + json.dumps(got),
                         file=sys.stderr,
                     )
 
@@ -242,7 +246,8 @@ def main() -> None:
     print(machine())
     print(
         f"measured read bandwidth {bw:.1f} GB/s; {args.threads} threads each; "
-        f"{slots} slots each; median (min-max) over rounds\n"
+        f"{slots} slots each; kiln --kv-cache-dtype {args.kv_cache_dtype}; median (min-max) "
+        "over rounds\n"
     )
     print(
         "| precision | clients | server | output tok/s | TTFT p50 ms | TTFT p99 ms | "
