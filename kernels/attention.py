@@ -172,15 +172,13 @@ def write_kv(
     """Store the step's new K/V rows ([tokens, kv_heads * head_dim]) at `ctx.out_slots`."""
     k = k.view(-1, num_kv_heads, head_dim).transpose(0, 1)  # [kv_heads, tokens, d]
     v = v.view(-1, num_kv_heads, head_dim).transpose(0, 1)
-    pool = ctx.k_cache.dtype
-    if is_fp8(pool):
+    k_pool, v_pool = ctx.k_cache[layer], ctx.v_cache[layer]
+    if is_fp8(k_pool.dtype):
         # aten has no fp8 index_copy_ on CPU: the bytes are copied as uint8.
-        k, v = (to_pool(t, pool, kv_scale).view(torch.uint8) for t in (k, v))
-        ctx.k_cache[layer].view(torch.uint8).index_copy_(1, ctx.out_slots, k)
-        ctx.v_cache[layer].view(torch.uint8).index_copy_(1, ctx.out_slots, v)
-        return
-    ctx.k_cache[layer].index_copy_(1, ctx.out_slots, k)
-    ctx.v_cache[layer].index_copy_(1, ctx.out_slots, v)
+        k, v = (to_pool(t, k_pool.dtype, kv_scale).view(torch.uint8) for t in (k, v))
+        k_pool, v_pool = k_pool.view(torch.uint8), v_pool.view(torch.uint8)
+    k_pool.index_copy_(1, ctx.out_slots, k)
+    v_pool.index_copy_(1, ctx.out_slots, v)
 
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)

@@ -362,6 +362,25 @@ int kiln_decode_attention(const float *q, int64_t q_stride, const void *k_cache,
 #define PREFETCH_BYTES 2048
 typedef float vlf __attribute__((vector_size(LANES * 4), aligned(4)));
 
+/* One panel's accumulators for `rows` rows (acc[r * step]) plus the bias, stored into
+ * output columns [base, base + LANES), cut at `cols` (the last panel may be partial). */
+static inline __attribute__((always_inline)) void store_panel(const vlf *acc, int step,
+                                                              int rows, int64_t base,
+                                                              const float *bias, float *out,
+                                                              int64_t n, int64_t cols) {
+    const int64_t width = cols - base < LANES ? cols - base : LANES;
+    vlf add = {0};
+    for (int64_t c = 0; bias && c < width; c++) add[c] = bias[base + c];
+    for (int r = 0; r < rows; r++) {
+        const vlf v = acc[r * step] + add;
+        if (width == LANES) {
+            *(vlf *)(out + r * n + base) = v;
+        } else {
+            for (int64_t c = 0; c < width; c++) out[r * n + base + c] = v[c];
+        }
+    }
+}
+
 int64_t kiln_linear_lanes(void) { return LANES; }
 int64_t kiln_linear_group_panels(void) { return GROUP_PANELS; }
 
@@ -424,21 +443,8 @@ static inline __attribute__((always_inline)) void wide_tile(
             for (int p = 0; p < GROUP_PANELS; p++) acc[r][p] += xr * w[p];
         }
     }
-    for (int p = 0; p < GROUP_PANELS; p++) {
-        const int64_t base = p * LANES;
-        if (base >= cols) break;
-        const int64_t width = cols - base < LANES ? cols - base : LANES;
-        vlf add = {0};
-        for (int64_t c = 0; bias && c < width; c++) add[c] = bias[base + c];
-        for (int r = 0; r < rows; r++) {
-            const vlf v = acc[r][p] + add;
-            if (width == LANES) {
-                *(vlf *)(out + r * n + base) = v;
-            } else {
-                for (int64_t c = 0; c < width; c++) out[r * n + base + c] = v[c];
-            }
-        }
-    }
+    for (int p = 0; p < GROUP_PANELS && p * LANES < cols; p++)
+        store_panel(&acc[0][p], GROUP_PANELS, rows, p * LANES, bias, out, n, cols);
 }
 
 #define WIDE_CASE(R) \
@@ -627,21 +633,8 @@ static inline __attribute__((always_inline)) void qtile(
             }
         }
     }
-    for (int p = 0; p < np; p++) {
-        const int64_t base = p * LANES;
-        if (base >= cols) break;
-        const int64_t width = cols - base < LANES ? cols - base : LANES;
-        vlf add = {0};
-        for (int64_t c = 0; bias && c < width; c++) add[c] = bias[base + c];
-        for (int r = 0; r < rows; r++) {
-            const vlf v = acc[p * rows + r] + add;
-            if (width == LANES) {
-                *(vlf *)(out + r * n + base) = v;
-            } else {
-                for (int64_t c = 0; c < width; c++) out[r * n + base + c] = v[c];
-            }
-        }
-    }
+    for (int p = 0; p < np && p * LANES < cols; p++)
+        store_panel(&acc[p * rows], 1, rows, p * LANES, bias, out, n, cols);
 }
 
 /* The decode tile: `rows` rows against QPANELS panels, with each group's scale (and min)
@@ -693,21 +686,8 @@ static inline __attribute__((always_inline)) void qtile_decode(
             }
         }
     }
-    for (int p = 0; p < QPANELS; p++) {
-        const int64_t base = p * LANES;
-        if (base >= cols) break;
-        const int64_t width = cols - base < LANES ? cols - base : LANES;
-        vlf add = {0};
-        for (int64_t c = 0; bias && c < width; c++) add[c] = bias[base + c];
-        for (int r = 0; r < rows; r++) {
-            const vlf v = acc[p * rows + r] + add;
-            if (width == LANES) {
-                *(vlf *)(out + r * n + base) = v;
-            } else {
-                for (int64_t c = 0; c < width; c++) out[r * n + base + c] = v[c];
-            }
-        }
-    }
+    for (int p = 0; p < QPANELS && p * LANES < cols; p++)
+        store_panel(&acc[p * rows], 1, rows, p * LANES, bias, out, n, cols);
 }
 
 #define QTILE_ARGS xt, xrows, k, panel, pstride, sc, sstride, fmt, group, bias, out, n, cols
