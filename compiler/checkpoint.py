@@ -11,6 +11,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
+from kiln.compiler.int4_ckpt import (
+    PARTS,
+    Int4CheckpointError,
+    Int4Config,
+    Int4Weight,
+    runs,
+    shape_of,
+    unpack,
+)
 from kiln.compiler.quant import GGUF_FORMATS, dequantize, from_gguf_blocks, quantize
 
 if TYPE_CHECKING:
@@ -50,6 +59,21 @@ class CheckpointReader:
             for f in self.files:
                 for name in self._names(f):
                     self._where[name] = f
+        # A GPTQ / AWQ checkpoint: each packed linear P.qweight (+ qzeros, scales, g_idx)
+        # stands for the weight P.weight the model reads.
+        self.int4: Int4Config | None = None
+        self._int4: dict[str, str] = {}  # P.weight -> P
+        self._stored: dict[str, tuple[str, int]] | None = None
+        if self.gguf is None and self.load_format != "dummy" and path.is_dir():
+            try:
+                self.int4 = Int4Config.of_checkpoint(path)
+            except Int4CheckpointError as e:
+                raise CheckpointError(str(e)) from None
+        if self.int4 is not None:
+            for name in self._where:
+                if name.endswith(".qweight"):
+                    prefix = name[: -len(".qweight")]
+                    self._int4[prefix + ".weight"] = prefix
 
     def _names(self, f: Path) -> list[str]:
         # A safetensors handle and a loaded pt state dict both answer keys().
@@ -69,7 +93,7 @@ class CheckpointReader:
         return h
 
     def names(self) -> list[str]:
-        return sorted(self.gguf.tensors if self.gguf is not None else self._where)
+        return sorted(self.gguf.tensors if self.gguf is not None else [*self._where, *self._int4])
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if self.load_format == "dummy":
@@ -83,7 +107,8 @@ class CheckpointReader:
                     f"tensor {name!r} has shape {tuple(t.shape)}, the model expects {tuple(shape)}"
                 )
             return t
-        t = self._raw(name)
+        # A GPTQ / AWQ weight is read as floats too.
+        t = self._int4_weight(name).dequantize() if name in self._int4 else self._raw(name)
         if t.dtype == torch.float8_e4m3fn:  # an fp8 checkpoint's weight, read as floats
             codes, scales = self._fp8(name)
             t = dequantize(codes, scales, "fp8_e4m3")
@@ -97,10 +122,23 @@ class CheckpointReader:
         """Checkpoint tensors already in a kiln format, as stored: name -> (format, group).
         GGUF Q8_0 / Q4_0 / Q4_1 blocks, and fp8 e4m3 weights of a checkpoint whose config
         says `quant_method: fp8` (a scale per 128 x 128 block, `weight_scale_inv`, or per
-        tensor or row, `weight_scale`)."""
+        tensor or row, `weight_scale`); GPTQ / AWQ weights whose groups are runs of inputs
+        (not GPTQ's act-order ones: those are read as floats)."""
         if self.gguf is not None:
             types = {n: GGUF_FORMATS.get(self.gguf.qtype(n)) for n in self.gguf.tensors}
             return {n: f for n, f in types.items() if f is not None}
+        if self.int4 is not None:
+            if self._stored is None:
+                self._stored = {}
+                for name, prefix in self._int4.items():
+                    k = self._shape(name)[1]
+                    groups = self._shape(prefix + ".scales")[0]
+                    has_g_idx = prefix + ".g_idx" in self._where
+                    if k % groups == 0 and (
+                        not has_g_idx or runs(self._raw(prefix + ".g_idx"), k // groups)
+                    ):
+                        self._stored[name] = ("uint4", k // groups)
+            return self._stored
         block = self.fp8_block()
         if block is None:
             return {}
@@ -147,9 +185,24 @@ class CheckpointReader:
             codes, scales = from_gguf_blocks(self.gguf.raw(name), self.gguf.qtype(name), n, k)
             return torch.from_numpy(codes), torch.from_numpy(scales)
         if self.gguf is None and self.stored_formats().get(name) == (fmt, group):
-            return self._fp8(name)
+            return self._int4_weight(name).kiln_uint4() if self.int4 else self._fp8(name)
         t = self.get(name, self.gguf.shape(name) if self.gguf else self._shape(name))
         return quantize(t, fmt, group)
+
+    def int4_weights(self) -> list[str]:
+        """The weights (P.weight) a GPTQ / AWQ checkpoint stores packed."""
+        return sorted(self._int4)
+
+    def _int4_weight(self, name: str) -> Int4Weight:
+        """The unpacked parts of GPTQ / AWQ weight `name` (P.weight)."""
+        assert self.int4 is not None
+        prefix = self._int4[name]
+        names = {p: f"{prefix}.{p}" for p in PARTS}
+        parts = {p: self._raw(x) for p, x in names.items() if x in self._where}
+        try:
+            return unpack(self.int4, parts, prefix)
+        except Int4CheckpointError as e:
+            raise CheckpointError(str(e)) from None
 
     def _raw(self, name: str) -> torch.Tensor:
         f = self._where.get(name)
@@ -166,6 +219,9 @@ class CheckpointReader:
         return "F8_E4M3" if h[name].dtype == torch.float8_e4m3fn else str(h[name].dtype)
 
     def _shape(self, name: str) -> tuple[int, ...]:
+        if name in self._int4:
+            assert self.int4 is not None
+            return shape_of(self.int4, self._shape(self._int4[name] + ".qweight"))
         f = self._where.get(name)
         if f is None:
             raise CheckpointError(f"checkpoint {self.path} has no tensor {name!r}")

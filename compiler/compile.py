@@ -113,6 +113,28 @@ def quant_scheme(
         if target.device != "cpu":
             return None  # no quantized kernels for this target: the blocks are read as floats
         return {"stored": reader.stored_formats()}
+    if reader.int4 is not None and not args.torchao_config:
+        # A GPTQ / AWQ checkpoint runs as stored (kiln's uint4), as SGLang detects it from
+        # the config; act-order GPTQ weights are read as floats.
+        method = reader.int4.method
+        if args.quantization not in (None, method):
+            raise ArgError(f"--quantization {args.quantization}: the checkpoint is {method}")
+        if target.device != "cpu":
+            return None
+        stored = reader.stored_formats()
+        floats = len(reader.int4_weights()) - len(stored)
+        if floats:
+            log.warning(
+                "%d %s weights have act-order groups (desc_act): kiln reads them as floats",
+                floats,
+                method,
+            )
+        return {"stored": stored}
+    if args.quantization in ("gptq", "awq"):
+        raise ArgError(
+            f"--quantization {args.quantization}: the checkpoint has no {args.quantization} "
+            "quantization_config (kiln reads GPTQ / AWQ checkpoints as they are published)"
+        )
     if reader.fp8_block() is not None and not args.torchao_config:
         # An fp8 checkpoint (config quant_method: fp8) runs as stored, as SGLang detects it.
         if args.quantization not in (None, "fp8"):
@@ -127,7 +149,7 @@ def quant_scheme(
     if args.quantization:
         raise ArgError(
             f"--quantization {args.quantization}: not implemented yet "
-            "(kiln runs fp8, w8a8_int8, gguf)"
+            "(kiln runs fp8, w8a8_int8, gguf, and gptq / awq checkpoints)"
         )
     if args.torchao_config:
         if args.torchao_config not in TORCHAO:

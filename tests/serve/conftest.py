@@ -23,3 +23,17 @@ def launch(tmp_path_factory) -> Iterator[Callable[..., Server]]:
     for s in servers:
         if s.process.poll() is None:
             stop_server(s)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gptq(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real model as a GPTQ checkpoint (4-bit, group 64, round-to-nearest codes), written
+    from transformers' reading of its GGUF file."""
+    from int4_files import hf_folder_from_gguf, write_int4_checkpoint
+
+    from kiln.example import fetch
+
+    root = tmp_path_factory.mktemp("smollm2-gptq")
+    hf = hf_folder_from_gguf(fetch("smollm2"), root / "float")
+    write_int4_checkpoint(hf, root / "SmolLM2-135M-Instruct-GPTQ", "gptq", 64)
+    return root / "SmolLM2-135M-Instruct-GPTQ"

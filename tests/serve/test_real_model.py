@@ -88,3 +88,16 @@ def test_quantized_schemes_serve_the_real_model(
         model="SmolLM2-135M-Instruct.Q4_1", messages=QUESTION, max_tokens=32, temperature=0
     )
     assert "Paris" in (reply.choices[0].message.content or "")
+
+
+def test_a_gptq_checkpoint_serves_the_real_model(
+    smollm2_gptq: Path, tmp_path: Path, launch
+) -> None:
+    art = tmp_path / "art"
+    compile_model(ServerArgs(model_path=str(smollm2_gptq), quantization="gptq"), art)
+    server = launch(art, "--api-key", API_KEY)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+    reply = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct-GPTQ", messages=QUESTION, max_tokens=32, temperature=0
+    )
+    assert "Paris" in (reply.choices[0].message.content or "")
