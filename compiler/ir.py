@@ -59,6 +59,9 @@ OPS: dict[str, OpSchema] = {
     "split": OpSchema(1, 1, (("sizes", "ints"),), outputs=-1),
     "rope_cos_sin": OpSchema(2, 2),
     "rope": OpSchema(2, 2, (("head_dim", "int"),)),
+    # The fused q/k/v projection's output [q | k | v] -> (rope(q), rope(k), v): one rotary
+    # call over the q and k heads together, v a view (passes/fuse_rope.py).
+    "rope_qkv": OpSchema(2, 2, (("head_dim", "int"), ("sizes", "ints")), outputs=3),
     "attention": OpSchema(
         3,
         3,

@@ -161,6 +161,16 @@ def _feature(graph: Graph, n: Node, sizes: list[Feature]) -> Feature:
         if not isinstance(sizes[0], int) or sizes[0] % head_dim:
             raise IRError(f"%{n.name}: rope head_dim {head_dim} does not divide {sizes[0]}")
         return sizes[0]
+    if op == "rope_qkv":
+        head_dim, parts = at["head_dim"], at["sizes"]
+        _positive(n, head_dim=head_dim, **{f"size {i}": x for i, x in enumerate(parts)})
+        if len(parts) != 3:
+            raise IRError(f"%{n.name}: rope_qkv takes 3 sizes (q, k, v), got {len(parts)}")
+        _expect(n, "total", sum(parts), sizes[0])
+        _expect(n, "rotary dim", sizes[1], ("rope", head_dim))
+        if parts[0] % head_dim or parts[1] % head_dim:
+            raise IRError(f"%{n.name}: rope head_dim {head_dim} does not divide q or k")
+        return tuple(parts)
     if op == "attention":
         heads, kv, d = at["num_heads"], at["num_kv_heads"], at["head_dim"]
         _positive(n, num_heads=heads, num_kv_heads=kv, head_dim=d)

@@ -29,7 +29,7 @@ from kiln.kernels.registry import register
 
 # Ops this backend implements for rows-layout weights; select_backends takes it for these on
 # fp32 CPU targets (the packed ops come from the layout pass).
-OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "rope", "attention")
+OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "rope", "rope_qkv", "attention")
 
 
 class KernelError(RuntimeError):
@@ -227,14 +227,20 @@ def silu_and_mul(x: torch.Tensor, *, lib: ctypes.CDLL) -> torch.Tensor:
 
 @_native("rope")
 def rope(
-    x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], head_dim: int, *, lib: ctypes.CDLL
+    x: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, ...],
+    head_dim: int,
+    *,
+    lib: ctypes.CDLL,
+    heads: int = 0,
 ) -> torch.Tensor:
+    """Every head of x's rows, or the first `heads` of each row."""
     x = _rows(x, "rope input")
     cos, sin = (t.contiguous() for t in cos_sin)
     tokens = x.shape[0]
     if cos.shape[-1] != head_dim or cos.dtype != torch.float32:
         raise KernelError(f"rope: tables of {cos.shape[-1]} {cos.dtype}, head_dim {head_dim}")
-    heads = x.shape[1] // head_dim
+    heads = heads or x.shape[1] // head_dim
     out = torch.empty(tokens, heads * head_dim)
     lib.kiln_rope_f32(
         x.data_ptr(),
@@ -248,6 +254,21 @@ def rope(
         _threads(),
     )
     return out
+
+
+@_native("rope_qkv")
+def rope_qkv(
+    qkv: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, ...],
+    head_dim: int,
+    sizes: list[int],
+    *,
+    lib: ctypes.CDLL,
+) -> tuple[torch.Tensor, ...]:
+    """One rotary call over the q and k heads of a fused projection's rows; v stays a view."""
+    nq, nk, _ = sizes
+    qk = rope(qkv, cos_sin, head_dim, heads=(nq + nk) // head_dim, lib=lib)
+    return qk[:, :nq], qk[:, nq:], qkv[:, nq + nk :]
 
 
 @_native("attention", needs_ctx=True)

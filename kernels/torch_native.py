@@ -135,6 +135,15 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch
     return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
 
 
+@register("rope_qkv")
+def rope_qkv(
+    qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], head_dim: int, sizes: list[int]
+) -> tuple[torch.Tensor, ...]:
+    nq, nk, _ = sizes
+    qk = rope(qkv[:, : nq + nk], cos_sin, head_dim)
+    return qk[:, :nq], qk[:, nq:], qkv[:, nq + nk :]
+
+
 @register("rope")
 def rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], head_dim: int) -> torch.Tensor:
     # Rotate-half layout (as transformers): [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]

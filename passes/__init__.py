@@ -7,6 +7,7 @@ from kiln.passes.dce import dce
 from kiln.passes.fuse_add_rmsnorm import fuse_add_rmsnorm
 from kiln.passes.fuse_gate_up import fuse_gate_up
 from kiln.passes.fuse_qkv import fuse_qkv
+from kiln.passes.fuse_rope import fuse_rope
 from kiln.passes.kv_cache import kv_cache
 from kiln.passes.layout import pack_weights
 from kiln.passes.quantize import quantize
@@ -20,6 +21,7 @@ PIPELINES: dict[str, list[Pass]] = {
         fuse_qkv,
         fuse_gate_up,
         fuse_add_rmsnorm,
+        fuse_rope,
         dce,
         quantize,
         kv_cache,
@@ -40,6 +42,7 @@ __all__ = [
     "fuse_add_rmsnorm",
     "fuse_gate_up",
     "fuse_qkv",
+    "fuse_rope",
     "kv_cache",
     "pack_weights",
     "quantize",

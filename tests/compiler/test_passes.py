@@ -5,7 +5,8 @@ from dataclasses import replace
 import pytest
 
 from kiln.compiler.ir import STRUCTURAL_OPS as STRUCTURAL
-from kiln.compiler.ir import Graph
+from kiln.compiler.ir import Graph, IRError
+from kiln.compiler.shapes import check_features
 from kiln.compiler.target import Target, cpu_target
 from kiln.compiler.trace import trace
 from kiln.kernels import cpu as cpu_kernels
@@ -19,6 +20,7 @@ from kiln.passes import (
     fuse_add_rmsnorm,
     fuse_gate_up,
     fuse_qkv,
+    fuse_rope,
     run_passes,
     select_backends,
     verify,
@@ -70,6 +72,25 @@ def test_fuse_qkv_sees_through_qk_norm() -> None:
     assert g.count("split") == LAYERS
 
 
+def test_fuse_rope_takes_q_and_k_of_the_fused_projection_in_one_call() -> None:
+    g = graph()
+    fuse_qkv(g, CTX)
+    assert fuse_rope(g, CTX).changed
+    g.lint()
+    assert g.count("rope_qkv") == LAYERS and g.count("rope") == 0 and g.count("split") == 0
+    fused = next(n for n in g.nodes if n.op == "rope_qkv")
+    assert fused.attrs == {"head_dim": 8, "sizes": [32, 16, 16]}
+    assert not fuse_rope(g, CTX).changed
+    check_features(g)
+    fused.attrs["sizes"] = [32, 12, 20]  # what an edited artefact could claim
+    with pytest.raises(IRError, match="rope head_dim 8 does not divide q or k"):
+        check_features(g)
+    # Qwen3's per-head q/k norm sits between the split and the rope: nothing to fuse.
+    g3 = graph("qwen3")
+    fuse_qkv(g3, CTX)
+    assert not fuse_rope(g3, CTX).changed and g3.count("rope") == 2 * LAYERS
+
+
 def test_fuse_gate_up_makes_silu_and_mul() -> None:
     g = graph()
     assert fuse_gate_up(g, CTX).changed
@@ -108,8 +129,9 @@ def test_default_pipeline_logs_each_pass_and_picks_backends() -> None:
     # fp32 on an AVX-512 CPU with the C kernels: linears packed, the ops kiln's C kernels
     # cover on kiln_cpu, the rest on torch.
     backend = {n.op: n.meta["backend"] for n in compute}
+    assert "rope" not in backend  # fused into rope_qkv
     for op in (*cpu_kernels.OPS, "packed_linear"):
-        assert backend.pop(op) == "kiln_cpu"
+        assert op == "rope" or backend.pop(op) == "kiln_cpu"
     assert "linear" not in backend and set(backend.values()) == {"torch_native"}
     g16, _ = run_passes(graph(), replace(CTX, dtype="bfloat16"), PIPELINES["default"])
     assert {n.meta["backend"] for n in g16.nodes if n.op not in STRUCTURAL} == {"torch_native"}

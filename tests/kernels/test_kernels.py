@@ -213,6 +213,19 @@ def test_rope_matches_transformers(backend: str) -> None:
     torch.testing.assert_close(ours, ref.transpose(1, 2).reshape(t, heads * d))
 
 
+@BOTH
+def test_rope_qkv_rotates_q_and_k_of_the_fused_row_and_passes_v(backend: str) -> None:
+    t, d, sizes = 5, 16, [4 * 16, 2 * 16, 2 * 16]
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    cos_sin = k("rope_cos_sin")(torch.tensor([0, 3, 4, 9, 40]), inv)
+    qkv = torch.randn(t, sum(sizes))
+    q, kk, v = k("rope_qkv", backend)(qkv, cos_sin, head_dim=d, sizes=sizes)
+    refs = [k("rope")(part.contiguous(), cos_sin, d) for part in qkv.split(sizes, -1)[:2]]
+    torch.testing.assert_close(q, refs[0])
+    torch.testing.assert_close(kk, refs[1])
+    assert torch.equal(v, qkv[:, -sizes[2] :])
+
+
 def _reference(q, k_, v, window, heads, kv_heads, d):
     """Causal (optionally windowed) attention of the last len(q) positions, no cache."""
     n, m = q.shape[0], k_.shape[0]
