@@ -2,8 +2,9 @@
 
 art/
   manifest.json            versions, target, model, compile args, cache key, pass log, checksums
-  graph.json               the IR after all passes
-  weights/rank0.safetensors
+  graph.json               the IR after all passes (rank 0's; graph.rank{r}.json for the
+                           other ranks of a tensor-parallel artefact)
+  weights/rank{r}.safetensors   each rank's weights (one file when --tp-size is 1)
   tokenizer/               tokenizer files and chat template copied from the checkpoint
   kernels/cpu_kernels.so   kiln_cpu built for the target (CPU artefacts with C kernels)
 """
@@ -15,12 +16,23 @@ import json
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 GRAPH = "graph.json"
 WEIGHTS = "weights/rank0.safetensors"
+
+
+def graph_file(rank: int) -> str:
+    """Rank r's graph: graph.json for rank 0, graph.rank{r}.json for the others."""
+    return GRAPH if rank == 0 else f"graph.rank{rank}.json"
+
+
+def weights_file(rank: int) -> str:
+    return f"weights/rank{rank}.safetensors"
+
+
 TOKENIZER_DIR = "tokenizer"
 NATIVE_LIB = "kernels/cpu_kernels.so"
 
@@ -88,7 +100,8 @@ class RuntimeSpec(_Strict):
     """What the runtime needs to know about the model (the manifest's `runtime`)."""
 
     num_layers: int = Field(gt=0)
-    num_kv_heads: int = Field(gt=0)
+    num_kv_heads: int = Field(gt=0)  # per tensor-parallel rank
+    tp_size: int = Field(default=1, gt=0)
     head_dim: int = Field(gt=0)
     vocab_size: int = Field(gt=0)
     context_length: int = Field(gt=1)
@@ -126,6 +139,14 @@ class Manifest(_Strict):
             if required not in files:
                 raise ValueError(f"does not list {required}")
         return files
+
+    @model_validator(mode="after")
+    def _every_rank(self) -> Manifest:
+        for rank in range(self.runtime.tp_size):
+            for required in (graph_file(rank), weights_file(rank)):
+                if required not in self.files:
+                    raise ValueError(f"does not list {required}")
+        return self
 
 
 def _first_problem(e: ValidationError) -> str:

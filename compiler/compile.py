@@ -54,10 +54,6 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
             cfg = ModelConfig.from_dict(reader.gguf.hf_config())
         else:
             cfg = ModelConfig.from_hf(ck.checkpoint)
-        graph, constants = trace(build(cfg))
-        for spec in graph.weights.values():
-            if "load" in spec.source:
-                spec.dtype = dtype
         backends = {"attention": args.attention_backend} if args.attention_backend else {}
         options = {
             "backends": backends,
@@ -65,8 +61,23 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
             "quantization": quant_scheme(args, target, reader),
             "kv_cache": kv_cache_options(args, cfg.num_layers),
         }
-        ctx = PassContext(target=target, dtype=dtype, options=options)
-        graph, pass_log = run_passes(graph, ctx, PIPELINES["default"])
+        tp = args.tp_size
+        if tp > 1 and options["quantization"]:
+            raise ArgError(
+                f"--tp-size {tp}: tensor parallelism runs float weights so far; "
+                "drop --tp-size or the quantization"
+            )
+        ranks = []  # (graph, constants, pass log) of each rank
+        for rank in range(tp):
+            graph, constants = trace(build(cfg))
+            for spec in graph.weights.values():
+                if "load" in spec.source:
+                    spec.dtype = dtype
+            ctx = PassContext(
+                target=target, dtype=dtype, options={**options, "tp": {"size": tp, "rank": rank}}
+            )
+            ranks.append((*run_passes(graph, ctx, PIPELINES["default"]), constants))
+        graph, pass_log, _ = ranks[0]
         uses_native = any(
             n.meta.get("backend") == "kiln_cpu" for n in graph.nodes if n.op not in STRUCTURAL_OPS
         )
@@ -78,8 +89,9 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
                 if uses_native:
                     assert toolchain is not None
                     built = _native_build(target, toolchain, tmp)
-                _write_weights(tmp / fmt.WEIGHTS, graph, reader, constants)
-                (tmp / fmt.GRAPH).write_text(graph.dumps())
+                for rank, (g, _, constants) in enumerate(ranks):
+                    _write_weights(tmp / fmt.weights_file(rank), g, reader, constants)
+                    (tmp / fmt.graph_file(rank)).write_text(g.dumps())
                 if ck.tokenizer_dir is not None:
                     _copy_tokenizer(ck.tokenizer_dir, tmp / fmt.TOKENIZER_DIR)
                 else:
@@ -208,6 +220,9 @@ def _materialise(
     if "concat" in src:
         parts = [_materialise(s, reader, constants) for s in src["concat"]]
         return torch.cat(parts, dim=src["dim"])
+    if "slice" in src:  # a tensor-parallel rank's part (passes/shard.py)
+        whole = _materialise(src["slice"], reader, constants)
+        return whole.narrow(src["dim"], src["start"], src["stop"] - src["start"])
     raise ValueError(f"unknown weight recipe {src}")
 
 
@@ -294,7 +309,11 @@ def _manifest(
         # What the runtime needs to know about the model, without reading `model`.
         "runtime": {
             "num_layers": cfg.num_layers,
-            "num_kv_heads": cfg.num_kv_heads,
+            # Per rank: a tensor-parallel rank's pool holds only its KV heads.
+            "num_kv_heads": next(
+                n.attrs["num_kv_heads"] for n in graph.nodes if n.op == "attention"
+            ),
+            "tp_size": args.tp_size,
             "head_dim": cfg.head_dim,
             "vocab_size": cfg.vocab_size,
             "context_length": cfg.max_position_embeddings,

@@ -77,6 +77,10 @@ OPS: dict[str, OpSchema] = {
         ),
     ),
     "index_select": OpSchema(2, 2),
+    # Tensor parallelism (passes/shard.py): the sum of every rank's x, and every rank's x
+    # side by side along the features (rank order).
+    "all_reduce": OpSchema(1, 1, (("ranks", "int"),)),
+    "all_gather": OpSchema(1, 1, (("ranks", "int"),)),
 }
 
 # Ops the executor handles itself (no kernel, no backend).

@@ -186,4 +186,9 @@ def _feature(graph: Graph, n: Node, sizes: list[Feature]) -> Feature:
         return sizes[0]
     if op in ("silu", "index_select"):
         return sizes[0]
+    if op in ("all_reduce", "all_gather"):
+        _positive(n, ranks=at["ranks"])
+        if op == "all_gather" and not isinstance(sizes[0], int):
+            raise IRError(f"%{n.name}: all_gather takes a feature size, not {sizes[0]}")
+        return sizes[0] * at["ranks"] if op == "all_gather" else sizes[0]
     raise IRError(f"%{n.name}: no shape rule for op {op!r}")

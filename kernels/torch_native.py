@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed
 import torch.nn.functional as F
 
 from kiln.compiler.quant import dequantize, quantize_activations
@@ -152,3 +153,22 @@ def rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], head_dim: int) -> t
     t = x.shape[0]
     xh = x.view(t, -1, head_dim)
     return torch.addcmul(xh * cos, xh.roll(head_dim // 2, -1), sin).view(t, -1)
+
+
+@register("all_reduce")
+def all_reduce(x: torch.Tensor, ranks: int) -> torch.Tensor:
+    """The sum over the tensor-parallel group (the default process group), in place on x,
+    which is a fresh output of the row-parallel linear before it."""
+    if ranks > 1:
+        torch.distributed.all_reduce(x)
+    return x
+
+
+@register("all_gather")
+def all_gather(x: torch.Tensor, ranks: int) -> torch.Tensor:
+    """Every rank's x side by side along the last dimension, in rank order."""
+    if ranks == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(ranks)]
+    torch.distributed.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)

@@ -12,12 +12,14 @@ from kiln.passes.kv_cache import kv_cache
 from kiln.passes.layout import pack_weights
 from kiln.passes.quantize import quantize
 from kiln.passes.select_backends import select_backends
+from kiln.passes.shard import shard
 from kiln.passes.verify import verify
 
 # Named pipelines: the compile driver picks one from the compile-time arguments.
 PIPELINES: dict[str, list[Pass]] = {
     "default": [
         dce,
+        shard,
         fuse_qkv,
         fuse_gate_up,
         fuse_add_rmsnorm,
@@ -29,7 +31,7 @@ PIPELINES: dict[str, list[Pass]] = {
         select_backends,
         verify,
     ],
-    "unfused": [dce, quantize, kv_cache, pack_weights, select_backends, verify],
+    "unfused": [dce, shard, quantize, kv_cache, pack_weights, select_backends, verify],
 }
 
 __all__ = [
@@ -48,5 +50,6 @@ __all__ = [
     "quantize",
     "run_passes",
     "select_backends",
+    "shard",
     "verify",
 ]

@@ -47,6 +47,7 @@ class ModelSpec:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     served_model_name: str
+    tp_size: int = 1
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -72,9 +73,14 @@ class Artefact:
 
     @classmethod
     def open(
-        cls, root: str | Path, verify: bool = True, trust_remote_code: bool = False
+        cls,
+        root: str | Path,
+        verify: bool = True,
+        trust_remote_code: bool = False,
+        rank: int = 0,
     ) -> Artefact:
-        """Load and check an artefact; raises ArtefactError with one line naming the problem."""
+        """Load and check an artefact (tensor-parallel rank `rank`'s graph and weights);
+        raises ArtefactError with one line naming the problem."""
         root = Path(root)
         manifest = fmt.read_manifest(root)
         check_versions(root, manifest)
@@ -85,12 +91,15 @@ class Artefact:
         rt = dict(manifest["runtime"])
         rt["eos_token_ids"] = tuple(rt["eos_token_ids"])
         spec = ModelSpec(**rt)
-        graph = _load_graph(root)
+        if not 0 <= rank < spec.tp_size:
+            raise fmt.ArtefactError(f"{root} has ranks 0..{spec.tp_size - 1}, not {rank}")
+        graph = _load_graph(root, fmt.graph_file(rank))
+        wfile = fmt.weights_file(rank)
         try:
-            weights = load_file(str(root / fmt.WEIGHTS), device=device)
+            weights = load_file(str(root / wfile), device=device)
         except Exception as e:
-            raise fmt.ArtefactError(f"{root}/{fmt.WEIGHTS} is damaged: {e}") from e
-        _check_weights(root, graph, weights)
+            raise fmt.ArtefactError(f"{root}/{wfile} is damaged: {e}") from e
+        _check_weights(root / wfile, graph, weights)
         _check_agreement(root, spec, graph)
         lib = open_library(root, manifest, graph, trust_remote_code)
         return cls(root, manifest, spec, graph, weights, lib)
@@ -130,10 +139,10 @@ def check_target(root: Path, manifest: dict[str, Any]) -> None:
         )
 
 
-def _load_graph(root: Path) -> Graph:
-    where = f"{root}/{fmt.GRAPH}"
+def _load_graph(root: Path, name: str = fmt.GRAPH) -> Graph:
+    where = f"{root}/{name}"
     try:
-        graph = Graph.from_json(json.loads((root / fmt.GRAPH).read_text()))
+        graph = Graph.from_json(json.loads((root / name).read_text()))
         graph.lint()
         check_features(graph)
     except (IRError, json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -152,8 +161,7 @@ def _load_graph(root: Path) -> Graph:
     return graph
 
 
-def _check_weights(root: Path, graph: Graph, weights: dict[str, torch.Tensor]) -> None:
-    where = f"{root}/{fmt.WEIGHTS}"
+def _check_weights(where: Path, graph: Graph, weights: dict[str, torch.Tensor]) -> None:
     for name, spec in graph.weights.items():
         t = weights.get(name)
         if t is None:

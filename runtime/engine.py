@@ -67,7 +67,10 @@ class Engine:
         )
         self.threads, threads_from = _set_threads(self.args.threads)
         self.max_running = self.args.max_running_requests or DEFAULT_MAX_RUNNING
-        self.runner = ModelRunner(self.art, self._kv_tokens(self.max_running))
+        kv_tokens = self._kv_tokens(self.max_running)
+        self.runner = ModelRunner(self.art, kv_tokens)
+        if spec.tp_size > 1:
+            self._start_ranks(kv_tokens)
         cache = None
         if not self.args.disable_radix_cache:
             cache = RadixCache(self.runner.pool, self.args.radix_eviction_policy)
@@ -406,8 +409,29 @@ class Engine:
         return self.scheduler.flush_cache() * self.runner.pool.page_size
 
     def shutdown(self) -> None:
-        """Release the KV pool and weights (the engine is unusable afterwards)."""
+        """Release the KV pool and weights, and stop the other tensor-parallel ranks (the
+        engine is unusable afterwards)."""
+        group = self.runner.group
         del self.runner
+        if group is not None:
+            group.close()
+
+    def _start_ranks(self, kv_tokens: int) -> None:
+        """Ranks 1..T-1 of a tensor-parallel artefact, each with its share of the threads."""
+        from kiln.runtime.parallel import TPGroup
+
+        size = self.art.spec.tp_size
+        per_rank = max(1, self.threads // size)
+        torch.set_num_threads(per_rank)
+        self.threads = per_rank
+        self.runner.group = TPGroup(
+            self.art.root,
+            size,
+            kv_tokens,
+            per_rank,
+            self.args.dist_init_addr,
+            self.args.dist_timeout,
+        )
 
 
 def _set_threads(asked: int | None) -> tuple[int, str]:

@@ -110,13 +110,14 @@ def test_choices_are_checked_for_python_callers_too() -> None:
 
 def test_support_status() -> None:
     # A planned flag is accepted at its default, refused otherwise, never ignored.
-    assert cli("--tokenizer-mode", "auto", "--tp", "1").tp_size == 1
+    assert cli("--tokenizer-mode", "auto", "--pp-size", "1").pp_size == 1
     with pytest.raises(
         ArgError,
-        match=r"--tensor-parallel-size 2: is not implemented in kiln "
+        match=r"--pipeline-parallel-size 2: is not implemented in kiln "
         r"yet \(leave it at its default, 1\)",
     ):
-        cli("--tp", "2")
+        cli("--pp-size", "2")
+    assert cli("--tp", "2").tp_size == 2  # implemented: a compiler pass
     with pytest.raises(ArgError, match="--enable-lora: is not implemented in kiln yet"):
         cli("--enable-lora")
     with pytest.raises(ArgError, match=r"--cuda-graph-bs 1 2 4: is not implemented.*unset"):

@@ -40,7 +40,7 @@ def test_layout_and_manifest(artefact) -> None:
     assert m["target"]["isa"] == host_cpu_level()
     assert m["torch_version"] == torch.__version__
     assert m["compile_args"]["dtype"] == "float32"
-    assert [p["pass"] for p in m["passes"]][:2] == ["dce", "fuse_qkv"]
+    assert [p["pass"] for p in m["passes"]][:3] == ["dce", "shard", "fuse_qkv"]
     assert set(m["files"]) >= {"graph.json", "weights/rank0.safetensors"}
     weights = load_file(art / "weights/rank0.safetensors")
     # Weights are stored as the graph wants them: fused.

@@ -71,8 +71,8 @@ def test_yaml_config_and_compile_time_mismatch(checkpoint, tmp_path) -> None:
         "kiln generate: error: --page-size: 4 disagrees with the artefact, compiled with 2 "
         "(compile-time argument: recompile to change it)"
     )
-    r = kiln("compile", "--config", str(cfg), "--tp", "2", "-o", str(art))
-    assert r.returncode == 2 and "--tensor-parallel-size 2: is not implemented" in r.stderr
+    r = kiln("compile", "--config", str(cfg), "--pp-size", "2", "-o", str(art))
+    assert r.returncode == 2 and "--pipeline-parallel-size 2: is not implemented" in r.stderr
 
 
 def test_version_and_usage_errors_do_not_load_torch() -> None:

@@ -1,0 +1,156 @@
+"""Tensor parallelism: the single-device graph becomes rank r's of `--tp-size` T.
+
+Megatron's layout, decided per node from the graph alone:
+- attention: rank r keeps heads [r H/T, (r+1) H/T) of q and the KV heads they read
+  (KV/T of them, or the one they share when KV < T: replicated, as SGLang does); q/k/v
+  projections are cut by rows (column-parallel), o_proj by columns (row-parallel), and an
+  `all_reduce` sums the ranks' partial outputs;
+- MLP: gate and up by rows, down by columns, then `all_reduce`;
+- lm_head by vocabulary rows, then `all_gather` puts the logits back together;
+- embeddings, norms and rope tables are whole on every rank.
+A row-parallel linear's bias is added on rank 0 only, so the sum counts it once.
+
+Weights are cut in their recipes ({"slice": recipe, "dim", "start", "stop"}): the compile
+driver writes each rank only its part. Runs before the fusion passes, which then fuse each
+rank's slices as they fuse whole weights. What does not divide is an ArgError naming the
+dimension and the flag.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kiln.args import ArgError
+from kiln.compiler.ir import Graph, Node, WeightSpec
+from kiln.passes.base import PassContext, PassResult
+
+_PER_HEAD = ("rope", "rmsnorm")
+
+
+def shard(graph: Graph, ctx: PassContext) -> PassResult:
+    tp: dict[str, int] | None = ctx.options.get("tp")
+    if not tp or tp["size"] == 1:
+        return PassResult(graph, False)
+    size, rank = tp["size"], tp["rank"]
+    users = graph.users()
+    for attn in [n for n in graph.nodes if n.op == "attention"]:
+        _attention(graph, users, attn, size, rank)
+    for down in _mlp_downs(graph, users):
+        gate_mul = down.args[0]
+        silu, up = gate_mul.args
+        gate = silu.args[0]
+        inter = _out_features(graph, down.args[0], up)
+        lo, hi = _part(inter, size, rank, "MLP intermediate_size")
+        _cut_rows(graph, gate, lo, hi)
+        _cut_rows(graph, up, lo, hi)
+        _row_parallel(graph, users, down, lo, hi, size, rank)
+    _lm_head(graph, size, rank)
+    return PassResult(graph, True)
+
+
+def _part(total: int, size: int, rank: int, what: str) -> tuple[int, int]:
+    if total % size:
+        raise ArgError(f"--tp-size {size}: {what} {total} is not divisible by {size}")
+    step = total // size
+    return rank * step, (rank + 1) * step
+
+
+def _projection(node: Node) -> Node:
+    while node.op in _PER_HEAD:
+        node = node.args[0]
+    return node
+
+
+def _attention(graph: Graph, users: dict[Node, list[Node]], attn: Node, size: int, rank: int):
+    heads, kv, d = attn.attrs["num_heads"], attn.attrs["num_kv_heads"], attn.attrs["head_dim"]
+    q, k, v = (_projection(a) for a in attn.args)
+    lo, hi = _part(heads, size, rank, "num_attention_heads")
+    if kv % size == 0:
+        kv_lo, kv_hi = rank * kv // size, (rank + 1) * kv // size
+    elif size % kv == 0:  # fewer KV heads than ranks: each rank keeps the one its q heads read
+        kv_lo = lo // (heads // kv)
+        kv_hi = kv_lo + 1
+    else:
+        raise ArgError(
+            f"--tp-size {size}: num_key_value_heads {kv} neither divides by nor divides {size}"
+        )
+    _cut_rows(graph, q, lo * d, hi * d)
+    _cut_rows(graph, k, kv_lo * d, kv_hi * d)
+    _cut_rows(graph, v, kv_lo * d, kv_hi * d)
+    attn.attrs.update(num_heads=hi - lo, num_kv_heads=kv_hi - kv_lo)
+    [o] = [u for u in users[attn] if u.op == "linear"]
+    _row_parallel(graph, users, o, lo * d, hi * d, size, rank)
+
+
+def _mlp_downs(graph: Graph, users: dict[Node, list[Node]]) -> list[Node]:
+    """down(silu(gate(x)) * up(x)) linears, as the model definitions write the MLP."""
+    found = []
+    for n in graph.nodes:
+        if n.op != "linear" or n.args[0].op != "mul":
+            continue
+        a, b = n.args[0].args
+        if a.op == "silu" and a.args[0].op == "linear" and b.op == "linear":
+            found.append(n)
+    return found
+
+
+def _out_features(graph: Graph, _mul: Node, up: Node) -> int:
+    spec = graph.weight_of(up.args[1])
+    assert spec is not None
+    return spec.shape[0]
+
+
+def _sliced(graph: Graph, param: Node, dim: int, lo: int, hi: int, name: str) -> Node:
+    """A param holding [lo, hi) of `param`'s weight along `dim`, under `name`."""
+    spec = graph.weight_of(param)
+    if spec is None:
+        raise ArgError(f"--tp-size: {param.attrs['name']} is not a checkpoint weight")
+    shape = list(spec.shape)
+    shape[dim] = hi - lo
+    source: dict[str, Any] = {"slice": spec.source, "dim": dim, "start": lo, "stop": hi}
+    graph.weights[name] = WeightSpec(tuple(shape), spec.dtype, source)
+    return graph.param(name, before=param)
+
+
+def _cut_rows(graph: Graph, linear: Node, lo: int, hi: int) -> None:
+    """Column-parallel: the linear's output features [lo, hi) (weight rows and bias)."""
+    args = [linear.args[0]]
+    for p in linear.args[1:]:
+        args.append(_sliced(graph, p, 0, lo, hi, p.attrs["name"]))
+    linear.args = args
+
+
+def _row_parallel(
+    graph: Graph,
+    users: dict[Node, list[Node]],
+    linear: Node,
+    lo: int,
+    hi: int,
+    size: int,
+    rank: int,
+) -> None:
+    """Row-parallel: input features [lo, hi) of the weight, the bias on rank 0 only, and
+    an all_reduce of the partial sums in place of the linear's output."""
+    weight = linear.args[1]
+    args = [linear.args[0], _sliced(graph, weight, 1, lo, hi, weight.attrs["name"])]
+    if len(linear.args) == 3 and rank == 0:
+        args.append(linear.args[2])
+    linear.args = args
+    after = graph.nodes[graph.nodes.index(linear) + 1]
+    reduced = graph.add("all_reduce", [linear], {"ranks": size}, before=after)
+    for u in users.get(linear, []):
+        u.args = [reduced if a is linear else a for a in u.args]
+
+
+def _lm_head(graph: Graph, size: int, rank: int) -> None:
+    head = graph.output.args[0]
+    if head.op != "linear":
+        raise ArgError("--tp-size: the graph does not end in an lm_head linear")
+    weight = head.args[1]
+    spec = graph.weight_of(weight)
+    assert spec is not None
+    lo, hi = _part(spec.shape[0], size, rank, "vocab_size")
+    # A tied lm_head reads the embedding's table, which stays whole: its own sliced weight.
+    head.args = [head.args[0], _sliced(graph, weight, 0, lo, hi, "lm_head.weight")]
+    gathered = graph.add("all_gather", [head], {"ranks": size}, before=graph.output)
+    graph.output.args = [gathered if a is head else a for a in graph.output.args]

@@ -1,0 +1,188 @@
+"""Tensor-parallel execution: one process per rank over torch.distributed.
+
+Rank 0 is the engine's own process: it schedules, and before each step it broadcasts the
+step's inputs (runtime/model_runner.py `StepInputs`, one int64 tensor) to the other ranks.
+Every rank then runs the same step on its own graph, weights and KV heads; the graph's
+all_reduce / all_gather ops (passes/shard.py) are the only other traffic. Ranks 1..T-1 are
+`python -m kiln.runtime.parallel` processes started here, which exit when rank 0 says stop
+or when their connection to it breaks (rank 0 gone).
+
+The backend is gloo on CPU (NCCL would serve CUDA targets; not run on hardware yet). The
+rendezvous is a TCP store on `--dist-init-addr` (host:port), or a free loopback port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import datetime
+import logging
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from kiln.runtime.model_runner import StepInputs
+
+log = logging.getLogger("kiln.parallel")
+
+DEFAULT_TIMEOUT_S = 600
+_STOP = -1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _send(step: StepInputs | None) -> None:
+    data = step.encode() if step is not None else torch.empty(0, dtype=torch.long)
+    dist.broadcast(torch.tensor([len(data) if step is not None else _STOP]), src=0)
+    if step is not None:
+        dist.broadcast(data, src=0)
+
+
+def _receive() -> StepInputs | None:
+    size = torch.zeros(1, dtype=torch.long)
+    dist.broadcast(size, src=0)
+    if int(size) == _STOP:
+        return None
+    data = torch.empty(int(size), dtype=torch.long)
+    dist.broadcast(data, src=0)
+    return StepInputs.decode(data)
+
+
+class TPGroup:
+    """Rank 0's side: the other ranks' processes and the process group."""
+
+    def __init__(
+        self,
+        artefact: Path,
+        size: int,
+        max_total_tokens: int,
+        threads: int,
+        init_addr: str | None = None,
+        timeout_s: int | None = None,
+    ) -> None:
+        if dist.is_initialized():
+            raise RuntimeError(
+                "a tensor-parallel engine is already running in this process; shut it down "
+                "(Engine.shutdown) before starting another"
+            )
+        host, port = init_addr.rsplit(":", 1) if init_addr else ("127.0.0.1", _free_port())
+        method = f"tcp://{host}:{port}"
+        timeout = datetime.timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
+        self.procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "kiln.runtime.parallel",
+                    str(artefact),
+                    "--rank",
+                    str(rank),
+                    "--size",
+                    str(size),
+                    "--init-method",
+                    method,
+                    "--max-total-tokens",
+                    str(max_total_tokens),
+                    "--threads",
+                    str(threads),
+                    "--timeout",
+                    str(int(timeout.total_seconds())),
+                ]
+            )
+            for rank in range(1, size)
+        ]
+        try:
+            dist.init_process_group(
+                "gloo", init_method=method, rank=0, world_size=size, timeout=timeout
+            )
+        except BaseException:
+            self._reap(kill=True)
+            raise
+        self._closed = False
+        atexit.register(self.close)
+
+    def send(self, step: StepInputs) -> None:
+        dead = [p.pid for p in self.procs if p.poll() is not None]
+        if dead:
+            raise RuntimeError(f"tensor-parallel rank process(es) {dead} exited")
+        _send(step)
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and all(p.poll() is None for p in self.procs)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        try:
+            if all(p.poll() is None for p in self.procs):
+                _send(None)
+        except RuntimeError:  # a rank already gone: the others are reaped below
+            pass
+        self._reap(kill=False)
+        dist.destroy_process_group()
+
+    def _reap(self, kill: bool) -> None:
+        for p in self.procs:
+            if kill:
+                p.kill()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from kiln.runtime.artefact import Artefact
+    from kiln.runtime.model_runner import ModelRunner
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group(
+        "gloo",
+        init_method=args.init_method,
+        rank=args.rank,
+        world_size=args.size,
+        timeout=datetime.timedelta(seconds=args.timeout),
+    )
+    # Rank 0 checked every file's checksum before starting this process.
+    art = Artefact.open(args.artefact, verify=False, rank=args.rank)
+    runner = ModelRunner(art, args.max_total_tokens)
+    with torch.inference_mode():
+        while (step := _receive()) is not None:
+            runner.run(step)
+    dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kiln.runtime.parallel")
+    p.add_argument("artefact", type=Path)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--size", type=int, required=True)
+    p.add_argument("--init-method", required=True)
+    p.add_argument("--max-total-tokens", type=int, required=True)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("KILN_LOG_LEVEL", "WARNING"))
+    try:
+        return _worker(args)
+    except (RuntimeError, ConnectionError) as e:  # rank 0 gone, or a collective failed
+        log.error("tensor-parallel rank %d stops: %s", args.rank, e)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
