@@ -125,21 +125,25 @@ def quant_scheme(
         if target.device != "cpu":
             return None  # no quantized kernels for this target: the blocks are read as floats
         return {"stored": reader.stored_formats()}
-    if reader.int4 is not None and not args.torchao_config:
-        # A GPTQ / AWQ checkpoint runs as stored (kiln's uint4), as SGLang detects it from
-        # the config; act-order GPTQ weights are read as floats.
-        method = reader.int4.method
-        if args.quantization not in (None, method):
-            raise ArgError(f"--quantization {args.quantization}: the checkpoint is {method}")
+    stored_method = (
+        reader.int4.method if reader.int4 else "fp8" if reader.fp8_block() is not None else None
+    )
+    if stored_method and not args.torchao_config:
+        # A quantized checkpoint (quant_method gptq, awq or fp8) runs as stored, as SGLang
+        # detects it from the config; act-order GPTQ weights are read as floats.
+        if args.quantization not in (None, stored_method):
+            raise ArgError(
+                f"--quantization {args.quantization}: the checkpoint is {stored_method} already"
+            )
         if target.device != "cpu":
             return None
         stored = reader.stored_formats()
-        floats = len(reader.int4_weights()) - len(stored)
+        floats = len(reader.int4_weights()) - len(stored) if reader.int4 else 0
         if floats:
             log.warning(
                 "%d %s weights have act-order groups (desc_act): kiln reads them as floats",
                 floats,
-                method,
+                stored_method,
             )
         return {"stored": stored}
     if args.quantization in ("gptq", "awq"):
@@ -147,13 +151,6 @@ def quant_scheme(
             f"--quantization {args.quantization}: the checkpoint has no {args.quantization} "
             "quantization_config (kiln reads GPTQ / AWQ checkpoints as they are published)"
         )
-    if reader.fp8_block() is not None and not args.torchao_config:
-        # An fp8 checkpoint (config quant_method: fp8) runs as stored, as SGLang detects it.
-        if args.quantization not in (None, "fp8"):
-            raise ArgError(f"--quantization {args.quantization}: the checkpoint is fp8 already")
-        if target.device != "cpu":
-            return None
-        return {"stored": reader.stored_formats()}
     if args.quantization == "fp8":
         return {"format": "fp8_e4m3", "group": 0, "flag": "--quantization fp8"}
     if args.quantization == "w8a8_int8":

@@ -40,8 +40,7 @@ class Int4CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class Int4Config:
-    method: str  # gptq or awq
-    group: int  # inputs per scale; 0: one group over all inputs (group_size -1)
+    method: str  # gptq or awq (the group size comes from the tensors' shapes)
     zero_offset: int  # added to a stored zero (GPTQ's original format stores z - 1)
 
     @classmethod
@@ -70,9 +69,8 @@ class Int4Config:
             )
         if method == "awq" and not q.get("zero_point", True):
             raise Int4CheckpointError("awq checkpoint without zero points: kiln reads zero_point")
-        group = int(q.get("group_size", q.get("q_group_size", 128)))
         v1 = method == "gptq" and q.get("checkpoint_format", "gptq") == "gptq"
-        return cls(method, max(group, 0), 1 if v1 else 0)
+        return cls(method, 1 if v1 else 0)
 
 
 def _nibbles(packed: torch.Tensor, dim: int) -> torch.Tensor:

@@ -35,12 +35,10 @@ def shard(graph: Graph, ctx: PassContext) -> PassResult:
     users = graph.users()
     for attn in [n for n in graph.nodes if n.op == "attention"]:
         _attention(graph, users, attn, size, rank)
-    for down in _mlp_downs(graph, users):
-        gate_mul = down.args[0]
-        silu, up = gate_mul.args
+    for down in _mlp_downs(graph):
+        silu, up = down.args[0].args
         gate = silu.args[0]
-        inter = _out_features(graph, down.args[0], up)
-        lo, hi = _part(inter, size, rank, "MLP intermediate_size")
+        lo, hi = _part(_out_features(graph, up), size, rank, "MLP intermediate_size")
         _cut_rows(graph, gate, lo, hi)
         _cut_rows(graph, up, lo, hi)
         _row_parallel(graph, users, down, lo, hi, size, rank)
@@ -82,7 +80,7 @@ def _attention(graph: Graph, users: dict[Node, list[Node]], attn: Node, size: in
     _row_parallel(graph, users, o, lo * d, hi * d, size, rank)
 
 
-def _mlp_downs(graph: Graph, users: dict[Node, list[Node]]) -> list[Node]:
+def _mlp_downs(graph: Graph) -> list[Node]:
     """down(silu(gate(x)) * up(x)) linears, as the model definitions write the MLP."""
     found = []
     for n in graph.nodes:
@@ -94,8 +92,8 @@ def _mlp_downs(graph: Graph, users: dict[Node, list[Node]]) -> list[Node]:
     return found
 
 
-def _out_features(graph: Graph, _mul: Node, up: Node) -> int:
-    spec = graph.weight_of(up.args[1])
+def _out_features(graph: Graph, linear: Node) -> int:
+    spec = graph.weight_of(linear.args[1])
     assert spec is not None
     return spec.shape[0]
 

@@ -41,10 +41,13 @@ def _free_port() -> int:
 
 
 def _send(step: StepInputs | None) -> None:
-    data = step.encode() if step is not None else torch.empty(0, dtype=torch.long)
-    dist.broadcast(torch.tensor([len(data) if step is not None else _STOP]), src=0)
-    if step is not None:
-        dist.broadcast(data, src=0)
+    """The step's size (or _STOP), then the step."""
+    if step is None:
+        dist.broadcast(torch.tensor([_STOP]), src=0)
+        return
+    data = step.encode()
+    dist.broadcast(torch.tensor([len(data)]), src=0)
+    dist.broadcast(data, src=0)
 
 
 def _receive() -> StepInputs | None:
@@ -115,10 +118,6 @@ class TPGroup:
         if dead:
             raise RuntimeError(f"tensor-parallel rank process(es) {dead} exited")
         _send(step)
-
-    @property
-    def alive(self) -> bool:
-        return not self._closed and all(p.poll() is None for p in self.procs)
 
     def close(self) -> None:
         if self._closed:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from int4_files import write_int4_checkpoint
-from oracle import kiln_all_logits
+from oracle import hf_greedy, kiln_all_logits
 from transformers import AutoModelForCausalLM
 
 from kiln import Engine
@@ -27,7 +27,7 @@ WORD = 0x76543210  # nibbles 0, 1, ..., 7 from the low bits up
 
 def test_gptq_packs_inputs_down_a_column_and_stores_zeros_minus_one() -> None:
     # one output, 8 inputs, one group: qweight [1, 1], qzeros [1, 1] (8 outputs' worth)
-    cfg = Int4Config("gptq", 8, 1)
+    cfg = Int4Config("gptq", 1)
     parts = {
         "qweight": torch.tensor([[WORD]], dtype=torch.int32),
         "qzeros": torch.tensor([[0x00000004]], dtype=torch.int32),
@@ -44,7 +44,7 @@ def test_gptq_packs_inputs_down_a_column_and_stores_zeros_minus_one() -> None:
 
 
 def test_awq_packs_outputs_along_a_row_in_its_interleaved_order() -> None:
-    cfg = Int4Config("awq", 1, 0)
+    cfg = Int4Config("awq", 0)
     parts = {
         "qweight": torch.tensor([[WORD]], dtype=torch.int32),  # one input, 8 outputs
         "qzeros": torch.tensor([[WORD]], dtype=torch.int32),
@@ -94,10 +94,7 @@ def test_int4_checkpoint_matches_transformers_on_its_weights(
         sampling_params={"temperature": 0, "max_new_tokens": 12, "ignore_eos": True},
     )
     for prompt, out in zip(PROMPTS, outs, strict=True):
-        ref = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None
-        )
-        assert out["output_ids"] == ref[0, len(prompt) :].tolist()
+        assert out["output_ids"] == hf_greedy(hf, prompt, 12)
     seq = PROMPTS[1]
     with torch.no_grad():
         ref_logits = hf(torch.tensor([seq])).logits[0]

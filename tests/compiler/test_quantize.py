@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from oracle import kiln_all_logits
+from oracle import hf_greedy, kiln_all_logits
 from transformers import AutoModelForCausalLM
 
 from kiln import Engine
@@ -61,10 +61,7 @@ def test_scheme_matches_transformers_on_the_same_quantized_weights(
         sampling_params={"temperature": 0, "max_new_tokens": 16, "ignore_eos": True},
     )
     for prompt, out in zip(PROMPTS, outs, strict=True):
-        ref = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None
-        )
-        assert out["output_ids"] == ref[0, len(prompt) :].tolist()
+        assert out["output_ids"] == hf_greedy(hf, prompt, 16)
         seq = prompt + out["output_ids"]
         with torch.no_grad():
             ref_logits = hf(torch.tensor([seq])).logits[0]

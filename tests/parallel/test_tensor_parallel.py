@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from oracle import hf_greedy
 from transformers import AutoModelForCausalLM
 
 from kiln import Engine
@@ -51,10 +52,7 @@ def test_tp2_gives_tp1_and_transformers_greedy_ids(
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     for prompt, o in zip(PROMPTS, out, strict=True):
-        ref = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None
-        )
-        assert o["output_ids"] == ref[0, len(prompt) :].tolist()
+        assert o["output_ids"] == hf_greedy(hf, prompt, 32)
 
 
 def test_each_rank_holds_only_its_part(checkpoint: Callable[..., Path], tmp_path: Path) -> None:
