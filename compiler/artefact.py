@@ -18,7 +18,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-FORMAT_VERSION = 2
+# 3: linears carry a `prologue`, rope_attention joins the ops, and the C kernels' linear
+# entries take the prologue (an older artefact's graph and library would not match).
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 GRAPH = "graph.json"
 WEIGHTS = "weights/rank0.safetensors"

@@ -18,7 +18,7 @@ import kiln
 from kiln.args import ArgError, ServerArgs
 from kiln.compiler import artefact as fmt
 from kiln.compiler.checkpoint import CheckpointReader
-from kiln.compiler.ir import STRUCTURAL_OPS, Graph
+from kiln.compiler.ir import ATTENTION_OPS, STRUCTURAL_OPS, Graph
 from kiln.compiler.key import CompileKey, resolve_dtype
 from kiln.compiler.kv_cache import KV_DTYPES, kv_cache_options
 from kiln.compiler.layout import pack_panels, pack_qpanels, panel_shape
@@ -308,7 +308,7 @@ def _manifest(
             "num_layers": cfg.num_layers,
             # Per rank: a tensor-parallel rank's pool holds only its KV heads.
             "num_kv_heads": next(
-                n.attrs["num_kv_heads"] for n in graph.nodes if n.op == "attention"
+                n.attrs["num_kv_heads"] for n in graph.nodes if n.op in ATTENTION_OPS
             ),
             "tp_size": args.tp_size,
             "head_dim": cfg.head_dim,

@@ -31,6 +31,17 @@ class OpSchema:
         return tuple(name for name, _ in self.attrs)
 
 
+_ATTENTION_ATTRS = (
+    ("layer", "int"),
+    ("num_heads", "int"),
+    ("num_kv_heads", "int"),
+    ("head_dim", "int"),
+    ("scale", "float"),
+    ("sliding_window", "int?"),
+    # An fp8 KV pool stores K/V / kv_scale (passes/kv_cache.py); 1.0 otherwise.
+    ("kv_scale", "float"),
+)
+
 OPS: dict[str, OpSchema] = {
     "input": OpSchema(0, 0, (("name", "str"),)),
     "param": OpSchema(0, 0, (("name", "str"),)),
@@ -40,13 +51,19 @@ OPS: dict[str, OpSchema] = {
     "linear": OpSchema(2, 3),
     # A linear whose weight the layout pass stored as panels (compiler/layout.py); row counts
     # in `narrow_rows` ([lo, hi]) take the narrow micro-kernel, others the wide one (decided
-    # at compile).
-    "packed_linear": OpSchema(2, 3, (("out_features", "int"), ("narrow_rows", "ints"))),
+    # at compile). `prologue`, here and on quant_linear: "none", or "silu_and_mul" for an
+    # input of twice the features, silu(x1) * x2 taken in the same call
+    # (passes/fuse_silu_linear.py).
+    "packed_linear": OpSchema(
+        2, 3, (("out_features", "int"), ("narrow_rows", "ints"), ("prologue", "str"))
+    ),
     # An embedding that reads its table from the panels of the tied lm_head.
     "packed_embedding": OpSchema(2, 2),
     # Linear and embedding on quantized weights (compiler/quant.py): args codes, scales
     # (and a bias), stored as q8/q4 panels and spanels by the quantize pass.
-    "quant_linear": OpSchema(3, 4, (("format", "str"), ("group", "int"), ("out_features", "int"))),
+    "quant_linear": OpSchema(
+        3, 4, (("format", "str"), ("group", "int"), ("out_features", "int"), ("prologue", "str"))
+    ),
     "quant_embedding": OpSchema(
         3, 3, (("format", "str"), ("group", "int"), ("num_embeddings", "int"))
     ),
@@ -62,26 +79,21 @@ OPS: dict[str, OpSchema] = {
     # The fused q/k/v projection's output [q | k | v] -> (rope(q), rope(k), v): one rotary
     # call over the q and k heads together, v a view (passes/fuse_rope.py).
     "rope_qkv": OpSchema(2, 2, (("head_dim", "int"), ("sizes", "ints")), outputs=3),
-    "attention": OpSchema(
-        3,
-        3,
-        (
-            ("layer", "int"),
-            ("num_heads", "int"),
-            ("num_kv_heads", "int"),
-            ("head_dim", "int"),
-            ("scale", "float"),
-            ("sliding_window", "int?"),
-            # An fp8 KV pool stores K/V / kv_scale (passes/kv_cache.py); 1.0 otherwise.
-            ("kv_scale", "float"),
-        ),
-    ),
+    "attention": OpSchema(3, 3, _ATTENTION_ATTRS),
+    # rope_qkv and attention in one op: args the fused projection's rows [q | k | v] and the
+    # rotary tables (passes/fuse_rope.py); a decode step runs it as one native call.
+    "rope_attention": OpSchema(2, 2, _ATTENTION_ATTRS),
     "index_select": OpSchema(2, 2),
     # Tensor parallelism (passes/shard.py): the sum of every rank's x, and every rank's x
     # side by side along the features (rank order).
     "all_reduce": OpSchema(1, 1, (("ranks", "int"),)),
     "all_gather": OpSchema(1, 1, (("ranks", "int"),)),
 }
+
+# The ops that attend over one layer's KV pool (their attrs are _ATTENTION_ATTRS).
+ATTENTION_OPS = ("attention", "rope_attention")
+# What a linear's `prologue` attr may say.
+PROLOGUES = ("none", "silu_and_mul")
 
 # Ops the executor handles itself (no kernel, no backend).
 STRUCTURAL_OPS = frozenset({"input", "param", "output", "getitem"})

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.compiler.ir import Graph, IRError, Node
+from kiln.compiler.ir import ATTENTION_OPS, PROLOGUES, Graph, IRError, Node
 
 # A feature size: an int, None for per-token scalars (ids, positions), a tuple for
 # multi-output ops, or ("rope", rotary_dim) for the rotary tables.
@@ -24,6 +24,14 @@ def check_features(graph: Graph) -> dict[str, Feature]:
     for n in graph.nodes:
         feat[n.name] = _feature(graph, n, [feat[a.name] for a in n.args])
     return feat
+
+
+def _prologue_in(node: Node, features: int) -> int:
+    """The input features a linear of `features` inputs takes with its prologue."""
+    prologue = node.attrs["prologue"]
+    if prologue not in PROLOGUES:
+        raise IRError(f"%{node.name}: prologue must be one of {', '.join(PROLOGUES)}")
+    return 2 * features if prologue == "silu_and_mul" else features
 
 
 def _expect(node: Node, what: str, got: object, want: object) -> None:
@@ -104,7 +112,7 @@ def _feature(graph: Graph, n: Node, sizes: list[Feature]) -> Feature:
     if op == "quant_linear":
         out, inp = _quant(graph, n)
         _expect(n, "out_features", at["out_features"], out)
-        _expect(n, "input features", sizes[0], inp)
+        _expect(n, "input features", sizes[0], _prologue_in(n, inp))
         if len(a) == 4:
             _expect(n, "bias size", _weight_shape(graph, a[3], 1)[0], out)
         return out
@@ -120,6 +128,7 @@ def _feature(graph: Graph, n: Node, sizes: list[Feature]) -> Feature:
             lo_hi = at["narrow_rows"]
             if len(lo_hi) != 2 or not 0 <= lo_hi[0] <= lo_hi[1]:
                 raise IRError(f"%{n.name}: narrow_rows must be [lo, hi], 0 <= lo <= hi")
+            inp = _prologue_in(n, inp)
         _expect(n, "input features", sizes[0], inp)
         if len(a) == 3:
             _expect(n, "bias size", _weight_shape(graph, a[2], 1)[0], out)
@@ -171,7 +180,7 @@ def _feature(graph: Graph, n: Node, sizes: list[Feature]) -> Feature:
         if parts[0] % head_dim or parts[1] % head_dim:
             raise IRError(f"%{n.name}: rope head_dim {head_dim} does not divide q or k")
         return tuple(parts)
-    if op == "attention":
+    if op in ATTENTION_OPS:
         heads, kv, d = at["num_heads"], at["num_kv_heads"], at["head_dim"]
         _positive(n, num_heads=heads, num_kv_heads=kv, head_dim=d)
         if heads % kv:
@@ -180,6 +189,10 @@ def _feature(graph: Graph, n: Node, sizes: list[Feature]) -> Feature:
             _positive(n, sliding_window=at["sliding_window"])
         if at["layer"] < 0:
             raise IRError(f"%{n.name}: attention layer must be >= 0, got {at['layer']}")
+        if op == "rope_attention":
+            _expect(n, "q, k and v features", sizes[0], (heads + 2 * kv) * d)
+            _expect(n, "rotary dim", sizes[1], ("rope", d))
+            return heads * d
         _expect(n, "q features", sizes[0], heads * d)
         _expect(n, "k features", sizes[1], kv * d)
         _expect(n, "v features", sizes[2], kv * d)

@@ -29,7 +29,7 @@ from kiln.kernels.registry import register
 
 # Ops this backend implements for rows-layout weights; select_backends takes it for these on
 # fp32 CPU targets (the packed ops come from the layout pass).
-OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "rope", "rope_qkv", "attention")
+OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "rope", "rope_qkv", "attention", "rope_attention")
 
 
 class KernelError(RuntimeError):
@@ -49,11 +49,12 @@ def packed_linear(
     out_features: int,
     narrow_rows: list[int],
     lib: ctypes.CDLL,
+    prologue: str = "none",
 ) -> torch.Tensor:
     """x @ W.T (+ bias) on W stored as panels; a row count in `narrow_rows` takes the
     narrow micro-kernel, any other the wide one, as the layout pass decided."""
     x = _rows(x, "packed_linear input")
-    m, k = x.shape
+    m, k = x.shape[0], weight.shape[1]
     out = torch.empty(m, out_features)
     rc = lib.kiln_linear_f32(
         x.data_ptr(),
@@ -65,6 +66,7 @@ def packed_linear(
         None if bias is None else bias.data_ptr(),
         out.data_ptr(),
         int(not narrow_rows[0] <= m <= narrow_rows[1]),
+        _PROLOGUES[prologue],
         _threads(),
     )
     if rc != 0:
@@ -97,10 +99,11 @@ def quant_linear(
     group: int,
     out_features: int,
     lib: ctypes.CDLL,
+    prologue: str = "none",
 ) -> torch.Tensor:
     """x @ dequant(W).T (+ bias) on codes and scales stored as quantized panels."""
     x = _rows(x, "quant_linear input")
-    m, k = x.shape
+    m, k = x.shape[0], x.shape[1] // (2 if prologue == "silu_and_mul" else 1)
     out = torch.empty(m, out_features)
     if format == "w8a8_int8":
         rc = lib.kiln_a8_linear_f32(
@@ -113,6 +116,7 @@ def quant_linear(
             out_features,
             None if bias is None else bias.data_ptr(),
             out.data_ptr(),
+            _PROLOGUES[prologue],
             _threads(),
         )
     else:
@@ -128,6 +132,7 @@ def quant_linear(
             out_features,
             None if bias is None else bias.data_ptr(),
             out.data_ptr(),
+            _PROLOGUES[prologue],
             _threads(),
         )
     if rc == -1:
@@ -366,6 +371,77 @@ def attention(
     return out
 
 
+@_native("rope_attention", needs_ctx=True)
+def rope_attention(
+    ctx: AttentionBatch,
+    qkv: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, ...],
+    *,
+    layer: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+    sliding_window: int | None,
+    lib: ctypes.CDLL,
+    kv_scale: float = 1.0,
+) -> torch.Tensor:
+    """rope_qkv then attention. A decode step on an fp32 pool is one C call (rotary, the
+    KV write and paged attention); other steps and fp8 pools run the two kernels."""
+    k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
+    if not (ctx.decode and k_cache.dtype == torch.float32):
+        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        q, k, v = rope_qkv(qkv, cos_sin, head_dim, sizes, lib=lib)
+        return attention(
+            ctx,
+            q,
+            k,
+            v,
+            layer=layer,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            scale=scale,
+            sliding_window=sliding_window,
+            lib=lib,
+            kv_scale=kv_scale,
+        )
+    assert ctx.kv_index is not None and ctx.kv_lens is not None
+    qkv = _rows(qkv, "rope_attention input")
+    cos, sin = (t.contiguous() for t in cos_sin)
+    if cos.shape[-1] != head_dim or cos.dtype != torch.float32 or head_dim % 8:
+        raise KernelError(f"rope_attention: tables of {cos.shape[-1]}, head_dim {head_dim}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise KernelError("kiln_cpu attention: the KV pool must be contiguous")
+    rows = qkv.shape[0]
+    out = torch.empty(rows, num_heads * head_dim)
+    rc = lib.kiln_rope_decode_attention_f32(
+        qkv.data_ptr(),
+        qkv.stride(0),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        ctx.out_slots.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        k_cache.shape[1],
+        ctx.kv_index.data_ptr(),
+        ctx.kv_width // ctx.page_size,
+        ctx.kv_lens.data_ptr(),
+        out.data_ptr(),
+        rows,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        ctx.page_size,
+        sliding_window or 0,
+        scale,
+        _threads(),
+    )
+    if rc != 0:
+        raise MemoryError("kiln_cpu decode attention: out of memory for its scratch rows")
+    return out
+
+
 def _decode(
     lib: ctypes.CDLL,
     ctx: AttentionBatch,
@@ -409,6 +485,9 @@ def _decode(
         raise MemoryError("kiln_cpu decode attention: out of memory for its scratch rows")
     return out
 
+
+# A linear's prologue attr -> the C kernels' PROLOGUE_* (kernels/csrc/cpu_kernels.c).
+_PROLOGUES = {"none": 0, "silu_and_mul": 1}
 
 # Pool element type -> the kernel's kv_format (kernels/csrc/cpu_kernels.c).
 _KV_FORMATS = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}

@@ -27,7 +27,10 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 BASE_FLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+# kiln_abi_version() of a library whose exports match _SIGNATURES.
+ABI_VERSION = 2
 _SIGNATURES = {
+    "kiln_abi_version": (_I64, []),
     "kiln_rmsnorm_f32": (None, [_P, _I64, _I64, _P, _P, _I64, _I64, _F32, _INT]),
     "kiln_add_rmsnorm_f32": (None, [_P, _P, _P, _P, _P, _I64, _I64, _F32, _INT]),
     "kiln_silu_and_mul_f32": (None, [_P, _P, _I64, _I64, _INT]),
@@ -35,18 +38,22 @@ _SIGNATURES = {
     "kiln_kv_write_f32": (None, [_P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64]),
     "kiln_linear_lanes": (_I64, []),
     "kiln_linear_group_panels": (_I64, []),
-    "kiln_linear_f32": (_INT, [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _INT, _INT]),
+    "kiln_linear_f32": (_INT, [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _INT, _INT, _INT]),
     "kiln_embedding_packed_f32": (_INT, [_P, _I64, _P, _I64, _I64, _P]),
     "kiln_qlinear_f32": (
         _INT,
-        [_P, _I64, _I64, _I64, _P, _P, _INT, _I64, _I64, _P, _P, _INT],
+        [_P, _I64, _I64, _I64, _P, _P, _INT, _I64, _I64, _P, _P, _INT, _INT],
     ),
-    "kiln_a8_linear_f32": (_INT, [_P, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _INT]),
+    "kiln_a8_linear_f32": (_INT, [_P, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _INT, _INT]),
     "kiln_a8_vnni": (_I64, []),
     "kiln_qembedding_f32": (_INT, [_P, _I64, _P, _P, _INT, _I64, _I64, _I64, _P]),
     "kiln_decode_attention": (
         _INT,
         [_P, _I64, _P, _P, _I64, _P, _I64, _P, _P] + [_I64] * 5 + [_I64, _F32, _INT, _F32, _INT],
+    ),
+    "kiln_rope_decode_attention_f32": (
+        _INT,
+        [_P, _I64, _P, _P, _P, _P, _P, _I64, _P, _I64, _P, _P] + [_I64] * 6 + [_F32, _INT],
     ),
 }
 
@@ -121,8 +128,15 @@ def build(target: Target, toolchain: Toolchain, out_dir: Path | None = None) -> 
 
 
 def load(path: Path) -> ctypes.CDLL:
+    """The library with its functions' signatures declared; AttributeError if it lacks one,
+    KernelBuildError if it was built from a kiln source of other signatures."""
     lib = ctypes.CDLL(str(path))
     for name, (restype, argtypes) in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
+    if lib.kiln_abi_version() != ABI_VERSION:
+        raise KernelBuildError(
+            f"{path.name}: kernels of ABI {lib.kiln_abi_version()}, this kiln calls ABI "
+            f"{ABI_VERSION}; recompile the artefact with this kiln"
+        )
     return lib

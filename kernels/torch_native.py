@@ -7,6 +7,7 @@ import torch.distributed
 import torch.nn.functional as F
 
 from kiln.compiler.quant import dequantize, quantize_activations
+from kiln.kernels.attention import AttentionBatch, attention
 from kiln.kernels.registry import register
 
 
@@ -44,9 +45,12 @@ def quant_linear(
     format: str,
     group: int,
     out_features: int,
+    prologue: str = "none",
 ) -> torch.Tensor:
     """Reference: dequantize the whole weight, then a float GEMM (w8a8_int8: the integer
     sums of per-token int8 activations, exact in float64, then the two scales)."""
+    if prologue == "silu_and_mul":
+        x = silu_and_mul(x)
     w = _unpack_quant(codes, scales, format, out_features)
     if format != "w8a8_int8":
         return F.linear(x, w.to(x.dtype), bias)
@@ -143,6 +147,37 @@ def rope_qkv(
     nq, nk, _ = sizes
     qk = rope(qkv[:, : nq + nk], cos_sin, head_dim)
     return qk[:, :nq], qk[:, nq:], qkv[:, nq + nk :]
+
+
+@register("rope_attention", needs_ctx=True)
+def rope_attention(
+    ctx: AttentionBatch,
+    qkv: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, ...],
+    *,
+    layer: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+    sliding_window: int | None,
+    kv_scale: float = 1.0,
+) -> torch.Tensor:
+    kv = num_kv_heads * head_dim
+    q, k, v = rope_qkv(qkv, cos_sin, head_dim, [num_heads * head_dim, kv, kv])
+    return attention(
+        ctx,
+        q,
+        k,
+        v,
+        layer=layer,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        scale=scale,
+        sliding_window=sliding_window,
+        kv_scale=kv_scale,
+    )
 
 
 @register("rope")

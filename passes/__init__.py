@@ -7,7 +7,8 @@ from kiln.passes.dce import dce
 from kiln.passes.fuse_add_rmsnorm import fuse_add_rmsnorm
 from kiln.passes.fuse_gate_up import fuse_gate_up
 from kiln.passes.fuse_qkv import fuse_qkv
-from kiln.passes.fuse_rope import fuse_rope
+from kiln.passes.fuse_rope import fuse_rope, fuse_rope_attention
+from kiln.passes.fuse_silu_linear import fuse_silu_linear
 from kiln.passes.kv_cache import kv_cache
 from kiln.passes.layout import pack_weights
 from kiln.passes.quantize import quantize
@@ -24,10 +25,12 @@ PIPELINES: dict[str, list[Pass]] = {
         fuse_gate_up,
         fuse_add_rmsnorm,
         fuse_rope,
+        fuse_rope_attention,
         dce,
         quantize,
         kv_cache,
         pack_weights,
+        fuse_silu_linear,
         select_backends,
         verify,
     ],
@@ -45,6 +48,8 @@ __all__ = [
     "fuse_gate_up",
     "fuse_qkv",
     "fuse_rope",
+    "fuse_rope_attention",
+    "fuse_silu_linear",
     "kv_cache",
     "pack_weights",
     "quantize",

@@ -1,9 +1,11 @@
-"""Rotary fusion: split(qkv) -> rope(q), rope(k) becomes one `rope_qkv(qkv)`.
+"""Rotary fusion: split(qkv) -> rope(q), rope(k) becomes one `rope_qkv(qkv)`, and
+rope_qkv -> attention becomes one `rope_attention(qkv, cos_sin)`.
 
 The fused q/k/v projection's rows are [q | k | v]; q and k heads sit side by side, so one
 rotary call covers both, and v is a view. A decode step saves two kernel calls per layer
-(the split and the second rope). Models with a per-head norm between the split and the
-rope (Qwen3's q/k norm) keep their ops.
+(the split and the second rope); with the attention fused too, kiln's C kernel does the
+rotary, the KV write and decode attention in one call (two fewer again). Models with a
+per-head norm between the split and the rope (Qwen3's q/k norm) keep their ops.
 """
 
 from __future__ import annotations
@@ -37,6 +39,40 @@ def fuse_rope(graph: Graph, ctx: PassContext) -> PassResult:
             graph.remove(old)
         changed = True
     return PassResult(graph, changed)
+
+
+def fuse_rope_attention(graph: Graph, ctx: PassContext) -> PassResult:
+    users = graph.users()
+    changed = False
+    for rope in [n for n in graph.nodes if n.op == "rope_qkv"]:
+        attn = _sole_attention(rope, users)
+        if attn is None:
+            continue
+        fused = graph.add("rope_attention", list(rope.args), dict(attn.attrs), before=attn)
+        graph.replace_all_uses(attn, fused)
+        for old in (attn, *users[rope], rope):
+            graph.remove(old)
+        changed = True
+    return PassResult(graph, changed)
+
+
+def _sole_attention(rope: Node, users: dict[Node, list[Node]]) -> Node | None:
+    """The attention that reads rope's (q, k, v) in order and is their only reader, when
+    its heads are exactly rope's sizes."""
+    got = {n.attrs["index"]: n for n in users.get(rope, []) if n.op == "getitem"}
+    if sorted(got) != [0, 1, 2] or len(users.get(rope, [])) != 3:
+        return None
+    readers = [users.get(got[i], []) for i in range(3)]
+    if any(len(r) != 1 for r in readers):
+        return None
+    attn = readers[0][0]
+    at = attn.attrs
+    if attn.op != "attention" or attn.args != [got[0], got[1], got[2]]:
+        return None
+    q, kv = at["num_heads"] * at["head_dim"], at["num_kv_heads"] * at["head_dim"]
+    if rope.attrs["sizes"] != [q, kv, kv] or rope.attrs["head_dim"] != at["head_dim"]:
+        return None
+    return attn
 
 
 def _pieces(split: Node, users: dict[Node, list[Node]]) -> list[Node] | None:

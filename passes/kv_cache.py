@@ -4,7 +4,7 @@ with in an fp8 pool (options["kv_cache"], from --kv-cache-dtype and
 
 from __future__ import annotations
 
-from kiln.compiler.ir import Graph
+from kiln.compiler.ir import ATTENTION_OPS, Graph
 from kiln.passes.base import PassContext, PassResult
 
 
@@ -14,6 +14,6 @@ def kv_cache(graph: Graph, ctx: PassContext) -> PassResult:
         return PassResult(graph, False)
     scales = opts["scales"]
     for n in graph.nodes:
-        if n.op == "attention":
+        if n.op in ATTENTION_OPS:
             n.attrs["kv_scale"] = float(scales[n.attrs["layer"]])
     return PassResult(graph, True)

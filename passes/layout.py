@@ -50,7 +50,11 @@ def pack_weights(graph: Graph, ctx: PassContext) -> PassResult:
         spec.layout = layout
         for n in readers:
             if n.op == "linear":
-                n.attrs = {"out_features": spec.shape[0], "narrow_rows": list(narrow)}
+                n.attrs = {
+                    "out_features": spec.shape[0],
+                    "narrow_rows": list(narrow),
+                    "prologue": "none",
+                }
             n.op = _READERS[n.op]
             n.meta.pop("backend", None)
         changed = True

@@ -76,7 +76,7 @@ def quantize(graph: Graph, ctx: PassContext) -> PassResult:
             attrs = {"format": fmt, "group": group}
             if r.op == "linear":
                 r.op, r.args = "quant_linear", [r.args[0], param, scales, *r.args[2:]]
-                r.attrs = {**attrs, "out_features": n}
+                r.attrs = {**attrs, "out_features": n, "prologue": "none"}
             else:
                 r.op, r.args = "quant_embedding", [r.args[0], param, scales]
                 r.attrs = {**attrs, "num_embeddings": n}

@@ -9,7 +9,7 @@ other node runs the reference kernels. The runtime runs exactly what is recorded
 
 from __future__ import annotations
 
-from kiln.compiler.ir import STRUCTURAL_OPS, Graph, Node
+from kiln.compiler.ir import ATTENTION_OPS, STRUCTURAL_OPS, Graph, Node
 from kiln.kernels import registry
 from kiln.passes.base import PassContext, PassResult
 
@@ -23,7 +23,8 @@ def select_backends(graph: Graph, ctx: PassContext) -> PassResult:
         have = registry.available(n.op, ctx.device)
         if not have:
             raise ValueError(f"%{n.name}: no kernel for op {n.op!r} on {ctx.device}")
-        wanted = prefer.get(n.op)
+        # --attention-backend names the backend of every op that attends
+        wanted = prefer.get("attention" if n.op in ATTENTION_OPS else n.op)
         if wanted is not None and wanted not in have:
             raise ValueError(
                 f"%{n.name}: backend {wanted!r} has no {n.op} kernel on {ctx.device} "
@@ -38,7 +39,7 @@ def select_backends(graph: Graph, ctx: PassContext) -> PassResult:
 
 def native_suits(n: Node) -> bool:
     """Shapes kiln's C kernels take: attention vectorises head_dim by 8 lanes."""
-    return n.op != "attention" or n.attrs["head_dim"] % 8 == 0
+    return n.op not in ATTENTION_OPS or n.attrs["head_dim"] % 8 == 0
 
 
 def _preferred(n: Node, ctx: PassContext, have: list[str]) -> str:

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 import kiln
 from kiln.compiler import artefact as fmt
-from kiln.compiler.ir import STRUCTURAL_OPS, Graph, IRError
+from kiln.compiler.ir import ATTENTION_OPS, STRUCTURAL_OPS, Graph, IRError
 from kiln.compiler.shapes import check_features
 from kiln.compiler.target import Target, missing_on_host
 from kiln.kernels import registry
@@ -186,11 +186,11 @@ def _check_agreement(root: Path, spec: ModelSpec, graph: Graph) -> None:
             f"{manifest_value}, the graph has {graph_value}"
         )
 
-    layers = sorted(n.attrs["layer"] for n in graph.nodes if n.op == "attention")
+    layers = sorted(n.attrs["layer"] for n in graph.nodes if n.op in ATTENTION_OPS)
     if layers != list(range(spec.num_layers)):
         refuse("num_layers", spec.num_layers, f"attention layers {layers[:8]}")
     for n in graph.nodes:
-        if n.op == "attention":
+        if n.op in ATTENTION_OPS:
             if n.attrs["num_kv_heads"] != spec.num_kv_heads:
                 refuse("num_kv_heads", spec.num_kv_heads, n.attrs["num_kv_heads"])
             if n.attrs["head_dim"] != spec.head_dim:

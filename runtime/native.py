@@ -40,7 +40,7 @@ def open_library(
     path = _trusted_copy(root, manifest, info, trust_remote_code)
     try:
         lib = native.load(path)
-    except (OSError, AttributeError) as e:
+    except (OSError, AttributeError, native.KernelBuildError) as e:
         raise fmt.ArtefactError(f"{root}/{info['file']}: cannot load the kernels: {e}") from None
     got = (int(lib.kiln_linear_lanes()), int(lib.kiln_linear_group_panels()))
     if got != (info["lanes"], info["group_panels"]):

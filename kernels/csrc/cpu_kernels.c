@@ -84,15 +84,31 @@ void kiln_add_rmsnorm_f32(const float *x, const float *residual, const float *w,
     }
 }
 
-/* out[r, i] = silu(x[r, i]) * x[r, d + i] for the fused [gate | up] projection. */
-void kiln_silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t d, int threads) {
+/* out[r, i] = silu(x[r, i]) * x[r, d + i] for the fused [gate | up] projection's rows,
+ * `x_stride` apart. */
+static void silu_mul_rows(const float *x, int64_t x_stride, float *out, int64_t rows, int64_t d,
+                          int threads) {
 #pragma omp parallel for num_threads(threads) if (rows * d >= PARALLEL_MIN_ELEMS)
     for (int64_t r = 0; r < rows; r++) {
-        const float *g = x + r * 2 * d, *u = g + d;
+        const float *g = x + r * x_stride, *u = g + d;
         float *o = out + r * d;
 #pragma omp simd
         for (int64_t i = 0; i < d; i++) o[i] = g[i] / (1.0f + kexp(-g[i])) * u[i];
     }
+}
+
+void kiln_silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t d, int threads) {
+    silu_mul_rows(x, 2 * d, out, rows, d, threads);
+}
+
+/* One head of width dim: out = x * c + swap_halves(x) * s. */
+static inline void rope_head(const float *x, const float *c, const float *s, float *out,
+                             int64_t dim) {
+    const int64_t half = dim / 2;
+#pragma omp simd
+    for (int64_t i = 0; i < half; i++) out[i] = x[i] * c[i] + x[i + half] * s[i];
+#pragma omp simd
+    for (int64_t i = half; i < dim; i++) out[i] = x[i] * c[i] + x[i - half] * s[i];
 }
 
 /* Rotary embedding, rotate-half layout, on `heads` heads of width `dim` per token row.
@@ -101,18 +117,11 @@ void kiln_silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t d, 
 void kiln_rope_f32(const float *x, int64_t x_stride, const float *cos_t, const float *sin_t,
                    float *out, int64_t tokens, int64_t heads, int64_t dim,
                    int threads) {
-    const int64_t half = dim / 2;
 #pragma omp parallel for num_threads(threads) if (tokens * heads * dim >= PARALLEL_MIN_ELEMS)
     for (int64_t t = 0; t < tokens; t++) {
         const float *c = cos_t + t * dim, *s = sin_t + t * dim;
-        for (int64_t h = 0; h < heads; h++) {
-            const float *xh = x + t * x_stride + h * dim;
-            float *o = out + (t * heads + h) * dim;
-#pragma omp simd
-            for (int64_t i = 0; i < half; i++) o[i] = xh[i] * c[i] + xh[i + half] * s[i];
-#pragma omp simd
-            for (int64_t i = half; i < dim; i++) o[i] = xh[i] * c[i] + xh[i - half] * s[i];
-        }
+        for (int64_t h = 0; h < heads; h++)
+            rope_head(x + t * x_stride + h * dim, c, s, out + (t * heads + h) * dim, dim);
     }
 }
 
@@ -330,6 +339,40 @@ int kiln_decode_attention(const float *q, int64_t q_stride, const void *k_cache,
 #undef DECODE_ATTENTION
 }
 
+/* A decode step's attention straight from the fused projection's rows, fp32 pool: rotary
+ * on the q and k heads (tables cos_t / sin_t: [batch, dim]), the new token's k and v rows
+ * written into the pool at out_slots, then decode attention as above. One call per layer
+ * where rope, the KV write and attention were three (each a Python-level call costing
+ * ~10-25 us in a decode step). qkv: [batch, (heads + 2 kv_heads) * dim], rows `qkv_stride`
+ * apart. Returns -1 without scratch memory, else 0. */
+int kiln_rope_decode_attention_f32(const float *qkv, int64_t qkv_stride, const float *cos_t,
+                                   const float *sin_t, const int64_t *out_slots,
+                                   float *k_cache, float *v_cache, int64_t slots,
+                                   const int64_t *page_table, int64_t max_pages,
+                                   const int64_t *kv_lens, float *out, int64_t batch,
+                                   int64_t heads, int64_t kv_heads, int64_t dim,
+                                   int64_t page_size, int64_t window, float scale,
+                                   int threads) {
+    float *q = malloc((size_t)(batch * heads * dim) * sizeof(float));
+    if (!q) return -1;
+    for (int64_t t = 0; t < batch; t++) {
+        const float *row = qkv + t * qkv_stride;
+        const float *c = cos_t + t * dim, *s = sin_t + t * dim;
+        for (int64_t h = 0; h < heads; h++)
+            rope_head(row + h * dim, c, s, q + (t * heads + h) * dim, dim);
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const int64_t at = (h * slots + out_slots[t]) * dim;
+            rope_head(row + (heads + h) * dim, c, s, k_cache + at, dim);
+            memcpy(v_cache + at, row + (heads + kv_heads + h) * dim, (size_t)dim * sizeof(float));
+        }
+    }
+    const int rc = decode_attention(q, heads * dim, k_cache, v_cache, slots, page_table,
+                                    max_pages, kv_lens, out, batch, heads, kv_heads, dim,
+                                    page_size, window, scale, KV_F32, 1.0f, threads);
+    free(q);
+    return rc;
+}
+
 /* ---- Linear layers ----
  *
  * out[m, n] = x[m, :] . w[n, :] (+ bias[n]). Weights come packed by the compiler (the
@@ -382,6 +425,10 @@ static inline __attribute__((always_inline)) void store_panel(const vlf *acc, in
 }
 
 int64_t kiln_linear_lanes(void) { return LANES; }
+
+/* The exported functions' signatures, as kernels/native.py declares them: bumped with any
+ * change, so a library built from another kiln's source is refused, not misread. */
+int64_t kiln_abi_version(void) { return 2; }
 int64_t kiln_linear_group_panels(void) { return GROUP_PANELS; }
 
 /* One narrow tile: `rows` rows (xt: [k][TILE_ROWS]) against one panel. Always inlined with
@@ -464,9 +511,9 @@ static void wide_rows(const float *xt, int64_t k, const float *panel, const floa
 /* x: [m, k] rows `x_stride` apart; packed: [N_pad / LANES][k][LANES] (N_pad a multiple of
  * LANES * GROUP_PANELS); bias: [n] or NULL; out: [m, n]. `wide`: 0 narrow tiles, 1 wide.
  * Returns -1 if the transposed copy of x could not be allocated, else 0. */
-int kiln_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k,
-                    const float *packed, int64_t n, const float *bias, float *out, int wide,
-                    int threads) {
+static int linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k,
+                      const float *packed, int64_t n, const float *bias, float *out, int wide,
+                      int threads) {
     const int64_t tile = wide ? WIDE_ROWS : TILE_ROWS;
     const int64_t step = wide ? GROUP_PANELS : 1; /* panels per work item */
     const int64_t groups = (n + LANES * GROUP_PANELS - 1) / (LANES * GROUP_PANELS);
@@ -730,9 +777,9 @@ static void qtile_rows(const float *xt, const float *xs, int64_t xrows, int64_t 
  * even for QFMT_UINT4); bias: [n] or NULL; out: [m, n]. Up to QROWS rows run the
  * several-panel tile, more rows the one-panel tile. Returns -1 if the transposed copy of x
  * could not be allocated, -2 for a format or group it does not know, else 0. */
-int kiln_qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const void *q,
-                     const float *scales, int fmt, int64_t group, int64_t n, const float *bias,
-                     float *out, int threads) {
+static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const void *q,
+                       const float *scales, int fmt, int64_t group, int64_t n, const float *bias,
+                       float *out, int threads) {
     if (fmt < QFMT_INT8 || fmt > QFMT_FP8_E4M3 || group <= 0 || k % group ||
         (fmt == QFMT_UINT4 && group % 2))
         return -2;
@@ -917,9 +964,9 @@ static inline __attribute__((always_inline)) void a8_tile(
 
 /* x: [m, k] rows `x_stride` apart, k % 4 == 0; codes, scales as above; out: [m, n].
  * Returns -1 without scratch memory, -2 if k is not a multiple of 4, else 0. */
-int kiln_a8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k,
-                       const int8_t *codes, const float *scales, int64_t n, const float *bias,
-                       float *out, int threads) {
+static int a8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k,
+                         const int8_t *codes, const float *scales, int64_t n,
+                         const float *bias, float *out, int threads) {
     if (k % 4) return -2;
     const int64_t k4 = k / 4, panels = (n + LANES - 1) / LANES;
     const int np = 4;
@@ -973,4 +1020,55 @@ int kiln_a8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k,
     }
     free(xball);
     return 0;
+}
+
+/* ---- The linears' entries, with an input prologue ----
+ * PROLOGUE_SILU_MUL: the linear's input is silu(x[:, :k]) * x[:, k:] of a [m, 2k] x, the
+ * gated MLP's activation fused into the down projection (passes/fuse_silu_linear.py). It
+ * is computed into scratch rows here: one kernel call per layer fewer, where each call
+ * from Python costs ~10 us in a decode step. Returns -3 for a prologue it does not know,
+ * -1 without memory for the scratch, else what the linear returns. */
+enum { PROLOGUE_NONE = 0, PROLOGUE_SILU_MUL = 1 };
+
+static int prologue_input(const float **x, int64_t *x_stride, int64_t m, int64_t k,
+                          int prologue, int threads, float **scratch) {
+    *scratch = NULL;
+    if (prologue == PROLOGUE_NONE) return 0;
+    if (prologue != PROLOGUE_SILU_MUL) return -3;
+    *scratch = malloc((size_t)(m * k) * sizeof(float));
+    if (!*scratch) return -1;
+    silu_mul_rows(*x, *x_stride, *scratch, m, k, threads);
+    *x = *scratch;
+    *x_stride = k;
+    return 0;
+}
+
+int kiln_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k,
+                    const float *packed, int64_t n, const float *bias, float *out, int wide,
+                    int prologue, int threads) {
+    float *scratch;
+    int rc = prologue_input(&x, &x_stride, m, k, prologue, threads, &scratch);
+    if (rc == 0) rc = linear_f32(x, x_stride, m, k, packed, n, bias, out, wide, threads);
+    free(scratch);
+    return rc;
+}
+
+int kiln_qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const void *q,
+                     const float *scales, int fmt, int64_t group, int64_t n, const float *bias,
+                     float *out, int prologue, int threads) {
+    float *scratch;
+    int rc = prologue_input(&x, &x_stride, m, k, prologue, threads, &scratch);
+    if (rc == 0) rc = qlinear_f32(x, x_stride, m, k, q, scales, fmt, group, n, bias, out, threads);
+    free(scratch);
+    return rc;
+}
+
+int kiln_a8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k,
+                       const int8_t *codes, const float *scales, int64_t n, const float *bias,
+                       float *out, int prologue, int threads) {
+    float *scratch;
+    int rc = prologue_input(&x, &x_stride, m, k, prologue, threads, &scratch);
+    if (rc == 0) rc = a8_linear_f32(x, x_stride, m, k, codes, scales, n, bias, out, threads);
+    free(scratch);
+    return rc;
 }

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from kiln import Engine
 from kiln.args import ArgError, ServerArgs
-from kiln.compiler.artefact import ArtefactError
+from kiln.compiler.artefact import FORMAT_VERSION, ArtefactError
 from kiln.compiler.checkpoint import CheckpointError
 from kiln.compiler.compile import compile_model
 from kiln.compiler.target import host_cpu_level
@@ -36,7 +36,7 @@ def test_layout_and_manifest(artefact) -> None:
     ):
         assert (art / rel).is_file(), rel
     m = json.loads((art / "manifest.json").read_text())
-    assert m["format_version"] == 2 and m["target"]["device"] == "cpu"
+    assert m["format_version"] == FORMAT_VERSION and m["target"]["device"] == "cpu"
     assert m["target"]["isa"] == host_cpu_level()
     assert m["torch_version"] == torch.__version__
     assert m["compile_args"]["dtype"] == "float32"

@@ -14,6 +14,7 @@ import torch
 from kiln import Engine
 from kiln.args import ArgError, ServerArgs
 from kiln.compiler.compile import compile_model
+from kiln.compiler.ir import ATTENTION_OPS
 from kiln.compiler.key import compile_key
 from kiln.compiler.report import summary
 
@@ -43,7 +44,7 @@ def test_fp8_pool_with_per_layer_scales(checkpoint: Callable[..., Path], tmp_pat
     got = {
         n["attrs"]["layer"]: n["attrs"]["kv_scale"]
         for n in graph["nodes"]
-        if n["op"] == "attention"
+        if n["op"] in ATTENTION_OPS
     }
     assert got == {0: 0.5, 1: 0.125}
     manifest = json.loads((art / "manifest.json").read_text())

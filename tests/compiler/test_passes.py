@@ -21,6 +21,9 @@ from kiln.passes import (
     fuse_gate_up,
     fuse_qkv,
     fuse_rope,
+    fuse_rope_attention,
+    fuse_silu_linear,
+    pack_weights,
     run_passes,
     select_backends,
     verify,
@@ -91,6 +94,58 @@ def test_fuse_rope_takes_q_and_k_of_the_fused_projection_in_one_call() -> None:
     assert not fuse_rope(g3, CTX).changed and g3.count("rope") == 2 * LAYERS
 
 
+def test_fuse_rope_attention_reads_the_fused_projection_and_the_tables() -> None:
+    g = graph()
+    fuse_qkv(g, CTX)
+    fuse_rope(g, CTX)
+    attrs = [n.attrs for n in g.nodes if n.op == "attention"]
+    assert fuse_rope_attention(g, CTX).changed
+    g.lint()
+    assert g.count("rope_attention") == LAYERS and g.count("attention") == 0
+    assert g.count("rope_qkv") == 0 and g.count("getitem") == 0
+    fused = [n for n in g.nodes if n.op == "rope_attention"]
+    assert [n.attrs for n in fused] == attrs
+    assert fused[0].args[0].op == "linear" and fused[0].args[1].op == "rope_cos_sin"
+    assert not fuse_rope_attention(g, CTX).changed
+    check_features(g)
+    fused[0].attrs["num_kv_heads"] = 1  # what an edited artefact could claim
+    with pytest.raises(IRError, match="q, k and v features is 64, expected 48"):
+        check_features(g)
+    # v read by something else too: the three outputs stay
+    g2 = graph()
+    fuse_qkv(g2, CTX)
+    fuse_rope(g2, CTX)
+    v = next(n for n in g2.nodes if n.op == "getitem" and n.attrs["index"] == 2)
+    g2.add("add", [v, v], before=g2.output)
+    assert fuse_rope_attention(g2, CTX).changed and g2.count("attention") == 1
+
+
+def test_fuse_silu_linear_gives_the_activation_to_the_down_projection() -> None:
+    g = graph()
+    for p in (fuse_qkv, fuse_gate_up, pack_weights):
+        p(g, CTX)
+    acts = [n for n in g.nodes if n.op == "silu_and_mul"]
+    downs = [g.users()[a][0] for a in acts]
+    assert fuse_silu_linear(g, CTX).changed
+    g.lint()
+    assert g.count("silu_and_mul") == 0
+    for act, down in zip(acts, downs, strict=True):
+        assert down.attrs["prologue"] == "silu_and_mul" and down.args[0] is act.args[0]
+    # qkv, o and gate_up per layer and the lm_head keep theirs
+    nones = sum(n.attrs["prologue"] == "none" for n in g.nodes if n.op == "packed_linear")
+    assert nones == 1 + LAYERS * 3
+    check_features(g)
+    downs[0].attrs["prologue"] = "gelu"
+    with pytest.raises(IRError, match="prologue must be one of none, silu_and_mul"):
+        check_features(g)
+    # A plain linear (no packed kernel for the target) keeps its activation node.
+    g2 = graph()
+    ctx = replace(CTX, target=cpu_target("x86-64"))
+    for p in (fuse_qkv, fuse_gate_up, pack_weights):
+        p(g2, ctx)
+    assert not fuse_silu_linear(g2, ctx).changed and g2.count("silu_and_mul") == LAYERS
+
+
 def test_fuse_gate_up_makes_silu_and_mul() -> None:
     g = graph()
     assert fuse_gate_up(g, CTX).changed
@@ -129,9 +184,11 @@ def test_default_pipeline_logs_each_pass_and_picks_backends() -> None:
     # fp32 on an AVX-512 CPU with the C kernels: linears packed, the ops kiln's C kernels
     # cover on kiln_cpu, the rest on torch.
     backend = {n.op: n.meta["backend"] for n in compute}
-    assert "rope" not in backend  # fused into rope_qkv
+    # rope and rope_qkv fused into rope_attention, silu_and_mul into the down projection
+    fused = ("rope", "rope_qkv", "attention", "silu_and_mul")
+    assert not set(fused) & set(backend)
     for op in (*cpu_kernels.OPS, "packed_linear"):
-        assert op == "rope" or backend.pop(op) == "kiln_cpu"
+        assert op in fused or backend.pop(op) == "kiln_cpu"
     assert "linear" not in backend and set(backend.values()) == {"torch_native"}
     g16, _ = run_passes(graph(), replace(CTX, dtype="bfloat16"), PIPELINES["default"])
     assert {n.meta["backend"] for n in g16.nodes if n.op not in STRUCTURAL} == {"torch_native"}
@@ -139,7 +196,7 @@ def test_default_pipeline_logs_each_pass_and_picks_backends() -> None:
     ctx = replace(CTX, options={**CTX.options, "backends": {"attention": "torch_native"}})
     g_ref, _ = run_passes(graph(), ctx, PIPELINES["default"])
     chosen = {n.op: n.meta["backend"] for n in g_ref.nodes if n.op not in STRUCTURAL}
-    assert chosen["attention"] == "torch_native" and chosen["rmsnorm"] == "kiln_cpu"
+    assert chosen["rope_attention"] == "torch_native" and chosen["rmsnorm"] == "kiln_cpu"
 
 
 @pytest.mark.parametrize(

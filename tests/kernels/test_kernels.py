@@ -76,6 +76,13 @@ def test_packed_linear_both_micro_kernels(backend: str, rows: int, with_bias: bo
         wide[:, :96], packed, b, out_features=1000, narrow_rows=[2, 4]
     )
     torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+    # prologue silu_and_mul: the [gate | up] rows in, the activation taken in the call
+    gate_up = torch.randn(rows, 2 * 96) * 3
+    out = k("packed_linear", backend)(
+        gate_up, packed, b, out_features=1000, narrow_rows=[2, 4], prologue="silu_and_mul"
+    )
+    ref = F.linear(F.silu(gate_up[:, :96]) * gate_up[:, 96:], w, b)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("backend", NATIVE)
@@ -123,6 +130,12 @@ def test_quant_linear_matches_its_dequantized_weight(
     wide[:, :96] = x
     out = k("quant_linear", backend)(wide[:, :96], codes, scales, **kw)
     torch.testing.assert_close(out, ref - b, atol=1e-4, rtol=1e-4)
+    # prologue silu_and_mul, from a wider row: silu(gate) * up is the linear's input
+    gate_up = torch.randn(rows, 256) * 3
+    h = F.silu(gate_up[:, :96]) * gate_up[:, 96:192]
+    kw["prologue"] = "silu_and_mul"
+    out = k("quant_linear", backend)(gate_up[:, :192], codes, scales, b, **kw)
+    torch.testing.assert_close(out, F.linear(h, dequantize(q, s, fmt), b), atol=1e-4, rtol=1e-4)
 
 
 @BOTH
@@ -141,6 +154,12 @@ def test_w8a8_linear_sums_int8_activations_exactly(backend: str, rows: int) -> N
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-6)
     # and it is a quantization of the float product, not something else
     assert (got - F.linear(x, w, b)).abs().max() < 0.1 * F.linear(x, w).abs().max()
+    # with the activation prologue: the same sums over silu(gate) * up
+    gate_up = torch.randn(rows, 192) * 3
+    xq, sx = quantize_activations(F.silu(gate_up[:, :96]) * gate_up[:, 96:])
+    ref = (xq.double() @ q.double().T).float() * (sx * s[:, 0, 0]) + b
+    got = k("quant_linear", backend)(gate_up, codes, scales, b, prologue="silu_and_mul", **kw)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-6)
 
 
 def test_the_vnni_build_uses_vnni() -> None:
@@ -419,3 +438,38 @@ def test_fp8_pool_stores_scaled_values_and_reads_them_back(backend, pool, kv_sca
     torch.testing.assert_close(stored, expect)
     # Rounding is real: the cached keys the reference read are not the float ones.
     assert not torch.allclose(ref_kv[0][0], keys[0])
+
+
+@BOTH
+@pytest.mark.parametrize("pool", [torch.float32, torch.float8_e4m3fn])
+def test_rope_attention_is_rope_qkv_then_attention(backend: str, pool: torch.dtype) -> None:
+    # A decode step over 4-token pages (the C kernel's one call on an fp32 pool), then a
+    # prefill step (rope and attention one after the other): the same output and the same
+    # pool as the two ops, each step.
+    torch.manual_seed(4)
+    heads, kv_heads, d, page = 6, 2, 16, 4
+    sizes = [heads * d, kv_heads * d, kv_heads * d]
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    attrs = {"layer": 1, "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": d}
+    attrs |= {"scale": d**-0.5, "sliding_window": None, "kv_scale": 0.5}
+    pools = [torch.randn(2, kv_heads, 64, d).to(pool) for _ in range(2)]
+    copies = [p.clone() for p in pools]
+    pages = [torch.tensor([3, 9]), torch.tensor([0, 5, 7]), torch.tensor([12])]
+    for lens, fed in (([6, 11, 1], [1, 1, 1]), ([8, 4, 3], [2, 4, 2])):
+        spans, start = [], 0
+        for n, f, p in zip(lens, fed, pages, strict=True):
+            slots = (p[:, None] * page + torch.arange(page)[None]).reshape(-1)[:n]
+            spans.append(SeqSpan(start, f, n, slots, p))
+            start += f
+        positions = torch.cat([torch.arange(n - f, n) for n, f in zip(lens, fed, strict=True)])
+        cos_sin = k("rope_cos_sin")(positions, inv)
+        qkv = torch.randn(start, sum(sizes))
+        fused = AttentionBatch.build(*pools, spans, page_size=page)
+        assert fused.decode == (fed == [1, 1, 1])
+        got = k("rope_attention", backend)(fused, qkv, cos_sin, **attrs)
+        q, kk, v = k("rope_qkv")(qkv, cos_sin, head_dim=d, sizes=sizes)
+        two = AttentionBatch.build(*copies, spans, page_size=page)
+        want = k("attention")(two, q, kk, v, **attrs)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        for mine, theirs in zip(pools, copies, strict=True):
+            torch.testing.assert_close(mine.float(), theirs.float(), atol=1e-6, rtol=0)

@@ -81,7 +81,7 @@ INJECTIONS: dict[str, Callable[[dict, str], dict]] = {
     "attr value": lambda g, p: (_first(g, "rmsnorm")["attrs"].update(eps=p), g)[1],
     "getitem index": lambda g, p: (_first(g, "getitem")["attrs"].update(index=f"({p}*0)"), g)[1],
     "node name": lambda g, p: _rename_node(g, _first(g, "linear")["name"], f"v1;{p};x"),
-    "op name": lambda g, p: (_first(g, "silu_and_mul").update(op=p), g)[1],
+    "op name": lambda g, p: (_first(g, "add_rmsnorm").update(op=p), g)[1],
     "weight name": lambda g, p: _rename_weight(g, "model.norm.weight", f"w'];{p};#"),
     "backend": lambda g, p: (_first(g, "linear")["meta"].update(backend=p), g)[1],
 }
@@ -196,6 +196,11 @@ GRAPH_DEFECTS = [
         "narrow_rows must be [lo, hi]",
     ),
     ("packed layout", _unpack, "packed_linear needs a weight stored as panels"),
+    (
+        "prologue",
+        lambda g: (_first(g, "packed_linear")["attrs"].update(prologue="os.system"), g)[1],
+        "prologue must be one of none, silu_and_mul",
+    ),
     (
         "heads",
         lambda g: (_first(g, "attention")["attrs"].update(num_heads=40), g)[1],
