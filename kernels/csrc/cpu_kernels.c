@@ -165,6 +165,9 @@ static inline v8f hsum8x8(const v8f *a) {
 #endif
 }
 
+/* Rows ahead of use that decode attention asks the memory for. */
+#define KV_AHEAD 16
+
 /* Pool element formats of decode attention: fp32, or one byte per element (fp8 e4m3 /
  * e5m2, as torch's float8_e4m3fn / float8_e5m2 lay them out). */
 enum { KV_F32 = 0, KV_E4M3 = 1, KV_E5M2 = 2 };
@@ -192,6 +195,16 @@ static inline __attribute__((always_inline)) v8f kv_load8(const void *base, int6
     return f * (fmt == KV_E4M3 ? 0x1p120f : 0x1p112f);
 }
 
+/* Ask for the row `off` elements into base (dim elements of the format) ahead of its use:
+ * rows of a sequence sit on scattered pages, where the hardware prefetcher, which follows
+ * one address stream, waits for each page's first miss. */
+static inline __attribute__((always_inline)) void prefetch_row(const void *base, int64_t off,
+                                                               int64_t dim, int fmt) {
+    const int64_t bytes = dim * (fmt == KV_F32 ? 4 : 1);
+    const char *p = (const char *)base + off * (fmt == KV_F32 ? 4 : 1);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+}
+
 /* scores[i] = dot(qh, base + offs[i]) for n key rows of width dim (a multiple of 8).
  * Eight keys at a time: one dot is a chain of dim/8 dependent FMAs, so eight independent
  * chains keep the FMA units busy where one would wait on latency. */
@@ -201,6 +214,8 @@ static inline __attribute__((always_inline)) void score_keys(const float *qh, co
                                                              int fmt) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
+        for (int64_t j = i + KV_AHEAD; j < i + KV_AHEAD + 8 && j < n; j++)
+            prefetch_row(base, offs[j], dim, fmt);
         v8f a[8] = {{0}};
         for (int64_t d = 0; d < dim; d += 8) {
             const v8f qv = *(const v8f *)(qh + d);
@@ -227,6 +242,7 @@ static inline __attribute__((always_inline)) void weigh_values(const float *p, c
     for (; d + 64 <= dim; d += 64) {
         v8f a[8] = {{0}};
         for (int64_t i = 0; i < n; i++) {
+            if (d == 0 && i + KV_AHEAD < n) prefetch_row(base, offs[i + KV_AHEAD], dim, fmt);
             const v8f w = {p[i], p[i], p[i], p[i], p[i], p[i], p[i], p[i]};
             for (int c = 0; c < 8; c++) a[c] += w * kv_load8(base, offs[i] + d + 8 * c, fmt);
         }
