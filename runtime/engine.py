@@ -11,6 +11,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,10 @@ class RequestError(ValueError):
 
 def _available_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class RankLost(RuntimeError):
+    """A tensor-parallel rank died during the step."""
 
 
 class Engine:
@@ -259,8 +264,12 @@ class Engine:
         failed = dict(self._execute(batch))
         for req, error in failed.items():
             log.error("request %s failed and was stopped: %s", req.rid, error)
-            reason = {"type": "abort", "message": f"internal error: {error}", "status_code": 500}
-            self._finish(req, reason)
+            # a lost rank takes the server down, not this request: 503 and the rank
+            lost = isinstance(error, RankLost)
+            message = str(error) if lost else f"internal error: {error}"
+            self._finish(
+                req, {"type": "abort", "message": message, "status_code": 503 if lost else 500}
+            )
         now = time.perf_counter()
         outputs = []
         for req, sampled in zip(batch.requests, batch.sample, strict=True):
@@ -284,6 +293,10 @@ class Engine:
             rows = [self._sampling_row(r) for r in sampling]
             tokens, logprobs = sample(logits, rows) if rows else ([], [])
         except Exception as e:
+            group = self.runner.group
+            lost = group.lost_rank() if group is not None else None
+            if lost is not None:  # a collective failed because a rank died: no retry helps
+                return [(r, RankLost(lost)) for r in batch.requests]
             if len(batch.requests) == 1:
                 return [(batch.requests[0], e)]
             log.warning("a batch of %d failed (%s); retrying it in halves", len(batch.requests), e)
@@ -407,6 +420,16 @@ class Engine:
     def flush_cache(self) -> int:
         """Drop every prefix-cache entry no request is using; returns tokens freed."""
         return self.scheduler.flush_cache() * self.runner.pool.page_size
+
+    def on_rank_failure(self, fn: Callable[[str], None]) -> None:
+        """Have `fn(reason)` called, from another thread, when a tensor-parallel rank dies
+        (at once if one already has); nothing happens for a one-process engine."""
+        group = self.runner.group
+        if group is None:
+            return
+        group.on_failure = fn
+        if group.failure is not None:
+            fn(group.failure)
 
     def shutdown(self) -> None:
         """Release the KV pool and weights, and stop the other tensor-parallel ranks (the

@@ -5,7 +5,11 @@ step's inputs (runtime/model_runner.py `StepInputs`, one int64 tensor) to the ot
 Every rank then runs the same step on its own graph, weights and KV heads; the graph's
 all_reduce / all_gather ops (passes/shard.py) are the only other traffic. Ranks 1..T-1 are
 `python -m kiln.runtime.parallel` processes started here, which exit when rank 0 says stop
-or when their connection to it breaks (rank 0 gone).
+or when their connection to it breaks (rank 0 gone). Rank 0 watches them: one that exits
+while the group runs (a crash, a SIGKILL) is named in `TPGroup.failure` at once, the other
+ranks are stopped (a group short of a rank cannot run a step) and `on_failure` is told
+(`kiln serve` then turns /health 503, ends every request with the reason and exits 1),
+rather than the loss being found when a collective times out.
 
 The backend is gloo on CPU (NCCL would serve CUDA targets; not run on hardware yet). The
 rendezvous is a TCP store on `--dist-init-addr` (host:port), or a free loopback port.
@@ -21,6 +25,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,6 +38,7 @@ log = logging.getLogger("kiln.parallel")
 
 DEFAULT_TIMEOUT_S = 600
 _STOP = -1
+_WATCH_S = 0.2  # how often rank 0 looks at the other ranks' processes
 
 
 def _free_port() -> int:
@@ -111,7 +118,35 @@ class TPGroup:
             self._reap(kill=True)
             raise
         self._closed = False
+        self.failure: str | None = None
+        self.on_failure: Callable[[str], None] | None = None
+        self._stopped = threading.Event()
+        threading.Thread(target=self._watch, name="kiln-tp-watch", daemon=True).start()
         atexit.register(self.close)
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(_WATCH_S):
+            for rank, p in enumerate(self.procs, start=1):
+                code = p.poll()
+                if code is None or self._stopped.is_set():
+                    continue
+                self.failure = f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {code}"
+                log.error("%s; stopping the other ranks", self.failure)
+                self.abandon()
+                if self.on_failure is not None:
+                    self.on_failure(self.failure)
+                return
+
+    def lost_rank(self) -> str | None:
+        """After a failed step: the rank that died, if one did (its exit is waited for a
+        moment: a peer's closed connection can be seen before its process is reaped)."""
+        for rank, p in enumerate(self.procs, start=1):
+            try:
+                code = p.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                continue
+            return f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {code}"
+        return self.failure
 
     def send(self, step: StepInputs) -> None:
         dead = [p.pid for p in self.procs if p.poll() is not None]
@@ -119,10 +154,21 @@ class TPGroup:
             raise RuntimeError(f"tensor-parallel rank process(es) {dead} exited")
         _send(step)
 
+    def abandon(self) -> None:
+        """Stop the ranks that are left without talking to them (one is gone, so a
+        collective could wait out the timeout); the group is unusable afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stopped.set()
+        atexit.unregister(self.close)
+        self._reap(kill=True)
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self._stopped.set()
         atexit.unregister(self.close)
         try:
             if all(p.poll() is None for p in self.procs):

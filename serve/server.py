@@ -4,7 +4,10 @@ The port is bound before the artefact is loaded, so "port in use" is the first t
 user hears, in one line. On SIGTERM or SIGINT the server stops taking requests (/health
 turns 503), lets those in flight finish for up to `--shutdown-timeout` seconds, stops the
 rest (each stream gets a final error event, each waiting client a 503), and exits 0. A
-second signal skips the wait.
+second signal skips the wait. If a tensor-parallel rank dies, the engine cannot go on: /health
+turns 503, every request in flight ends with a 503 naming the rank, and the server exits 1
+(within seconds, not after --dist-timeout; runtime/parallel.py stops the other ranks), so a
+supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import sys
 import time
 from pathlib import Path
 from types import FrameType
@@ -53,6 +57,7 @@ class KilnServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_now = asyncio.Event()
         self._drain: asyncio.Future[None] | None = None
+        self.failure: str | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -63,6 +68,23 @@ class KilnServer(uvicorn.Server):
             self.should_exit = True
         else:
             self._loop.call_soon_threadsafe(self._on_signal)
+
+    def fatal(self, reason: str) -> None:
+        """The engine cannot go on (a rank died): any thread may call this."""
+        self.failure = reason
+        if self._loop is None:
+            self.should_exit = True
+        else:
+            self._loop.call_soon_threadsafe(self._on_fatal)
+
+    def _on_fatal(self) -> None:
+        assert self.failure is not None
+        engine = self.ctx.async_engine
+        engine.draining = True
+        engine.abort_all({"type": "abort", "message": self.failure, "status_code": 503})
+        self._stop_now.set()
+        if self._drain is None:
+            self._drain = asyncio.ensure_future(self._drain_then_exit())
 
     def _on_signal(self) -> None:
         if self._drain is not None:
@@ -103,6 +125,10 @@ def serve(artefact: str | Path, explicit: dict[str, Any]) -> None:
         app = create_app(engine, args)
         level = (args.log_level_http or args.log_level).lower()
         config = uvicorn.Config(app, log_level=level, timeout_graceful_shutdown=_FLUSH_SECONDS)
-        KilnServer(config, app.state.kiln, args.shutdown_timeout).run(sockets=[sock])
+        server = KilnServer(config, app.state.kiln, args.shutdown_timeout)
+        engine.on_rank_failure(server.fatal)
+        server.run(sockets=[sock])
     finally:
         sock.close()
+    if server.failure is not None:
+        sys.exit(f"kiln serve: {server.failure}")
