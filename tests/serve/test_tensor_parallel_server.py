@@ -49,6 +49,16 @@ def test_a_tp2_server_answers_as_tp1_and_leaves_no_rank_behind(
     finally:
         stop_server(server)
     assert _ranks_of(arts[2]) == []
+    # Ctrl-C (SIGINT) stops it the same way: exit 0, rank 1 gone
+    server = start_server(arts[2], tmp_path / "server2.log", "--api-key", API_KEY)
+    try:
+        assert len(_ranks_of(arts[2])) == 1
+        server.process.send_signal(signal.SIGINT)
+        assert server.process.wait(timeout=30) == 0, server.log.read_text()[-2000:]
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+    assert _ranks_of(arts[2]) == []
 
 
 def test_a_rank_killed_mid_stream_ends_the_stream_and_the_server_exits_1(
