@@ -12,7 +12,9 @@ dtype before SDPA.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +101,22 @@ class AttentionBatch:
             mask = mask[None, :, None, :]
         self._masks[window] = mask
         return mask
+
+
+def rope_then_attend(
+    rope_qkv: Callable[..., tuple[torch.Tensor, ...]],
+    attend: Callable[..., torch.Tensor],
+    ctx: AttentionBatch,
+    qkv: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, ...],
+    attrs: dict[str, Any],
+) -> torch.Tensor:
+    """rope_attention as its two ops, one backend's `rope_qkv` and `attention`; `attrs`
+    are the attention's (compiler/ir.py _ATTENTION_ATTRS)."""
+    d = attrs["head_dim"]
+    kv = attrs["num_kv_heads"] * d
+    q, k, v = rope_qkv(qkv, cos_sin, d, [attrs["num_heads"] * d, kv, kv])
+    return attend(ctx, q, k, v, **attrs)
 
 
 def _causal_mask(q_len: int, kv_len: int, window: int | None) -> torch.Tensor:

@@ -17,13 +17,14 @@ on, so a tensor they cannot take is a bug to report, not something to route else
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from kiln.compiler.quant import KERNEL_FORMAT
-from kiln.kernels.attention import AttentionBatch, attend_one, is_fp8, write_kv
+from kiln.kernels.attention import AttentionBatch, attend_one, is_fp8, rope_then_attend, write_kv
 from kiln.kernels.attention import attention as torch_attention
 from kiln.kernels.registry import register
 
@@ -332,9 +333,7 @@ def attention(
             head_dim,
         )
     if ctx.decode:
-        return _decode(
-            lib, ctx, q, k_cache, v_cache, num_heads, num_kv_heads, sliding_window, scale, kv_scale
-        )
+        return _decode(lib, ctx, q, layer, num_heads, num_kv_heads, sliding_window, scale, kv_scale)
     # Mixed batch: the single-token rows together in C, the others one by one in SDPA.
     assert ctx.single_rows is not None
     out = torch.empty(q.shape[0], num_heads * head_dim)
@@ -342,8 +341,7 @@ def attention(
         lib,
         ctx,
         q.index_select(0, ctx.single_rows),
-        k_cache,
-        v_cache,
+        layer,
         num_heads,
         num_kv_heads,
         sliding_window,
@@ -377,64 +375,36 @@ def rope_attention(
     qkv: torch.Tensor,
     cos_sin: tuple[torch.Tensor, ...],
     *,
-    layer: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    scale: float,
-    sliding_window: int | None,
     lib: ctypes.CDLL,
-    kv_scale: float = 1.0,
+    **attrs: Any,
 ) -> torch.Tensor:
     """rope_qkv then attention. A decode step on an fp32 pool is one C call (rotary, the
     KV write and paged attention); other steps and fp8 pools run the two kernels."""
-    k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
-    if not (ctx.decode and k_cache.dtype == torch.float32):
-        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
-        q, k, v = rope_qkv(qkv, cos_sin, head_dim, sizes, lib=lib)
-        return attention(
-            ctx,
-            q,
-            k,
-            v,
-            layer=layer,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            scale=scale,
-            sliding_window=sliding_window,
-            lib=lib,
-            kv_scale=kv_scale,
-        )
-    assert ctx.kv_index is not None and ctx.kv_lens is not None
+    if not (ctx.decode and ctx.k_cache.dtype == torch.float32):
+        two = (functools.partial(rope_qkv, lib=lib), functools.partial(attention, lib=lib))
+        return rope_then_attend(*two, ctx, qkv, cos_sin, attrs)
+    heads, head_dim = attrs["num_heads"], attrs["head_dim"]
     qkv = _rows(qkv, "rope_attention input")
     cos, sin = (t.contiguous() for t in cos_sin)
     if cos.shape[-1] != head_dim or cos.dtype != torch.float32 or head_dim % 8:
         raise KernelError(f"rope_attention: tables of {cos.shape[-1]}, head_dim {head_dim}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise KernelError("kiln_cpu attention: the KV pool must be contiguous")
     rows = qkv.shape[0]
-    out = torch.empty(rows, num_heads * head_dim)
+    out = torch.empty(rows, heads * head_dim)
     rc = lib.kiln_rope_decode_attention_f32(
         qkv.data_ptr(),
         qkv.stride(0),
         cos.data_ptr(),
         sin.data_ptr(),
         ctx.out_slots.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        k_cache.shape[1],
-        ctx.kv_index.data_ptr(),
-        ctx.kv_width // ctx.page_size,
-        ctx.kv_lens.data_ptr(),
+        *_paged_pool(ctx, attrs["layer"]),
         out.data_ptr(),
         rows,
-        num_heads,
-        num_kv_heads,
+        heads,
+        attrs["num_kv_heads"],
         head_dim,
         ctx.page_size,
-        sliding_window or 0,
-        scale,
+        attrs["sliding_window"] or 0,
+        attrs["scale"],
         _threads(),
     )
     if rc != 0:
@@ -446,8 +416,7 @@ def _decode(
     lib: ctypes.CDLL,
     ctx: AttentionBatch,
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    layer: int,
     num_heads: int,
     num_kv_heads: int,
     window: int | None,
@@ -455,18 +424,13 @@ def _decode(
     kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """One new token per row of q, each attending to its sequence in `ctx`'s page table."""
-    assert ctx.kv_index is not None and ctx.kv_lens is not None
+    k_cache = ctx.k_cache[layer]
     rows, head_dim = q.shape[0], k_cache.shape[2]
     out = torch.empty(rows, num_heads * head_dim)
     rc = lib.kiln_decode_attention(
         q.data_ptr(),
         q.stride(0),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        k_cache.shape[1],
-        ctx.kv_index.data_ptr(),
-        ctx.kv_width // ctx.page_size,
-        ctx.kv_lens.data_ptr(),
+        *_paged_pool(ctx, layer),
         out.data_ptr(),
         rows,
         num_heads,
@@ -484,6 +448,23 @@ def _decode(
     if rc != 0:
         raise MemoryError("kiln_cpu decode attention: out of memory for its scratch rows")
     return out
+
+
+def _paged_pool(ctx: AttentionBatch, layer: int) -> tuple[int, ...]:
+    """The decode kernels' pool arguments for one layer: K and V pools, slots per head,
+    the page table, pages per row of it, and each row's KV length."""
+    assert ctx.kv_index is not None and ctx.kv_lens is not None
+    k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise KernelError("kiln_cpu attention: the KV pool must be contiguous")
+    return (
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        k_cache.shape[1],
+        ctx.kv_index.data_ptr(),
+        ctx.kv_width // ctx.page_size,
+        ctx.kv_lens.data_ptr(),
+    )
 
 
 # A linear's prologue attr -> the C kernels' PROLOGUE_* (kernels/csrc/cpu_kernels.c).

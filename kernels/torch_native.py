@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed
 import torch.nn.functional as F
 
 from kiln.compiler.quant import dequantize, quantize_activations
-from kiln.kernels.attention import AttentionBatch, attention
+from kiln.kernels.attention import AttentionBatch, attention, rope_then_attend
 from kiln.kernels.registry import register
 
 
@@ -151,33 +153,9 @@ def rope_qkv(
 
 @register("rope_attention", needs_ctx=True)
 def rope_attention(
-    ctx: AttentionBatch,
-    qkv: torch.Tensor,
-    cos_sin: tuple[torch.Tensor, ...],
-    *,
-    layer: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    scale: float,
-    sliding_window: int | None,
-    kv_scale: float = 1.0,
+    ctx: AttentionBatch, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], **attrs: Any
 ) -> torch.Tensor:
-    kv = num_kv_heads * head_dim
-    q, k, v = rope_qkv(qkv, cos_sin, head_dim, [num_heads * head_dim, kv, kv])
-    return attention(
-        ctx,
-        q,
-        k,
-        v,
-        layer=layer,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        scale=scale,
-        sliding_window=sliding_window,
-        kv_scale=kv_scale,
-    )
+    return rope_then_attend(rope_qkv, attention, ctx, qkv, cos_sin, attrs)
 
 
 @register("rope")
