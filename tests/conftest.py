@@ -18,6 +18,7 @@ from kiln.example import make_checkpoint
 # The session's own kiln cache (artefacts, kernel builds, file hashes), shared with the
 # processes tests start; the user's ~/.cache/kiln is never touched.
 os.environ["KILN_CACHE_DIR"] = tempfile.mkdtemp(prefix="kiln-test-cache-")
+SESSION_KERNELS = Path(os.environ["KILN_CACHE_DIR"]) / "kernels"
 
 
 @pytest.fixture(scope="session")
@@ -56,7 +57,12 @@ def artefact(
 
 @pytest.fixture
 def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty kiln cache for this test (and the processes it starts)."""
+    """An empty kiln cache for this test (and the processes it starts), but for the kernel
+    store, which is the session's: kernel builds are keyed by source, flags and compiler, and
+    one build costs 5-10 s on a CI machine (tests of the store use their own folders)."""
     root = tmp_path / "kiln-cache"
+    SESSION_KERNELS.mkdir(parents=True, exist_ok=True)
+    root.mkdir()
+    (root / "kernels").symlink_to(SESSION_KERNELS, target_is_directory=True)
     monkeypatch.setenv("KILN_CACHE_DIR", str(root))
     return root

@@ -99,20 +99,15 @@ def write_int4_checkpoint(
 
 def hf_folder_from_gguf(gguf: Path, dst: Path) -> Path:
     """A GGUF file as a Hugging Face folder (config, float32 safetensors, tokenizer), by
-    transformers' own GGUF reader: the float checkpoint a GPTQ / AWQ one is written from."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    kiln's GGUF reader, whose reading test_gguf and test_real_model hold to transformers'
+    (and which parses the file once a process, where transformers takes ~20 s on a slow
+    core): the float checkpoint a GPTQ / AWQ one is written from."""
+    from kiln.compiler.gguf_import import GGUFFile
 
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    # save_pretrained refuses a model read from GGUF: config and tensors by hand.
+    f = GGUFFile(gguf)
     dst.mkdir(parents=True)
-    cfg = model.config.to_dict()
-    cfg.pop("quantization_config", None)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    state = model.state_dict()
-    if cfg.get("tie_word_embeddings"):
-        state.pop("lm_head.weight", None)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(dst / "model.safetensors"))
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(dst)
+    (dst / "config.json").write_text(json.dumps(f.hf_config()))
+    tensors = {name: torch.tensor(f.get(name)) for name in f.tensors}
+    save_file(tensors, str(dst / "model.safetensors"))
+    f.write_tokenizer(dst)
     return dst

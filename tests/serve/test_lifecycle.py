@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 from serve_helpers import free_port, start_kiln, start_server, stop_server
 
-LONG = {"max_new_tokens": 3000, "ignore_eos": True, "temperature": 0}
+LONG = {"max_new_tokens": 1200, "ignore_eos": True, "temperature": 0}
 
 
 async def _stream(c: httpx.AsyncClient) -> list[str]:

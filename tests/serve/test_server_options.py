@@ -151,7 +151,7 @@ def test_priority_field_orders_waiting_requests(artefact, launch) -> None:
                 assert r.status_code == 200, r.text
                 done[name] = time.perf_counter()
 
-            busy = asyncio.ensure_future(send("busy", 0, 6000))
+            busy = asyncio.ensure_future(send("busy", 0, 2000))
             while (await c.get("/get_server_info")).json()["num_running_reqs"] == 0:
                 await asyncio.sleep(0.02)  # until it holds the only running slot
             # Queued behind it, low first; the high-priority one must still go first.
