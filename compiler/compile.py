@@ -110,8 +110,26 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
 def quant_scheme(
     args: ServerArgs, target: Target, reader: CheckpointReader
 ) -> dict[str, Any] | None:
-    """The quantize pass's scheme from --quantization / --torchao-config (passes/quantize.py);
-    ArgError names the flag for what kiln does not run."""
+    """The quantize pass's scheme from --quantization / --torchao-config and
+    --quantize-activations (passes/quantize.py); ArgError names the flag for what kiln
+    does not run."""
+    scheme = _weight_scheme(args, target, reader)
+    if args.quantize_activations == "none":
+        return scheme
+    flag = f"--quantize-activations {args.quantize_activations}"
+    if scheme is None:
+        raise ArgError(
+            f"{flag}: needs quantized weights (a GGUF Q4_0 / Q4_1 / Q8_0 file, "
+            "--torchao-config int4wo-G or int8wo, or a GPTQ / AWQ checkpoint)"
+        )
+    if scheme.get("format") in ("fp8_e4m3", "w8a8_int8"):
+        raise ArgError(f"{flag}: applies to 4- and 8-bit integer weights, not {scheme['flag']}")
+    return {**scheme, "activations": args.quantize_activations}
+
+
+def _weight_scheme(
+    args: ServerArgs, target: Target, reader: CheckpointReader
+) -> dict[str, Any] | None:
     if args.quantization and args.torchao_config:
         raise ArgError("--quantization and --torchao-config: give one of them, not both")
     gguf = reader.gguf

@@ -9,8 +9,10 @@ the loader (no torch import: the loader checks shapes from the graph alone).
 - "q8panels{L}" / "q4panels{L}": a quantized linear's [N, K] codes for the same kernels,
   panels of L columns with N padded to whole panels: one byte per k ([N_pad / L][K][L],
   int8 or fp8 codes) or two k's per byte ([N_pad / L][K / 2][L], k even in the low nibble).
-- "a8panels{L}": w8a8_int8's codes for int8 dot products of 4 k's a lane,
+- "a8panels{L}": int8 codes for int8 dot products of 4 k's a lane (w8a8_int8, int8_a8),
   [N_pad / L][K / 4][L][4].
+- "a4panels{L}": 4-bit codes for the same dot products (uint4_a8), [N_pad / L][K / 8][L][4]
+  bytes: byte j of a lane's 4 holds k = 8b + j in its low nibble, 8b + 4 + j in its high.
 - "spanels{L}": the scales (and mins) of those codes, logical [N, K / group, P] with P = 1
   (scale) or 2 (scale, min), stored [N_pad / L][K / group][P][L].
 """
@@ -25,7 +27,7 @@ from kiln.compiler.target import Target
 if TYPE_CHECKING:
     import torch
 
-LAYOUT = re.compile(r"rows|panels(8|16)x([1-8])|(q8|q4|a8|s)panels(8|16)")
+LAYOUT = re.compile(r"rows|panels(8|16)x([1-8])|(q8|q4|a8|a4|s)panels(8|16)")
 
 
 def panel_shape(target: Target) -> tuple[int, int]:
@@ -52,7 +54,7 @@ def panels_of(layout: str) -> tuple[int, int] | None:
 
 
 def qpanels_of(layout: str) -> tuple[str, int] | None:
-    """(kind, lanes) of a quantized layout (kind q8, q4, a8 or s); None for any other."""
+    """(kind, lanes) of a quantized layout (kind q8, q4, a8, a4 or s); None for any other."""
     hit = _match(layout)
     return (hit.group(3), int(hit.group(4))) if hit.group(3) else None
 
@@ -77,8 +79,8 @@ def stored_shape(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
     tiles = -(-shape[0] // lanes)
     if kind == "s":
         return (tiles, shape[1], shape[2], lanes)
-    if kind == "a8":
-        return (tiles, shape[1] // 4, lanes, 4)
+    if kind in ("a8", "a4"):
+        return (tiles, shape[1] // (4 if kind == "a8" else 8), lanes, 4)
     return (tiles, shape[1] // 2 if kind == "q4" else shape[1], lanes)
 
 
@@ -113,6 +115,10 @@ def pack_qpanels(t: torch.Tensor, layout: str) -> torch.Tensor:
         return tiles.permute(0, 2, 3, 1).contiguous()
     if kind == "a8":  # [T, L, K] -> [T, K / 4, L, 4]
         return tiles.view(tiles.shape[0], lanes, -1, 4).permute(0, 2, 1, 3).contiguous()
+    if kind == "a4":  # [T, L, K] -> [T, L, K / 8, 2, 4] -> nibbles [T, K / 8, L, 4]
+        blocks = tiles.view(tiles.shape[0], lanes, -1, 2, 4)
+        packed = blocks[..., 0, :] | (blocks[..., 1, :] << 4)
+        return packed.permute(0, 2, 1, 3).contiguous()
     panels = tiles.transpose(1, 2).contiguous()  # [T, K, L]
     if kind == "q8":
         return panels

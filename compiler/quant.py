@@ -12,6 +12,10 @@ group of `group` consecutive inputs, float32 scales and codes:
 - w8a8_int8: w = q * s, one scale per row, q in [-127, 127]; the kernel also quantizes
   the activations per token (SGLang's w8a8_int8) and sums in int32. Its second plane is
   128 * sum_k q, the correction for the kernel's unsigned activation bytes.
+- uint4_a8 / int8_a8 (`--quantize-activations int8`): the weights of uint4 / int8, and the
+  kernel quantizes the activations to int8 per group of `group` inputs (llama.cpp's way
+  with its Q4_0 / Q4_1 / Q8_0 blocks) to sum each group in int32. uint4_a8's planes are
+  uint4's; int8_a8's second plane is 128 * sum_k q over the group (as w8a8_int8's).
 
 `dequantize` is the reference every kernel is tested against.
 """
@@ -25,14 +29,34 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-FORMATS = ("int8", "uint4", "fp8_e4m3", "w8a8_int8")
+FORMATS = ("int8", "uint4", "fp8_e4m3", "w8a8_int8", "uint4_a8", "int8_a8")
 # Stored code dtype and scale planes (1: scale; 2: scale, min or correction) per format.
-CODE_DTYPE = {"int8": "int8", "uint4": "uint8", "fp8_e4m3": "uint8", "w8a8_int8": "int8"}
-PLANES = {"int8": 1, "uint4": 2, "fp8_e4m3": 1, "w8a8_int8": 2}
+CODE_DTYPE = {
+    "int8": "int8",
+    "uint4": "uint8",
+    "fp8_e4m3": "uint8",
+    "w8a8_int8": "int8",
+    "uint4_a8": "uint8",
+    "int8_a8": "int8",
+}
+PLANES = {"int8": 1, "uint4": 2, "fp8_e4m3": 1, "w8a8_int8": 2, "uint4_a8": 2, "int8_a8": 2}
 # The layout kind (compiler/layout.py) each format's codes are stored in.
-CODE_LAYOUT = {"int8": "q8", "uint4": "q4", "fp8_e4m3": "q8", "w8a8_int8": "a8"}
-# The C kernels' format numbers (csrc: QFMT_*).
-KERNEL_FORMAT = {"int8": 0, "uint4": 1, "fp8_e4m3": 2}
+CODE_LAYOUT = {
+    "int8": "q8",
+    "uint4": "q4",
+    "fp8_e4m3": "q8",
+    "w8a8_int8": "a8",
+    "uint4_a8": "a4",
+    "int8_a8": "a8",
+}
+# What a group size must be a multiple of, per format (its kernel's step over k).
+GROUP_STEP = {"uint4": 2, "uint4_a8": 8, "int8_a8": 4}
+# The C kernels' format numbers (csrc: QFMT_*), and the int8-activation kinds (GA8_*).
+KERNEL_FORMAT = {"int8": 0, "uint4": 1, "fp8_e4m3": 2, "uint4_a8": 3, "int8_a8": 4}
+GA8_KIND = {"uint4_a8": 0, "int8_a8": 1}
+# --quantize-activations int8: weight format -> the same weights with int8 activations.
+INT8_ACTIVATIONS = {"uint4": "uint4_a8", "int8": "int8_a8"}
+WEIGHT_FORMAT = {a8: w for w, a8 in INT8_ACTIVATIONS.items()}
 # GGUF block types kiln runs as they are: type -> (format, group).
 GGUF_FORMATS = {"Q8_0": ("int8", 32), "Q4_0": ("uint4", 32), "Q4_1": ("uint4", 32)}
 FP8_E4M3_MAX = 448.0
@@ -43,21 +67,25 @@ class QuantError(ValueError):
 
 
 def quantize(w: torch.Tensor, fmt: str, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float [N, K] -> (codes [N, K], scales [N, K / group, planes]) in `fmt`."""
+    """Float [N, K] -> (codes [N, K], scales [N, K / group, planes]) in `fmt`; group 0 is
+    one group per row."""
     import torch
 
     n, k = w.shape
-    if group <= 0 or k % group:
+    group = group or k
+    if group < 0 or k % group:
         raise QuantError(f"group size {group} does not divide {k} input features")
+    if group % GROUP_STEP.get(fmt, 1):
+        raise QuantError(f"{fmt} needs a group size that is a multiple of {GROUP_STEP[fmt]}")
     g = w.float().reshape(n, k // group, group)
+    if fmt in WEIGHT_FORMAT:
+        return with_int8_activations(*quantize(w, WEIGHT_FORMAT[fmt], group), fmt)
     if fmt == "w8a8_int8":
         if group != k:
             raise QuantError(f"w8a8_int8 has one scale per row, not a group of {group}")
         if k % 4:
             raise QuantError(f"w8a8_int8 needs input features in fours, got {k}")
-        q, s = quantize(w, "int8", k)
-        corr = 128.0 * q.sum(-1, dtype=torch.int64).to(torch.float64)
-        return q, torch.cat([s, corr.float().reshape(n, 1, 1)], dim=-1)
+        return with_int8_activations(*quantize(w, "int8", k), fmt)
     if fmt == "int8":
         s = g.abs().amax(-1, keepdim=True) / 127.0
         s = torch.where(s > 0, s, torch.ones_like(s))
@@ -108,6 +136,33 @@ def _refine_uint4(
     return best_q, best_s, best_m
 
 
+def with_int8_activations(
+    codes: torch.Tensor, scales: torch.Tensor, fmt: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint4 / int8 (codes, scales) -> the same weights in `fmt` (uint4_a8 / int8_a8 /
+    w8a8_int8: a plane of 128 x the group's code sum, for the kernels' unsigned inputs)."""
+    import torch
+
+    if fmt == "uint4_a8":
+        return codes, scales
+    n, groups = scales.shape[:2]
+    sums = codes.view(torch.int8).reshape(n, groups, -1).sum(-1, dtype=torch.int64)
+    return codes, torch.cat([scales, (128.0 * sums.double()).float().unsqueeze(-1)], dim=-1)
+
+
+def quantize_group_activations(x: torch.Tensor, group: int) -> torch.Tensor:
+    """uint4_a8 / int8_a8's activations as their kernel rounds them: x [M, K] -> float64
+    [M, K] of xq * sx, sx = max|x| / 127 per group of `group` inputs, xq = round(x / sx)."""
+    import torch
+
+    m, k = x.shape
+    g = x.float().reshape(m, k // group, group)
+    amax = g.abs().amax(-1, keepdim=True)
+    sx = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    xq = torch.round(g / sx).clamp(-127, 127)
+    return (xq.double() * sx.double()).reshape(m, k)
+
+
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w8a8_int8's per-token activations, as its kernel computes them: (codes [M, K] in
     [-127, 127] as float, scales [M, 1])."""
@@ -127,7 +182,7 @@ def dequantize(q: torch.Tensor, s: torch.Tensor, fmt: str) -> torch.Tensor:
     vals = q.view(torch.float8_e4m3fn).float() if fmt == "fp8_e4m3" else q.float()
     vals = vals.reshape(n, groups, k // groups)
     out = vals * s[..., :1]
-    if fmt == "uint4":
+    if fmt in ("uint4", "uint4_a8"):
         out = out + s[..., 1:2]
     return out.reshape(n, k)
 

@@ -67,7 +67,7 @@ def _panels(graph: Graph, node: Node, param: Node) -> None:
 
 def _quant(graph: Graph, node: Node) -> tuple[int, int]:
     """A quantized op's codes and scales agree with its format and group: (N, K)."""
-    from kiln.compiler.quant import CODE_DTYPE, CODE_LAYOUT, PLANES
+    from kiln.compiler.quant import CODE_DTYPE, CODE_LAYOUT, GROUP_STEP, PLANES
 
     fmt, group = node.attrs["format"], node.attrs["group"]
     if fmt not in CODE_DTYPE:
@@ -82,8 +82,11 @@ def _quant(graph: Graph, node: Node) -> tuple[int, int]:
     if not scales.layout.startswith("spanels") or scales.dtype != "float32":
         raise IRError(f"%{node.name}: scales must be float32 spanels")
     n, k = _weight_shape(graph, node.args[1], 2)
-    if k % group:
-        raise IRError(f"%{node.name}: group {group} does not divide {k} input features")
+    if k % group or group % GROUP_STEP.get(fmt, 1):
+        raise IRError(
+            f"%{node.name}: group {group} does not divide {k} input features in whole "
+            f"steps of {GROUP_STEP.get(fmt, 1)} ({fmt})"
+        )
     _expect(
         node, "scales shape", _weight_shape(graph, node.args[2], 3), (n, k // group, PLANES[fmt])
     )

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kiln.compiler.quant import KERNEL_FORMAT
+from kiln.compiler.quant import GA8_KIND, KERNEL_FORMAT
 from kiln.kernels.attention import AttentionBatch, attend_one, is_fp8, rope_then_attend, write_kv
 from kiln.kernels.attention import attention as torch_attention
 from kiln.kernels.registry import register
@@ -114,6 +114,22 @@ def quant_linear(
             k,
             codes.data_ptr(),
             scales.data_ptr(),
+            out_features,
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            _PROLOGUES[prologue],
+            _threads(),
+        )
+    elif format in GA8_KIND:
+        rc = lib.kiln_ga8_linear_f32(
+            x.data_ptr(),
+            x.stride(0),
+            m,
+            k,
+            codes.data_ptr(),
+            scales.data_ptr(),
+            GA8_KIND[format],
+            group,
             out_features,
             None if bias is None else bias.data_ptr(),
             out.data_ptr(),

@@ -8,7 +8,12 @@ import torch
 import torch.distributed
 import torch.nn.functional as F
 
-from kiln.compiler.quant import dequantize, quantize_activations
+from kiln.compiler.quant import (
+    GA8_KIND,
+    dequantize,
+    quantize_activations,
+    quantize_group_activations,
+)
 from kiln.kernels.attention import AttentionBatch, attention, rope_then_attend
 from kiln.kernels.registry import register
 
@@ -25,12 +30,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _unpack_quant(codes: torch.Tensor, scales: torch.Tensor, fmt: str, rows: int) -> torch.Tensor:
     """Quantized panels (compiler/layout.py) -> float32 [rows, K]."""
-    if fmt == "w8a8_int8":  # [T, K/4, L, 4] -> [T, K, L]
+    if fmt in ("w8a8_int8", "int8_a8"):  # [T, K/4, L, 4] -> [T, K, L]
         codes = codes.permute(0, 1, 3, 2).reshape(codes.shape[0], -1, codes.shape[2])
+    if fmt == "uint4_a8":  # [T, K/8, L, 4] bytes -> [T, K, L] codes, 4 low nibbles first
+        t, blocks, lanes, _ = codes.shape
+        nibbles = torch.stack([codes & 0xF, codes >> 4], dim=3)  # [T, K/8, L, 2, 4]
+        codes = nibbles.permute(0, 1, 3, 4, 2).reshape(t, blocks * 8, lanes)
     tiles, _, lanes = codes.shape
     if fmt == "uint4":  # [T, K/2, L] bytes -> [T, K, L] codes, k even from the low nibble
         codes = torch.stack([codes & 0xF, codes >> 4], dim=2).reshape(tiles, -1, lanes)
-    if fmt in ("int8", "w8a8_int8"):
+    if fmt in ("int8", "w8a8_int8", "int8_a8"):
         codes = codes.view(torch.int8)
     q = codes.transpose(1, 2).reshape(tiles * lanes, -1)[:rows]
     s = scales.permute(0, 3, 1, 2).reshape(tiles * lanes, *scales.shape[1:3])[:rows]
@@ -50,10 +59,15 @@ def quant_linear(
     prologue: str = "none",
 ) -> torch.Tensor:
     """Reference: dequantize the whole weight, then a float GEMM (w8a8_int8: the integer
-    sums of per-token int8 activations, exact in float64, then the two scales)."""
+    sums of per-token int8 activations, exact in float64, then the two scales; uint4_a8 /
+    int8_a8: the activations rounded to int8 per group as their kernel does, then a float64
+    GEMM, which is the kernel's sum before its float32 roundings)."""
     if prologue == "silu_and_mul":
         x = silu_and_mul(x)
     w = _unpack_quant(codes, scales, format, out_features)
+    if format in GA8_KIND:
+        out = (quantize_group_activations(x, group) @ w.double().T).float()
+        return out if bias is None else out + bias
     if format != "w8a8_int8":
         return F.linear(x, w.to(x.dtype), bias)
     tiles, _, lanes, _ = codes.shape

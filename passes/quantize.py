@@ -13,6 +13,9 @@ The scheme comes from the compile arguments, resolved by `scheme_from_args`:
 - an fp8 checkpoint (config `quant_method: fp8`): its fp8 e4m3 weights as stored, the
   128 x 128 block scales as a scale per row per 128 inputs (no loss).
 With a float checkpoint the lm_head stays float, as SGLang leaves it.
+`--quantize-activations int8` (scheme "activations") turns each uint4 / int8 weight into
+uint4_a8 / int8_a8: the same codes and scales, run with activations rounded to int8 per
+group (compiler/quant.py); the other formats are left as they are.
 
 A quantized linear becomes `quant_linear(x, codes, scales[, bias])` with its format and group
 as attributes; the weight's recipe becomes {"quantize": recipe, "format", "group", "part"},
@@ -26,7 +29,7 @@ from typing import Any
 from kiln.args import ArgError
 from kiln.compiler.ir import Graph, Node, WeightSpec
 from kiln.compiler.layout import panel_shape
-from kiln.compiler.quant import CODE_DTYPE, CODE_LAYOUT, PLANES
+from kiln.compiler.quant import CODE_DTYPE, CODE_LAYOUT, GROUP_STEP, INT8_ACTIVATIONS, PLANES
 from kiln.passes.base import PassContext, PassResult
 
 TORCHAO = {"int8wo": ("int8", 0), **{f"int4wo-{g}": ("uint4", g) for g in (32, 64, 128, 256)}}
@@ -50,6 +53,13 @@ def quantize(graph: Graph, ctx: PassContext) -> PassResult:
             continue
         fmt, group = chosen
         group = group or spec.shape[1]
+        if scheme.get("activations") == "int8" and fmt in INT8_ACTIVATIONS:
+            fmt = INT8_ACTIVATIONS[fmt]
+            if group % GROUP_STEP[fmt]:
+                raise ArgError(
+                    f"--quantize-activations int8: {param.attrs['name']} has groups of "
+                    f"{group} inputs, and {fmt} needs a multiple of {GROUP_STEP[fmt]}"
+                )
         if spec.shape[1] % group:  # GGUF rows are whole blocks: only a float scheme's group
             raise ArgError(
                 f"{scheme.get('flag', 'quantization')}: group {group} does not divide the "

@@ -19,3 +19,32 @@ def hf_greedy(hf: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[i
         torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None
     )
     return out[0, len(prompt) :].tolist()
+
+
+def round_linear_inputs(hf: torch.nn.Module, group: int | None, skip: tuple[str, ...] = ()) -> None:
+    """Make transformers round every Linear's input (but `skip`'s) to int8 per group of
+    `group` inputs (None: the whole row), as kiln's --quantize-activations int8 kernels do."""
+    from kiln.compiler.quant import quantize_group_activations
+
+    def hook(_mod: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+        x = args[0]
+        rows = x.reshape(-1, x.shape[-1])
+        rounded = quantize_group_activations(rows, group or x.shape[-1]).to(x.dtype)
+        return (rounded.reshape(x.shape),)
+
+    for name, mod in hf.named_modules():
+        if isinstance(mod, torch.nn.Linear) and name not in skip:
+            mod.register_forward_pre_hook(hook)
+
+
+def assert_rounds_like(got: torch.Tensor, ref: torch.Tensor, plain: torch.Tensor) -> None:
+    """kiln's logits `got` with int8 activations against transformers rounding the same way
+    (`ref`) and not rounding (`plain`). Equal up to float32 rounding, but for ties: an
+    activation within a float32 ulp of a rounding midpoint goes either way on the smallest
+    difference in how it was computed, which happens a few times a forward pass, and a tiny
+    random model can move its later logits by a third of rounding's whole effect. So: most
+    positions to float rounding, and on average far nearer `ref` than `plain` is (no
+    rounding, or rounding over other groups, is as far as `plain` or farther)."""
+    err, moved = (got - ref).abs().amax(-1), (plain - ref).abs().amax(-1)
+    assert (err < 1e-3).float().mean() >= 0.5, err
+    assert err.mean() < 0.25 * moved.mean(), (err.mean(), moved.mean())

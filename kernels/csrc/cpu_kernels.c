@@ -444,7 +444,7 @@ int64_t kiln_linear_lanes(void) { return LANES; }
 
 /* The exported functions' signatures, as kernels/native.py declares them: bumped with any
  * change, so a library built from another kiln's source is refused, not misread. */
-int64_t kiln_abi_version(void) { return 2; }
+int64_t kiln_abi_version(void) { return 3; }
 int64_t kiln_linear_group_panels(void) { return GROUP_PANELS; }
 
 /* One narrow tile: `rows` rows (xt: [k][TILE_ROWS]) against one panel. Always inlined with
@@ -869,12 +869,17 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
 }
 
 /* out[t, :] = row ids[t] of a quantized table stored as above (the tied lm_head's), as
- * floats. Returns -1 at the first id outside [0, vocab), -2 for an unknown format. */
+ * floats; QFMT_UINT4_A8 / QFMT_INT8_A8: a table stored for the int8-activation linears
+ * below (their layouts). Returns -1 at the first id outside [0, vocab), -2 for an unknown
+ * format. */
+enum { QFMT_UINT4_A8 = 3, QFMT_INT8_A8 = 4 };
+
 int kiln_qembedding_f32(const int64_t *ids, int64_t tokens, const void *q, const float *scales,
                         int fmt, int64_t group, int64_t vocab, int64_t h, float *out) {
-    if (fmt < QFMT_INT8 || fmt > QFMT_FP8_E4M3 || group <= 0 || h % group) return -2;
-    const int64_t panel_bytes = fmt == QFMT_UINT4 ? h / 2 * LANES : h * LANES;
-    const int64_t per = fmt == QFMT_UINT4 ? 2 : 1;
+    if (fmt < QFMT_INT8 || fmt > QFMT_INT8_A8 || group <= 0 || h % group) return -2;
+    const int nibbles = fmt == QFMT_UINT4 || fmt == QFMT_UINT4_A8;
+    const int64_t panel_bytes = nibbles ? h / 2 * LANES : h * LANES;
+    const int64_t per = fmt == QFMT_INT8 || fmt == QFMT_FP8_E4M3 ? 1 : 2;
     const int64_t panel_scales = (h / group) * LANES * per;
     for (int64_t t = 0; t < tokens; t++) {
         const int64_t id = ids[t];
@@ -884,13 +889,18 @@ int kiln_qembedding_f32(const int64_t *ids, int64_t tokens, const void *q, const
         const float *sc = scales + (id / LANES) * panel_scales;
         for (int64_t j = 0; j < h; j++) {
             const float s = sc[(j / group) * per * LANES + c];
+            const float mn = per == 2 ? sc[((j / group) * 2 + 1) * LANES + c] : 0.0f;
             float v;
             if (fmt == QFMT_UINT4) {
                 const uint8_t byte = panel[(j / 2) * LANES + c];
-                v = (float)((j & 1) ? byte >> 4 : byte & 0xF) * s +
-                    sc[((j / group) * 2 + 1) * LANES + c];
+                v = (float)((j & 1) ? byte >> 4 : byte & 0xF) * s + mn;
+            } else if (fmt == QFMT_UINT4_A8) {
+                const uint8_t byte = panel[((j / 8) * LANES + c) * 4 + j % 4];
+                v = (float)((j % 8) < 4 ? byte & 0xF : byte >> 4) * s + mn;
             } else if (fmt == QFMT_INT8) {
                 v = (float)((const int8_t *)panel)[j * LANES + c] * s;
+            } else if (fmt == QFMT_INT8_A8) {
+                v = (float)((const int8_t *)panel)[((j / 4) * LANES + c) * 4 + j % 4] * s;
             } else {
                 const uint8_t b = panel[j * LANES + c];
                 const uint32_t bits = ((uint32_t)(b & 0x80) << 24) | ((uint32_t)(b & 0x7F) << 20);
@@ -1038,6 +1048,234 @@ static int a8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k,
     return 0;
 }
 
+/* ---- Grouped int8-activation linears (--quantize-activations int8) ----
+ *
+ * What llama.cpp does with its Q4_0 / Q4_1 / Q8_0 blocks: the activations are quantized to
+ * int8 per group of `group` inputs at run time (sx = max|x| / 127 over the group, xq =
+ * round(x / sx), half to even), so each group's dot product is an exact int32 sum, four k's
+ * of 16 columns per vpdpbusd, scaled in float once per group:
+ *   GA8_UINT4 (uint4_a8): w = q s + m, q in [0, 15]:  out += sx (s sum_k q xq + m sum_k xq)
+ *   GA8_INT8  (int8_a8):  w = q s, q in [-127, 127]:  vpdpbusd takes unsigned bytes on one
+ *             side, so x is stored as xq + 128 and out += sx s (sum_k q (xq + 128) - c),
+ *             c = 128 sum_k q over the group (the second scale plane, from the compiler).
+ * codes: GA8_UINT4 [N_pad / L][K / 8][L][4] bytes, byte j of a lane holding k = 8b + j in
+ * its low nibble and k = 8b + 4 + j in its high one (one load and two masks give two
+ * vpdpbusd operands); GA8_INT8 [N_pad / L][K / 4][L][4] int8 (w8a8_int8's layout).
+ * scales: [N_pad / L][K / group][2][L]: s, then m or c. Per weight vector of 16 columns x
+ * 8 k's (4-bit) that is one load, two masks and two vpdpbusd, against eight widen, convert
+ * and FMA steps for float activations (qtile_decode above, which the vector ports bound).
+ * AVX2 and AVX-512 without VNNI take two instructions per vpdpbusd (GA8_DOT below). */
+enum { GA8_UINT4 = 0, GA8_INT8 = 1 };
+#define GA8_ROWS 4
+#define GA8_PANELS 2
+
+/* The 4-byte dot product per int32 lane, acc += sum_j u[j] s[j] (u unsigned, s signed
+ * bytes), at the build's vector width: vpdpbusd with VNNI; else vpmaddubsw (pairs into
+ * int16, saturating) then vpmaddwd against ones. The pairs cannot saturate for 4-bit u
+ * (2 x 15 x 127); int8 weights use |q| against sign(q) x (2 x 127 x 127), so those sums
+ * come out as sum q xq, without the + 128 of the VNNI form (GA8_SIGNED_INT8). Without
+ * AVX2 the sums are computed plainly. */
+#if defined(__AVX512BW__)
+#define GA8_SIMD 1
+typedef __m512i vbyte;
+#define GA8_LOAD(p) _mm512_loadu_si512((const void *)(p))
+#define GA8_SET1(v) _mm512_set1_epi32(v)
+#define GA8_ZERO() _mm512_setzero_si512()
+#define GA8_LOW_NIBBLES(w) _mm512_and_si512((w), _mm512_set1_epi8(0x0F))
+#define GA8_HIGH_NIBBLES(w) _mm512_and_si512(_mm512_srli_epi16((w), 4), _mm512_set1_epi8(0x0F))
+#if A8_VNNI
+#define GA8_SIGNED_INT8 0
+#define GA8_DOT(acc, u, s) _mm512_dpbusd_epi32((acc), (u), (s))
+#else
+#define GA8_SIGNED_INT8 1
+#define GA8_DOT(acc, u, s) \
+    _mm512_add_epi32((acc), _mm512_madd_epi16(_mm512_maddubs_epi16((u), (s)), \
+                                              _mm512_set1_epi16(1)))
+#define GA8_ABS(q) _mm512_abs_epi8(q)
+#define GA8_SIGN(x, q) \
+    _mm512_mask_sub_epi8((x), _mm512_movepi8_mask(q), _mm512_setzero_si512(), (x))
+#define GA8_FLIP(x) _mm512_xor_si512((x), _mm512_set1_epi8((char)0x80))
+#endif
+#elif defined(__AVX2__)
+#define GA8_SIMD 1
+#define GA8_SIGNED_INT8 1
+typedef __m256i vbyte;
+#define GA8_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define GA8_SET1(v) _mm256_set1_epi32(v)
+#define GA8_ZERO() _mm256_setzero_si256()
+#define GA8_LOW_NIBBLES(w) _mm256_and_si256((w), _mm256_set1_epi8(0x0F))
+#define GA8_HIGH_NIBBLES(w) _mm256_and_si256(_mm256_srli_epi16((w), 4), _mm256_set1_epi8(0x0F))
+#define GA8_DOT(acc, u, s) \
+    _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), \
+                                              _mm256_set1_epi16(1)))
+#define GA8_ABS(q) _mm256_abs_epi8(q)
+#define GA8_SIGN(x, q) _mm256_sign_epi8((x), (q))
+#define GA8_FLIP(x) _mm256_xor_si256((x), _mm256_set1_epi8((char)0x80))
+#else
+#define GA8_SIMD 0
+#define GA8_SIGNED_INT8 0
+#endif
+
+/* x rows -> int8 codes per group (xq, or xq + 128 for GA8_INT8) and per group (sx,
+ * sx * sum xq). */
+static void ga8_quantize_row(const float *x, int64_t k, int64_t group, int kind,
+                             uint8_t *bytes, float *xg) {
+    for (int64_t g = 0; g < k / group; g++) {
+        const float *xr = x + g * group;
+        float amax = 0.0f;
+        for (int64_t i = 0; i < group; i++) amax = fabsf(xr[i]) > amax ? fabsf(xr[i]) : amax;
+        const float sx = amax > 0.0f ? amax / 127.0f : 1.0f;
+        int32_t sum = 0;
+        for (int64_t i = 0; i < group; i++) {
+            float q = nearbyintf(xr[i] / sx);
+            q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+            sum += (int32_t)q;
+            bytes[g * group + i] = kind == GA8_UINT4 ? (uint8_t)(int8_t)q : (uint8_t)((int)q + 128);
+        }
+        xg[2 * g] = sx;
+        xg[2 * g + 1] = sx * (float)sum;
+    }
+}
+
+/* `rows` rows (codes xb: [rows][k / 4] dwords, group terms xg: [rows][groups][2]) against
+ * `np` panels. Always inlined with constant rows and np. */
+static inline __attribute__((always_inline)) void ga8_tile(
+    const uint32_t *xb, int64_t k, const float *xg, int64_t group, const uint8_t *panel,
+    int64_t pstride, const float *sc, int64_t sstride, int kind, const float *bias,
+    float *out, int64_t n, int64_t cols, const int rows, const int np) {
+    const int64_t groups = k / group, kw = k / 4;
+    const int64_t blocks = kind == GA8_UINT4 ? group / 8 : group / 4; /* code blocks a group */
+    vlf acc[GA8_PANELS * GA8_ROWS];
+    for (int i = 0; i < np * rows; i++) acc[i] = (vlf){0};
+    for (int64_t g = 0; g < groups; g++) {
+        const uint32_t *xw = xb + g * (group / 4);
+        vli isum[GA8_PANELS * GA8_ROWS];
+#if GA8_SIMD
+        vbyte ia[GA8_PANELS * GA8_ROWS];
+        for (int i = 0; i < np * rows; i++) ia[i] = GA8_ZERO();
+        for (int64_t b = 0; b < blocks; b++) {
+            for (int p = 0; p < np; p++) {
+                const uint8_t *q = panel + p * pstride + (g * blocks + b) * LANES * 4;
+                __builtin_prefetch(q + PREFETCH_BYTES);
+                const vbyte w = GA8_LOAD(q);
+                if (kind == GA8_UINT4) {
+                    const vbyte lo = GA8_LOW_NIBBLES(w), hi = GA8_HIGH_NIBBLES(w);
+                    for (int r = 0; r < rows; r++) {
+                        const uint32_t *xr = xw + r * kw + 2 * b;
+                        ia[p * rows + r] = GA8_DOT(ia[p * rows + r], lo, GA8_SET1((int)xr[0]));
+                        ia[p * rows + r] = GA8_DOT(ia[p * rows + r], hi, GA8_SET1((int)xr[1]));
+                    }
+                } else {
+#if GA8_SIGNED_INT8
+                    const vbyte aw = GA8_ABS(w);
+                    for (int r = 0; r < rows; r++) {
+                        const vbyte xs = GA8_FLIP(GA8_SET1((int)xw[r * kw + b]));
+                        ia[p * rows + r] = GA8_DOT(ia[p * rows + r], aw, GA8_SIGN(xs, w));
+                    }
+#else
+                    for (int r = 0; r < rows; r++)
+                        ia[p * rows + r] =
+                            GA8_DOT(ia[p * rows + r], GA8_SET1((int)xw[r * kw + b]), w);
+#endif
+                }
+            }
+        }
+        for (int i = 0; i < np * rows; i++) isum[i] = (vli)ia[i];
+#else
+        for (int i = 0; i < np * rows; i++) isum[i] = (vli){0};
+        for (int64_t b = 0; b < blocks; b++) {
+            for (int p = 0; p < np; p++) {
+                const uint8_t *q = panel + p * pstride + (g * blocks + b) * LANES * 4;
+                for (int r = 0; r < rows; r++) {
+                    const uint8_t *xr = (const uint8_t *)(xw + r * kw);
+                    for (int c = 0; c < LANES; c++) {
+                        int32_t s = 0;
+                        for (int j = 0; j < 4; j++) {
+                            if (kind == GA8_UINT4) {
+                                const uint8_t byte = q[c * 4 + j];
+                                s += (byte & 0xF) * (int8_t)xr[8 * b + j] +
+                                     (byte >> 4) * (int8_t)xr[8 * b + 4 + j];
+                            } else {
+                                s += (int8_t)q[c * 4 + j] * xr[4 * b + j];
+                            }
+                        }
+                        isum[p * rows + r][c] += s;
+                    }
+                }
+            }
+        }
+#endif
+        for (int p = 0; p < np; p++) {
+            const vlf s = *(const vlf *)(sc + p * sstride + g * 2 * LANES);
+            const vlf mc = *(const vlf *)(sc + p * sstride + (g * 2 + 1) * LANES);
+            for (int r = 0; r < rows; r++) {
+                const float *t = xg + (r * groups + g) * 2;
+                const vlf f = to_float(isum[p * rows + r]);
+                if (kind == GA8_UINT4)
+                    acc[p * rows + r] += (f * t[0]) * s + mc * t[1];
+                else if (GA8_SIGNED_INT8)
+                    acc[p * rows + r] += (f * t[0]) * s;
+                else
+                    acc[p * rows + r] += ((f - mc) * t[0]) * s;
+            }
+        }
+    }
+    for (int p = 0; p < np && p * LANES < cols; p++)
+        store_panel(&acc[p * rows], 1, rows, p * LANES, bias, out, n, cols);
+}
+
+#define GA8_CASE(R, NP) \
+    case R: \
+        ga8_tile(xb, k, xg, group, pp, pstride, sp, sstride, kind, bp, op, n, w, R, NP); \
+        break;
+
+/* x: [m, k] rows `x_stride` apart; codes, scales as above; out: [m, n]. Returns -1
+ * without scratch memory, -2 for a kind it does not know or a group it cannot take
+ * (a multiple of 8 for GA8_UINT4, of 4 for GA8_INT8, dividing k), else 0. */
+static int ga8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k,
+                          const uint8_t *codes, const float *scales, int kind, int64_t group,
+                          int64_t n, const float *bias, float *out, int threads) {
+    if ((kind != GA8_UINT4 && kind != GA8_INT8) || group <= 0 || k % group ||
+        group % (kind == GA8_UINT4 ? 8 : 4))
+        return -2;
+    const int64_t groups = k / group, panels = (n + LANES - 1) / LANES;
+    const int64_t items = (panels + GA8_PANELS - 1) / GA8_PANELS;
+    const int64_t pstride = kind == GA8_UINT4 ? k / 2 * LANES : k * LANES;
+    const int64_t sstride = groups * 2 * LANES;
+    uint8_t *xball = malloc((size_t)(m * k) + (size_t)(m * groups * 2) * sizeof(float));
+    if (!xball) return -1;
+    float *xgall = (float *)(xball + m * k); /* k % 8 == 0 or k % 4 == 0: aligned */
+#pragma omp parallel for schedule(static) num_threads(threads) if (m > GA8_ROWS)
+    for (int64_t r = 0; r < m; r++)
+        ga8_quantize_row(x + r * x_stride, k, group, kind, xball + r * k, xgall + r * groups * 2);
+#pragma omp parallel for schedule(static) num_threads(threads) if (m * n * k >= PARALLEL_MIN_ELEMS)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t p0 = it * GA8_PANELS, col0 = p0 * LANES;
+        const int64_t have = panels - p0 < GA8_PANELS ? panels - p0 : GA8_PANELS;
+        const int64_t span = n - col0 < have * LANES ? n - col0 : have * LANES;
+        for (int64_t r0 = 0; r0 < m; r0 += GA8_ROWS) {
+            const int64_t rows = m - r0 < GA8_ROWS ? m - r0 : GA8_ROWS;
+            const uint32_t *xb = (const uint32_t *)(xball + r0 * k);
+            const float *xg = xgall + r0 * groups * 2;
+            /* whole items take both panels at once; the last, short one one at a time */
+            for (int64_t p = 0; p < have; p += (have == GA8_PANELS ? GA8_PANELS : 1)) {
+                const int64_t c0 = p * LANES, w = span - c0;
+                const uint8_t *pp = codes + (p0 + p) * pstride;
+                const float *sp = scales + (p0 + p) * sstride;
+                const float *bp = bias ? bias + col0 + c0 : NULL;
+                float *op = out + r0 * n + col0 + c0;
+                if (have == GA8_PANELS) {
+                    switch (rows) { GA8_CASE(1, 2) GA8_CASE(2, 2) GA8_CASE(3, 2) GA8_CASE(4, 2) default: break; }
+                } else {
+                    switch (rows) { GA8_CASE(1, 1) GA8_CASE(2, 1) GA8_CASE(3, 1) GA8_CASE(4, 1) default: break; }
+                }
+            }
+        }
+    }
+    free(xball);
+    return 0;
+}
+
 /* ---- The linears' entries, with an input prologue ----
  * PROLOGUE_SILU_MUL: the linear's input is silu(x[:, :k]) * x[:, k:] of a [m, 2k] x, the
  * gated MLP's activation fused into the down projection (passes/fuse_silu_linear.py). It
@@ -1085,6 +1323,18 @@ int kiln_a8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k,
     float *scratch;
     int rc = prologue_input(&x, &x_stride, m, k, prologue, threads, &scratch);
     if (rc == 0) rc = a8_linear_f32(x, x_stride, m, k, codes, scales, n, bias, out, threads);
+    free(scratch);
+    return rc;
+}
+
+int kiln_ga8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k,
+                        const uint8_t *codes, const float *scales, int kind, int64_t group,
+                        int64_t n, const float *bias, float *out, int prologue, int threads) {
+    float *scratch;
+    int rc = prologue_input(&x, &x_stride, m, k, prologue, threads, &scratch);
+    if (rc == 0)
+        rc = ga8_linear_f32(x, x_stride, m, k, codes, scales, kind, group, n, bias, out,
+                            threads);
     free(scratch);
     return rc;
 }

@@ -411,6 +411,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--target-isa', type='str', default='native', stage=COMPILE, status=IMPLEMENTED, help='Instruction set to compile for: native (this host), x86-64, avx2, avx512, avx512_vnni on --device cpu; sm_XX (e.g. sm_90) on --device cuda.'),
         Flag('--max-request-body-bytes', type='int', default=8 * 1024 * 1024, stage=RUNTIME, status=IMPLEMENTED, help='Largest HTTP request body accepted; larger ones get a 413.'),
         Flag('--shutdown-timeout', type='float', default=0.0, stage=RUNTIME, status=IMPLEMENTED, help='On SIGTERM/SIGINT, seconds to let in-flight requests finish before stopping them (each gets a final error); a second signal stops at once.'),
+        Flag('--quantize-activations', type='str', default='none', choices=('none', 'int8'), stage=COMPILE, status=IMPLEMENTED, help='int8: the 4- and 8-bit weight-only linears (GGUF Q4_0 / Q4_1 / Q8_0, --torchao-config int4wo-G / int8wo, GPTQ / AWQ) quantize their activations to int8 per weight group at run time and sum in int32 (AVX-512 VNNI where the target has it), as llama.cpp does: faster, and no longer equal to the float maths on the same weights (benchmarks/RESULTS.md has the quality).'),
         Flag('--threads', type='int', stage=RUNTIME, status=IMPLEMENTED, help='CPU threads for kernels (torch and kiln_cpu); default: OMP_NUM_THREADS, else one per core. On a busy or shared machine, fewer can be much faster.'),
     )),
 )

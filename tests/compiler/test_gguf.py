@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from gguf_files import write_gguf
-from oracle import hf_greedy, kiln_all_logits
+from oracle import assert_rounds_like, hf_greedy, kiln_all_logits, round_linear_inputs
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kiln import Engine
@@ -145,3 +145,27 @@ def test_gguf_blocks_run_as_stored_unless_a_float_dtype_is_asked(
         compile_model(ServerArgs(model_path=str(gguf_file(case)), **flags), out)
         nodes = json.loads((out / "graph.json").read_text())["nodes"]
         assert not any(n["op"].startswith("quant_") for n in nodes), case
+
+
+@pytest.mark.parametrize("case", ["llama-q8_0", "llama-q4_0-tied", "llama-q4_1"])
+def test_gguf_blocks_with_int8_activations_match_transformers_rounding_the_same(
+    case: str, gguf_file: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """--quantize-activations int8: every block matrix (the lm_head too, tied or not) runs
+    with its input rounded to int8 per block of 32, llama.cpp's way; transformers on the
+    same file with the same rounding in front of each Linear gives the same logits up to
+    float32 rounding and ties (oracle.assert_rounds_like)."""
+    path = gguf_file(case)
+    art = tmp_path / "art"
+    compile_model(ServerArgs(model_path=str(path), quantize_activations="int8"), art)
+    nodes = json.loads((art / "graph.json").read_text())["nodes"]
+    fmt = "int8_a8" if "q8_0" in case else "uint4_a8"
+    assert {n["attrs"]["format"] for n in nodes if n["op"].startswith("quant_")} == {fmt}
+    assert not any(n["op"] in ("linear", "packed_linear") for n in nodes)
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    seq = PROMPTS[1]
+    with torch.no_grad():
+        plain = hf(torch.tensor([seq])).logits[0]
+        round_linear_inputs(hf, 32)
+        ref = hf(torch.tensor([seq])).logits[0]
+    assert_rounds_like(Engine(art, max_total_tokens=1024).prompt_logits(seq), ref, plain)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from oracle import hf_greedy, kiln_all_logits
+from oracle import assert_rounds_like, hf_greedy, kiln_all_logits, round_linear_inputs
 from transformers import AutoModelForCausalLM
 
 from kiln import Engine
@@ -92,6 +92,30 @@ def test_w8a8_int8_compiles_to_int8_dot_products(
     assert (got - ref).abs().max() < 0.2 * ref.abs().max()
 
 
+@pytest.mark.parametrize("scheme", ["int4wo-32", "int8wo"])
+def test_int8_activations_match_transformers_rounding_the_same(
+    scheme: str, checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """--quantize-activations int8 on a weight-only scheme: the same codes, each linear's
+    input rounded to int8 per weight group (int8wo: per row); transformers on the same
+    quantized weights with that rounding gives kiln's logits up to float32 rounding and
+    ties (oracle.assert_rounds_like)."""
+    flags, fmt, group = SCHEMES[scheme]
+    ckpt = checkpoint("qwen2", **SHAPE)
+    art = tmp_path / "art"
+    compile_model(ServerArgs(model_path=str(ckpt), quantize_activations="int8", **flags), art)
+    graph = json.loads((art / "graph.json").read_text())
+    quant = [n for n in graph["nodes"] if n["op"] == "quant_linear"]
+    assert len(quant) == 4 * 2 and {n["attrs"]["format"] for n in quant} == {f"{fmt}_a8"}
+    hf = quantized_reference(ckpt, fmt, group)
+    seq = PROMPTS[1]
+    with torch.no_grad():
+        plain = hf(torch.tensor([seq])).logits[0]
+        round_linear_inputs(hf, group or None, skip=("lm_head",))
+        ref = hf(torch.tensor([seq])).logits[0]
+    assert_rounds_like(Engine(art, max_total_tokens=1024).prompt_logits(seq), ref, plain)
+
+
 def test_schemes_store_fewer_bytes(checkpoint: Callable[..., Path], tmp_path: Path) -> None:
     ckpt = checkpoint("llama", **SHAPE)
     sizes = {}
@@ -121,6 +145,12 @@ def test_quantization_flags_are_refused_in_one_line(
         (
             {"torchao_config": "int4wo-256"},
             "--torchao-config int4wo-256: group 256 does not divide the 128 inputs of",
+        ),
+        ({"quantize_activations": "int8"}, "--quantize-activations int8: needs quantized"),
+        (
+            {"quantize_activations": "int8", "quantization": "fp8"},
+            "--quantize-activations int8: applies to 4- and 8-bit integer weights, not "
+            "--quantization fp8",
         ),
     ]
     for flags, message in cases:

@@ -13,7 +13,13 @@ import torch.nn.functional as F
 from native_libs import HOST_LEVELS, library
 
 from kiln.compiler.layout import pack_panels, pack_qpanels, panels_name
-from kiln.compiler.quant import dequantize, quantize, quantize_activations
+from kiln.compiler.quant import (
+    CODE_LAYOUT,
+    dequantize,
+    quantize,
+    quantize_activations,
+    quantize_group_activations,
+)
 from kiln.kernels import registry
 from kiln.kernels.attention import AttentionBatch, SeqSpan
 
@@ -105,6 +111,15 @@ def _lanes(backend: str) -> int:
     return int(library(level).kiln_linear_lanes()) if level else 16
 
 
+def _stored(w: torch.Tensor, fmt: str, group: int, backend: str) -> tuple[torch.Tensor, ...]:
+    """(codes, scales, stored codes, stored scales) of `w` quantized as the artefact holds
+    them for `backend`'s vector width."""
+    lanes = _lanes(backend)
+    q, s = quantize(w, fmt, group)
+    codes = pack_qpanels(q, f"{CODE_LAYOUT[fmt]}panels{lanes}")
+    return q, s, codes, pack_qpanels(s, f"spanels{lanes}")
+
+
 QUANT_CASES = [("int8", 32), ("int8", 96), ("uint4", 32), ("uint4", 48), ("fp8_e4m3", 96)]
 
 
@@ -115,11 +130,8 @@ def test_quant_linear_matches_its_dequantized_weight(
     backend: str, fmt: str, group: int, rows: int
 ) -> None:
     # 1000 outputs: a partial last panel; rows across the tile edge (8 or 16 rows).
-    lanes = _lanes(backend)
     x, w, b = torch.randn(rows, 96), torch.randn(1000, 96), torch.randn(1000)
-    q, s = quantize(w, fmt, group)
-    codes = pack_qpanels(q, f"{'q4' if fmt == 'uint4' else 'q8'}panels{lanes}")
-    scales = pack_qpanels(s, f"spanels{lanes}")
+    q, s, codes, scales = _stored(w, fmt, group, backend)
     ref = F.linear(x, dequantize(q, s, fmt), b)
     kw = {"format": fmt, "group": group, "out_features": 1000}
     torch.testing.assert_close(
@@ -143,10 +155,8 @@ def test_quant_linear_matches_its_dequantized_weight(
 def test_w8a8_linear_sums_int8_activations_exactly(backend: str, rows: int) -> None:
     """Per-token int8 activations times per-row int8 weights, summed exactly, then both
     scales: every ISA level (VNNI or plain integer code) gives the same numbers."""
-    lanes = _lanes(backend)
     x, w, b = torch.randn(rows, 96) * 3, torch.randn(1000, 96), torch.randn(1000)
-    q, s = quantize(w, "w8a8_int8", 96)
-    codes, scales = pack_qpanels(q, f"a8panels{lanes}"), pack_qpanels(s, f"spanels{lanes}")
+    q, s, codes, scales = _stored(w, "w8a8_int8", 96, backend)
     xq, sx = quantize_activations(x)
     ref = (xq.double() @ q.double().T).float() * (sx * s[:, 0, 0]) + b
     kw = {"format": "w8a8_int8", "group": 96, "out_features": 1000}
@@ -162,19 +172,52 @@ def test_w8a8_linear_sums_int8_activations_exactly(backend: str, rows: int) -> N
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-6)
 
 
+GA8_CASES = [("uint4_a8", 32), ("uint4_a8", 48), ("uint4_a8", 96), ("int8_a8", 32), ("int8_a8", 12)]
+
+
+@BOTH
+@pytest.mark.parametrize(("fmt", "group"), GA8_CASES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17])
+def test_group_int8_activation_linear_sums_exactly(
+    backend: str, fmt: str, group: int, rows: int
+) -> None:
+    """--quantize-activations int8: activations rounded to int8 per weight group, the
+    group's products summed in int32, then the scales (and mins): every ISA level (VNNI or
+    plain integer code) gives the float64 reference's numbers up to float32 rounding."""
+    x, w, b = torch.randn(rows, 96) * 3, torch.randn(1000, 96), torch.randn(1000)
+    if rows > 1:
+        x[-1, :group] = 0.0  # a group of zeros: its scale must not divide by zero
+    q, s, codes, scales = _stored(w, fmt, group, backend)
+    wd = dequantize(q, s, fmt).double()
+    ref = (quantize_group_activations(x, group) @ wd.T).float() + b
+    kw = {"format": fmt, "group": group, "out_features": 1000}
+    got = k("quant_linear", backend)(x, codes, scales, b, **kw)
+    torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-5)
+    # a quantization of the float product on the same weights, not something else
+    exact = F.linear(x, wd.float(), b)
+    assert 0 < (got - exact).abs().max() < 0.05 * F.linear(x, wd.float()).abs().max()
+    # read in place from a wider row, and through the silu_and_mul prologue
+    wide = torch.randn(rows, 128)
+    wide[:, :96] = x
+    got = k("quant_linear", backend)(wide[:, :96], codes, scales, b, **kw)
+    torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-5)
+    gate_up = torch.randn(rows, 192) * 3
+    h = F.silu(gate_up[:, :96]) * gate_up[:, 96:]
+    ref = (quantize_group_activations(h, group) @ wd.T).float() + b
+    got = k("quant_linear", backend)(gate_up, codes, scales, b, prologue="silu_and_mul", **kw)
+    torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-5)
+
+
 def test_the_vnni_build_uses_vnni() -> None:
     expect = {level: int(level == "avx512_vnni") for level in HOST_LEVELS}
     assert {level: library(level).kiln_a8_vnni() for level in HOST_LEVELS} == expect
 
 
 @BOTH
-@pytest.mark.parametrize(("fmt", "group"), QUANT_CASES)
+@pytest.mark.parametrize(("fmt", "group"), QUANT_CASES + GA8_CASES)
 def test_quant_embedding_reads_the_quantized_table(backend: str, fmt: str, group: int) -> None:
-    lanes = _lanes(backend)
     table = torch.randn(100, 96)
-    q, s = quantize(table, fmt, group)
-    codes = pack_qpanels(q, f"{'q4' if fmt == 'uint4' else 'q8'}panels{lanes}")
-    scales = pack_qpanels(s, f"spanels{lanes}")
+    q, s, codes, scales = _stored(table, fmt, group, backend)
     ids = torch.tensor([0, 99, 17, 17, 64])
     kw = {"format": fmt, "group": group, "num_embeddings": 100}
     got = k("quant_embedding", backend)(ids, codes, scales, **kw)
