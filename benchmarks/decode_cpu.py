@@ -1,7 +1,7 @@
 """Batch-1 decode and prefill against llama.cpp, on the real model, at each precision.
 
     python benchmarks/decode_cpu.py                 # every row, 5 rounds each
-    python benchmarks/decode_cpu.py --rounds 7 --rows Q4_1 "w8a8_int8 vs Q8_0"
+    python benchmarks/decode_cpu.py --rounds 7 --rows Q4_1 "Q4_1 +a8" "w8a8_int8 vs Q8_0"
 
 The model is SmolLM2-135M-Instruct (`python -m kiln.example --fetch smollm2`, a Q4_1 GGUF
 file). For each precision llama.cpp's own quantizer writes the GGUF file (F32 and Q8_0 /
@@ -34,8 +34,11 @@ from bench_common import PRECISIONS, gguf_for, machine, read_bandwidth_gbs
 # Rows: label -> (llama.cpp's file, the file kiln compiles, kiln's compile flags). The GGUF
 # rows run identical weights; the scheme rows quantize the F32 file with kiln's schemes and
 # put them beside llama.cpp's format of the same width.
+# "+a8": --quantize-activations int8, llama.cpp's own arithmetic on the same blocks.
+A8 = {"quantize_activations": "int8"}
 ROWS: dict[str, tuple[str, str, dict[str, str]]] = {
     **{p: (p, p, {}) for p in PRECISIONS},
+    **{f"{p} +a8": (p, p, A8) for p in PRECISIONS if p != "F32"},
     "int8wo vs Q8_0": ("Q8_0", "F32", {"torchao_config": "int8wo"}),
     "w8a8_int8 vs Q8_0": ("Q8_0", "F32", {"quantization": "w8a8_int8"}),
     "int4wo-64 vs Q4_0": ("Q4_0", "F32", {"torchao_config": "int4wo-64"}),

@@ -11,8 +11,10 @@ attention also prints the K/V bytes it reads per call against the measured bandw
 Then every linear of one forward pass at each of `--gemm-rows` row counts: kiln_cpu's two
 micro-kernels on panels (narrow, wide; the layout pass picks by rows), oneDNN on its own
 prepacked weights (what torch's mkldnn path would run) and torch_native (MKL), against the
-bandwidth floor of reading the weights once. `--isa` picks the kiln_cpu build (default:
-this host's level; avx2 runs the AVX2 build on an AVX-512 machine too).
+bandwidth floor of reading the weights once; then the same linears quantized (group 32) with
+fp32 activations and with int8 ones (`--quantize-activations int8`). `--isa` picks the
+kiln_cpu build (default: this host's level; avx2 runs the AVX2 build on an AVX-512 machine
+too).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from typing import Any
 import torch
 from bench_common import SMOLLM2_135M, machine, read_bandwidth_gbs
 
-from kiln.compiler.layout import pack_panels, panel_shape, panels_name
+from kiln.compiler.layout import pack_panels, pack_qpanels, panel_shape, panels_name
+from kiln.compiler.quant import CODE_LAYOUT, quantize
 from kiln.compiler.target import cpu_target
 from kiln.kernels import native, registry
 from kiln.kernels.attention import AttentionBatch, SeqSpan
@@ -57,6 +60,11 @@ def main() -> None:
         "--gemm-rows",
         default="1,2,4,8,16,32,64,128",
         help="row counts for the linear table ('' skips it)",
+    )
+    p.add_argument(
+        "--quant-rows",
+        default="1,16,128",
+        help="row counts for the quantized linear table ('' skips it)",
     )
     p.add_argument("--isa", default="native", help="kiln_cpu build: native, x86-64, avx2, avx512")
     args = p.parse_args()
@@ -137,6 +145,8 @@ def main() -> None:
     )
     if args.gemm_rows:
         gemms(cfg, [int(r) for r in args.gemm_rows.split(",")], gbs, op, target)
+    if args.quant_rows:
+        quant_gemms(cfg, [int(r) for r in args.quant_rows.split(",")], gbs, op, target)
 
 
 def gemms(
@@ -144,13 +154,7 @@ def gemms(
 ) -> None:
     """Every linear of one forward pass (distinct, cold weights, as the fused graph has
     them) at each row count, per backend."""
-    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads", heads)
-    d = cfg.get("head_dim") or hidden // heads
-    inter = cfg["intermediate_size"]
-    per_layer = [((heads + 2 * kv_heads) * d, hidden), (hidden, heads * d)]
-    per_layer += [(2 * inter, hidden), (hidden, inter)]
-    shapes = per_layer * cfg["num_hidden_layers"] + [(cfg["vocab_size"], hidden)]
+    shapes = _forward_shapes(cfg)
     weights = [torch.randn(n, k) for n, k in shapes]
     nbytes = sum(w.numel() for w in weights) * 4
     layout = panels_name(*panel_shape(target))
@@ -187,6 +191,50 @@ def gemms(
             best, median = per_call_us(lambda i, run=runs[backend], xs=xs: run(xs), 5)
             cells.append(f"{best / 1e3:.1f} / {median / 1e3:.1f}")
         print(f"| {rows} | " + " | ".join(cells) + " |")
+
+
+def _forward_shapes(cfg: dict) -> list[tuple[int, int]]:
+    """(out, in) of every linear of one forward pass as the fused graph has them."""
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", heads)
+    d = cfg.get("head_dim") or hidden // heads
+    inter = cfg["intermediate_size"]
+    per_layer = [((heads + 2 * kv_heads) * d, hidden), (hidden, heads * d)]
+    per_layer += [(2 * inter, hidden), (hidden, inter)]
+    return per_layer * cfg["num_hidden_layers"] + [(cfg["vocab_size"], hidden)]
+
+
+def quant_gemms(
+    cfg: dict, row_counts: list[int], gbs: float, op: Callable[..., Any], target: Any
+) -> None:
+    """Every linear of one forward pass in the GGUF-like formats, group 32, with fp32
+    activations (uint4, int8) and with int8 ones (uint4_a8, int8_a8:
+    --quantize-activations int8), against the floor of reading their bytes once."""
+    lanes = panel_shape(target)[0]
+    shapes = _forward_shapes(cfg)
+    kernel = op("quant_linear", "kiln_cpu")
+    print("\nquantized linears of one forward pass, group 32; ms per pass, min / median of 5")
+    print("| format | MB | floor ms | " + " | ".join(f"{r} rows" for r in row_counts) + " |")
+    print("| --- | --- | --- |" + " --- |" * len(row_counts))
+    for fmt in ("uint4", "uint4_a8", "int8", "int8_a8"):
+        stored = []
+        for n, k in shapes:
+            codes, scales = quantize(torch.randn(n, k), fmt, 32)
+            layout = f"{CODE_LAYOUT[fmt]}panels{lanes}"
+            stored.append((pack_qpanels(codes, layout), pack_qpanels(scales, f"spanels{lanes}")))
+        nbytes = sum(c.numel() * c.element_size() + s.numel() * 4 for c, s in stored)
+        cells = []
+        for rows in row_counts:
+            xs = {k: torch.randn(rows, k) for _, k in shapes}
+
+            def run(_: int, xs: dict = xs, stored: list = stored, fmt: str = fmt) -> None:
+                for (n, k), (c, s) in zip(shapes, stored, strict=True):
+                    kernel(xs[k], c, s, format=fmt, group=32, out_features=n)
+
+            best, median = per_call_us(run, 5)
+            cells.append(f"{best / 1e3:.1f} / {median / 1e3:.1f}")
+        floor = nbytes / gbs / 1e6
+        print(f"| {fmt} | {nbytes / 1e6:.0f} | {floor:.1f} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -32,10 +32,12 @@ import torch
 HERE = Path(__file__).resolve().parent
 TEXT = HERE / "data" / "quality_text.txt"
 
+A8 = {"quantize_activations": "int8"}
 # kiln variants: name -> compile flags on the GGUF file.
 KILN = {
     "kiln float32 (reference)": {"dtype": "float32"},
     "kiln GGUF Q4_1 as stored": {},
+    "kiln GGUF Q4_1, int8 activations": A8,
     "kiln int8wo": {"torchao_config": "int8wo"},
     "kiln w8a8_int8": {"quantization": "w8a8_int8"},
     "kiln fp8 (e4m3, per row)": {"quantization": "fp8"},
@@ -130,10 +132,13 @@ def main() -> None:
             files = llama_cpp_files(gguf, work)
             for name, path in files.items():
                 scorers[name] = llama_cpp_scorer(path, args.window)
-            # kiln on the same Q4_0 file: the same weights, kiln's fp32 activations
-            scorers["kiln on llama.cpp's Q4_0 file"] = kiln_scorer(
-                files["llama.cpp Q4_0"], {}, work
-            )
+            # kiln on the same Q4_0 / Q8_0 files: the same weights, kiln's fp32 activations
+            # or (--quantize-activations int8) int8 ones per block of 32, as llama.cpp's
+            for q in ("Q4_0", "Q8_0"):
+                for suffix, flags in (("", {}), (", int8 activations", A8)):
+                    scorers[f"kiln on llama.cpp's {q} file{suffix}"] = kiln_scorer(
+                        files[f"llama.cpp {q}"], flags, work
+                    )
         except ImportError:
             print("llama-cpp-python is not installed: llama.cpp rows left out")
 

@@ -18,13 +18,16 @@ from kiln.example import fetch
 # scheme flags -> (largest mean KL, smallest top-1 agreement) over 256 tokens. Measured over
 # the whole text (RESULTS.md): int8wo 0.003 / 97%, fp8 0.015 / 93%, int4wo-64 0.22 / 76%,
 # w8a8_int8 (activations in int8 too) in RESULTS.md; fp8 KV cache (256 tokens, decoded):
-# e4m3 0.0046 / 95.7%, e5m2 0.018 / 92.5%.
+# e4m3 0.0046 / 95.7%, e5m2 0.018 / 92.5%; the GGUF Q4_1 blocks with int8 activations
+# (--quantize-activations int8) 0.0028 / 96%, as llama.cpp on the same file.
 GATES = {
+    "gguf-int8-activations": ({"quantize_activations": "int8"}, 0.01, 0.93),
     "int8wo": ({"torchao_config": "int8wo"}, 0.01, 0.93),
     "fp8": ({"quantization": "fp8"}, 0.05, 0.85),
     "w8a8_int8": ({"quantization": "w8a8_int8"}, 0.05, 0.85),
     "int4wo-64": ({"torchao_config": "int4wo-64"}, 0.3, 0.7),
-    # KV pools, decoded token by token so attention reads the pool
+    # KV pools, fed 4 tokens a step so attention reads the earlier ones from the pool
+    # (measured: the same KL as token by token, e4m3 0.0045 vs 0.0047, in a third the time)
     "kv-fp8_e4m3": ({"dtype": "float32", "kv_cache_dtype": "fp8_e4m3"}, 0.02, 0.9),
     "kv-fp8_e5m2": ({"dtype": "float32", "kv_cache_dtype": "fp8_e5m2"}, 0.06, 0.85),
 }
@@ -45,7 +48,7 @@ def test_scheme_passes_its_quality_gate(scheme: str, window, tmp_path: Path) -> 
     gguf, ids, ref = window
     flags, max_kl, min_top1 = GATES[scheme]
     compile_model(ServerArgs(model_path=str(gguf), **flags), tmp_path / "art")
-    chunk = 1 if "kv_cache_dtype" in flags else None
+    chunk = 4 if "kv_cache_dtype" in flags else None
     got = Engine(tmp_path / "art", max_total_tokens=1024).prompt_logits(ids, chunk=chunk)
     _, kl, top1 = metrics(ref, got, ids)
     n = len(ids) - 1

@@ -67,25 +67,32 @@ def test_real_model_chats_through_the_server(smollm2_art: Path, launch) -> None:
     assert reply.choices[0].finish_reason == "stop"
 
 
+# With the chat template's default system prompt, the Q4_1 file run with int8 activations
+# answers "L'Étoile, la Cité, ..." (greedy), as llama.cpp itself does on that file: the
+# question is near a tie for this 135M model. A system prompt of our own settles it.
+SYSTEM = [{"role": "system", "content": "You are a helpful assistant."}]
+
+
 @pytest.mark.parametrize(
-    "flags",
+    ("flags", "messages"),
     [
-        {"quantization": "w8a8_int8"},
-        {"torchao_config": "int4wo-64"},
-        {"quantization": "fp8"},
-        {"kv_cache_dtype": "fp8_e4m3"},
+        ({"quantization": "w8a8_int8"}, QUESTION),
+        ({"torchao_config": "int4wo-64"}, QUESTION),
+        ({"quantization": "fp8"}, QUESTION),
+        ({"kv_cache_dtype": "fp8_e4m3"}, QUESTION),
+        ({"quantize_activations": "int8"}, SYSTEM + QUESTION),
     ],
-    ids=["w8a8_int8", "int4wo-64", "fp8", "kv-fp8_e4m3"],
+    ids=["w8a8_int8", "int4wo-64", "fp8", "kv-fp8_e4m3", "gguf-int8-activations"],
 )
 def test_quantized_schemes_serve_the_real_model(
-    flags: dict[str, str], smollm2: Path, tmp_path: Path, launch
+    flags: dict[str, str], messages: list[dict[str, str]], smollm2: Path, tmp_path: Path, launch
 ) -> None:
     art = tmp_path / "art"
     compile_model(ServerArgs(model_path=str(smollm2), **flags), art)
     server = launch(art, "--api-key", API_KEY)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
     reply = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct.Q4_1", messages=QUESTION, max_tokens=32, temperature=0
+        model="SmolLM2-135M-Instruct.Q4_1", messages=messages, max_tokens=32, temperature=0
     )
     assert "Paris" in (reply.choices[0].message.content or "")
 
