@@ -23,7 +23,7 @@ from kiln.compiler.key import CompileKey, resolve_dtype
 from kiln.compiler.kv_cache import KV_DTYPES, kv_cache_options
 from kiln.compiler.layout import pack_panels, pack_qpanels, panel_shape
 from kiln.compiler.publish import publish, staging_dir
-from kiln.compiler.quant import quantize
+from kiln.compiler.quant import BASE_FORMAT, quantize, with_int8_activations
 from kiln.compiler.store import compile_cached
 from kiln.compiler.target import Target
 from kiln.compiler.trace import trace
@@ -62,11 +62,6 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
             "kv_cache": kv_cache_options(args, cfg.num_layers),
         }
         tp = args.tp_size
-        if tp > 1 and options["quantization"]:
-            raise ArgError(
-                f"--tp-size {tp}: tensor parallelism runs float weights so far; "
-                "drop --tp-size or the quantization"
-            )
         ranks = []  # (graph, constants, pass log) of each rank
         for rank in range(tp):
             graph, constants = trace(build(cfg))
@@ -245,11 +240,24 @@ def _quantized(
     src: dict[str, Any], reader: CheckpointReader, constants: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales) of a {"quantize": recipe} weight; row concatenations part by part
-    (scales are per row), checkpoint tensors through the reader (GGUF blocks as stored)."""
+    (scales are per row), checkpoint tensors through the reader (GGUF blocks as stored), a
+    rank's slice as that part of the whole weight's codes and scales (passes/quantize.py)."""
     inner, fmt, group = src["quantize"], src["format"], src["group"]
     if "concat" in inner:
         parts = [_quantized({**src, "quantize": s}, reader, constants) for s in inner["concat"]]
         return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
+    if "slice" in inner:
+        # The activation formats' extra plane sums the codes of a group: made for the part.
+        base = BASE_FORMAT.get(fmt, fmt)
+        whole = {**src, "quantize": inner["slice"], "format": base}
+        codes, scales = _quantized(whole, reader, constants)
+        dim, lo, hi = inner["dim"], inner["start"], inner["stop"]
+        codes = codes.narrow(dim, lo, hi - lo)
+        if dim == 0:
+            scales = scales.narrow(0, lo, hi - lo)
+        elif group:  # whole groups (the pass checked); a per-row scale stays the row's
+            scales = scales.narrow(1, lo // group, (hi - lo) // group)
+        return (codes, scales) if base == fmt else with_int8_activations(codes, scales, fmt)
     if "load" in inner:
         return reader.quantized(inner["load"], fmt, group)
     return quantize(_materialise(inner, reader, constants), fmt, group)

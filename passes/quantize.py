@@ -20,6 +20,12 @@ group (compiler/quant.py); the other formats are left as they are.
 A quantized linear becomes `quant_linear(x, codes, scales[, bias])` with its format and group
 as attributes; the weight's recipe becomes {"quantize": recipe, "format", "group", "part"},
 which the compile driver turns into stored codes and scales (the runtime only runs them).
+Group 0 in a recipe is one scale per row. After the shard pass, a recipe is a rank's slice
+of a weight: the driver quantizes the whole weight and keeps the slice's codes and scales,
+so a tensor-parallel rank runs the numbers of tp=1 (a row-parallel part's groups must be
+whole; per-row scales stay the whole row's). Only what depends on the activations' cut
+differs: w8a8_int8 rounds each rank's part of a token, and a per-row int8_a8 group is the
+rank's part of the row.
 """
 
 from __future__ import annotations
@@ -51,8 +57,8 @@ def quantize(graph: Graph, ctx: PassContext) -> PassResult:
         chosen = _format_for(spec, scheme)
         if chosen is None:
             continue
-        fmt, group = chosen
-        group = group or spec.shape[1]
+        fmt, per = chosen  # per = 0: one scale per row (of this rank's part, when sharded)
+        group = per or spec.shape[1]
         if scheme.get("activations") == "int8" and fmt in INT8_ACTIVATIONS:
             fmt = INT8_ACTIVATIONS[fmt]
             if group % GROUP_STEP[fmt]:
@@ -60,13 +66,10 @@ def quantize(graph: Graph, ctx: PassContext) -> PassResult:
                     f"--quantize-activations int8: {param.attrs['name']} has groups of "
                     f"{group} inputs, and {fmt} needs a multiple of {GROUP_STEP[fmt]}"
                 )
-        if spec.shape[1] % group:  # GGUF rows are whole blocks: only a float scheme's group
-            raise ArgError(
-                f"{scheme.get('flag', 'quantization')}: group {group} does not divide the "
-                f"{spec.shape[1]} inputs of {param.attrs['name']}; choose a group that does"
-            )
+        if spec.shape[1] % group:
+            raise ArgError(_indivisible(scheme, ctx, param.attrs["name"], spec.shape[1], group))
         name = param.attrs["name"]
-        recipe = {"quantize": spec.source, "format": fmt, "group": group}
+        recipe = {"quantize": spec.source, "format": fmt, "group": per}
         n, k = spec.shape
         graph.weights[name] = WeightSpec(
             (n, k),
@@ -95,6 +98,20 @@ def quantize(graph: Graph, ctx: PassContext) -> PassResult:
     return PassResult(graph, changed)
 
 
+def _indivisible(scheme: dict[str, Any], ctx: PassContext, name: str, k: int, group: int) -> str:
+    tp = (ctx.options.get("tp") or {}).get("size", 1)
+    if tp > 1:  # a row-parallel weight's inputs are cut in tp parts, each whole groups
+        return (
+            f"--tp-size {tp}: each rank's {k} inputs of {name} are not whole quantization "
+            f"groups of {group}; choose a --tp-size (or a group) that divides them"
+        )
+    # GGUF rows are whole blocks: only a float scheme's group can fail to divide
+    return (
+        f"{scheme.get('flag', 'quantization')}: group {group} does not divide the "
+        f"{k} inputs of {name}; choose a group that does"
+    )
+
+
 def _quantizable(param: Node, readers: list[Node]) -> bool:
     """Read only as a linear's weight or an embedding's table, and by a linear at least."""
     ok = all(n.op in ("linear", "embedding") and n.args[1] is param for n in readers)
@@ -106,9 +123,12 @@ def _rest(readers: list[Node]) -> list[Node]:
 
 
 def _loads(source: dict[str, Any]) -> list[str] | None:
-    """The checkpoint tensors a recipe reads, if it only loads and concatenates rows."""
+    """The checkpoint tensors a recipe reads, if it only loads, concatenates rows and
+    takes a tensor-parallel rank's slice (passes/shard.py)."""
     if "load" in source:
         return [source["load"]]
+    if "slice" in source:
+        return _loads(source["slice"])
     if "concat" in source and source.get("dim") == 0:
         parts = [_loads(s) for s in source["concat"]]
         return None if any(p is None for p in parts) else [x for p in parts for x in p or []]

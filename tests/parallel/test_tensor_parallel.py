@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from int4_files import write_int4_checkpoint
 from oracle import hf_greedy
 from transformers import AutoModelForCausalLM
 
@@ -67,11 +68,58 @@ def test_each_rank_holds_only_its_part(checkpoint: Callable[..., Path], tmp_path
     assert max(sizes[2]) < 0.75 * sizes[1][0]
 
 
+# A rank's quantized weights are its part of the whole weight's codes and scales, so tp=2
+# runs tp=1's numbers: per-row scales (int8wo), 4-bit groups of a GPTQ checkpoint as stored
+# with int8 activations per group. w8a8_int8 rounds each rank's part of a token's inputs to a
+# row-parallel linear with that part's own scale, so it is only as close as quantization is.
+SHAPE = {"num_kv_heads": 4, "hidden_size": 128, "intermediate_size": 256}  # o_proj: 2 groups a rank
+QUANTIZED = {
+    "int8wo": {"torchao_config": "int8wo"},
+    "gptq-32+a8": {"quantize_activations": "int8"},
+    "w8a8_int8": {"quantization": "w8a8_int8"},
+}
+
+
+@pytest.mark.parametrize("scheme", sorted(QUANTIZED))
+def test_tp2_quantized_runs_tp1s_numbers(
+    scheme: str, checkpoint: Callable[..., Path], artefact: Callable[..., Path], tmp_path: Path
+) -> None:
+    ckpt = checkpoint("llama", **SHAPE)
+    if scheme.startswith("gptq"):
+        ckpt = tmp_path / "gptq"
+        write_int4_checkpoint(checkpoint("llama", **SHAPE), ckpt, "gptq", 32)
+    arts = {}
+    for tp in (1, 2):
+        arts[tp] = tmp_path / f"tp{tp}"
+        compile_model(ServerArgs(model_path=str(ckpt), tp_size=tp, **QUANTIZED[scheme]), arts[tp])
+    nodes = json.loads((arts[2] / "graph.rank1.json").read_text())["nodes"]
+    assert sum(n["op"] == "quant_linear" for n in nodes) == 4 * 2  # qkv, o, gate_up, down
+    one = Engine(arts[1], max_total_tokens=2048)
+    ref_out = one.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    ref_logits = one.prompt_logits(PROMPTS[1])
+    two = Engine(arts[2], max_total_tokens=2048)
+    try:
+        out = two.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        logits = two.prompt_logits(PROMPTS[1])
+    finally:
+        two.shutdown()
+    if scheme != "w8a8_int8":
+        assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ref_out]
+        torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+        return
+    floats = Engine(artefact("llama", **SHAPE), max_total_tokens=2048)
+    exact = floats.prompt_logits(PROMPTS[1])
+    err1, err2 = ((x - exact).abs().mean().item() for x in (ref_logits, logits))
+    assert 0 < err2 < 2 * err1, (err1, err2)
+
+
 def test_tp_refuses_what_does_not_divide(checkpoint: Callable[..., Path], tmp_path: Path):
     ckpt = str(checkpoint("llama", num_heads=6, num_kv_heads=2))
     with pytest.raises(ArgError, match="--tp-size 4: num_attention_heads 6 is not divisible"):
         compile_model(ServerArgs(model_path=ckpt, tp_size=4), tmp_path / "a")
-    with pytest.raises(ArgError, match="--tp-size 2: tensor parallelism runs float weights"):
+    # o_proj's 64 inputs in two ranks' parts of 32 are not whole groups of 64
+    wide = str(checkpoint("llama", num_kv_heads=2, hidden_size=64, intermediate_size=128))
+    with pytest.raises(ArgError, match="--tp-size 2: each rank's 32 inputs of .* groups of 64"):
         compile_model(
-            ServerArgs(model_path=ckpt, tp_size=2, torchao_config="int8wo"), tmp_path / "b"
+            ServerArgs(model_path=wide, tp_size=2, torchao_config="int4wo-64"), tmp_path / "b"
         )
