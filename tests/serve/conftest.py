@@ -28,7 +28,7 @@ def launch(tmp_path_factory) -> Iterator[Callable[..., Server]]:
 @pytest.fixture(scope="session")
 def smollm2_gptq(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The real model as a GPTQ checkpoint (4-bit, group 64, round-to-nearest codes), written
-    from transformers' reading of its GGUF file."""
+    from its GGUF file's float weights."""
     from int4_files import hf_folder_from_gguf, write_int4_checkpoint
 
     from kiln.example import fetch
@@ -37,3 +37,26 @@ def smollm2_gptq(tmp_path_factory: pytest.TempPathFactory) -> Path:
     hf = hf_folder_from_gguf(fetch("smollm2"), root / "float")
     write_int4_checkpoint(hf, root / "SmolLM2-135M-Instruct-GPTQ", "gptq", 64)
     return root / "SmolLM2-135M-Instruct-GPTQ"
+
+
+@pytest.fixture(scope="session")
+def real_artefact(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """real_artefact(checkpoint, **compile flags): the real model compiled once a session per
+    flags (each compile of it is ~7 s on a slow CI core; the quality gate and the served
+    tests share them)."""
+    import json
+
+    from kiln.args import ServerArgs
+    from kiln.compiler.compile import compile_model
+
+    made: dict[str, Path] = {}
+
+    def make(ckpt: Path, **flags: str) -> Path:
+        key = json.dumps([str(ckpt), flags], sort_keys=True)
+        if key not in made:
+            out = tmp_path_factory.mktemp("real") / "art"
+            compile_model(ServerArgs(model_path=str(ckpt), **flags), out)
+            made[key] = out
+        return made[key]
+
+    return make

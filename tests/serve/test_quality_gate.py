@@ -11,8 +11,6 @@ import pytest
 from quality import TEXT, metrics
 
 from kiln import Engine
-from kiln.args import ServerArgs
-from kiln.compiler.compile import compile_model
 from kiln.example import fetch
 
 # scheme flags -> (largest mean KL, smallest top-1 agreement) over 256 tokens. Measured over
@@ -34,22 +32,22 @@ GATES = {
 
 
 @pytest.fixture(scope="module")
-def window(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int], object]:
+def window(real_artefact) -> tuple[Path, list[int], object]:
     gguf = fetch("smollm2")
-    art = tmp_path_factory.mktemp("ref") / "art"
-    compile_model(ServerArgs(model_path=str(gguf), dtype="float32"), art)
-    engine = Engine(art, max_total_tokens=1024, disable_radix_cache=True)
+    engine = Engine(
+        real_artefact(gguf, dtype="float32"), max_total_tokens=1024, disable_radix_cache=True
+    )
     ids = engine.encode(TEXT.read_text())[:256]
     return gguf, ids, engine.prompt_logits(ids)
 
 
 @pytest.mark.parametrize("scheme", sorted(GATES))
-def test_scheme_passes_its_quality_gate(scheme: str, window, tmp_path: Path) -> None:
+def test_scheme_passes_its_quality_gate(scheme: str, window, real_artefact) -> None:
     gguf, ids, ref = window
     flags, max_kl, min_top1 = GATES[scheme]
-    compile_model(ServerArgs(model_path=str(gguf), **flags), tmp_path / "art")
     chunk = 4 if "kv_cache_dtype" in flags else None
-    got = Engine(tmp_path / "art", max_total_tokens=1024).prompt_logits(ids, chunk=chunk)
+    art = real_artefact(gguf, **flags)
+    got = Engine(art, max_total_tokens=1024).prompt_logits(ids, chunk=chunk)
     _, kl, top1 = metrics(ref, got, ids)
     n = len(ids) - 1
     assert kl / n <= max_kl and top1 / n >= min_top1, (kl / n, top1 / n)
@@ -57,14 +55,13 @@ def test_scheme_passes_its_quality_gate(scheme: str, window, tmp_path: Path) -> 
     assert metrics(ref, ref, ids)[1] == 0.0
 
 
-def test_gptq_checkpoint_passes_its_quality_gate(window, smollm2_gptq: Path, tmp_path: Path):
+def test_gptq_checkpoint_passes_its_quality_gate(window, smollm2_gptq: Path, real_artefact):
     """The real model as a GPTQ checkpoint (round-to-nearest 4-bit codes, group 64, integer
     zeros: a grid that cannot hold the GGUF's Q4_1 float mins, so it is lossy against the
     reference): measured KL 0.27 / top-1 70% over these 256 tokens (int4wo-64, whose grid is
     fitted by least squares, 0.22 / 76% over the whole text)."""
     _, ids, ref = window
-    compile_model(ServerArgs(model_path=str(smollm2_gptq)), tmp_path / "art")
-    got = Engine(tmp_path / "art", max_total_tokens=1024).prompt_logits(ids)
+    got = Engine(real_artefact(smollm2_gptq), max_total_tokens=1024).prompt_logits(ids)
     _, kl, top1 = metrics(ref, got, ids)
     n = len(ids) - 1
     assert kl / n <= 0.4 and top1 / n >= 0.6, (kl / n, top1 / n)

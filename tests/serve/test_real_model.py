@@ -85,11 +85,9 @@ SYSTEM = [{"role": "system", "content": "You are a helpful assistant."}]
     ids=["w8a8_int8", "int4wo-64", "fp8", "kv-fp8_e4m3", "gguf-int8-activations"],
 )
 def test_quantized_schemes_serve_the_real_model(
-    flags: dict[str, str], messages: list[dict[str, str]], smollm2: Path, tmp_path: Path, launch
+    flags: dict[str, str], messages: list[dict[str, str]], smollm2: Path, real_artefact, launch
 ) -> None:
-    art = tmp_path / "art"
-    compile_model(ServerArgs(model_path=str(smollm2), **flags), art)
-    server = launch(art, "--api-key", API_KEY)
+    server = launch(real_artefact(smollm2, **flags), "--api-key", API_KEY)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
     reply = client.chat.completions.create(
         model="SmolLM2-135M-Instruct.Q4_1", messages=messages, max_tokens=32, temperature=0
