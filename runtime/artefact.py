@@ -58,6 +58,17 @@ class ModelSpec:
         return getattr(torch, self.kv_dtype)
 
 
+def checked_manifest(root: Path, verify: bool = True) -> dict[str, Any]:
+    """The manifest of the artefact at `root`, once its format, kiln and torch versions and
+    target fit this host and (with `verify`) every file matches its checksum."""
+    manifest = fmt.read_manifest(root)
+    check_versions(root, manifest)
+    check_target(root, manifest)
+    if verify:
+        fmt.verify_files(root, manifest)
+    return manifest
+
+
 @dataclass
 class Artefact:
     root: Path
@@ -82,12 +93,8 @@ class Artefact:
         """Load and check an artefact (tensor-parallel rank `rank`'s graph and weights);
         raises ArtefactError with one line naming the problem."""
         root = Path(root)
-        manifest = fmt.read_manifest(root)
-        check_versions(root, manifest)
-        check_target(root, manifest)
+        manifest = checked_manifest(root, verify)
         device = manifest["target"]["device"]
-        if verify:
-            fmt.verify_files(root, manifest)
         rt = dict(manifest["runtime"])
         rt["eos_token_ids"] = tuple(rt["eos_token_ids"])
         spec = ModelSpec(**rt)

@@ -64,9 +64,19 @@ class Engine:
         importer = threading.Thread(target=_import_tokenizers, name="kiln-import", daemon=True)
         if not self.args.skip_tokenizer_init:
             importer.start()
+        if self.args.node_rank > 0:
+            raise ArgError(
+                f"--node-rank {self.args.node_rank}: an engine is rank 0, on node 0; the other "
+                f"nodes run their ranks with `kiln serve ARTEFACT --nnodes "
+                f"{self.args.nnodes} --node-rank K --dist-init-addr HOST:PORT`"
+            )
         self.art = Artefact.open(artefact, trust_remote_code=self.args.trust_remote_code)
         refuse_compile_time_changes(server_args, self.art.manifest)
         spec = self.art.spec
+        if self.args.nnodes > 1:
+            from kiln.runtime.parallel import check_nodes
+
+            check_nodes(spec.tp_size, self.args.nnodes, self.args.dist_init_addr)
         asked = self.args.context_length
         if asked is not None and asked > spec.context_length:
             raise ArgError(
@@ -303,7 +313,7 @@ class Engine:
             tokens, logprobs = sample(logits, rows) if rows else ([], [])
         except Exception as e:
             group = self.runner.group
-            lost = group.lost_rank() if group is not None else None
+            lost = group.lost_rank(e) if group is not None else None
             if lost is not None:  # a collective failed because a rank died: no retry helps
                 return [(r, RankLost(lost)) for r in batch.requests]
             if len(batch.requests) == 1:
@@ -449,11 +459,12 @@ class Engine:
             group.close()
 
     def _start_ranks(self, kv_tokens: int) -> None:
-        """Ranks 1..T-1 of a tensor-parallel artefact, each with its share of the threads."""
+        """Ranks 1..T-1 of a tensor-parallel artefact (those of node 0 with --nnodes), each
+        with its share of this machine's threads."""
         from kiln.runtime.parallel import TPGroup
 
-        size = self.art.spec.tp_size
-        per_rank = max(1, self.threads // size)
+        size, nnodes = self.art.spec.tp_size, self.args.nnodes
+        per_rank = max(1, self.threads // (size // nnodes))  # this node's ranks
         torch.set_num_threads(per_rank)
         self.threads = per_rank
         self.runner.group = TPGroup(
@@ -463,6 +474,7 @@ class Engine:
             per_rank,
             self.args.dist_init_addr,
             self.args.dist_timeout,
+            nnodes,
         )
 
 

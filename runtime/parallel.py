@@ -11,8 +11,17 @@ ranks are stopped (a group short of a rank cannot run a step) and `on_failure` i
 (`kiln serve` then turns /health 503, ends every request with the reason and exits 1),
 rather than the loss being found when a collective times out.
 
+Several machines (`--nnodes N --node-rank k --dist-init-addr host:port`, SGLang's flags):
+node k runs ranks [k T/N, (k+1) T/N). Node 0's `kiln serve` is rank 0 and serves HTTP; on
+every other node `kiln serve` only starts and watches its ranks (`follow`), exiting 0 when
+rank 0 stops the group and 1 when one of its ranks fails or rank 0 is gone. Rank 0 sees its
+own node's rank processes die at once; a rank on another node is found lost at the next
+step, when a collective's connection to it breaks.
+
 The backend is gloo on CPU (NCCL would serve CUDA targets; not run on hardware yet). The
-rendezvous is a TCP store on `--dist-init-addr` (host:port), or a free loopback port.
+rendezvous is a TCP store on `--dist-init-addr` (host:port), or a free loopback port on
+one node. Right after it, rank 0 broadcasts the KV pool's size, which every rank's pool
+must share (page numbers in a step address all pools alike).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import atexit
 import datetime
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +42,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from kiln.args import ArgError
 from kiln.runtime.model_runner import StepInputs
 
 log = logging.getLogger("kiln.parallel")
@@ -39,6 +50,37 @@ log = logging.getLogger("kiln.parallel")
 DEFAULT_TIMEOUT_S = 600
 _STOP = -1
 _WATCH_S = 0.2  # how often rank 0 looks at the other ranks' processes
+
+
+# What gloo says when a peer's connection breaks (its process or machine gone).
+_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def node_ranks(size: int, nnodes: int, node_rank: int) -> range:
+    """The tensor-parallel ranks node `node_rank` of `nnodes` runs."""
+    per = size // nnodes
+    return range(node_rank * per, (node_rank + 1) * per)
+
+
+def check_nodes(size: int, nnodes: int, init_addr: str | None) -> None:
+    """ArgError, naming the flags, for a node layout a `size`-rank artefact cannot take."""
+    if nnodes == 1:
+        return
+    if size == 1:
+        raise ArgError(
+            f"--nnodes {nnodes}: the artefact has one rank (compile it with --tp-size to "
+            "run its ranks on several machines)"
+        )
+    if size % nnodes:
+        raise ArgError(
+            f"--nnodes {nnodes}: the artefact's {size} tensor-parallel ranks do not split "
+            f"evenly over {nnodes} nodes"
+        )
+    if not init_addr:
+        raise ArgError(
+            f"--nnodes {nnodes}: needs --dist-init-addr host:port, node 0's address as every "
+            "node reaches it"
+        )
 
 
 def _free_port() -> int:
@@ -55,6 +97,32 @@ def _send(step: StepInputs | None) -> None:
     data = step.encode()
     dist.broadcast(torch.tensor([len(data)]), src=0)
     dist.broadcast(data, src=0)
+
+
+def _spawn(
+    artefact: Path, ranks: range, size: int, method: str, threads: int, timeout_s: int
+) -> list[subprocess.Popen[bytes]]:
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kiln.runtime.parallel",
+                str(artefact),
+                "--rank",
+                str(rank),
+                "--size",
+                str(size),
+                "--init-method",
+                method,
+                "--threads",
+                str(threads),
+                "--timeout",
+                str(timeout_s),
+            ]
+        )
+        for rank in ranks
+    ]
 
 
 def _receive() -> StepInputs | None:
@@ -78,42 +146,25 @@ class TPGroup:
         threads: int,
         init_addr: str | None = None,
         timeout_s: int | None = None,
+        nnodes: int = 1,
     ) -> None:
         if dist.is_initialized():
             raise RuntimeError(
                 "a tensor-parallel engine is already running in this process; shut it down "
                 "(Engine.shutdown) before starting another"
             )
+        check_nodes(size, nnodes, init_addr)
+        self.nnodes = nnodes
         host, port = init_addr.rsplit(":", 1) if init_addr else ("127.0.0.1", _free_port())
         method = f"tcp://{host}:{port}"
         timeout = datetime.timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
-        self.procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "kiln.runtime.parallel",
-                    str(artefact),
-                    "--rank",
-                    str(rank),
-                    "--size",
-                    str(size),
-                    "--init-method",
-                    method,
-                    "--max-total-tokens",
-                    str(max_total_tokens),
-                    "--threads",
-                    str(threads),
-                    "--timeout",
-                    str(int(timeout.total_seconds())),
-                ]
-            )
-            for rank in range(1, size)
-        ]
+        local = node_ranks(size, nnodes, 0)[1:]
+        self.procs = _spawn(artefact, local, size, method, threads, int(timeout.total_seconds()))
         try:
             dist.init_process_group(
                 "gloo", init_method=method, rank=0, world_size=size, timeout=timeout
             )
+            dist.broadcast(torch.tensor([max_total_tokens]), src=0)
         except BaseException:
             self._reap(kill=True)
             raise
@@ -137,15 +188,22 @@ class TPGroup:
                     self.on_failure(self.failure)
                 return
 
-    def lost_rank(self) -> str | None:
-        """After a failed step: the rank that died, if one did (its exit is waited for a
-        moment: a peer's closed connection can be seen before its process is reaped)."""
+    def lost_rank(self, error: BaseException | None = None) -> str | None:
+        """After a step failed with `error`: the rank that died, if one did (its exit is
+        waited for a moment: a peer's closed connection can be seen before its process is
+        reaped), or a rank on another node whose connection broke."""
         for rank, p in enumerate(self.procs, start=1):
             try:
                 code = p.wait(timeout=0.2)
             except subprocess.TimeoutExpired:
                 continue
             return f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {code}"
+        if self.failure is None and self.nnodes > 1 and any(x in str(error) for x in _LOST):
+            self.failure = f"a tensor-parallel rank on another node is gone ({error})"
+            log.error("%s; stopping the other ranks", self.failure)
+            self.abandon()
+            if self.on_failure is not None:
+                self.on_failure(self.failure)
         return self.failure
 
     def send(self, step: StepInputs) -> None:
@@ -189,6 +247,51 @@ class TPGroup:
                 p.wait()
 
 
+def follow(
+    artefact: Path,
+    size: int,
+    nnodes: int,
+    node_rank: int,
+    init_addr: str | None,
+    timeout_s: int | None,
+    threads: int | None,
+) -> int:
+    """Node `node_rank` (> 0) of a multi-node group: run this node's ranks until rank 0
+    stops them (0), or one fails or rank 0 is gone (1); SIGTERM / SIGINT stop them (0).
+    The caller checked the artefact's files here (each node has its own copy)."""
+    check_nodes(size, nnodes, init_addr)
+    ranks = node_ranks(size, nnodes, node_rank)
+    per_rank = max(1, (threads or torch.get_num_threads()) // len(ranks))
+    timeout = timeout_s or DEFAULT_TIMEOUT_S
+    procs = _spawn(artefact, ranks, size, f"tcp://{init_addr}", per_rank, timeout)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    log.warning(
+        "node %d of %d: tensor-parallel rank(s) %s, rendezvous at %s (node 0 serves HTTP)",
+        node_rank,
+        nnodes,
+        ", ".join(map(str, ranks)),
+        init_addr,
+    )
+    failed: str | None = None
+    while not stop.wait(_WATCH_S):
+        codes = [p.poll() for p in procs]
+        bad = [(r, c) for r, c in zip(ranks, codes, strict=True) if c not in (None, 0)]
+        if bad:
+            failed = ", ".join(f"rank {r} exited with code {c}" for r, c in bad)
+            break
+        if all(c == 0 for c in codes):  # rank 0 stopped the group
+            return 0
+    for p in procs:
+        p.kill()
+        p.wait()
+    if failed:
+        log.error("node %d: %s; its other ranks are stopped", node_rank, failed)
+        return 1
+    return 0
+
+
 def _worker(args: argparse.Namespace) -> int:
     from kiln.runtime.artefact import Artefact
     from kiln.runtime.model_runner import ModelRunner
@@ -201,9 +304,11 @@ def _worker(args: argparse.Namespace) -> int:
         world_size=args.size,
         timeout=datetime.timedelta(seconds=args.timeout),
     )
-    # Rank 0 checked every file's checksum before starting this process.
+    kv_tokens = torch.zeros(1, dtype=torch.long)
+    dist.broadcast(kv_tokens, src=0)
+    # This node's `kiln serve` (rank 0, or `follow`) checked every file's checksum.
     art = Artefact.open(args.artefact, verify=False, rank=args.rank)
-    runner = ModelRunner(art, args.max_total_tokens)
+    runner = ModelRunner(art, int(kv_tokens))
     with torch.inference_mode():
         while (step := _receive()) is not None:
             runner.run(step)
@@ -217,7 +322,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--init-method", required=True)
-    p.add_argument("--max-total-tokens", type=int, required=True)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S)
     args = p.parse_args(argv)

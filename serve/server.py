@@ -113,12 +113,34 @@ class KilnServer(uvicorn.Server):
         self.should_exit = True
 
 
+def _follow(artefact: Path, args: ServerArgs, explicit: dict[str, Any]) -> int:
+    """A node other than node 0 of a multi-node group: no HTTP, only its ranks
+    (runtime/parallel.py), once its own copy of the artefact checks out."""
+    from kiln.args.stages import refuse_compile_time_changes
+    from kiln.runtime.artefact import checked_manifest
+    from kiln.runtime.parallel import follow
+
+    manifest = checked_manifest(artefact)
+    refuse_compile_time_changes(explicit, manifest)
+    return follow(
+        artefact,
+        int(manifest["runtime"]["tp_size"]),
+        args.nnodes,
+        args.node_rank,
+        args.dist_init_addr,
+        args.dist_timeout,
+        args.threads,
+    )
+
+
 def serve(artefact: str | Path, explicit: dict[str, Any]) -> None:
     """Serve `artefact`; `explicit` are the server arguments the user gave."""
     from kiln.runtime.engine import Engine
     from kiln.serve.app import create_app
 
     args = ServerArgs(**explicit)
+    if args.node_rank > 0:
+        sys.exit(_follow(Path(artefact), args, explicit))
     sock = bind(args.host, args.port)
     try:
         engine = Engine(artefact, **explicit)

@@ -142,8 +142,8 @@ SECTIONS: tuple[Section, ...] = (
     )),
     Section('Multi-node distributed serving', 'multi_node', (
         Flag('--dist-init-addr', '--nccl-init-addr', type='str', stage=RUNTIME, status=IMPLEMENTED, help="host:port of the tensor-parallel ranks' rendezvous (a torch.distributed TCP store); default a free loopback port."),
-        Flag('--nnodes', type='int', default=1, stage=RUNTIME),
-        Flag('--node-rank', type='int', default=0, stage=RUNTIME),
+        Flag('--nnodes', type='int', default=1, stage=RUNTIME, status=IMPLEMENTED, help="Machines a tensor-parallel artefact's ranks run on (its --tp-size split evenly, consecutive ranks a node); needs --dist-init-addr."),
+        Flag('--node-rank', type='int', default=0, stage=RUNTIME, status=IMPLEMENTED, help='This machine among --nnodes: node 0 runs rank 0 and serves HTTP; the others only run their ranks, and exit when rank 0 stops them.'),
     )),
     Section('Model override args', 'model_override_args', (
         Flag('--json-model-override-args', type='str', default='{}', stage=COMPILE),

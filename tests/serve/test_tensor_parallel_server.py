@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -13,10 +14,11 @@ from pathlib import Path
 
 import httpx
 import openai
-from serve_helpers import API_KEY, start_server, stop_server
+import pytest
+from serve_helpers import API_KEY, free_port, start_server, stop_server
 
 from kiln import Engine
-from kiln.args import ServerArgs
+from kiln.args import ArgError, ServerArgs
 from kiln.compiler.compile import compile_model
 
 PROMPT = list(range(3, 43))
@@ -122,3 +124,70 @@ def test_a_rank_killed_mid_stream_ends_the_stream_and_the_server_exits_1(
     tail = " ".join(e for e in events[-6:] if e.strip())
     assert "closed" in tail or "exited with code -9" in tail, events[-6:]
     assert _ranks_of(art) == []
+
+
+def _node(art: Path, rank: int, addr: str, log: Path) -> subprocess.Popen[bytes]:
+    """`kiln serve` of a node other than node 0: its ranks, no HTTP."""
+    flags = ["--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr", addr]
+    return subprocess.Popen(
+        [sys.executable, "-m", "kiln", "serve", str(art), *flags],
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+    )
+
+
+def _children(pid: int) -> list[int]:
+    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(x) for x in found.stdout.split()]
+
+
+def test_two_nodes_serve_as_tp1_and_stop_together(
+    checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """--nnodes 2 on localhost: node 1's `kiln serve` runs rank 1 (no HTTP), node 0's is
+    rank 0 and the server. Greedy text as tp=1; SIGTERM to node 0 stops node 1 (exit 0);
+    a rank of node 1 killed takes node 0's server down (exit 1) at the next step."""
+    ckpt = checkpoint("llama", num_kv_heads=4)
+    arts = {tp: tmp_path / f"tp{tp}" for tp in (1, 2)}
+    for tp, art in arts.items():
+        compile_model(ServerArgs(model_path=str(ckpt), dtype="float32", tp_size=tp), art)
+    engine = Engine(arts[1], max_total_tokens=1024)
+    [want] = engine.generate(input_ids=[PROMPT], sampling_params=GREEDY)
+    for flags, error in (
+        ({"nnodes": 2}, "--nnodes 2: the artefact has one rank"),
+        ({"nnodes": 2, "node_rank": 1}, "--node-rank 1: an engine is rank 0"),
+    ):
+        with pytest.raises(ArgError, match=error):
+            Engine(arts[1], dist_init_addr="127.0.0.1:1", **flags)
+    with pytest.raises(ArgError, match="needs --dist-init-addr host:port"):
+        Engine(arts[2], nnodes=2, max_total_tokens=256)
+
+    for round_ in ("stop", "crash"):
+        addr = f"127.0.0.1:{free_port()}"
+        node1 = _node(arts[2], 1, addr, tmp_path / f"node1-{round_}.log")
+        flags = ("--nnodes", "2", "--node-rank", "0", "--dist-init-addr", addr)
+        server = None
+        try:
+            server = start_server(arts[2], tmp_path / f"node0-{round_}.log", *flags)
+            assert _children(server.process.pid) == []  # node 0 runs rank 0 alone
+            [rank1] = _children(node1.pid)
+            if round_ == "stop":
+                reply = server.post(
+                    "/v1/completions",
+                    key=None,
+                    json={"prompt": PROMPT, "max_tokens": 16, "temperature": 0},
+                ).json()
+                assert reply["choices"][0]["text"] == want["text"]
+                stop_server(server)
+                assert node1.wait(timeout=30) == 0, (tmp_path / "node1-stop.log").read_text()
+            else:
+                os.kill(rank1, signal.SIGKILL)
+                r = server.post("/generate", key=None, json={"input_ids": PROMPT})
+                assert r.status_code == 503 and "another node is gone" in r.text, r.text
+                assert server.process.wait(timeout=30) == 1
+                assert node1.wait(timeout=30) == 1
+        finally:
+            for p in (node1, server and server.process):
+                if p is not None and p.poll() is None:
+                    p.kill()
+        assert _ranks_of(arts[2]) == []
