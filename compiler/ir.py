@@ -84,6 +84,10 @@ OPS: dict[str, OpSchema] = {
     # rotary tables (passes/fuse_rope.py); a decode step runs it as one native call.
     "rope_attention": OpSchema(2, 2, _ATTENTION_ATTRS),
     "index_select": OpSchema(2, 2),
+    # A mixture-of-experts MLP: args x, the router [E, H], then each expert's gate, up and
+    # down weights; each token runs its top_k experts by router softmax (renormalize: the
+    # k weights scaled to sum to 1) and sums their outputs so weighted.
+    "moe": OpSchema(5, None, (("num_experts", "int"), ("top_k", "int"), ("renormalize", "int"))),
     # Tensor parallelism (passes/shard.py): the sum of every rank's x, and every rank's x
     # side by side along the features (rank order).
     "all_reduce": OpSchema(1, 1, (("ranks", "int"),)),

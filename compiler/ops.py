@@ -77,6 +77,20 @@ def attention(
     )
 
 
+def moe(
+    x: Value,
+    router: torch.Tensor,
+    experts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    top_k: int,
+    renormalize: bool,
+) -> Value:
+    """Mixture of experts: `experts` are (gate, up, down) weights, as an MLP's."""
+    flat = [w for expert in experts for w in expert]
+    return _op(
+        "moe", x, router, *flat, num_experts=len(experts), top_k=top_k, renormalize=int(renormalize)
+    )
+
+
 def index_select(x: Value, index: Value) -> Value:
     return _op("index_select", x, index)
 

@@ -202,6 +202,14 @@ def _feature(graph: Graph, n: Node, sizes: list[Feature]) -> Feature:
         return sizes[0]
     if op in ("silu", "index_select"):
         return sizes[0]
+    if op == "moe":
+        experts, k = at["num_experts"], at["top_k"]
+        _positive(n, num_experts=experts, top_k=k)
+        if k > experts:
+            raise IRError(f"%{n.name}: top_k {k} is more than num_experts {experts}")
+        _expect(n, "weights", len(sizes), 2 + 3 * experts)
+        _expect(n, "router", _weight_shape(graph, a[1], 2), (experts, sizes[0]))
+        return sizes[0]
     if op in ("all_reduce", "all_gather"):
         _positive(n, ranks=at["ranks"])
         if op == "all_gather" and not isinstance(sizes[0], int):

@@ -142,6 +142,30 @@ def split(x: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, ...]:
     return torch.split(x, sizes, dim=-1)
 
 
+@register("moe")
+def moe(
+    x: torch.Tensor,
+    router: torch.Tensor,
+    *weights: torch.Tensor,
+    num_experts: int,
+    top_k: int,
+    renormalize: int,
+) -> torch.Tensor:
+    """Tokens grouped by expert: each expert's MLP runs once on the rows routed to it."""
+    probs = torch.softmax(F.linear(x, router).float(), dim=-1)
+    top, chosen = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for e in torch.unique(chosen).tolist():
+        rows, slot = torch.nonzero(chosen == e, as_tuple=True)
+        gate, up, down = weights[3 * e : 3 * e + 3]
+        h = x.index_select(0, rows)
+        y = F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)
+        out.index_add_(0, rows, y * top[rows, slot].unsqueeze(-1).to(y.dtype))
+    return out
+
+
 @register("index_select")
 def index_select(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, index)

@@ -95,6 +95,17 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "mistral": {"model_type": "mistral", "sliding_window": 16},
     "qwen2": {"model_type": "qwen2"},
     "qwen3": {"model_type": "qwen3", "head_dim": 24},
+    # Mixture of experts: 4 experts, 2 a token; Qwen3-MoE's first layer dense.
+    "mixtral": {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {
+        "model_type": "qwen3_moe",
+        "head_dim": 24,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "norm_topk_prob": False,
+        "mlp_only_layers": [0],
+    },
 }
 
 

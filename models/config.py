@@ -15,6 +15,8 @@ _FAMILIES: dict[str, dict[str, bool]] = {
     "mistral": {"qkv_bias": False, "qk_norm": False},
     "qwen2": {"qkv_bias": True, "qk_norm": False},
     "qwen3": {"qkv_bias": False, "qk_norm": True},
+    "mixtral": {"qkv_bias": False, "qk_norm": False},
+    "qwen3_moe": {"qkv_bias": False, "qk_norm": True},
 }
 
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
@@ -82,6 +84,14 @@ class ModelConfig:
     torch_dtype: str
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # Mixture of experts (mixtral, qwen3_moe): experts a sparse layer has, how many a token
+    # runs, each one's MLP width, whether the k router weights are rescaled to sum to 1,
+    # and which layers are sparse (the others keep the dense MLP of intermediate_size).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    sparse_layers: tuple[bool, ...] = ()
 
     @classmethod
     def from_hf(cls, path: str | Path) -> ModelConfig:
@@ -137,6 +147,7 @@ class ModelConfig:
             torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **_moe(model_type, cfg, num_layers),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -148,6 +159,7 @@ class ModelConfig:
         d["rope"] = RopeConfig(**d["rope"])
         d["sliding_windows"] = tuple(d["sliding_windows"])
         d["eos_token_ids"] = tuple(d["eos_token_ids"])
+        d["sparse_layers"] = tuple(d.get("sparse_layers", ()))
         return cls(**d)
 
     @property
@@ -161,6 +173,34 @@ class ModelConfig:
     @property
     def attention_scale(self) -> float:
         return 1.0 / math.sqrt(self.head_dim)
+
+
+def _moe(model_type: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields, as transformers reads them for each family."""
+    if model_type == "mixtral":
+        experts = int(cfg.get("num_local_experts", 8))
+        return {
+            "num_experts": experts,
+            "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 2)),
+            "moe_intermediate_size": int(cfg["intermediate_size"]),
+            "norm_topk_prob": True,  # Mixtral always rescales its top-k weights
+            "sparse_layers": (True,) * num_layers,
+        }
+    if model_type == "qwen3_moe":
+        # Qwen's own files write num_experts; transformers >= 5 writes num_local_experts.
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        dense = set(cfg.get("mlp_only_layers") or ())
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        return {
+            "num_experts": experts,
+            "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 1)),
+            "moe_intermediate_size": int(cfg.get("moe_intermediate_size", 0)),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "sparse_layers": tuple(
+                i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers)
+            ),
+        }
+    return {}
 
 
 def _sliding_windows(cfg: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:

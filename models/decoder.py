@@ -1,4 +1,5 @@
-"""The decoder-only transformer behind Llama 2/3, Mistral, Qwen2 and Qwen3.
+"""The decoder-only transformer behind Llama 2/3, Mistral, Qwen2, Qwen3, and the mixtures of
+experts Mixtral and Qwen3-MoE.
 
 Written for one device and traced, never run eagerly: build it on the meta device and
 hand it to `kiln.compiler.trace.trace`. Parameter names match the Hugging Face
@@ -7,6 +8,8 @@ whole batch; attention knows where each sequence begins from the runtime's metad
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 from torch import nn
@@ -70,12 +73,49 @@ class MLP(nn.Module):
         return ops.linear(ops.mul(gate, ops.linear(x, self.up_proj.weight)), self.down_proj.weight)
 
 
+_MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+class Expert(nn.Module):
+    """One expert's MLP, under Qwen3-MoE's names (gate_proj, up_proj, down_proj) or
+    Mixtral's (w1 gate, w3 up, w2 down)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, width = cfg.hidden_size, cfg.moe_intermediate_size
+        self.names = ("w1", "w3", "w2") if cfg.model_type == "mixtral" else _MLP_NAMES
+        for name, shape in zip(self.names, ((width, h), (width, h), (h, width)), strict=True):
+            setattr(self, name, nn.Linear(shape[1], shape[0], bias=False))
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        gate, up, down = (getattr(self, n).weight for n in self.names)
+        return gate, up, down
+
+
+class SparseMoE(nn.Module):
+    """A router (`gate`) over `experts`; each token runs its top-k (ops.moe)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(cfg) for _ in range(cfg.num_experts))
+
+    def forward(self, x: Value) -> Value:
+        experts = [cast(Expert, e).weights() for e in self.experts]
+        cfg = self.cfg
+        return ops.moe(x, self.gate.weight, experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.eps = cfg.rms_norm_eps
         self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        sparse = bool(cfg.sparse_layers) and cfg.sparse_layers[layer]
+        # The checkpoints' names: Mixtral's block_sparse_moe, everyone else's mlp.
+        self.ffn_name = "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp"
+        setattr(self, self.ffn_name, SparseMoE(cfg) if sparse else MLP(cfg))
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size)
 
@@ -83,7 +123,8 @@ class DecoderLayer(nn.Module):
         h = ops.add(
             h, self.self_attn(ops.rmsnorm(h, self.input_layernorm.weight, self.eps), cos_sin)
         )
-        return ops.add(h, self.mlp(ops.rmsnorm(h, self.post_attention_layernorm.weight, self.eps)))
+        ffn = getattr(self, self.ffn_name)
+        return ops.add(h, ffn(ops.rmsnorm(h, self.post_attention_layernorm.weight, self.eps)))
 
 
 class Backbone(nn.Module):

@@ -6,6 +6,9 @@ Megatron's layout, decided per node from the graph alone:
   projections are cut by rows (column-parallel), o_proj by columns (row-parallel), and an
   `all_reduce` sums the ranks' partial outputs;
 - MLP: gate and up by rows, down by columns, then `all_reduce`;
+- mixture of experts: each expert's gate and up by rows and down by columns, the router
+  whole, then `all_reduce` (every rank routes each token alike and runs its part of the
+  chosen experts; whole experts a rank, --ep-size, are not done yet);
 - lm_head by vocabulary rows, then `all_gather` puts the logits back together;
 - embeddings, norms and rope tables are whole on every rank.
 A row-parallel linear's bias is added on rank 0 only, so the sum counts it once.
@@ -42,6 +45,8 @@ def shard(graph: Graph, ctx: PassContext) -> PassResult:
         _cut_rows(graph, gate, lo, hi)
         _cut_rows(graph, up, lo, hi)
         _row_parallel(graph, users, down, lo, hi, size, rank)
+    for moe in [n for n in graph.nodes if n.op == "moe"]:
+        _moe(graph, users, moe, size, rank)
     _lm_head(graph, size, rank)
     return PassResult(graph, True)
 
@@ -92,8 +97,9 @@ def _mlp_downs(graph: Graph) -> list[Node]:
     return found
 
 
-def _out_features(graph: Graph, linear: Node) -> int:
-    spec = graph.weight_of(linear.args[1])
+def _out_features(graph: Graph, node: Node) -> int:
+    """A linear's output features; a moe's expert width (its first gate's rows)."""
+    spec = graph.weight_of(node.args[2] if node.op == "moe" else node.args[1])
     assert spec is not None
     return spec.shape[0]
 
@@ -134,10 +140,30 @@ def _row_parallel(
     if len(linear.args) == 3 and rank == 0:
         args.append(linear.args[2])
     linear.args = args
-    after = graph.nodes[graph.nodes.index(linear) + 1]
-    reduced = graph.add("all_reduce", [linear], {"ranks": size}, before=after)
-    for u in users.get(linear, []):
-        u.args = [reduced if a is linear else a for a in u.args]
+    _reduce_after(graph, users, linear, size)
+
+
+def _reduce_after(graph: Graph, users: dict[Node, list[Node]], node: Node, size: int) -> None:
+    """An all_reduce of `node`'s partial sums in its place for every user."""
+    after = graph.nodes[graph.nodes.index(node) + 1]
+    reduced = graph.add("all_reduce", [node], {"ranks": size}, before=after)
+    for u in users.get(node, []):
+        u.args = [reduced if a is node else a for a in u.args]
+
+
+def _moe(graph: Graph, users: dict[Node, list[Node]], moe: Node, size: int, rank: int) -> None:
+    """Each expert's MLP split as a dense one is; the router stays whole."""
+    x, router, *weights = moe.args
+    lo, hi = _part(_out_features(graph, moe), size, rank, "moe_intermediate_size")
+    args = [x, router]
+    for gate, up, down in zip(weights[0::3], weights[1::3], weights[2::3], strict=True):
+        args += [
+            _sliced(graph, gate, 0, lo, hi, gate.attrs["name"]),
+            _sliced(graph, up, 0, lo, hi, up.attrs["name"]),
+            _sliced(graph, down, 1, lo, hi, down.attrs["name"]),
+        ]
+    moe.args = args
+    _reduce_after(graph, users, moe, size)
 
 
 def _lm_head(graph: Graph, size: int, rank: int) -> None:

@@ -26,6 +26,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral-sliding-window": ("mistral", {}),
     "qwen2-qkv-bias-single-kv-head": ("qwen2", {"num_kv_heads": 1}),
     "qwen3-qk-norm-head-dim": ("qwen3", {}),
+    # Mixture of experts: Mixtral rescales its top-2 router weights; this Qwen3-MoE does
+    # not (norm_topk_prob false) and keeps a dense MLP in layer 0 (mlp_only_layers).
+    "mixtral-moe": ("mixtral", {}),
+    "qwen3-moe-dense-first-layer": ("qwen3_moe", {}),
 }
 
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,3 +114,27 @@ def test_unsupported_configs_say_why(bad, message) -> None:
 def test_missing_config_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(ModelConfigError, match="no config.json"):
         ModelConfig.from_hf(tmp_path)
+
+
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "model-configs"
+
+
+def test_moe_configs_read_as_each_family_means_them() -> None:
+    """The published Mixtral-8x7B and Qwen3-30B-A3B shapes, and Qwen3-MoE's other
+    spellings: transformers >= 5 writes num_local_experts; mlp_only_layers and
+    decoder_sparse_step leave some layers dense."""
+    mixtral = ModelConfig.from_hf(SHARED / "mixtral-8x7b.json")
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok) == (8, 2)
+    assert mixtral.moe_intermediate_size == 14336 and mixtral.norm_topk_prob
+    assert mixtral.sparse_layers == (True,) * 32
+    qwen = ModelConfig.from_hf(SHARED / "qwen3-30b-a3b.json")
+    assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.moe_intermediate_size) == (128, 8, 768)
+    assert qwen.norm_topk_prob and all(qwen.sparse_layers) and len(qwen.sparse_layers) == 48
+    raw = json.loads((SHARED / "qwen3-30b-a3b.json").read_text())
+    del raw["num_experts"]
+    mixed = {**raw, "num_local_experts": 16, "mlp_only_layers": [0], "decoder_sparse_step": 2}
+    m = ModelConfig.from_dict(mixed)
+    assert m.num_experts == 16
+    assert m.sparse_layers[:6] == (False, True, False, True, False, True)
+    assert ModelConfig.from_manifest(m.to_dict()) == m
+    assert ModelConfig.from_dict(LLAMA32).sparse_layers == ()

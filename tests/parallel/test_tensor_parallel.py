@@ -26,6 +26,9 @@ FAMILIES = {
     "qwen2": {"num_kv_heads": 1},
     "mistral": {"sliding_window": 16},
     "qwen3": {},
+    # each expert split across the ranks, the router whole
+    "mixtral": {"num_kv_heads": 4},
+    "qwen3_moe": {"num_kv_heads": 4},
 }
 
 
