@@ -62,6 +62,11 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
             "kv_cache": kv_cache_options(args, cfg.num_layers),
         }
         tp = args.tp_size
+        if args.ep_size not in (1, tp):
+            raise ArgError(
+                f"--ep-size {args.ep_size}: kiln runs expert parallelism over the tensor-"
+                f"parallel ranks: --ep-size 1 or equal to --tp-size ({tp})"
+            )
         ranks = []  # (graph, constants, pass log) of each rank
         for rank in range(tp):
             graph, constants = trace(build(cfg))
@@ -69,7 +74,9 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
                 if "load" in spec.source:
                     spec.dtype = dtype
             ctx = PassContext(
-                target=target, dtype=dtype, options={**options, "tp": {"size": tp, "rank": rank}}
+                target=target,
+                dtype=dtype,
+                options={**options, "tp": {"size": tp, "rank": rank, "ep": args.ep_size}},
             )
             ranks.append((*run_passes(graph, ctx, PIPELINES["default"]), constants))
         graph, pass_log, _ = ranks[0]

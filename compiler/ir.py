@@ -86,8 +86,13 @@ OPS: dict[str, OpSchema] = {
     "index_select": OpSchema(2, 2),
     # A mixture-of-experts MLP: args x, the router [E, H], then each expert's gate, up and
     # down weights; each token runs its top_k experts by router softmax (renormalize: the
-    # k weights scaled to sum to 1) and sums their outputs so weighted.
-    "moe": OpSchema(5, None, (("num_experts", "int"), ("top_k", "int"), ("renormalize", "int"))),
+    # k weights scaled to sum to 1) and sums their outputs so weighted. An expert-parallel
+    # rank holds experts [first_expert, first_expert + its weights / 3) and adds only theirs.
+    "moe": OpSchema(
+        5,
+        None,
+        (("num_experts", "int"), ("top_k", "int"), ("renormalize", "int"), ("first_expert", "int")),
+    ),
     # Tensor parallelism (passes/shard.py): the sum of every rank's x, and every rank's x
     # side by side along the features (rank order).
     "all_reduce": OpSchema(1, 1, (("ranks", "int"),)),

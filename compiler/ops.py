@@ -87,7 +87,14 @@ def moe(
     """Mixture of experts: `experts` are (gate, up, down) weights, as an MLP's."""
     flat = [w for expert in experts for w in expert]
     return _op(
-        "moe", x, router, *flat, num_experts=len(experts), top_k=top_k, renormalize=int(renormalize)
+        "moe",
+        x,
+        router,
+        *flat,
+        num_experts=len(experts),
+        top_k=top_k,
+        renormalize=int(renormalize),
+        first_expert=0,
     )
 
 

@@ -207,7 +207,13 @@ def _feature(graph: Graph, n: Node, sizes: list[Feature]) -> Feature:
         _positive(n, num_experts=experts, top_k=k)
         if k > experts:
             raise IRError(f"%{n.name}: top_k {k} is more than num_experts {experts}")
-        _expect(n, "weights", len(sizes), 2 + 3 * experts)
+        local, extra = divmod(len(sizes) - 2, 3)
+        first = at["first_expert"]
+        if extra or local == 0 or first < 0 or first + local > experts:
+            raise IRError(
+                f"%{n.name}: moe takes x, a router and 3 weights for each of experts "
+                f"[first_expert, ...) of {experts}; got {len(sizes) - 2} weights from {first}"
+            )
         _expect(n, "router", _weight_shape(graph, a[1], 2), (experts, sizes[0]))
         return sizes[0]
     if op in ("all_reduce", "all_gather"):

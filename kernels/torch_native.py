@@ -150,16 +150,22 @@ def moe(
     num_experts: int,
     top_k: int,
     renormalize: int,
+    first_expert: int,
 ) -> torch.Tensor:
-    """Tokens grouped by expert: each expert's MLP runs once on the rows routed to it."""
+    """Tokens grouped by expert: each expert's MLP runs once on the rows routed to it (this
+    rank's experts only, under expert parallelism)."""
     probs = torch.softmax(F.linear(x, router).float(), dim=-1)
     top, chosen = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         top = top / top.sum(dim=-1, keepdim=True)
     out = torch.zeros_like(x)
+    local = len(weights) // 3
     for e in torch.unique(chosen).tolist():
+        if not first_expert <= e < first_expert + local:
+            continue
         rows, slot = torch.nonzero(chosen == e, as_tuple=True)
-        gate, up, down = weights[3 * e : 3 * e + 3]
+        i = 3 * (e - first_expert)
+        gate, up, down = weights[i : i + 3]
         h = x.index_select(0, rows)
         y = F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)
         out.index_add_(0, rows, y * top[rows, slot].unsqueeze(-1).to(y.dtype))

@@ -6,9 +6,10 @@ Megatron's layout, decided per node from the graph alone:
   projections are cut by rows (column-parallel), o_proj by columns (row-parallel), and an
   `all_reduce` sums the ranks' partial outputs;
 - MLP: gate and up by rows, down by columns, then `all_reduce`;
-- mixture of experts: each expert's gate and up by rows and down by columns, the router
-  whole, then `all_reduce` (every rank routes each token alike and runs its part of the
-  chosen experts; whole experts a rank, --ep-size, are not done yet);
+- mixture of experts: each expert's gate and up by rows and down by columns, or with
+  `--ep-size` equal to `--tp-size` whole experts a rank (num_experts/T of them), the router
+  whole, then `all_reduce`: every rank routes each token alike and adds what its part of
+  the chosen experts gives (tokens are not moved: each rank already has all of them);
 - lm_head by vocabulary rows, then `all_gather` puts the logits back together;
 - embeddings, norms and rope tables are whole on every rank.
 A row-parallel linear's bias is added on rank 0 only, so the sum counts it once.
@@ -34,7 +35,7 @@ def shard(graph: Graph, ctx: PassContext) -> PassResult:
     tp: dict[str, int] | None = ctx.options.get("tp")
     if not tp or tp["size"] == 1:
         return PassResult(graph, False)
-    size, rank = tp["size"], tp["rank"]
+    size, rank, experts_whole = tp["size"], tp["rank"], tp.get("ep", 1) > 1
     users = graph.users()
     for attn in [n for n in graph.nodes if n.op == "attention"]:
         _attention(graph, users, attn, size, rank)
@@ -46,7 +47,10 @@ def shard(graph: Graph, ctx: PassContext) -> PassResult:
         _cut_rows(graph, up, lo, hi)
         _row_parallel(graph, users, down, lo, hi, size, rank)
     for moe in [n for n in graph.nodes if n.op == "moe"]:
-        _moe(graph, users, moe, size, rank)
+        if experts_whole:
+            _expert_parallel(graph, users, moe, size, rank)
+        else:
+            _moe(graph, users, moe, size, rank)
     _lm_head(graph, size, rank)
     return PassResult(graph, True)
 
@@ -163,6 +167,16 @@ def _moe(graph: Graph, users: dict[Node, list[Node]], moe: Node, size: int, rank
             _sliced(graph, down, 1, lo, hi, down.attrs["name"]),
         ]
     moe.args = args
+    _reduce_after(graph, users, moe, size)
+
+
+def _expert_parallel(
+    graph: Graph, users: dict[Node, list[Node]], moe: Node, size: int, rank: int
+) -> None:
+    """Experts [lo, hi) whole on this rank; the router stays whole."""
+    lo, hi = _part(moe.attrs["num_experts"], size, rank, "num_experts (--ep-size)")
+    moe.args = [*moe.args[:2], *moe.args[2 + 3 * lo : 2 + 3 * hi]]
+    moe.attrs["first_expert"] = lo
     _reduce_after(graph, users, moe, size)
 
 

@@ -201,7 +201,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--speculative-ngram-capacity', type='int', default=10000000, stage=COMPILE),
     )),
     Section('MoE', 'moe', (
-        Flag('--expert-parallel-size', '--ep-size', '--ep', type='int', default=1, dest='ep_size', stage=COMPILE),
+        Flag('--expert-parallel-size', '--ep-size', '--ep', type='int', default=1, dest='ep_size', stage=COMPILE, status=IMPLEMENTED, help='Expert parallelism for mixture-of-experts layers: with --ep-size equal to --tp-size each rank holds num_experts / ep whole experts (1: each expert split across the ranks). Tokens are not moved: each rank adds its experts\' share and an all-reduce sums them.'),
         Flag('--moe-a2a-backend', type='str', default='none', choices=('none', 'deepep', 'mooncake', 'ascend_fuseep'), stage=COMPILE, status=IMPLEMENTED, choice_status={c: PLANNED for c in ('deepep', 'mooncake', 'ascend_fuseep')}, help='How expert-parallel ranks exchange tokens. none: no all-to-all (kiln splits each expert across the tensor-parallel ranks and all-reduces, as for a dense MLP).'),
         Flag('--moe-runner-backend', type='str', default='auto', choices=('auto', 'deep_gemm', 'triton', 'triton_kernel', 'flashinfer_trtllm', 'flashinfer_cutlass', 'flashinfer_mxfp4', 'flashinfer_cutedsl'), stage=COMPILE, status=IMPLEMENTED, choice_status={c: PLANNED for c in ('deep_gemm', 'triton', 'triton_kernel', 'flashinfer_trtllm', 'flashinfer_cutlass', 'flashinfer_mxfp4', 'flashinfer_cutedsl')}, help="The MoE kernel. auto: kiln's moe op (tokens grouped by expert, each expert's MLP run once on its rows; Mixtral and Qwen3-MoE)."),
         Flag('--flashinfer-mxfp4-moe-precision', type='str', default='default', choices=('default', 'bf16'), stage=RUNTIME),

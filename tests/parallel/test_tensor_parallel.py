@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from kiln import Engine
 from kiln.args import ArgError, ServerArgs
+from kiln.compiler.artefact import graph_file
 from kiln.compiler.compile import compile_model
 
 PROMPTS = [[1, 5, 9, 33], list(range(3, 43)), [7] * 11]
@@ -57,6 +58,35 @@ def test_tp2_gives_tp1_and_transformers_greedy_ids(
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     for prompt, o in zip(PROMPTS, out, strict=True):
         assert o["output_ids"] == hf_greedy(hf, prompt, 32)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_ep2_holds_whole_experts_and_gives_tp1s_ids(
+    family: str, checkpoint: Callable[..., Path], artefact: Callable[..., Path], tmp_path: Path
+) -> None:
+    """--ep-size 2: each rank holds two of the four experts whole (the router whole), adds
+    its experts' share of each token, and an all-reduce sums the ranks."""
+    kw = FAMILIES[family]
+    art = tmp_path / "ep2"
+    ckpt = checkpoint(family, **kw)
+    compile_model(ServerArgs(model_path=str(ckpt), dtype="float32", tp_size=2, ep_size=2), art)
+    for rank in (0, 1):
+        nodes = json.loads((art / graph_file(rank)).read_text())["nodes"]
+        [moe, *_] = [n for n in nodes if n["op"] == "moe"]
+        assert moe["attrs"]["first_expert"] == 2 * rank and len(moe["args"]) == 2 + 3 * 2
+    one = Engine(artefact(family, **kw), max_total_tokens=2048)
+    ref_out = one.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    ref_logits = one.prompt_logits(PROMPTS[1])
+    two = Engine(art, max_total_tokens=2048)
+    try:
+        out = two.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        logits = two.prompt_logits(PROMPTS[1])
+    finally:
+        two.shutdown()
+    assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ref_out]
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+    with pytest.raises(ArgError, match="--ep-size 4: kiln runs expert parallelism over"):
+        compile_model(ServerArgs(model_path=str(ckpt), tp_size=2, ep_size=4), tmp_path / "x")
 
 
 def test_each_rank_holds_only_its_part(checkpoint: Callable[..., Path], tmp_path: Path) -> None:
