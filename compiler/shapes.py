@@ -108,6 +108,10 @@ def _feature(graph: Graph, n: Node, sizes: list[Feature]) -> Feature:
         return shape[-1] if shape else None
     if op == "output":
         return tuple(sizes)
+    if op == "embedding_part":
+        if at["first_row"] < 0:
+            raise IRError(f"%{n.name}: first_row must be >= 0, got {at['first_row']}")
+        return _weight_shape(graph, a[1], 2)[1]
     if op in ("embedding", "packed_embedding"):
         if op == "packed_embedding":
             _panels(graph, n, a[1])

@@ -23,6 +23,14 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.embedding(ids, weight)
 
 
+@register("embedding_part")
+def embedding_part(ids: torch.Tensor, weight: torch.Tensor, first_row: int) -> torch.Tensor:
+    local = ids - first_row
+    inside = (local >= 0) & (local < weight.shape[0])
+    out = F.embedding(local.clamp(0, weight.shape[0] - 1), weight)
+    return out * inside.unsqueeze(-1).to(out.dtype)
+
+
 @register("linear")
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, weight, bias)

@@ -11,7 +11,9 @@ Megatron's layout, decided per node from the graph alone:
   whole, then `all_reduce`: every rank routes each token alike and adds what its part of
   the chosen experts gives (tokens are not moved: each rank already has all of them);
 - lm_head by vocabulary rows, then `all_gather` puts the logits back together;
-- embeddings, norms and rope tables are whole on every rank.
+- the embedding by vocabulary rows too (`embedding_part`: ids of other ranks' rows give
+  zeros), then `all_reduce`;
+- norms and rope tables are whole on every rank.
 A row-parallel linear's bias is added on rank 0 only, so the sum counts it once.
 
 Weights are cut in their recipes ({"slice": recipe, "dim", "start", "stop"}): the compile
@@ -52,6 +54,7 @@ def shard(graph: Graph, ctx: PassContext) -> PassResult:
         else:
             _moe(graph, users, moe, size, rank)
     _lm_head(graph, size, rank)
+    _embedding(graph, users, size, rank)
     return PassResult(graph, True)
 
 
@@ -178,6 +181,18 @@ def _expert_parallel(
     moe.args = [*moe.args[:2], *moe.args[2 + 3 * lo : 2 + 3 * hi]]
     moe.attrs["first_expert"] = lo
     _reduce_after(graph, users, moe, size)
+
+
+def _embedding(graph: Graph, users: dict[Node, list[Node]], size: int, rank: int) -> None:
+    for emb in [n for n in graph.nodes if n.op == "embedding"]:
+        ids, table = emb.args
+        spec = graph.weight_of(table)
+        assert spec is not None
+        lo, hi = _part(spec.shape[0], size, rank, "vocab_size")
+        # (A tied lm_head already reads its own slice, so the table's name is free.)
+        emb.op, emb.attrs = "embedding_part", {"first_row": lo}
+        emb.args = [ids, _sliced(graph, table, 0, lo, hi, table.attrs["name"])]
+        _reduce_after(graph, users, emb, size)
 
 
 def _lm_head(graph: Graph, size: int, rank: int) -> None:

@@ -97,8 +97,8 @@ def test_each_rank_holds_only_its_part(checkpoint: Callable[..., Path], tmp_path
         compile_model(ServerArgs(model_path=str(ckpt), dtype="float32", tp_size=tp), art)
         sizes[tp] = [f.stat().st_size for f in sorted((art / "weights").iterdir())]
     assert len(sizes[2]) == 2
-    # Layers and lm_head are split; the embedding table stays whole on each rank.
-    assert max(sizes[2]) < 0.75 * sizes[1][0]
+    # Layers, lm_head and embedding are split: each rank about half (norms are whole).
+    assert max(sizes[2]) < 0.55 * sizes[1][0]
 
 
 # A rank's quantized weights are its part of the whole weight's codes and scales, so tp=2
