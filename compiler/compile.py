@@ -60,6 +60,7 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
             "native_kernels": toolchain is not None,
             "quantization": quant_scheme(args, target, reader),
             "kv_cache": kv_cache_options(args, cfg.num_layers),
+            "capture": {name: getattr(args, name) for name in CAPTURE_FLAGS},
         }
         tp = args.tp_size
         if args.ep_size not in (1, tp):
@@ -107,6 +108,20 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
             publish(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+# The compile arguments the capture plan is made from (passes/capture_plan.py).
+CAPTURE_FLAGS = (
+    "cuda_graph_bs",
+    "cuda_graph_max_bs",
+    "disable_cuda_graph",
+    "disable_cuda_graph_padding",
+    "enable_piecewise_cuda_graph",
+    "piecewise_cuda_graph_tokens",
+    "piecewise_cuda_graph_max_tokens",
+    "enable_torch_compile",
+    "torch_compile_max_bs",
+)
 
 
 def quant_scheme(

@@ -13,7 +13,7 @@ import math
 import re
 from typing import Any
 
-from kiln.compiler.ir import OPS, Graph, IRError, Node, WeightSpec
+from kiln.compiler.ir import ATTENTION_OPS, CAPTURE_MODES, OPS, Graph, IRError, Node, WeightSpec
 from kiln.compiler.layout import LAYOUT
 
 NODE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
@@ -141,4 +141,34 @@ def graph_from_json(data: Any) -> Graph:
     for i, nd in enumerate(data["nodes"]):
         node = _decode_node(i, nd, by_name, graph)
         by_name[node.name] = node
+    if "capture_plan" in data:
+        graph.plan = _decode_plan(data["capture_plan"], by_name)
     return graph
+
+
+def _decode_plan(plan: Any, by_name: dict[str, Node]) -> dict[str, Any]:
+    """The capture plan's exact form: two parts of a known mode with sizes, and the
+    attention nodes it splits at."""
+    where = "capture_plan"
+    if not isinstance(plan, dict) or set(plan) != {"decode", "prefill", "split_at"}:
+        raise _fail(where, "expected an object of decode, prefill and split_at")
+    parts = (
+        ("decode", CAPTURE_MODES["decode"], "batch_sizes"),
+        ("prefill", CAPTURE_MODES["prefill"], "tokens"),
+    )
+    for part, modes, sizes in parts:
+        p = plan[part]
+        keys = {"mode", sizes, "padding"} if part == "decode" else {"mode", sizes}
+        if not isinstance(p, dict) or set(p) != keys or p["mode"] not in modes:
+            raise _fail(f"{where}.{part}", f"expected {sorted(keys)} with a mode of {modes}")
+        got = p[sizes]
+        if not isinstance(got, list) or not all(_is_int(x) and x > 0 for x in got):
+            raise _fail(f"{where}.{part}.{sizes}", f"expected positive integers, got {_show(got)}")
+        if part == "decode" and not isinstance(p["padding"], bool):
+            raise _fail(f"{where}.decode.padding", f"expected true or false, got {_show(p)}")
+    split = plan["split_at"]
+    if not isinstance(split, list) or not all(
+        isinstance(x, str) and x in by_name and by_name[x].op in ATTENTION_OPS for x in split
+    ):
+        raise _fail(f"{where}.split_at", f"expected attention node names, got {_show(split)}")
+    return plan

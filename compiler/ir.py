@@ -107,6 +107,9 @@ ATTENTION_OPS = ("attention", "rope_attention")
 # What a linear's `prologue` attr may say.
 PROLOGUES = ("none", "silu_and_mul")
 
+# How the capture plan (passes/capture_plan.py) may run each kind of step.
+CAPTURE_MODES = {"decode": ("cuda_graph", "compiled", "eager"), "prefill": ("piecewise", "eager")}
+
 # Ops the executor handles itself (no kernel, no backend).
 STRUCTURAL_OPS = frozenset({"input", "param", "output", "getitem"})
 
@@ -174,6 +177,8 @@ class Graph:
     def __init__(self) -> None:
         self.nodes: list[Node] = []
         self.weights: dict[str, WeightSpec] = {}
+        # The capture plan (passes/capture_plan.py): static shapes a step may run at.
+        self.plan: dict[str, Any] | None = None
         self._names: set[str] = set()
         self._counter = 0
 
@@ -295,7 +300,9 @@ class Graph:
         return self.format()
 
     def to_json(self) -> dict[str, Any]:
+        plan = {} if self.plan is None else {"capture_plan": self.plan}
         return {
+            **plan,
             "nodes": [
                 {
                     "name": n.name,

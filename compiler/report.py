@@ -64,6 +64,7 @@ def summary(root: Path) -> dict[str, Any]:
             "dtype": rt["kv_dtype"],
             "bytes_per_token": kv_per_token,
         },
+        "capture_plan": graph.plan,
         "native_kernels": None
         if native is None
         else {k: native[k] for k in ("build_id", "compiler", "flags", "lanes", "group_panels")},
@@ -91,12 +92,30 @@ def format_summary(s: dict[str, Any]) -> str:
         f"kv cache   {kv['layers']} layers x {kv['kv_heads']} kv heads x {kv['head_dim']}, "
         f"{kv['dtype']}, pages of {kv['page_size']}, {kv['bytes_per_token']} bytes per token"
     )
+    plan = s["capture_plan"]
+    if plan:
+        d, p = plan["decode"], plan["prefill"]
+        lines.append(
+            f"capture    decode {d['mode']}"
+            + (f" at batch {_sizes(d['batch_sizes'])}" if d["batch_sizes"] else "")
+            + (", padded up to the next" if d["batch_sizes"] and d["padding"] else "")
+            + f"; prefill {p['mode']}"
+            + (f" at tokens {_sizes(p['tokens'])}" if p["tokens"] else "")
+            + f"; {len(plan['split_at']) + 1} pieces between {len(plan['split_at'])} attentions"
+        )
     nk = s["native_kernels"]
     if nk:
         lines.append(
             f"native     {nk['compiler']}, {' '.join(nk['flags'])} (build {nk['build_id']})"
         )
     return "\n".join(lines)
+
+
+def _sizes(sizes: list[int]) -> str:
+    """1, 2, 4, ..., 256 (36 sizes): a long bucket list, shortened."""
+    if len(sizes) <= 8:
+        return ", ".join(map(str, sizes))
+    return f"{', '.join(map(str, sizes[:4]))}, ..., {sizes[-1]} ({len(sizes)} sizes)"
 
 
 def _mb(n: int) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kiln.passes.base import Pass, PassContext, PassError, PassResult, run_passes
+from kiln.passes.capture_plan import capture_plan
 from kiln.passes.dce import dce
 from kiln.passes.fuse_add_rmsnorm import fuse_add_rmsnorm
 from kiln.passes.fuse_gate_up import fuse_gate_up
@@ -32,6 +33,7 @@ PIPELINES: dict[str, list[Pass]] = {
         pack_weights,
         fuse_silu_linear,
         select_backends,
+        capture_plan,
         verify,
     ],
     "unfused": [dce, shard, quantize, kv_cache, pack_weights, select_backends, verify],
@@ -43,6 +45,7 @@ __all__ = [
     "PassContext",
     "PassError",
     "PassResult",
+    "capture_plan",
     "dce",
     "fuse_add_rmsnorm",
     "fuse_gate_up",
