@@ -64,6 +64,11 @@ class Engine:
         importer = threading.Thread(target=_import_tokenizers, name="kiln-import", daemon=True)
         if not self.args.skip_tokenizer_init:
             importer.start()
+        if self.args.dp_size > 1:
+            raise ArgError(
+                f"--dp-size {self.args.dp_size}: an engine is one replica; `kiln serve` runs "
+                "several behind a router"
+            )
         if self.args.node_rank > 0:
             raise ArgError(
                 f"--node-rank {self.args.node_rank}: an engine is rank 0, on node 0; the other "

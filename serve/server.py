@@ -141,6 +141,11 @@ def serve(artefact: str | Path, explicit: dict[str, Any]) -> None:
     args = ServerArgs(**explicit)
     if args.node_rank > 0:
         sys.exit(_follow(Path(artefact), args, explicit))
+    if args.dp_size > 1:
+        from kiln.serve.replicas import serve_replicas
+
+        bind(args.host, args.port).close()  # the router's port: a one-line error if taken
+        sys.exit(serve_replicas(Path(artefact), args, explicit))
     sock = bind(args.host, args.port)
     try:
         engine = Engine(artefact, **explicit)

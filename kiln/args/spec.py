@@ -135,7 +135,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--admin-api-key', type='str', stage=RUNTIME, status=IMPLEMENTED, help='Bearer key required on admin paths (/flush_cache).'),
     )),
     Section('Data parallelism', 'data_parallelism', (
-        Flag('--data-parallel-size', '--dp-size', '--dp', type='int', default=1, dest='dp_size', stage=RUNTIME),
+        Flag('--data-parallel-size', '--dp-size', '--dp', type='int', default=1, dest='dp_size', stage=RUNTIME, status=IMPLEMENTED, help="kiln serve runs this many replicas of the artefact (each with its share of the threads) behind SGLang's router (the sglang-router package, round-robin) on --host / --port."),
         Flag('--load-balance-method', type='str', default='round_robin', choices=('round_robin', 'shortest_queue', 'minimum_tokens'), stage=RUNTIME),
         Flag('--load-watch-interval', type='float', default=0.1, stage=RUNTIME),
         Flag('--prefill-round-robin-balance', type='bool', stage=RUNTIME),

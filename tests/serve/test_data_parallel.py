@@ -1,0 +1,88 @@
+"""--dp-size 2: two replicas behind SGLang's router (the sglang-router package), real processes
+on loopback: the same greedy text from either, both serve, --api-key holds through the router,
+SIGTERM stops everything with 0, and a replica that dies takes the endpoint down with 1."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import openai
+from serve_helpers import API_KEY, start_server, stop_server
+
+from kiln import Engine
+
+PROMPT = "The kiln"
+
+
+def _replicas(server) -> list[str]:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        found = re.search(r"data-parallel replicas \(([^)]*)", server.log.read_text())
+        if found:
+            return [u.strip() for u in found.group(1).split(",")][:2]
+        time.sleep(0.1)
+    raise AssertionError(server.log.read_text()[-2000:])
+
+
+def _served(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    line = next(x for x in text.splitlines() if x.startswith("kiln:num_requests_total"))
+    return float(line.split()[-1])
+
+
+def _children(pid: int) -> list[int]:
+    found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(x) for x in found.stdout.split()]
+
+
+def test_two_replicas_behind_sglangs_router(artefact, tmp_path: Path) -> None:
+    art = artefact("llama")
+    [want] = Engine(art, max_total_tokens=512).generate(
+        [PROMPT], sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    )
+    flags = ("--dp-size", "2", "--api-key", API_KEY, "--enable-metrics")  # replicas take both
+    server = start_server(art, tmp_path / "dp.log", *flags)
+    try:
+        urls = _replicas(server)
+        assert len(_children(server.process.pid)) == 3  # two replicas and the router
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+        before = [_served(u) for u in urls]  # each replica's own warm-up request
+        for _ in range(4):
+            reply = client.completions.create(
+                model="m",
+                prompt=PROMPT,
+                max_tokens=8,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            assert reply.choices[0].text == want["text"]
+        assert [_served(u) - b for u, b in zip(urls, before, strict=True)] == [2, 2]
+        bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong")
+        try:
+            bad.completions.create(model="m", prompt=PROMPT, max_tokens=1)
+            raise AssertionError("a wrong key was let through")
+        except openai.AuthenticationError:
+            pass
+    finally:
+        if server.process.poll() is None:
+            server.process.send_signal(signal.SIGTERM)
+        code = server.process.wait(timeout=90)
+    assert code == 0, server.log.read_text()[-2000:]
+    assert _children(server.process.pid) == []
+    # a replica killed: the endpoint goes down with exit 1 and nothing is left
+    server = start_server(art, tmp_path / "dp2.log", "--dp-size", "2")
+    try:
+        replica = _children(server.process.pid)[0]
+        subprocess.run(["kill", "-9", str(replica)], check=True)
+        code = server.process.wait(timeout=90)
+    finally:
+        if server.process.poll() is None:
+            stop_server(server)
+    log = server.log.read_text()
+    assert code == 1, log[-2000:]
+    assert "exited with code -9; the other replicas and the router are stopped" in log
