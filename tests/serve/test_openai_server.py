@@ -17,10 +17,12 @@ MAX_TOKENS = 12
 GREEDY = {"temperature": 0, "max_new_tokens": MAX_TOKENS, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def server(artefact, launch):
+# Every test on the server runs against a one-process artefact and a tensor-parallel one
+# (rank 0 serves, rank 1 its own process): the answers must not depend on it.
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def server(artefact, launch, request):
     return launch(
-        artefact("llama"),
+        artefact("llama", compile_args={"tp_size": request.param}),
         "--api-key",
         API_KEY,
         "--admin-api-key",
