@@ -20,14 +20,7 @@ from kiln.compiler.int4_ckpt import (
     shape_of,
     unpack,
 )
-from kiln.compiler.quant import (
-    GGUF_FORMATS,
-    WEIGHT_FORMAT,
-    dequantize,
-    from_gguf_blocks,
-    quantize,
-    with_int8_activations,
-)
+from kiln.compiler.quant import GGUF_FORMATS, dequantize, from_gguf_blocks, quantize
 
 if TYPE_CHECKING:
     from kiln.compiler.gguf_import import GGUFFile
@@ -186,10 +179,7 @@ class CheckpointReader:
 
     def quantized(self, name: str, fmt: str, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes, scales) of checkpoint tensor `name` in `fmt` (compiler/quant.py): tensors
-        stored in that format (`stored_formats`) as they are, anything else quantized; an
-        int8-activation format from its weight format's codes and scales."""
-        if fmt in WEIGHT_FORMAT:
-            return with_int8_activations(*self.quantized(name, WEIGHT_FORMAT[fmt], group), fmt)
+        stored in that format (`stored_formats`) as they are, anything else quantized."""
         if self.gguf is not None and GGUF_FORMATS.get(self.gguf.qtype(name)) == (fmt, group):
             n, k = self.gguf.shape(name)
             codes, scales = from_gguf_blocks(self.gguf.raw(name), self.gguf.qtype(name), n, k)

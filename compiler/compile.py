@@ -23,7 +23,7 @@ from kiln.compiler.key import CompileKey, resolve_dtype
 from kiln.compiler.kv_cache import KV_DTYPES, kv_cache_options
 from kiln.compiler.layout import pack_panels, pack_qpanels, panel_shape
 from kiln.compiler.publish import publish, staging_dir
-from kiln.compiler.quant import BASE_FORMAT, quantize, with_int8_activations
+from kiln.compiler.quant import WEIGHT_FORMAT, quantize, with_int8_activations
 from kiln.compiler.store import compile_cached
 from kiln.compiler.target import Target
 from kiln.compiler.trace import trace
@@ -263,14 +263,19 @@ def _quantized(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales) of a {"quantize": recipe} weight; row concatenations part by part
     (scales are per row), checkpoint tensors through the reader (GGUF blocks as stored), a
-    rank's slice as that part of the whole weight's codes and scales (passes/quantize.py)."""
+    rank's slice as that part of the whole weight's codes and scales (passes/quantize.py).
+    An int8-activation format is its weight format's codes and scales, whatever the recipe,
+    with a code-sum plane made for exactly those codes."""
     inner, fmt, group = src["quantize"], src["format"], src["group"]
+    if fmt in WEIGHT_FORMAT:
+        weights = _quantized({**src, "format": WEIGHT_FORMAT[fmt]}, reader, constants)
+        return with_int8_activations(*weights, fmt)
     if "concat" in inner:
         parts = [_quantized({**src, "quantize": s}, reader, constants) for s in inner["concat"]]
         return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
     if "slice" in inner:
-        # The activation formats' extra plane sums the codes of a group: made for the part.
-        base = BASE_FORMAT.get(fmt, fmt)
+        # w8a8_int8's correction plane sums a row's codes: made for the rank's part.
+        base = "int8" if fmt == "w8a8_int8" else fmt
         whole = {**src, "quantize": inner["slice"], "format": base}
         codes, scales = _quantized(whole, reader, constants)
         dim, lo, hi = inner["dim"], inner["start"], inner["stop"]

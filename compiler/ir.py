@@ -96,10 +96,10 @@ OPS: dict[str, OpSchema] = {
     # Tensor parallelism (passes/shard.py): the sum of every rank's x, and every rank's x
     # side by side along the features (rank order).
     "all_reduce": OpSchema(1, 1, (("ranks", "int"),)),
+    "all_gather": OpSchema(1, 1, (("ranks", "int"),)),
     # A vocabulary-parallel rank's embedding: rows [first_row, first_row + its rows) of the
     # table; ids outside them give zeros, and an all_reduce after it sums the ranks.
     "embedding_part": OpSchema(2, 2, (("first_row", "int"),)),
-    "all_gather": OpSchema(1, 1, (("ranks", "int"),)),
 }
 
 # The ops that attend over one layer's KV pool (their attrs are _ATTENTION_ATTRS).

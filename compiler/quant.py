@@ -57,8 +57,6 @@ GA8_KIND = {"uint4_a8": 0, "int8_a8": 1}
 # --quantize-activations int8: weight format -> the same weights with int8 activations.
 INT8_ACTIVATIONS = {"uint4": "uint4_a8", "int8": "int8_a8"}
 WEIGHT_FORMAT = {a8: w for w, a8 in INT8_ACTIVATIONS.items()}
-# Formats made from another's codes and scales (with_int8_activations): -> that format.
-BASE_FORMAT = {**WEIGHT_FORMAT, "w8a8_int8": "int8"}
 # GGUF block types kiln runs as they are: type -> (format, group).
 GGUF_FORMATS = {"Q8_0": ("int8", 32), "Q4_0": ("uint4", 32), "Q4_1": ("uint4", 32)}
 FP8_E4M3_MAX = 448.0

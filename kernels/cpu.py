@@ -120,31 +120,20 @@ def quant_linear(
             _PROLOGUES[prologue],
             _threads(),
         )
-    elif format in GA8_KIND:
-        rc = lib.kiln_ga8_linear_f32(
-            x.data_ptr(),
-            x.stride(0),
-            m,
-            k,
-            codes.data_ptr(),
-            scales.data_ptr(),
-            GA8_KIND[format],
-            group,
-            out_features,
-            None if bias is None else bias.data_ptr(),
-            out.data_ptr(),
-            _PROLOGUES[prologue],
-            _threads(),
-        )
     else:
-        rc = lib.kiln_qlinear_f32(
+        # int8-activation formats have their own kernel; both take the same arguments
+        if format in GA8_KIND:
+            fn, kind = lib.kiln_ga8_linear_f32, GA8_KIND[format]
+        else:
+            fn, kind = lib.kiln_qlinear_f32, KERNEL_FORMAT[format]
+        rc = fn(
             x.data_ptr(),
             x.stride(0),
             m,
             k,
             codes.data_ptr(),
             scales.data_ptr(),
-            KERNEL_FORMAT[format],
+            kind,
             group,
             out_features,
             None if bias is None else bias.data_ptr(),

@@ -58,12 +58,6 @@ class Engine:
 
     def __init__(self, artefact: str | Path, **server_args: Any) -> None:
         self.args = ServerArgs(**server_args)
-        # transformers' import (~1.3 s of a ~2.8 s start) runs beside the artefact's checksums
-        # (hashlib lets go of the GIL); joined before the tokenizer is read (transformers'
-        # lazy module cannot be imported from two threads at once).
-        importer = threading.Thread(target=_import_tokenizers, name="kiln-import", daemon=True)
-        if not self.args.skip_tokenizer_init:
-            importer.start()
         if self.args.dp_size > 1:
             raise ArgError(
                 f"--dp-size {self.args.dp_size}: an engine is one replica; `kiln serve` runs "
@@ -75,6 +69,12 @@ class Engine:
                 f"nodes run their ranks with `kiln serve ARTEFACT --nnodes "
                 f"{self.args.nnodes} --node-rank K --dist-init-addr HOST:PORT`"
             )
+        # transformers' import (~1.3 s of a ~2.8 s start) runs beside the artefact's checksums
+        # (hashlib lets go of the GIL); joined before the tokenizer is read (transformers'
+        # lazy module cannot be imported from two threads at once).
+        importer = threading.Thread(target=_import_tokenizers, name="kiln-import", daemon=True)
+        if not self.args.skip_tokenizer_init:
+            importer.start()
         self.art = Artefact.open(artefact, trust_remote_code=self.args.trust_remote_code)
         refuse_compile_time_changes(server_args, self.art.manifest)
         spec = self.art.spec

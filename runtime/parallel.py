@@ -153,8 +153,7 @@ class TPGroup:
                 "a tensor-parallel engine is already running in this process; shut it down "
                 "(Engine.shutdown) before starting another"
             )
-        check_nodes(size, nnodes, init_addr)
-        self.nnodes = nnodes
+        self.nnodes = nnodes  # the layout is the Engine's to check (check_nodes)
         host, port = init_addr.rsplit(":", 1) if init_addr else ("127.0.0.1", _free_port())
         method = f"tcp://{host}:{port}"
         timeout = datetime.timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)

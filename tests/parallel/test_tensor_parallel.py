@@ -33,6 +33,21 @@ FAMILIES = {
 }
 
 
+def _tp1_and_tp2(tp1: Path, tp2: Path) -> tuple[list, torch.Tensor, list, torch.Tensor]:
+    """Greedy outputs of PROMPTS and the logits of PROMPTS[1] from each artefact (tp2's rank
+    processes stopped afterwards): tp1's, then tp2's."""
+    one = Engine(tp1, max_total_tokens=2048)
+    ref_out = one.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    ref_logits = one.prompt_logits(PROMPTS[1])
+    two = Engine(tp2, max_total_tokens=2048)
+    try:
+        out = two.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        logits = two.prompt_logits(PROMPTS[1])
+    finally:
+        two.shutdown()
+    return ref_out, ref_logits, out, logits
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_tp2_gives_tp1_and_transformers_greedy_ids(
     family: str, checkpoint: Callable[..., Path], tmp_path: Path
@@ -44,15 +59,7 @@ def test_tp2_gives_tp1_and_transformers_greedy_ids(
         compile_model(ServerArgs(model_path=str(ckpt), dtype="float32", tp_size=tp), arts[tp])
     manifest = json.loads((arts[2] / "manifest.json").read_text())
     assert {"graph.rank1.json", "weights/rank1.safetensors"} <= set(manifest["files"])
-    one = Engine(arts[1], max_total_tokens=2048)
-    ref_out = one.generate(input_ids=PROMPTS, sampling_params=GREEDY)
-    ref_logits = one.prompt_logits(PROMPTS[1])
-    two = Engine(arts[2], max_total_tokens=2048)
-    try:
-        out = two.generate(input_ids=PROMPTS, sampling_params=GREEDY)
-        logits = two.prompt_logits(PROMPTS[1])
-    finally:
-        two.shutdown()
+    ref_out, ref_logits, out, logits = _tp1_and_tp2(arts[1], arts[2])
     assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ref_out]
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
@@ -74,15 +81,7 @@ def test_ep2_holds_whole_experts_and_gives_tp1s_ids(
         nodes = json.loads((art / graph_file(rank)).read_text())["nodes"]
         [moe, *_] = [n for n in nodes if n["op"] == "moe"]
         assert moe["attrs"]["first_expert"] == 2 * rank and len(moe["args"]) == 2 + 3 * 2
-    one = Engine(artefact(family, **kw), max_total_tokens=2048)
-    ref_out = one.generate(input_ids=PROMPTS, sampling_params=GREEDY)
-    ref_logits = one.prompt_logits(PROMPTS[1])
-    two = Engine(art, max_total_tokens=2048)
-    try:
-        out = two.generate(input_ids=PROMPTS, sampling_params=GREEDY)
-        logits = two.prompt_logits(PROMPTS[1])
-    finally:
-        two.shutdown()
+    ref_out, ref_logits, out, logits = _tp1_and_tp2(artefact(family, **kw), art)
     assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ref_out]
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
     with pytest.raises(ArgError, match="--ep-size 4: kiln runs expert parallelism over"):
@@ -127,15 +126,7 @@ def test_tp2_quantized_runs_tp1s_numbers(
         compile_model(ServerArgs(model_path=str(ckpt), tp_size=tp, **QUANTIZED[scheme]), arts[tp])
     nodes = json.loads((arts[2] / "graph.rank1.json").read_text())["nodes"]
     assert sum(n["op"] == "quant_linear" for n in nodes) == 4 * 2  # qkv, o, gate_up, down
-    one = Engine(arts[1], max_total_tokens=2048)
-    ref_out = one.generate(input_ids=PROMPTS, sampling_params=GREEDY)
-    ref_logits = one.prompt_logits(PROMPTS[1])
-    two = Engine(arts[2], max_total_tokens=2048)
-    try:
-        out = two.generate(input_ids=PROMPTS, sampling_params=GREEDY)
-        logits = two.prompt_logits(PROMPTS[1])
-    finally:
-        two.shutdown()
+    ref_out, ref_logits, out, logits = _tp1_and_tp2(arts[1], arts[2])
     if scheme != "w8a8_int8":
         assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ref_out]
         torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
