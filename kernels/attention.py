@@ -54,20 +54,40 @@ class AttentionBatch:
     single_rows: torch.Tensor | None = None
     _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
+    # Sequences in the step (padding included) and the longest one's length, known on the
+    # host so that no kernel reads a device value back to decide a shape.
+    num_seqs: int = 0
+    max_kv_len: int = 0
+    # Every sequence's layout on the device (set by runtime/step.py StepContext.plan; the
+    # triton attention reads these): [seqs, width] page ids, and per sequence its first
+    # query row, new tokens and total length; the most new tokens of any sequence.
+    page_table: torch.Tensor | None = None
+    q_starts: torch.Tensor | None = None
+    q_lens: torch.Tensor | None = None
+    seq_kv_lens: torch.Tensor | None = None
+    max_q_len: int = 0
+
     @classmethod
     def build(
         cls, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: list[SeqSpan], page_size: int = 1
     ) -> AttentionBatch:
         out_slots = torch.cat([s.kv_slots[s.kv_len - s.q_len :] for s in seqs])
         batch = cls(k_cache, v_cache, out_slots, seqs, page_size=page_size)
-        single = [i for i, s in enumerate(seqs) if s.q_len == 1]
-        batch.decode = len(single) == len(seqs)
-        if single:
-            batch._page_table([seqs[i] for i in single])
-            if not batch.decode:
-                batch.single_seqs = single
-                batch.single_rows = torch.tensor([seqs[i].q_start for i in single])
+        batch.num_seqs = len(seqs)
+        batch.decode = all(s.q_len == 1 for s in seqs)
+        if batch.decode:
+            batch._page_table(seqs)
+        else:
+            batch.plan_singles()
         return batch
+
+    def plan_singles(self) -> None:
+        """A mixed step: the page table of its single-token sequences, if any."""
+        single = [i for i, s in enumerate(self.seqs) if s.q_len == 1]
+        if single:
+            self._page_table([self.seqs[i] for i in single])
+            self.single_seqs = single
+            self.single_rows = torch.tensor([self.seqs[i].q_start for i in single])
 
     def _page_table(self, seqs: list[SeqSpan]) -> None:
         page_size = self.page_size
@@ -82,6 +102,7 @@ class AttentionBatch:
         self.kv_index = index.reshape(-1).contiguous()
         self.kv_lens = torch.tensor([s.kv_len for s in seqs])
         self.kv_width = max(used) * page_size
+        self.max_kv_len = max(s.kv_len for s in seqs)
 
     def decode_mask(self, window: int | None) -> torch.Tensor | None:
         """[1, batch, 1, max_kv_len] True where a key is visible to the new token, or None
@@ -92,8 +113,8 @@ class AttentionBatch:
         lens = self.kv_lens[:, None]
         width = self.kv_width
         mask: torch.Tensor | None = None
-        cut = width > int(self.kv_lens[0]) or (window is not None and width > window)
-        if len(self.seqs) > 1 or cut:
+        cut = width > self.max_kv_len or (window is not None and width > window)
+        if self.num_seqs > 1 or cut:
             j = torch.arange(width)[None, :]
             mask = j < lens
             if window is not None:
@@ -273,7 +294,7 @@ def _decode(
     # One new token per sequence: the query heads sharing a KV head become query *rows*
     # of that head ([kv_heads, batch, group, d]), so no K/V is repeated for GQA.
     assert ctx.kv_index is not None
-    b = len(ctx.seqs)
+    b = ctx.num_seqs
     group = num_heads // num_kv_heads
     block = ctx.page_size * head_dim
     ks = k_cache.view(num_kv_heads, -1, block).index_select(1, ctx.kv_index)

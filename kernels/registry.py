@@ -52,7 +52,7 @@ def register(
 
 def _load_backends() -> None:
     # Importing the backend modules runs their @register decorators.
-    from kiln.kernels import attention, cpu, torch_native  # noqa: F401
+    from kiln.kernels import attention, cpu, torch_native, triton_ops  # noqa: F401
 
 
 def get(op: str, backend: str) -> Kernel:

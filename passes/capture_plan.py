@@ -77,7 +77,12 @@ def plan(flags: dict[str, Any], device: str, sm: str | None, tp: int) -> dict[st
     bs = flags.get("cuda_graph_bs")
     max_bs = flags.get("cuda_graph_max_bs")
     if device != "cuda":
-        for name, value in (("--cuda-graph-bs", bs), ("--cuda-graph-max-bs", max_bs)):
+        piecewise = flags.get("enable_piecewise_cuda_graph") or None
+        for name, value in (
+            ("--cuda-graph-bs", bs),
+            ("--cuda-graph-max-bs", max_bs),
+            ("--enable-piecewise-cuda-graph", piecewise),
+        ):
             if value is not None:
                 raise ArgError(
                     f"{name}: a {device} target captures no CUDA graphs (compile with "

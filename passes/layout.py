@@ -22,6 +22,7 @@ from __future__ import annotations
 from kiln.compiler.ir import Graph, Node
 from kiln.compiler.layout import panel_shape, panels_name
 from kiln.passes.base import PassContext, PassResult
+from kiln.passes.select_backends import compiles_pieces
 
 NARROW_ROWS = {"avx512": [6, 16], "avx512_vnni": [6, 16], "avx2": [6, 8]}
 _READERS = {"linear": "packed_linear", "embedding": "packed_embedding"}
@@ -29,7 +30,7 @@ _READERS = {"linear": "packed_linear", "embedding": "packed_embedding"}
 
 def packs(ctx: PassContext) -> bool:
     """Whether the target's linears run kiln_cpu on panels."""
-    native = ctx.options.get("native_kernels", False)
+    native = ctx.options.get("native_kernels", False) and not compiles_pieces(ctx)
     return (
         ctx.device == "cpu" and ctx.dtype == "float32" and native and ctx.target.isa in NARROW_ROWS
     )

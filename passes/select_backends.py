@@ -4,7 +4,9 @@ Decided from the pass context alone (target, dtype, the toolchain's native-kerne
 the user's --*-backend choices), never by probing the machine that compiles, so the same
 inputs always give the same graph. On fp32 CPU targets the ops kiln's C kernels cover run on
 kiln_cpu (measurements in benchmarks/RESULTS.md) where the node's shapes suit them; every
-other node runs the reference kernels. The runtime runs exactly what is recorded here.
+other node runs the reference kernels. CUDA targets take the triton kernels where there is
+one (kernels/triton_ops.py) and the reference kernels (torch's cuBLAS GEMMs for the
+linears) elsewhere. The runtime runs exactly what is recorded here.
 """
 
 from __future__ import annotations
@@ -42,8 +44,20 @@ def native_suits(n: Node) -> bool:
     return n.op not in ATTENTION_OPS or n.attrs["head_dim"] % 8 == 0
 
 
+def compiles_pieces(ctx: PassContext) -> bool:
+    """`--enable-torch-compile`: Inductor generates the code between the attention ops, so
+    those ops take the reference kernels it can trace (kiln's C kernels would be opaque
+    calls splitting every piece); attention, which runs between the pieces, keeps them, and
+    so do the quantized linears (the reference dequantizes a whole weight per call)."""
+    return bool((ctx.options.get("capture") or {}).get("enable_torch_compile"))
+
+
 def _preferred(n: Node, ctx: PassContext, have: list[str]) -> str:
+    if ctx.device == "cuda" and "triton" in have:
+        return "triton"
     native = ctx.options.get("native_kernels", False)
+    if compiles_pieces(ctx) and n.op not in ATTENTION_OPS and not n.op.startswith("quant_"):
+        native = False
     if ctx.dtype == "float32" and native and "kiln_cpu" in have and native_suits(n):
         return "kiln_cpu"
     return "torch_native" if "torch_native" in have else have[0]

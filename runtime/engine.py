@@ -97,9 +97,10 @@ class Engine:
         self.threads, threads_from = _set_threads(self.args.threads)
         self.max_running = self.args.max_running_requests or DEFAULT_MAX_RUNNING
         kv_tokens = self._kv_tokens(self.max_running)
-        self.runner = ModelRunner(self.art, kv_tokens)
+        self.runner = ModelRunner(self.art, kv_tokens, self.context_length)
         if spec.tp_size > 1:
             self._start_ranks(kv_tokens)
+        self.runner.warm_up()
         cache = None
         if not self.args.disable_radix_cache:
             cache = RadixCache(self.runner.pool, self.args.radix_eviction_policy)

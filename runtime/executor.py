@@ -70,6 +70,140 @@ def generate_source(
     return "\n".join(lines) + "\n", env
 
 
+def generate_piecewise(
+    graph: Graph,
+    weights: dict[str, Any],
+    lib: Any,
+    split: set[str],
+    make_piece: Callable[[Callable[..., Any], tuple[Any, ...]], Callable[..., Any]],
+    wrap_kernel: Callable[[Node, Callable[..., Any]], Callable[..., Any]] | None = None,
+) -> tuple[str, dict[str, Any]]:
+    """The same `forward`, cut at the nodes named in `split`: each run of nodes between two
+    cuts becomes a function of its live inputs and its weights (`piece(a0, .., b0, ..)`,
+    returning the values used after it), handed to `make_piece` with a key that is equal for
+    pieces of identical code and kernels (every decoder layer's piece is the same function
+    on other weights, so a compiler runs once per bucket, not once per layer). Split nodes
+    run between the pieces as they do in `generate_source`. `wrap_kernel(node, kernel)`, if
+    given, replaces each kernel inside a piece (a compiler leaves opaque ones alone)."""
+    order = {id(n): i for i, n in enumerate(graph.nodes)}
+    last_use: dict[int, int] = {}
+    for i, n in enumerate(graph.nodes):
+        for a in n.args:
+            last_use[id(a)] = i
+    segments: list[list[Node]] = [[]]
+    for n in graph.nodes:
+        if n.op in ("input", "param"):
+            continue
+        if n.name in split or n.op == "output":
+            segments += [[n], []]
+        else:
+            segments[-1].append(n)
+
+    env: dict[str, Any] = {}
+    names: dict[int, str] = {}
+    params = [f"x{j}" for j in range(len(GRAPH_INPUTS))]
+    lines = [f"def forward(ctx, {', '.join(params)}):"]
+    for i, n in enumerate(graph.nodes):
+        if n.op == "input":
+            names[id(n)] = params[GRAPH_INPUTS.index(n.attrs["name"])]
+        elif n.op == "param":
+            names[id(n)] = f"w{i}"
+            env[f"w{i}"] = weights[n.attrs["name"]]
+    built: dict[tuple[Any, ...], Callable[..., Any]] = {}
+    for seg in segments:
+        if not seg:
+            continue
+        if seg[0].op == "output":
+            args = [names[id(a)] for a in seg[0].args]
+            lines.append(
+                f"    return {args[0]}" if len(args) == 1 else f"    return ({', '.join(args)},)"
+            )
+            break
+        # A split node runs eagerly between the pieces: a one-node piece, never compiled.
+        inside = seg[0].name not in split
+        source, piece_env, ins, outs = _piece_source(
+            seg, order, last_use, lib, wrap_kernel if inside else None
+        )
+        key = (source, *_kernel_keys(seg))
+        if key not in built:
+            exec(compile(source, "<kiln piece>", "exec"), piece_env)
+            fn = piece_env["piece"]
+            built[key] = make_piece(fn, key) if inside else fn
+        pname = f"p{len(env)}"
+        env[pname] = built[key]
+        for o in outs:
+            names[id(o)] = f"v{order[id(o)]}"
+        call = f"{pname}({', '.join(['ctx'] * _takes_ctx(seg, lib) + [names[id(a)] for a in ins])})"
+        targets = ", ".join(names[id(o)] for o in outs)
+        lines.append(f"    {targets}{',' if len(outs) == 1 else ''} = {call}")
+        end = order[id(seg[-1])]
+        dead = [
+            names[id(a)]
+            for a in ins
+            if a.op not in ("param", "input")
+            and order[id(a)] < order[id(seg[0])]
+            and last_use.get(id(a), -1) <= end
+        ]
+        if dead:
+            lines.append(f"    del {', '.join(dead)}")
+    return "\n".join(lines) + "\n", env
+
+
+def _takes_ctx(seg: list[Node], lib: Any) -> bool:
+    return any(_bound_kernel(n, lib)[1] for n in seg if n.op != "getitem")
+
+
+def _kernel_keys(seg: list[Node]) -> list[Any]:
+    return [(n.op, n.meta.get("backend"), repr(sorted(n.attrs.items()))) for n in seg]
+
+
+def _piece_source(
+    seg: list[Node],
+    order: dict[int, int],
+    last_use: dict[int, int],
+    lib: Any,
+    wrap_kernel: Callable[[Node, Callable[..., Any]], Callable[..., Any]] | None,
+) -> tuple[str, dict[str, Any], list[Node], list[Node]]:
+    """`piece(ctx?, a0.., b0..)` over `seg`: its inputs (values from before it, then its
+    weights) and its outputs (values used after it)."""
+    inside = {id(n) for n in seg}
+    end = max(order[id(n)] for n in seg)
+    values: list[Node] = []
+    weights: list[Node] = []
+    for n in seg:
+        for a in n.args:
+            if id(a) in inside:
+                continue
+            group = weights if a.op == "param" else values
+            if all(a is not b for b in group):
+                group.append(a)
+    outs = [n for n in seg if last_use.get(id(n), -1) > end]
+    env: dict[str, Any] = {}
+    local: dict[int, str] = {}
+    for j, a in enumerate(values):
+        local[id(a)] = f"a{j}"
+    for j, a in enumerate(weights):
+        local[id(a)] = f"b{j}"
+    needs_ctx = _takes_ctx(seg, lib)
+    head = (["ctx"] if needs_ctx else []) + [local[id(a)] for a in values + weights]
+    lines = [f"def piece({', '.join(head)}):"]
+    for j, n in enumerate(seg):
+        var = f"t{j}"
+        local[id(n)] = var
+        args = [local[id(a)] for a in n.args]
+        if n.op == "getitem":
+            index = n.attrs["index"]
+            if type(index) is not int:
+                raise ValueError(f"%{n.name}: getitem index must be an int")
+            lines.append(f"    {var} = {args[0]}[{index:d}]")
+            continue
+        kernel, ctx_arg = _bound_kernel(n, lib)
+        env[f"k{j}"] = kernel if wrap_kernel is None else wrap_kernel(n, kernel)
+        lines.append(f"    {var} = k{j}({', '.join((['ctx'] if ctx_arg else []) + args)})")
+    lines.append(f"    return ({''.join(local[id(o)] + ', ' for o in outs)})")
+    return "\n".join(lines) + "\n", env, values + weights, outs
+
+
 def _unique(nodes: list[Node]) -> list[Node]:
     seen: dict[int, Node] = {}
     for n in nodes:

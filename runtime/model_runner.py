@@ -1,68 +1,44 @@
-"""The model runner owns device state (weights, KV cache) and runs one batch per call.
+"""The model runner owns device state (weights, KV cache, step buffers) and runs one batch
+per call.
 
-A step is flattened into `StepInputs` (token ids, positions, logits rows, and each
-sequence's span and pages) so that a tensor-parallel rank 0 can send it to the other ranks
-(runtime/parallel.py), which run the same step on their own weights and KV heads."""
+A step is flattened into `StepInputs` (runtime/step.py: token ids, positions, logits rows,
+each sequence's lengths and pages) so that a tensor-parallel rank 0 can send it to the other
+ranks (runtime/parallel.py), which run the same step on their own weights and KV heads. The
+step's `StepContext` writes it into preallocated buffers; a step the capture plan covers is
+padded to its bucket there and its extra logits rows dropped here."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from kiln.kernels.attention import AttentionBatch, SeqSpan
 from kiln.runtime.artefact import Artefact
+from kiln.runtime.capture import CompiledDecode, GraphDecode, cuda_recorder
 from kiln.runtime.executor import Executor
 from kiln.runtime.kv_cache import KVCache, PagePool
 from kiln.runtime.scheduler import Batch
-
-
-@dataclass
-class StepInputs:
-    ids: list[int]
-    positions: list[int]
-    rows: list[int]  # the rows whose logits come back
-    seqs: list[tuple[int, int, int, list[int]]]  # (q_start, q_len, kv_len, pages)
-
-    def encode(self) -> torch.Tensor:
-        """One int64 tensor: counts, then the lists, then each sequence."""
-        head = [len(self.ids), len(self.rows), len(self.seqs)]
-        flat = [*head, *self.ids, *self.positions, *self.rows]
-        for start, n, kv_len, pages in self.seqs:
-            flat += [start, n, kv_len, len(pages), *pages]
-        return torch.tensor(flat, dtype=torch.long)
-
-    @classmethod
-    def decode(cls, t: torch.Tensor) -> StepInputs:
-        v = t.tolist()
-        n_ids, n_rows, n_seqs = v[:3]
-        at = 3
-        ids, at = v[at : at + n_ids], at + n_ids
-        positions, at = v[at : at + n_ids], at + n_ids
-        rows, at = v[at : at + n_rows], at + n_rows
-        seqs = []
-        for _ in range(n_seqs):
-            start, n, kv_len, n_pages = v[at : at + 4]
-            seqs.append((start, n, kv_len, v[at + 4 : at + 4 + n_pages]))
-            at += 4 + n_pages
-        return cls(ids, positions, rows, seqs)
+from kiln.runtime.step import StepContext, StepInputs
 
 
 class ModelRunner:
-    def __init__(self, art: Artefact, max_total_tokens: int) -> None:
+    def __init__(
+        self, art: Artefact, max_total_tokens: int, context_length: int | None = None
+    ) -> None:
         spec = art.spec
         self.spec = spec
         self.device = art.manifest["target"]["device"]
         self.executor = Executor(art.graph, art.weights, art.lib)
         self.pool = PagePool(max(1, max_total_tokens // spec.page_size), spec.page_size)
+        # One page past the pool's: the scratch page padding rows write to (runtime/step.py).
         self.kv = KVCache(
             spec.num_layers,
-            self.pool.num_pages * spec.page_size,
+            (self.pool.num_pages + 1) * spec.page_size,
             spec.num_kv_heads,
             spec.head_dim,
             spec.kv_torch_dtype,
             self.device,
         )
+        self.step = StepContext(self.kv.k, self.kv.v, spec.page_size)
+        self.decode = self._decode_runner(art, context_length or spec.context_length)
         self.group = None  # rank 0 of a tensor-parallel artefact: its TPGroup
 
     def forward(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:
@@ -78,32 +54,44 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         last: list[int] = []
-        seqs = []
+        q_lens, kv_lens, counts, pages = [], [], [], []
         for req, fed, sampled in zip(batch.requests, batch.new_tokens, batch.sample, strict=True):
-            start, kv_len = len(ids), req.kv_len + len(fed)
+            kv_len = req.kv_len + len(fed)
             ids += fed
             positions += range(req.kv_len, kv_len)
             if sampled:
                 last.append(len(ids) - 1)
-            seqs.append((start, len(fed), kv_len, list(req.pages)))
-        return StepInputs(ids, positions, list(range(len(ids))) if all_logits else last, seqs)
+            q_lens.append(len(fed))
+            kv_lens.append(kv_len)
+            counts.append(len(req.pages))
+            pages += req.pages
+        rows = list(range(len(ids))) if all_logits else last
+        return StepInputs(ids, positions, rows, q_lens, kv_lens, counts, pages)
+
+    def warm_up(self) -> None:
+        """Compile or record the capture plan's decode buckets (every rank of a tensor-
+        parallel artefact calls this once its process group is up)."""
+        if self.decode is not None:
+            self.decode.warm_up(self.step)
 
     def run(self, step: StepInputs) -> torch.Tensor:
-        seqs = [
-            SeqSpan(
-                start,
-                n,
-                kv_len,
-                self.pool.slots(pages, kv_len),
-                torch.tensor(pages, dtype=torch.long),
-            )
-            for start, n, kv_len, pages in step.seqs
-        ]
-        dev = self.device
-        ctx = AttentionBatch.build(self.kv.k, self.kv.v, seqs, self.pool.page_size)
-        return self.executor(
-            ctx,
-            torch.tensor(step.ids, dtype=torch.long, device=dev),
-            torch.tensor(step.positions, dtype=torch.long, device=dev),
-            torch.tensor(step.rows, dtype=torch.long, device=dev),
-        )
+        bucket = None if self.decode is None else self.decode.bucket(step)
+        if bucket is not None:
+            assert self.decode is not None
+            return self.decode.run(self.step, step, bucket)[: len(step.rows)]
+        ctx, ids, positions, rows = self.step.plan(step)
+        return self.executor(ctx, ids, positions, rows)
+
+    def _decode_runner(
+        self, art: Artefact, context_length: int
+    ) -> CompiledDecode | GraphDecode | None:
+        """How the capture plan's decode buckets run here (runtime/capture.py)."""
+        plan = art.graph.plan
+        mode = plan["decode"]["mode"] if plan else "eager"
+        if plan is None or mode == "eager" or not plan["decode"]["batch_sizes"]:
+            return None
+        if mode == "compiled":
+            return CompiledDecode(art.graph, art.weights, art.lib, plan)
+        max_pages = min(self.pool.num_pages, self.pool.pages_for(context_length))
+        record = cuda_recorder(self.kv.k.device)
+        return GraphDecode(self.executor, self.step, plan, max_pages, record)

@@ -1,7 +1,7 @@
 """Tensor-parallel execution: one process per rank over torch.distributed.
 
 Rank 0 is the engine's own process: it schedules, and before each step it broadcasts the
-step's inputs (runtime/model_runner.py `StepInputs`, one int64 tensor) to the other ranks.
+step's inputs (runtime/step.py `StepInputs`, one int64 tensor) to the other ranks.
 Every rank then runs the same step on its own graph, weights and KV heads; the graph's
 all_reduce / all_gather ops (passes/shard.py) are the only other traffic. Ranks 1..T-1 are
 `python -m kiln.runtime.parallel` processes started here, which exit when rank 0 says stop
@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from kiln.args import ArgError
-from kiln.runtime.model_runner import StepInputs
+from kiln.runtime.step import StepInputs
 
 log = logging.getLogger("kiln.parallel")
 
@@ -132,7 +132,7 @@ def _receive() -> StepInputs | None:
         return None
     data = torch.empty(int(size), dtype=torch.long)
     dist.broadcast(data, src=0)
-    return StepInputs.decode(data)
+    return StepInputs.decode_from(data)
 
 
 class TPGroup:
@@ -308,6 +308,7 @@ def _worker(args: argparse.Namespace) -> int:
     # This node's `kiln serve` (rank 0, or `follow`) checked every file's checksum.
     art = Artefact.open(args.artefact, verify=False, rank=args.rank)
     runner = ModelRunner(art, int(kv_tokens))
+    runner.warm_up()
     with torch.inference_mode():
         while (step := _receive()) is not None:
             runner.run(step)

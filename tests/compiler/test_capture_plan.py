@@ -77,12 +77,14 @@ def test_the_plan_follows_the_flags(checkpoint, tmp_path: Path) -> None:
         compile_model(ServerArgs(model_path=ckpt, cuda_graph_bs=[0, 4], **CUDA), tmp_path / "b")
 
 
-def test_modes_the_runtime_does_not_run_yet() -> None:
-    """--enable-torch-compile and --enable-piecewise-cuda-graph are refused on the command
-    line until the runtime replays them; the plan they would record is the pass's already."""
+def test_compiled_and_piecewise_plans() -> None:
+    """--enable-torch-compile's buckets stop at --torch-compile-max-bs; piecewise prefill
+    (refused on the command line until the CUDA runtime replays it) is a CUDA plan only."""
     flags = {"enable_torch_compile": True, "torch_compile_max_bs": 16}
     decode = plan(flags, "cpu", None, 1)["decode"]
     assert decode == {"mode": "compiled", "batch_sizes": [1, 2, 4, 8, 12, 16], "padding": True}
+    with pytest.raises(ArgError, match="--enable-piecewise-cuda-graph: a cpu target captures"):
+        plan({"enable_piecewise_cuda_graph": True}, "cpu", None, 1)
     prefill = plan({"enable_piecewise_cuda_graph": True}, "cuda", "sm_90", 1)["prefill"]
     assert prefill == {"mode": "piecewise", "tokens": prefill_token_sizes(4096)}
     listed = {"enable_piecewise_cuda_graph": True, "piecewise_cuda_graph_tokens": "[64, 8,16]"}

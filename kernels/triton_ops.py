@@ -1,0 +1,155 @@
+"""triton: the CUDA target's kernels, Triton programs (kernels/triton_jit.py).
+
+Registered for cuda only: select_backends takes them on a CUDA target and keeps
+torch_native for the ops they do not cover (the linears are cuBLAS GEMMs through torch).
+Attention is one program for prefill, extend and decode over the paged pool
+(`StepContext.plan` gives every step a page table, so one layout serves all three), after
+the step's K/V are stored with the reference `write_kv`. fp8 pools are read back through
+their scale inside the program.
+
+Hardware: every kernel here is tested against torch_native on the CPU under
+TRITON_INTERPRET=1 (tests/kernels/test_triton.py, in CI); none has run on a GPU yet
+(benchmarks/gpu_check.sh runs them the day one is lent).
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from kiln.kernels.attention import AttentionBatch, rope_then_attend, write_kv
+from kiln.kernels.registry import register
+
+BLOCK_M, BLOCK_N = 16, 32
+
+
+@functools.cache
+def _jit() -> ModuleType:
+    try:
+        from kiln.kernels import triton_jit
+    except ImportError as e:
+        raise RuntimeError(
+            f"the triton kernels need Triton ({e}); install kiln's gpu extra: "
+            "pip install 'kiln[gpu]'"
+        ) from None
+    return triton_jit
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, 1 << (n - 1).bit_length())
+
+
+def _triton(op: str, needs_ctx: bool = False) -> Any:
+    return register(op, backend="triton", devices=("cuda",), needs_ctx=needs_ctx)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """A 2-D view whose rows are contiguous (strided rows are fine)."""
+    x = x.reshape(-1, x.shape[-1])
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+@_triton("rmsnorm")
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int = 0) -> torch.Tensor:
+    shape = x.shape
+    rows = _rows(x if not group else x.reshape(-1, group))
+    y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    n = rows.shape[1]
+    _jit().rmsnorm_kernel[(rows.shape[0],)](
+        rows, rows, weight, y, y, rows.stride(0), 0, y.stride(0), 0, n, eps,
+        HAS_RESIDUAL=False, BLOCK=_pow2(n),
+    )  # fmt: skip
+    return y.reshape(shape)
+
+
+@_triton("add_rmsnorm")
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    a, r = _rows(x), _rows(residual)
+    y, total = torch.empty_like(a), torch.empty_like(a)
+    n = a.shape[1]
+    _jit().rmsnorm_kernel[(a.shape[0],)](
+        a, r, weight, y, total, a.stride(0), r.stride(0), y.stride(0), total.stride(0), n, eps,
+        HAS_RESIDUAL=True, BLOCK=_pow2(n),
+    )  # fmt: skip
+    return y.view(x.shape), total.view(x.shape)
+
+
+@_triton("silu_and_mul")
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    rows = _rows(x)
+    d = rows.shape[1] // 2
+    y = torch.empty(rows.shape[0], d, dtype=x.dtype, device=x.device)
+    block = min(1024, _pow2(d))
+    grid = (rows.shape[0], -(-d // block))
+    _jit().silu_and_mul_kernel[grid](rows, y, rows.stride(0), y.stride(0), d, BLOCK=block)
+    return y.view(*x.shape[:-1], d)
+
+
+@_triton("rope")
+def rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], head_dim: int) -> torch.Tensor:
+    rows = _rows(x)
+    cos, sin = (t.reshape(t.shape[0], -1).contiguous() for t in cos_sin)
+    if cos.shape[1] != head_dim:
+        raise ValueError(f"triton rope: rotary dim {cos.shape[1]} != head_dim {head_dim}")
+    y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    heads = rows.shape[1] // head_dim
+    _jit().rope_kernel[(rows.shape[0], heads)](
+        rows, y, cos, sin, rows.stride(0), y.stride(0), cos.stride(0), heads,
+        HEAD_DIM=head_dim, BLOCK=_pow2(head_dim, 2),
+    )  # fmt: skip
+    return y
+
+
+@_triton("rope_qkv")
+def rope_qkv(
+    qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], head_dim: int, sizes: list[int]
+) -> tuple[torch.Tensor, ...]:
+    nq, nk, _ = sizes
+    qk = rope(qkv[:, : nq + nk], cos_sin, head_dim)
+    return qk[:, :nq], qk[:, nq:], qkv[:, nq + nk :]
+
+
+@_triton("attention", needs_ctx=True)
+def attention(
+    ctx: AttentionBatch,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    layer: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+    sliding_window: int | None,
+    kv_scale: float = 1.0,
+) -> torch.Tensor:
+    if ctx.page_table is None:
+        raise ValueError("triton attention: the step has no page table (plan it with StepContext)")
+    write_kv(ctx, layer, k, v, num_kv_heads, head_dim, kv_scale)
+    q = _rows(q)
+    out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype, device=q.device)
+    k_pool, v_pool = ctx.k_cache[layer], ctx.v_cache[layer]
+    table = ctx.page_table
+    grid = (ctx.num_seqs, num_heads, -(-ctx.max_q_len // BLOCK_M))
+    _jit().paged_attention_kernel[grid](
+        q, k_pool, v_pool, out, table, ctx.q_starts, ctx.q_lens, ctx.seq_kv_lens,
+        q.stride(0), out.stride(0), k_pool.stride(0), table.stride(0),
+        scale, kv_scale, sliding_window or 0,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=ctx.page_size,
+        HAS_WINDOW=sliding_window is not None,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=_pow2(head_dim),
+    )  # fmt: skip
+    return out
+
+
+@_triton("rope_attention", needs_ctx=True)
+def rope_attention(
+    ctx: AttentionBatch, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], **attrs: Any
+) -> torch.Tensor:
+    return rope_then_attend(rope_qkv, attention, ctx, qkv, cos_sin, attrs)

@@ -1,0 +1,207 @@
+"""A step's device-side inputs: preallocated buffers, filled by `StepContext.plan`.
+
+`plan` turns a step (runtime/model_runner.py `StepInputs`: flat lists from the scheduler)
+into the tensors the graph and its attention kernels read, written into buffers that live as
+long as the runner on its device: token ids, positions, logits rows, the page table, each
+sequence's length and the slot of every new token. The only per-sequence Python left is the
+scheduler's own lists; the page table and the slots are computed by a few array ops from
+the flat lists (numpy, on the host), copied to the device in one transfer, and nothing
+reads a device value back.
+
+Padding. A captured or compiled step runs at a bucket size (passes/capture_plan.py). A
+decode step of n sequences padded to bucket b gets b - n dummy sequences: token 0 at
+position 0, one cached token, its page the pool's scratch page (one page past those the
+allocator hands out), so every attention backend runs them unchanged and they can never
+touch a real sequence's K/V. Their logits rows come last and the runner drops them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kiln.kernels.attention import AttentionBatch, SeqSpan
+
+
+@dataclass
+class StepInputs:
+    """One step, flat: the new tokens of every sequence back to back."""
+
+    ids: list[int]
+    positions: list[int]
+    rows: list[int]  # the rows whose logits come back
+    q_lens: list[int]  # new tokens of each sequence
+    kv_lens: list[int]  # cached plus new tokens of each sequence
+    page_counts: list[int]  # pages of each sequence
+    pages: list[int]  # every sequence's pages, back to back
+
+    @property
+    def decode(self) -> bool:
+        """Every sequence feeds one token."""
+        return len(self.ids) == len(self.q_lens)
+
+    def encode(self) -> torch.Tensor:
+        """One int64 tensor (for the other tensor-parallel ranks): counts, then the lists."""
+        head = [len(self.ids), len(self.rows), len(self.q_lens), len(self.pages)]
+        flat = [*head, *self.ids, *self.positions, *self.rows]
+        flat += [*self.q_lens, *self.kv_lens, *self.page_counts, *self.pages]
+        return torch.tensor(flat, dtype=torch.long)
+
+    @classmethod
+    def decode_from(cls, t: torch.Tensor) -> StepInputs:
+        v = t.tolist()
+        sizes = v[:4]
+        n_ids, n_rows, n_seqs, n_pages = sizes
+        parts = []
+        at = 4
+        for n in (n_ids, n_ids, n_rows, n_seqs, n_seqs, n_seqs, n_pages):
+            parts.append(v[at : at + n])
+            at += n
+        return cls(*parts)
+
+
+class StepContext:
+    """The step buffers of one runner on `device`: one int64 arena that a step's inputs are
+    copied into at once, laid out per step shape (ids, positions, logits rows, new-token
+    slots, then per sequence its length, new tokens and first row, then the page table),
+    with the views of each shape made once. It grows (never shrinks) to the largest step
+    seen. Recorded steps (`fixed`) have an arena of their own, sized once by `reserve` for
+    the largest bucket, so every address a recorded step reads stays put."""
+
+    VIEW_CACHE = 256  # step shapes whose views are kept
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.page_size = page_size
+        self.device = k_cache.device
+        # The scratch page: the last page of the KV tensors, which the allocator never hands
+        # out (the runner sizes the cache one page past its pool).
+        self.pad_page = k_cache.shape[2] // page_size - 1
+        self.arena = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.fixed = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.width = 0  # the page table's width in a recorded (fixed) step
+        self._views: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}
+
+    @staticmethod
+    def _need(tokens: int, rows: int, seqs: int, width: int) -> int:
+        return 3 * tokens + rows + 3 * seqs + seqs * width
+
+    def reserve(self, tokens: int, seqs: int, width: int) -> None:
+        """The recorded steps' arena: `tokens` new tokens over `seqs` sequences, each
+        page table row `width` pages. Once only: recordings hold its addresses."""
+        if self.fixed.numel():
+            raise RuntimeError("the recorded steps' buffers are already reserved")
+        self.width = width
+        self.fixed = self._buffer(self._need(tokens, tokens, seqs, width))
+
+    def _grow(self, need: int) -> None:
+        if need > self.arena.numel():
+            self.arena = self._buffer(need)
+            self._views = {k: v for k, v in self._views.items() if k[-1]}
+
+    def _buffer(self, size: int) -> torch.Tensor:
+        # A normal tensor even when made inside inference mode (a warm-up): an inference
+        # tensor could not be written by the steps that run outside it.
+        with torch.inference_mode(False):
+            return torch.zeros(size, dtype=torch.long, device=self.device)
+
+    def _layout(self, key: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        """(ids, positions, rows, slots, kv_lens, q_lens, q_starts, table, kv_index) of a
+        step of this (tokens, rows, seqs, width, fixed)."""
+        views = self._views.get(key)
+        if views is None:
+            tokens, rows, seqs, width, fixed = key
+            arena = self.fixed if fixed else self.arena
+            parts, at = [], 0
+            for size in (tokens, tokens, rows, tokens, seqs, seqs, seqs, seqs * width):
+                parts.append(arena[at : at + size])
+                at += size
+            table = parts[-1].view(seqs, width)
+            views = (*parts[:-1], table, parts[-1])
+            if len(self._views) >= self.VIEW_CACHE:
+                self._views = {k: v for k, v in self._views.items() if k[-1]}
+            self._views[key] = views
+        return views
+
+    def plan(
+        self, step: StepInputs, bucket: int | None = None, fixed: bool = False
+    ) -> tuple[AttentionBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's attention batch and its graph inputs (ids, positions, logits rows),
+        padded to `bucket` sequences when given (decode steps only). `fixed`: a recorded
+        step's form, whose every tensor is a view of the arena at an offset that depends on
+        the bucket alone (the page table at its reserved width, any mask built from the
+        lengths on the device)."""
+        n, seqs = len(step.ids), len(step.q_lens)
+        pad = 0
+        if bucket is not None:
+            if not step.decode or bucket < n:
+                raise ValueError(
+                    f"a step of {n} tokens over {seqs} sequences has no bucket {bucket}"
+                )
+            pad = bucket - n
+        total, nseq = n + pad, seqs + pad
+        nrows = len(step.rows) + pad
+        width = max(step.page_counts) if step.page_counts else 1
+        if fixed:
+            if width > self.width or self._need(total, nrows, nseq, self.width) > len(self.fixed):
+                raise ValueError(
+                    f"a step of {total} sequences of up to {width} pages does not fit the "
+                    f"recorded buffers ({self.width} pages a sequence)"
+                )
+            width = self.width
+        else:
+            self._grow(self._need(total, nrows, nseq, width))
+
+        # Host side, vectorised in numpy (a microsecond or two an op, where a torch op on
+        # small tensors costs ~5): the page table and every new token's slot; then one
+        # transfer into the arena.
+        ids = np.array(step.ids + [0] * pad, dtype=np.int64)
+        pos = np.array(step.positions + [0] * pad, dtype=np.int64)
+        rows = np.array(step.rows + list(range(n, total)) if pad else step.rows, dtype=np.int64)
+        q = np.array(step.q_lens + [1] * pad, dtype=np.int64)
+        kv = np.array(step.kv_lens + [1] * pad, dtype=np.int64)
+        counts = np.array(step.page_counts + [1] * pad, dtype=np.int64)
+        pages = np.array(step.pages + [self.pad_page] * pad, dtype=np.int64)
+        seq_ids = np.arange(nseq)
+        owner = np.repeat(seq_ids, counts)
+        column = np.arange(len(pages)) - (np.cumsum(counts) - counts)[owner]
+        table = np.zeros((nseq, width), dtype=np.int64)
+        table[owner, column] = pages
+        size = self.page_size
+        slots = table[np.repeat(seq_ids, q), pos // size] * size + pos % size
+        host = np.concatenate((ids, pos, rows, slots, kv, q, np.cumsum(q) - q, table.ravel()))
+        arena = self.fixed if fixed else self.arena
+        arena[: len(host)].copy_(torch.from_numpy(host), non_blocking=True)
+        d_ids, d_pos, d_rows, d_slots, d_kv, d_q, d_starts, d_table, d_index = self._layout(
+            (total, nrows, nseq, width, fixed)
+        )
+
+        batch = AttentionBatch(self.k_cache, self.v_cache, d_slots, [], page_size=size)
+        batch.num_seqs = nseq
+        batch.page_table = d_table
+        batch.q_starts, batch.q_lens, batch.seq_kv_lens = d_starts, d_q, d_kv
+        batch.max_q_len = max(step.q_lens + [1] * bool(pad))
+        if step.decode:
+            batch.decode = True
+            batch.kv_index = d_index  # [seqs * width] page ids
+            batch.kv_lens = d_kv
+            batch.kv_width = width * size
+            batch.max_kv_len = 0 if fixed else max(step.kv_lens + [1] * bool(pad))
+        else:
+            batch.seqs = self._spans(step, d_table)
+            batch.plan_singles()
+        return batch, d_ids, d_pos, d_rows
+
+    def _spans(self, step: StepInputs, table: torch.Tensor) -> list[SeqSpan]:
+        """Per-sequence spans of a prefill or mixed step (its attention runs per sequence)."""
+        size = self.page_size
+        slots = (table[:, :, None] * size + torch.arange(size, device=self.device)).flatten(1)
+        spans, start = [], 0
+        for i, (q, kv, count) in enumerate(
+            zip(step.q_lens, step.kv_lens, step.page_counts, strict=True)
+        ):
+            spans.append(SeqSpan(start, q, kv, slots[i, :kv], table[i, :count]))
+            start += q
+        return spans

@@ -1,0 +1,135 @@
+"""The CUDA target's Triton kernels against torch_native, run by Triton's interpreter on the
+CPU (TRITON_INTERPRET=1): odd head dims, GQA, page sizes 1 and 16, sliding windows, and
+prefill, extend, mixed and decode steps through the same paged attention program.
+KILN_TRITON_DEVICE=cuda runs the same tests compiled for a GPU (benchmarks/gpu_check.sh)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import pytest
+import torch
+
+from kiln.kernels import registry
+from kiln.runtime.step import StepContext, StepInputs
+
+DEVICE = os.environ.get("KILN_TRITON_DEVICE", "cpu")
+if DEVICE == "cpu":
+    # Read when kiln.kernels.triton_jit is first imported, on a kernel's first call.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+torch.manual_seed(0)
+randn = functools.partial(torch.randn, device=DEVICE)
+zeros = functools.partial(torch.zeros, device=DEVICE)
+arange = functools.partial(torch.arange, device=DEVICE)
+
+
+def both(op: str):
+    return registry.get(op, "triton").fn, registry.get(op, "torch_native").fn
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [96, 100])
+def test_norms_and_silu(dtype: torch.dtype, hidden: int) -> None:
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    x = randn(7, hidden, dtype=dtype)
+    r = randn(7, hidden, dtype=dtype)
+    w = randn(hidden, dtype=dtype)
+    tri, ref = both("rmsnorm")
+    torch.testing.assert_close(tri(x, w, 1e-6), ref(x, w, 1e-6), **tol)
+    grouped = randn(3, 4 * 24, dtype=dtype)
+    gw = randn(24, dtype=dtype)
+    torch.testing.assert_close(tri(grouped, gw, 1e-6, 24), ref(grouped, gw, 1e-6, 24), **tol)
+    tri, ref = both("add_rmsnorm")
+    for got, want in zip(tri(x, r, w, 1e-5), ref(x, r, w, 1e-5), strict=True):
+        torch.testing.assert_close(got, want, **tol)
+    tri, ref = both("silu_and_mul")
+    wide = randn(5, 2 * hidden, dtype=dtype)
+    torch.testing.assert_close(tri(wide), ref(wide), **tol)
+
+
+@pytest.mark.parametrize("head_dim", [24, 64])
+def test_rope_qkv_on_a_fused_projection(head_dim: int) -> None:
+    """q and k columns of [q | k | v] rotated, v passed through, from strided rows."""
+    heads, kv_heads, tokens = 4, 2, 6
+    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    qkv = randn(tokens, sum(sizes))
+    inv_freq = 1.0 / (10000 ** (arange(0, head_dim, 2).float() / head_dim))
+    cos_sin = registry.get("rope_cos_sin", "torch_native").fn(arange(3, 9), inv_freq)
+    tri, ref = both("rope_qkv")
+    got_all, want_all = tri(qkv, cos_sin, head_dim, sizes), ref(qkv, cos_sin, head_dim, sizes)
+    for got, want in zip(got_all, want_all, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _attend(backend: str, step: StepInputs, pools, q, k, v, attrs) -> torch.Tensor:
+    k_cache, v_cache, page = pools
+    ctx = StepContext(k_cache, v_cache, page).plan(step)[0]
+    return registry.get("attention", backend).fn(ctx, q, k, v, **attrs)
+
+
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("head_dim", [24, 64])
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_attention_prefill_extend_mixed_decode(
+    page: int, head_dim: int, window: int | None
+) -> None:
+    heads, kv_heads, layers = 4, 2, 2
+    pages = 64 // page + 1
+    shape = (layers, kv_heads, pages * page, head_dim)
+    pools = {b: (zeros(shape), zeros(shape), page) for b in ("triton", "torch_native")}
+    attrs = {
+        "layer": 1,
+        "num_heads": heads,
+        "num_kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "scale": head_dim**-0.5,
+        "sliding_window": window,
+    }
+    # Three sequences' page lists (sequence i: pages spread over the pool).
+    need = [-(-30 // page)] * 3
+    owned = [list(range(i, pages - 1, 3))[: need[i]] for i in range(3)]
+    cached = [0, 0, 0]
+
+    def step(new: list[int]) -> StepInputs:
+        ids, pos, q_lens, kv_lens, counts, flat = [], [], [], [], [], []
+        for i, n in enumerate(new):
+            if not n:
+                continue
+            ids += [0] * n
+            pos += range(cached[i], cached[i] + n)
+            q_lens.append(n)
+            kv_lens.append(cached[i] + n)
+            counts.append(len(owned[i]))
+            flat += owned[i]
+        return StepInputs(ids, pos, [], q_lens, kv_lens, counts, flat)
+
+    # prefill two, then extend one beside decoding the other with a third's prefill,
+    # then decode all three
+    for new in ([9, 13, 0], [1, 6, 11], [1, 1, 1], [1, 1, 1]):
+        s = step(new)
+        t = len(s.ids)
+        q = randn(t, heads * head_dim)
+        k = randn(t, kv_heads * head_dim)
+        v = randn(t, kv_heads * head_dim)
+        got = _attend("triton", s, pools["triton"], q, k, v, attrs)
+        want = _attend("torch_native", s, pools["torch_native"], q, k, v, attrs)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        for i, n in enumerate(new):
+            cached[i] += n
+    # The K/V both wrote are the same.
+    assert torch.equal(pools["triton"][0], pools["torch_native"][0])
+
+
+def test_a_cuda_artefact_runs_them(artefact) -> None:
+    """Compiled for CUDA on this CPU machine: the ops with a triton kernel take it."""
+    from kiln.compiler.ir import Graph
+
+    art = artefact("llama", compile_args={"device": "cuda", "target_isa": "sm_90"})
+    graph = Graph.from_json(json.loads((art / "graph.json").read_text()))
+    backends = {n.op: n.meta.get("backend") for n in graph.nodes if "backend" in n.meta}
+    for op in ("rope_attention", "add_rmsnorm", "rmsnorm"):
+        assert backends[op] == "triton", backends
+    assert backends["linear"] == "torch_native"

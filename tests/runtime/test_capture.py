@@ -1,0 +1,152 @@
+"""The step buffers, padding to the plan's buckets, and the two ways a plan runs decode:
+compiled pieces (Inductor, on this CPU) and recorded steps (the CUDA-graph runner, here
+with the recorder that replays by calling the step again; only the CUDA capture call itself
+needs a GPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln import Engine
+from kiln.kernels.attention import AttentionBatch, SeqSpan
+from kiln.runtime.artefact import Artefact
+from kiln.runtime.capture import GraphDecode, eager_recorder
+from kiln.runtime.model_runner import ModelRunner
+from kiln.runtime.step import StepInputs
+
+GREEDY = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
+
+
+class Seqs:
+    """Sequences on a runner: prompts prefilled, then decode steps built on demand."""
+
+    def __init__(self, runner: ModelRunner, prompts: list[list[int]]) -> None:
+        self.runner, self.pool = runner, runner.pool
+        self.tokens = [list(p) for p in prompts]
+        self.pages = [self.pool.allocate(self.pool.pages_for(64)) for _ in prompts]
+        self.cached = [0] * len(prompts)
+
+    def step(self, which: list[int], new: dict[int, list[int]] | None = None) -> StepInputs:
+        """One step over sequences `which`: each feeds `new[i]` (default: one token)."""
+        ids, positions, q, kv, counts, pages, rows = [], [], [], [], [], [], []
+        for i in which:
+            fed = (new or {}).get(i) or [self.tokens[i][-1] % 50 + 3]
+            start = self.cached[i]
+            ids += fed
+            positions += range(start, start + len(fed))
+            rows.append(len(ids) - 1)
+            q.append(len(fed))
+            kv.append(start + len(fed))
+            counts.append(len(self.pages[i]))
+            pages += self.pages[i]
+        return StepInputs(ids, positions, rows, q, kv, counts, pages)
+
+    def advance(self, step: StepInputs, which: list[int]) -> None:
+        for i, n in zip(which, step.q_lens, strict=True):
+            self.cached[i] += n
+
+    def prefill(self) -> None:
+        which = list(range(len(self.tokens)))
+        step = self.step(which, dict(enumerate(self.tokens)))
+        self.runner.run(step)
+        self.advance(step, which)
+
+
+def eager(runner: ModelRunner, step: StepInputs, bucket: int | None = None) -> torch.Tensor:
+    ctx, ids, positions, rows = runner.step.plan(step, bucket)
+    return runner.executor(ctx, ids, positions, rows)[: len(step.rows)]
+
+
+@pytest.fixture(scope="module")
+def runner(artefact) -> ModelRunner:
+    return ModelRunner(Artefact.open(artefact("llama", compile_args={"page_size": 4})), 1024)
+
+
+def test_padding_to_a_bucket_changes_nothing_but_the_scratch_page(runner) -> None:
+    seqs = Seqs(runner, [[1, 5, 9], list(range(3, 20)), [7, 8], [4] * 9, [2, 6, 1]])
+    seqs.prefill()
+    page = runner.pool.page_size
+    for which, bucket in (([0, 2, 4], 4), ([0, 1, 2, 3, 4], 8), ([3], 2)):
+        step = seqs.step(which)
+        want = eager(runner, step)
+        k_before = runner.kv.k.clone()
+        got = eager(runner, step, bucket)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert got.shape[0] == len(which)
+        # Only the scratch page (the last one, outside the pool) saw the dummy rows.
+        scratch = runner.step.pad_page * page
+        assert torch.equal(runner.kv.k[:, :, :scratch], k_before[:, :, :scratch])
+        assert scratch == runner.pool.num_pages * page
+        seqs.advance(step, which)
+    with pytest.raises(ValueError, match="has no bucket 2"):
+        runner.step.plan(seqs.step([0, 1, 2]), 2)
+
+
+def test_mixed_chunk_matches_per_sequence_spans(runner) -> None:
+    """A prefill chunk (with a cached prefix) beside decoding sequences: the buffers' page
+    table and slots give what the per-sequence reference layout gives."""
+    seqs = Seqs(runner, [[1, 5, 9, 2, 2], [3, 4], [8, 8, 8]])
+    seqs.prefill()
+    step = seqs.step([0, 1, 2], {1: [9, 10, 11, 12, 13]})
+    ctx, ids, positions, rows = runner.step.plan(step)
+    assert not ctx.decode and ctx.single_seqs == [0, 2]
+    got = runner.executor(ctx, ids, positions, rows)
+    spans, start, at = [], 0, 0
+    for q, kv, count in zip(step.q_lens, step.kv_lens, step.page_counts, strict=True):
+        pages = step.pages[at : at + count]
+        spans.append(SeqSpan(start, q, kv, runner.pool.slots(pages, kv), torch.tensor(pages)))
+        start, at = start + q, at + count
+    ref = AttentionBatch.build(runner.kv.k, runner.kv.v, spans, runner.pool.page_size)
+    want = runner.executor(
+        ref, torch.tensor(step.ids), torch.tensor(step.positions), torch.tensor(step.rows)
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_recorded_decode_replays_over_fixed_buffers(runner) -> None:
+    """The CUDA-graph runner's whole path but the capture: each bucket's step recorded once
+    over buffers that never move, then replayed on new inputs at other lengths."""
+    plan = {"decode": {"mode": "cuda_graph", "batch_sizes": [1, 2, 4, 8]}, "split_at": []}
+    graphs = GraphDecode(runner.executor, runner.step, plan, 16, eager_recorder)
+    graphs.warm_up(runner.step)
+    buffers = runner.step.fixed.data_ptr()
+    seqs = Seqs(runner, [[1, 2, 3], list(range(5, 16)), [4], [9, 9, 9, 9], [6, 1], [3, 3]])
+    seqs.prefill()
+    for which in ([0], [0, 1, 2], [0, 1, 2, 3, 4], [5, 1], [0, 1, 2, 3, 4, 5]):
+        step = seqs.step(which)
+        want = eager(runner, step)
+        bucket = graphs.bucket(step)
+        assert bucket == next(b for b in (1, 2, 4, 8) if b >= len(which))
+        torch.testing.assert_close(
+            graphs.run(runner.step, step, bucket)[: len(which)], want, rtol=1e-5, atol=1e-5
+        )
+        seqs.advance(step, which)
+        # An eager step (not advanced: its K/V lie past the lengths) grows its own arena.
+        runner.run(seqs.step([0], {0: list(range(40))}))
+    assert runner.step.fixed.data_ptr() == buffers
+    # Steps a recording cannot hold, or that are not plain decode, run eagerly.
+    assert graphs.bucket(seqs.step(list(range(6)), {0: [1, 2]})) is None
+
+
+def test_compiled_decode_matches_eager_and_reuses_its_cache(artefact, fresh_cache: Path) -> None:
+    compiled = artefact(
+        "llama", compile_args={"enable_torch_compile": True, "torch_compile_max_bs": 2}
+    )
+    plan = Artefact.open(compiled).graph.plan
+    assert plan["decode"] == {"mode": "compiled", "batch_sizes": [1, 2], "padding": True}
+    engine = Engine(compiled, max_total_tokens=1024)
+    assert sorted(engine.runner.decode.sizes) == [1, 2]
+    reference = Engine(artefact("llama"), max_total_tokens=1024)
+    # Batches of 1 and 2 run compiled; 3 is past --torch-compile-max-bs and runs eagerly.
+    for prompts in ([[1, 5, 9]], [[1, 5, 9], [4, 4, 2, 7]], [[3], [8, 1], [5, 5, 5]]):
+        got = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        want = reference.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    cache = fresh_cache / "inductor"
+    files = sorted(p for p in cache.rglob("*") if p.is_file())
+    assert files
+    Engine(compiled, max_total_tokens=1024)  # a second start compiles nothing new
+    assert sorted(p for p in cache.rglob("*") if p.is_file()) == files
