@@ -132,7 +132,7 @@ def main() -> None:
     print(
         "| batch | "
         + " | ".join(f"{n} ms/step" for n in names)
-        + " | compiled / default | default tok/s | compiled tok/s | default at roofline |"
+        + " | compiled speed vs default | default tok/s | compiled tok/s | default at roofline |"
     )
     print("|" + " --- |" * (len(names) + 5))
     for b in args.batches:

@@ -72,7 +72,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--enable-dynamic-chunking', type='bool', stage=RUNTIME),
     )),
     Section('Runtime options', 'runtime_options', (
-        Flag('--device', type='str', stage=COMPILE, status=PLANNED, choice_status={"cpu": IMPLEMENTED, "cuda": IMPLEMENTED}, help="Target device; default: cuda when this host has an NVIDIA GPU, else cpu. Compiling for cuda needs no GPU; serving it does."),
+        Flag('--device', type='str', stage=COMPILE, status=PLANNED, choice_status={"cpu": IMPLEMENTED, "cuda": IMPLEMENTED}, help="Target device; default: cuda when this host has an NVIDIA GPU, else cpu. Compiling for cuda needs no GPU; serving it does. The CUDA path (Triton kernels, CUDA-graph replay) is tested on the CPU only (Triton's interpreter, a replay-by-calling recorder): it has not yet run on a GPU."),
         Flag('--elastic-ep-backend', type='bool', stage=RUNTIME),
         Flag('--mooncake-ib-device', type='bool', stage=RUNTIME),
         Flag('--tensor-parallel-size', '--tp-size', '--tp', type='int', default=1, dest='tp_size', stage=COMPILE, status=IMPLEMENTED, help="Tensor parallelism, a compiler pass: the artefact holds one graph and one weight file per rank (attention heads, MLP and lm_head split Megatron-style, all-reduce / all-gather ops in the graph); `kiln serve` and `Engine` start one process per rank over torch.distributed (gloo on CPU). Composes with quantization (each rank stores its part of the whole weight's codes and scales)."),
