@@ -172,6 +172,12 @@ def main() -> None:
     p.add_argument(
         "--kv-cache-dtype", default="auto", help="kiln's KV pool (compile flag), as SGLang's"
     )
+    p.add_argument(
+        "--quantize-activations",
+        default=None,
+        help="kiln's compile flag for the quantized precisions (int8: llama.cpp's own "
+        "arithmetic on its blocks, int8 activations per block); F32 ignores it",
+    )
     args = p.parse_args()
     if not args.llama_server.is_file():
         sys.exit(f"--llama-server: no such file: {args.llama_server}")
@@ -190,7 +196,10 @@ def main() -> None:
     for precision in args.precisions:
         gguf = gguf_for(precision, shipped, work)
         art = work / f"art-{precision}"
-        compile_model(ServerArgs(model_path=str(gguf), kv_cache_dtype=args.kv_cache_dtype), art)
+        flags = {"kv_cache_dtype": args.kv_cache_dtype}
+        if args.quantize_activations and precision != "F32":
+            flags["quantize_activations"] = args.quantize_activations
+        compile_model(ServerArgs(model_path=str(gguf), **flags), art)
         cmds = {
             "kiln": [
                 sys.executable,
@@ -246,8 +255,14 @@ def main() -> None:
     print(machine())
     print(
         f"measured read bandwidth {bw:.1f} GB/s; {args.threads} threads each; "
-        f"{slots} slots each; kiln --kv-cache-dtype {args.kv_cache_dtype}; median (min-max) "
-        "over rounds\n"
+        f"{slots} slots each; kiln --kv-cache-dtype {args.kv_cache_dtype}"
+        + (
+            f", --quantize-activations {args.quantize_activations} (quantized precisions)"
+            if args.quantize_activations
+            else ""
+        )
+        + (f", kiln serve {args.kiln_args}" if args.kiln_args else "")
+        + "; median (min-max) over rounds\n"
     )
     print(
         "| precision | clients | server | output tok/s | TTFT p50 ms | TTFT p99 ms | "
