@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import platform
+import subprocess
 import time
 from datetime import date
 from pathlib import Path
@@ -77,17 +78,22 @@ def read_bandwidth_gbs(mb: int = 1024, repeats: int = 7) -> float:
 PRECISIONS = {"F32": 0, "Q8_0": 7, "Q4_0": 2, "Q4_1": None}
 
 
-def gguf_for(precision: str, shipped: Path, work: Path) -> Path:
-    """The real model's GGUF file at `precision`, written by llama.cpp's own quantizer
-    (llama-cpp-python) from the shipped Q4_1 file."""
+def gguf_for(precision: str, shipped: Path, work: Path, quantizer: Path | None = None) -> Path:
+    """The real model's GGUF file at `precision`, written by llama.cpp's own quantizer from
+    the shipped Q4_1 file: the `llama-quantize` program when given (built beside
+    llama-server), else llama-cpp-python's binding of it."""
     ftype = PRECISIONS[precision]
     if ftype is None:
         return shipped
-    import llama_cpp
-
     out = work / f"smollm2-{precision}.gguf"
     if out.exists():
         return out
+    if quantizer is not None:
+        cmd = [str(quantizer), "--allow-requantize", str(shipped), str(out), precision, "2"]
+        subprocess.run(cmd, check=True, capture_output=True)
+        return out
+    import llama_cpp
+
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype, params.allow_requantize, params.nthread = ftype, True, 2
     if llama_cpp.llama_model_quantize(

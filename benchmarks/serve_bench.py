@@ -194,7 +194,8 @@ def main() -> None:
     results: dict[tuple[str, str, int], list[dict]] = {}
     starts: dict[tuple[str, str], list[float]] = {}
     for precision in args.precisions:
-        gguf = gguf_for(precision, shipped, work)
+        quantizer = args.llama_server.parent / "llama-quantize"
+        gguf = gguf_for(precision, shipped, work, quantizer if quantizer.is_file() else None)
         art = work / f"art-{precision}"
         flags = {"kv_cache_dtype": args.kv_cache_dtype}
         if args.quantize_activations and precision != "F32":
