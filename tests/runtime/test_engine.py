@@ -207,3 +207,34 @@ def test_tiny_temperatures_are_greedy(engine) -> None:
     greedy = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
     tiny = engine.generate(input_ids=PROMPTS[0], sampling_params={**GREEDY, "temperature": 1e-45})
     assert tiny["output_ids"] == greedy["output_ids"]
+
+
+def test_a_plain_fast_tokenizer_loads_without_the_auto_module(engine, tmp_path) -> None:
+    """A config naming the plain fast class is loaded as that class, which is what
+    AutoTokenizer builds for it; any other name still goes through AutoTokenizer."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from kiln.runtime.engine import _load_tokenizer, _plain_tokenizer
+
+    folder = engine.art.tokenizer_dir
+    assert _plain_tokenizer(folder)
+    direct, auto = _load_tokenizer(folder, True), AutoTokenizer.from_pretrained(str(folder))
+    assert type(direct) is type(auto)
+    text = "The capital of France is Paris. <|endoftext|> ünïcode 42"
+    assert direct.encode(text) == auto.encode(text)
+    ids = auto.encode(text)
+    for skip in (True, False):
+        assert direct.decode(ids, skip_special_tokens=skip) == auto.decode(
+            ids, skip_special_tokens=skip
+        )
+    assert direct.all_special_ids == auto.all_special_ids
+    other = tmp_path / "tok"
+    shutil.copytree(folder, other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(
+        json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"})
+    )
+    assert not _plain_tokenizer(other)
