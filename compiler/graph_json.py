@@ -147,8 +147,8 @@ def graph_from_json(data: Any) -> Graph:
 
 
 def _decode_plan(plan: Any, by_name: dict[str, Node]) -> dict[str, Any]:
-    """The capture plan's exact form: two parts of a known mode with sizes, and the
-    attention nodes it splits at."""
+    """The capture plan's exact form: two parts of a known mode with sizes, the attention
+    nodes it splits at, and (piecewise prefill) the node its eager tail starts at."""
     where = "capture_plan"
     if not isinstance(plan, dict) or set(plan) != {"decode", "prefill", "split_at"}:
         raise _fail(where, "expected an object of decode, prefill and split_at")
@@ -159,6 +159,8 @@ def _decode_plan(plan: Any, by_name: dict[str, Node]) -> dict[str, Any]:
     for part, modes, sizes in parts:
         p = plan[part]
         keys = {"mode", sizes, "padding"} if part == "decode" else {"mode", sizes}
+        if part == "prefill" and isinstance(p, dict) and p.get("mode") == "piecewise":
+            keys.add("eager_from")
         if not isinstance(p, dict) or set(p) != keys or p["mode"] not in modes:
             raise _fail(f"{where}.{part}", f"expected {sorted(keys)} with a mode of {modes}")
         got = p[sizes]
@@ -171,4 +173,7 @@ def _decode_plan(plan: Any, by_name: dict[str, Node]) -> dict[str, Any]:
         isinstance(x, str) and x in by_name and by_name[x].op in ATTENTION_OPS for x in split
     ):
         raise _fail(f"{where}.split_at", f"expected attention node names, got {_show(split)}")
+    tail = plan["prefill"].get("eager_from")
+    if tail is not None and not (isinstance(tail, str) and tail in by_name):
+        raise _fail(f"{where}.prefill.eager_from", f"expected a node name, got {_show(tail)}")
     return plan

@@ -101,6 +101,7 @@ def format_summary(s: dict[str, Any]) -> str:
             + (", padded up to the next" if d["batch_sizes"] and d["padding"] else "")
             + f"; prefill {p['mode']}"
             + (f" at tokens {_sizes(p['tokens'])}" if p["tokens"] else "")
+            + (f" (eager from %{p['eager_from']})" if p.get("eager_from") else "")
             + f"; {len(plan['split_at']) + 1} pieces between {len(plan['split_at'])} attentions"
         )
     nk = s["native_kernels"]

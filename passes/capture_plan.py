@@ -13,13 +13,14 @@ From SGLang's own flags (`--cuda-graph-bs`, `--cuda-graph-max-bs`, `--disable-cu
 - prefill: "piecewise" with `--enable-piecewise-cuda-graph` and its token buckets, else
   "eager";
 - split_at: the attention nodes, where a piecewise capture cuts the graph (the pieces
-  between them are static-shape once padded to a bucket).
+  between them are static-shape once padded to a bucket); a piecewise prefill also names
+  `eager_from`, the first node that reads the logits rows, from which it runs eagerly.
 
 Defaults follow SGLang's server_args: without `--cuda-graph-max-bs` a CUDA target gets its
 value for an 80-160 GB GPU (kiln compiles for `sm_90`, H100/H200: 256 below tp 4, 512 from
 tp 4) and other targets the 160 SGLang uses when it cannot see a GPU; with
 `--enable-torch-compile` only buckets up to `--torch-compile-max-bs` compile. Serving reads
-the plan and never recomputes it; the runtime that replays it is issue 12's next step.
+the plan and never recomputes it (runtime/capture.py runs it).
 """
 
 from __future__ import annotations
@@ -126,4 +127,14 @@ def capture_plan(graph: Graph, ctx: PassContext) -> PassResult:
         **plan(flags, ctx.device, sm, tp),
         "split_at": [n.name for n in graph.nodes if n.op in ATTENTION_OPS],
     }
+    if graph.plan["prefill"]["mode"] == "piecewise":
+        graph.plan["prefill"]["eager_from"] = logits_tail(graph)
     return PassResult(graph, True)
+
+
+def logits_tail(graph: Graph) -> str:
+    """The first node that reads the logits rows: from it on, a step's shapes follow how
+    many sequences sample, which no token bucket fixes, so a piecewise prefill runs that
+    tail eagerly."""
+    rows = next(n for n in graph.nodes if n.op == "input" and n.attrs["name"] == "logits_indices")
+    return next(n.name for n in graph.nodes if any(a is rows for a in n.args))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -70,34 +71,65 @@ def generate_source(
     return "\n".join(lines) + "\n", env
 
 
+@dataclass(frozen=True)
+class PieceInfo:
+    """What a piece's maker needs to know about its calls: `piece(ctx?, a0.., b0..)`."""
+
+    ctx: bool  # takes the step context first
+    values: int  # a0..: values computed before it (the weights b0.. follow)
+    keep: tuple[bool, ...]  # per output: read after the next made piece has run
+
+
 def generate_piecewise(
     graph: Graph,
     weights: dict[str, Any],
     lib: Any,
     split: set[str],
-    make_piece: Callable[[Callable[..., Any], tuple[Any, ...]], Callable[..., Any]],
+    make_piece: Callable[[Callable[..., Any], tuple[Any, ...], PieceInfo], Callable[..., Any]],
     wrap_kernel: Callable[[Node, Callable[..., Any]], Callable[..., Any]] | None = None,
+    make_split: Callable[[Callable[..., Any], PieceInfo], Callable[..., Any]] | None = None,
+    eager_from: str | None = None,
+    share: bool = True,
 ) -> tuple[str, dict[str, Any]]:
     """The same `forward`, cut at the nodes named in `split`: each run of nodes between two
     cuts becomes a function of its live inputs and its weights (`piece(a0, .., b0, ..)`,
     returning the values used after it), handed to `make_piece` with a key that is equal for
     pieces of identical code and kernels (every decoder layer's piece is the same function
-    on other weights, so a compiler runs once per bucket, not once per layer). Split nodes
-    run between the pieces as they do in `generate_source`. `wrap_kernel(node, kernel)`, if
-    given, replaces each kernel inside a piece (a compiler leaves opaque ones alone)."""
+    on other weights, so a compiler runs once per bucket, not once per layer; `share=False`
+    makes one per call site, as a recording of fixed weights needs). Split nodes run
+    between the pieces as one-node functions, through `make_split` when given. From the
+    node `eager_from` on, the graph runs as plain functions (a tail whose shapes no bucket
+    fixes). `wrap_kernel(node, kernel)`, if given, replaces each kernel inside a made piece
+    (a compiler leaves opaque ones alone)."""
     order = {id(n): i for i, n in enumerate(graph.nodes)}
     last_use: dict[int, int] = {}
     for i, n in enumerate(graph.nodes):
         for a in n.args:
             last_use[id(a)] = i
     segments: list[list[Node]] = [[]]
+    tails = [False]  # per segment: from `eager_from` on
     for n in graph.nodes:
         if n.op in ("input", "param"):
             continue
-        if n.name in split or n.op == "output":
+        if n.name == eager_from:
+            segments.append([n])
+            tails.append(True)
+        elif n.op == "output" or (n.name in split and not tails[-1]):
             segments += [[n], []]
+            tails += [tails[-1]] * 2
         else:
             segments[-1].append(n)
+    kept = [(seg, tail) for seg, tail in zip(segments, tails, strict=True) if seg]
+    segments = [seg for seg, _ in kept]
+    made = [not tail and seg[0].name not in split and seg[0].op != "output" for seg, tail in kept]
+    # A made piece's outputs that are read after the next made piece has run (a recording
+    # may reuse their memory then).
+    horizon = [len(graph.nodes)] * len(segments)
+    following = len(graph.nodes)
+    for j in range(len(segments) - 1, -1, -1):
+        horizon[j] = following
+        if made[j]:
+            following = order[id(segments[j][-1])]
 
     env: dict[str, Any] = {}
     names: dict[int, str] = {}
@@ -110,30 +142,35 @@ def generate_piecewise(
             names[id(n)] = f"w{i}"
             env[f"w{i}"] = weights[n.attrs["name"]]
     built: dict[tuple[Any, ...], Callable[..., Any]] = {}
-    for seg in segments:
-        if not seg:
-            continue
+    for j, seg in enumerate(segments):
         if seg[0].op == "output":
             args = [names[id(a)] for a in seg[0].args]
             lines.append(
                 f"    return {args[0]}" if len(args) == 1 else f"    return ({', '.join(args)},)"
             )
             break
-        # A split node runs eagerly between the pieces: a one-node piece, never compiled.
-        inside = seg[0].name not in split
-        source, piece_env, ins, outs = _piece_source(
-            seg, order, last_use, lib, wrap_kernel if inside else None
+        source, piece_env, ins, outs, takes_ctx = _piece_source(
+            seg, order, last_use, lib, wrap_kernel if made[j] else None
         )
-        key = (source, *_kernel_keys(seg))
+        info = PieceInfo(
+            takes_ctx,
+            sum(a.op != "param" for a in ins),
+            tuple(last_use[id(o)] > horizon[j] for o in outs),
+        )
+        key = (source, *_kernel_keys(seg)) + (() if share else (j,))
         if key not in built:
             exec(compile(source, "<kiln piece>", "exec"), piece_env)
             fn = piece_env["piece"]
-            built[key] = make_piece(fn, key) if inside else fn
+            if made[j]:
+                fn = make_piece(fn, key, info)
+            elif make_split is not None and seg[0].name in split:
+                fn = make_split(fn, info)
+            built[key] = fn
         pname = f"p{len(env)}"
         env[pname] = built[key]
         for o in outs:
             names[id(o)] = f"v{order[id(o)]}"
-        call = f"{pname}({', '.join(['ctx'] * _takes_ctx(seg, lib) + [names[id(a)] for a in ins])})"
+        call = f"{pname}({', '.join(['ctx'] * info.ctx + [names[id(a)] for a in ins])})"
         targets = ", ".join(names[id(o)] for o in outs)
         lines.append(f"    {targets}{',' if len(outs) == 1 else ''} = {call}")
         end = order[id(seg[-1])]
@@ -163,9 +200,9 @@ def _piece_source(
     last_use: dict[int, int],
     lib: Any,
     wrap_kernel: Callable[[Node, Callable[..., Any]], Callable[..., Any]] | None,
-) -> tuple[str, dict[str, Any], list[Node], list[Node]]:
+) -> tuple[str, dict[str, Any], list[Node], list[Node], bool]:
     """`piece(ctx?, a0.., b0..)` over `seg`: its inputs (values from before it, then its
-    weights) and its outputs (values used after it)."""
+    weights), its outputs (values used after it) and whether it takes the context."""
     inside = {id(n) for n in seg}
     end = max(order[id(n)] for n in seg)
     values: list[Node] = []
@@ -201,7 +238,7 @@ def _piece_source(
         env[f"k{j}"] = kernel if wrap_kernel is None else wrap_kernel(n, kernel)
         lines.append(f"    {var} = k{j}({', '.join((['ctx'] if ctx_arg else []) + args)})")
     lines.append(f"    return ({''.join(local[id(o)] + ', ' for o in outs)})")
-    return "\n".join(lines) + "\n", env, values + weights, outs
+    return "\n".join(lines) + "\n", env, values + weights, outs, needs_ctx
 
 
 def _unique(nodes: list[Node]) -> list[Node]:

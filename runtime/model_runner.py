@@ -12,7 +12,13 @@ from __future__ import annotations
 import torch
 
 from kiln.runtime.artefact import Artefact
-from kiln.runtime.capture import CompiledDecode, GraphDecode, cuda_recorder
+from kiln.runtime.capture import (
+    CompiledDecode,
+    GraphDecode,
+    PiecewisePrefill,
+    Recorder,
+    cuda_recorder,
+)
 from kiln.runtime.executor import Executor
 from kiln.runtime.kv_cache import KVCache, PagePool
 from kiln.runtime.scheduler import Batch
@@ -38,7 +44,9 @@ class ModelRunner:
             self.device,
         )
         self.step = StepContext(self.kv.k, self.kv.v, spec.page_size)
+        self._recorder: Recorder | None = None
         self.decode = self._decode_runner(art, context_length or spec.context_length)
+        self.prefill = self._prefill_runner(art)
         self.group = None  # rank 0 of a tensor-parallel artefact: its TPGroup
 
     def forward(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:
@@ -69,16 +77,22 @@ class ModelRunner:
         return StepInputs(ids, positions, rows, q_lens, kv_lens, counts, pages)
 
     def warm_up(self) -> None:
-        """Compile or record the capture plan's decode buckets (every rank of a tensor-
-        parallel artefact calls this once its process group is up)."""
+        """Compile or record the capture plan's decode buckets, then its prefill buckets
+        (every rank of a tensor-parallel artefact calls this once its process group is up)."""
         if self.decode is not None:
             self.decode.warm_up(self.step)
+        if self.prefill is not None:
+            self.prefill.warm_up(self.step)
 
     def run(self, step: StepInputs) -> torch.Tensor:
         bucket = None if self.decode is None else self.decode.bucket(step)
         if bucket is not None:
             assert self.decode is not None
             return self.decode.run(self.step, step, bucket)[: len(step.rows)]
+        tokens = None if self.prefill is None else self.prefill.bucket(step)
+        if tokens is not None:
+            assert self.prefill is not None
+            return self.prefill.run(self.step, step, tokens)
         ctx, ids, positions, rows = self.step.plan(step)
         return self.executor(ctx, ids, positions, rows)
 
@@ -93,5 +107,17 @@ class ModelRunner:
         if mode == "compiled":
             return CompiledDecode(art.graph, art.weights, art.lib, plan)
         max_pages = min(self.pool.num_pages, self.pool.pages_for(context_length))
-        record = cuda_recorder(self.kv.k.device)
-        return GraphDecode(self.executor, self.step, plan, max_pages, record)
+        return GraphDecode(self.executor, self.step, plan, max_pages, self.recorder())
+
+    def _prefill_runner(self, art: Artefact) -> PiecewisePrefill | None:
+        """The plan's piecewise prefill buckets (a CUDA target's, runtime/capture.py)."""
+        plan = art.graph.plan
+        if plan is None or plan["prefill"]["mode"] != "piecewise":
+            return None
+        return PiecewisePrefill(art.graph, art.weights, art.lib, plan, self.recorder())
+
+    def recorder(self) -> Recorder:
+        """One CUDA-graph recorder (one memory pool) for every recording of this runner."""
+        if self._recorder is None:
+            self._recorder = cuda_recorder(self.kv.k.device)
+        return self._recorder

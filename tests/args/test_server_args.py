@@ -120,8 +120,10 @@ def test_support_status() -> None:
     assert cli("--tp", "2").tp_size == 2  # implemented: a compiler pass
     with pytest.raises(ArgError, match="--enable-lora: is not implemented in kiln yet"):
         cli("--enable-lora")
-    with pytest.raises(ArgError, match=r"--enable-piecewise-cuda-graph: is not implemented in"):
-        cli("--enable-piecewise-cuda-graph")
+    with pytest.raises(ArgError, match=r"--enable-dp-attention: is not implemented in"):
+        cli("--enable-dp-attention")
+    with pytest.raises(ArgError, match=r"--piecewise-cuda-graph-compiler inductor: is not impl"):
+        cli("--piecewise-cuda-graph-compiler", "inductor")
     # Hardware this machine lacks is named.
     with pytest.raises(ArgError, match=r"--attention-backend fa3: needs an NVIDIA Hopper GPU"):
         cli("--attention-backend", "fa3")

@@ -107,6 +107,27 @@ def test_inspect_shows_it_and_a_tampered_plan_is_refused(checkpoint, tmp_path: P
     assert "prefill eager; 3 pieces between 2 attentions" in line
     data = json.loads((art / "graph.json").read_text())
     assert Graph.from_json(data).plan == data["capture_plan"]
+    piecewise = tmp_path / "piecewise"
+    compile_model(
+        ServerArgs(
+            model_path=str(checkpoint("llama")),
+            enable_piecewise_cuda_graph=True,
+            piecewise_cuda_graph_tokens="64,8",
+            **CUDA,
+        ),
+        piecewise,
+    )
+    loaded = Graph.from_json(json.loads((piecewise / "graph.json").read_text()))
+    assert loaded.plan is not None
+    prefill = loaded.plan["prefill"]
+    assert prefill["mode"] == "piecewise" and prefill["tokens"] == [8, 64]
+    # The eager tail starts at the node that reads the logits rows.
+    tail = next(n for n in loaded.nodes if n.name == prefill["eager_from"])
+    assert [a.attrs.get("name") for a in tail.args if a.op == "input"] == ["logits_indices"]
+    broken = json.loads((piecewise / "graph.json").read_text())
+    broken["capture_plan"]["prefill"]["eager_from"] = "nowhere"
+    with pytest.raises(IRError, match="eager_from: expected a node name"):
+        Graph.from_json(broken)
     for path, bad, message in (
         (("split_at",), ["v1"], "expected attention node names"),
         (("decode", "batch_sizes"), [4, -1], "expected positive integers"),

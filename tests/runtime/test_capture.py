@@ -1,19 +1,25 @@
-"""The step buffers, padding to the plan's buckets, and the two ways a plan runs decode:
-compiled pieces (Inductor, on this CPU) and recorded steps (the CUDA-graph runner, here
-with the recorder that replays by calling the step again; only the CUDA capture call itself
-needs a GPU)."""
+"""The step buffers, padding to the plan's buckets, the two ways a plan runs decode
+(compiled pieces, Inductor on this CPU, and recorded steps) and the piecewise prefill. The
+recorded runners are the CUDA-graph runners with a recorder that replays by calling the
+step again (and, for prefill pieces, hands every replay's outputs the same memory, as a
+shared CUDA pool may); only the CUDA capture call itself needs a GPU."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from kiln import Engine
 from kiln.kernels.attention import AttentionBatch, SeqSpan
+from kiln.passes.capture_plan import logits_tail
 from kiln.runtime.artefact import Artefact
-from kiln.runtime.capture import GraphDecode, eager_recorder
+from kiln.runtime.capture import GraphDecode, PiecewisePrefill, eager_recorder, unowned
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.step import StepInputs
 
@@ -150,3 +156,88 @@ def test_compiled_decode_matches_eager_and_reuses_its_cache(artefact, fresh_cach
     assert files
     Engine(compiled, max_total_tokens=1024)  # a second start compiles nothing new
     assert sorted(p for p in cache.rglob("*") if p.is_file()) == files
+
+
+class SharedPool:
+    """A recorder whose weak outputs all share one memory area per dtype: each replay's
+    outputs overwrite the previous replay's, the worst a CUDA pool that hands freed memory
+    to the next recording can do."""
+
+    def __init__(self) -> None:
+        self.area: dict[torch.dtype, torch.Tensor] = {}
+
+    def __call__(self, fn: Callable[[], Any], weak: bool = False) -> Callable[[], Any]:
+        if not weak:
+            return fn
+
+        def replay() -> tuple[Any, ...]:
+            at = dict.fromkeys(self.area, 0)
+
+            def place(o: torch.Tensor) -> torch.Tensor:
+                start = at.get(o.dtype, 0)
+                area = self.area.get(o.dtype)
+                if area is None or area.numel() < start + o.numel():
+                    area = self.area[o.dtype] = torch.empty(4 * (start + o.numel()), dtype=o.dtype)
+                at[o.dtype] = start + o.numel()
+                return area[start : start + o.numel()].view(o.shape).copy_(o)
+
+            return tuple(tuple(map(place, o)) if isinstance(o, tuple) else place(o) for o in fn())
+
+        return replay
+
+
+def test_piecewise_prefill_matches_eager_on_real_rows_only(artefact) -> None:
+    """Prefill, extend and mixed steps at odd token counts, run padded to the plan's token
+    buckets: the logits and every real KV page are the eager executor's; recordings whose
+    outputs share memory do not clobber a value read later (rope's cos/sin, read by every
+    layer's attention)."""
+    art = Artefact.open(artefact("llama", compile_args={"page_size": 4}))
+    runner = ModelRunner(art, 1024)
+    graph = art.graph
+    plan = {
+        "prefill": {"mode": "piecewise", "tokens": [8, 16, 32], "eager_from": logits_tail(graph)},
+        "split_at": [n.name for n in graph.nodes if n.op == "rope_attention"],
+    }
+    pieces = PiecewisePrefill(graph, art.weights, art.lib, plan, SharedPool())
+    runner.prefill = pieces
+    runner.warm_up()
+    # Three pieces a bucket (embedding to layer 0's qkv, layer 0's o_proj to layer 1's qkv,
+    # layer 1's o_proj to the last residual add); the logits tail runs eagerly.
+    assert pieces.recordings == 3 * 3
+    seqs = Seqs(runner, [list(range(3, 29)), [7, 8, 9], [4] * 5])
+    pool_end = runner.step.pad_page * runner.pool.page_size
+    steps = [
+        ([0], {0: list(range(3, 14))}),  # an 11-token prefill: bucket 16
+        ([1, 2], {1: [7, 8, 9], 2: [4] * 5}),  # two prompts, 8 tokens: no padding
+        ([0, 1, 2], {0: list(range(14, 29))}),  # extend 15 beside two decodes: 17 -> 32
+        ([1], {1: [5, 6]}),  # 2 tokens after 17: stale rows below them
+        ([0, 1, 2], {2: list(range(3, 40))}),  # 39 tokens: past the buckets, eager
+    ]
+    for which, new in steps:
+        step = seqs.step(which, new)
+        k0, v0 = runner.kv.k.clone(), runner.kv.v.clone()
+        want = eager(runner, step)
+        k_want, v_want = runner.kv.k.clone(), runner.kv.v.clone()
+        runner.kv.k.copy_(k0)
+        runner.kv.v.copy_(v0)
+        expect = None if len(step.ids) > 32 else min(b for b in (8, 16, 32) if b >= len(step.ids))
+        assert pieces.bucket(step) == expect
+        got = runner.run(step)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(runner.kv.k[:, :, :pool_end], k_want[:, :, :pool_end])
+        torch.testing.assert_close(runner.kv.v[:, :, :pool_end], v_want[:, :, :pool_end])
+        seqs.advance(step, which)
+    assert pieces.recordings == 3 * 3  # nothing recorded while serving
+
+
+def test_an_unowned_view_sees_the_memory_without_keeping_it() -> None:
+    t = torch.arange(24, dtype=torch.float32).view(4, 6)[:, 1:4]
+    alias = unowned(t)
+    assert alias.shape == t.shape and alias.stride() == t.stride()
+    assert alias.data_ptr() == t.data_ptr()
+    t.mul_(2)
+    assert torch.equal(alias, t)
+    ref = weakref.ref(t)
+    del t
+    gc.collect()
+    assert ref() is None

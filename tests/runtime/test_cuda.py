@@ -1,5 +1,6 @@
-"""The CUDA path on a GPU: decode replayed from CUDA graphs against eager steps, and a CUDA
-artefact's greedy tokens against the same checkpoint on the CPU. Skipped where torch sees no
+"""The CUDA path on a GPU: decode replayed from CUDA graphs and prefills run as recorded
+pieces against eager steps, and a CUDA artefact's greedy tokens against the same checkpoint
+on the CPU. Skipped where torch sees no
 CUDA device (everything but the capture call is tested on the CPU in test_capture.py);
 benchmarks/gpu_check.sh runs it where there is one."""
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from kiln import Engine
-from kiln.runtime.capture import GraphDecode
+from kiln.runtime.capture import GraphDecode, PiecewisePrefill
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -34,3 +35,21 @@ def test_cuda_graphs_replay_what_eager_steps_compute(artefact) -> None:
         assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
         on_cpu = cpu.generate(input_ids=prompts, sampling_params=GREEDY)
         assert [g["output_ids"] for g in got] == [c["output_ids"] for c in on_cpu]
+
+
+def test_piecewise_prefill_graphs_match_eager_prefill(artefact) -> None:
+    cuda = {"device": "cuda", "disable_cuda_graph": True}
+    pieces = {**cuda, "enable_piecewise_cuda_graph": True, "piecewise_cuda_graph_tokens": "8,16,32"}
+    graphs = Engine(artefact("llama", compile_args=pieces), max_total_tokens=1024)
+    prefill = graphs.runner.prefill
+    assert isinstance(prefill, PiecewisePrefill) and prefill.ready
+    recorded = prefill.recordings
+    assert recorded == 3 * 3  # three buckets of three pieces (two layers)
+    eager = Engine(artefact("llama", compile_args=cuda), max_total_tokens=1024)
+    # Prompts of 3 to 30 tokens: every bucket, padded and not, and one past the largest.
+    batches = [*BATCHES, [list(range(3, 33))], [list(range(3, 40)), [4, 4]]]
+    for prompts in batches:
+        got = graphs.generate(input_ids=prompts, sampling_params=GREEDY)
+        want = eager.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    assert prefill.recordings == recorded
