@@ -193,9 +193,10 @@ def main() -> None:
     bw = read_bandwidth_gbs()
     results: dict[tuple[str, str, int], list[dict]] = {}
     starts: dict[tuple[str, str], list[float]] = {}
+    beside = args.llama_server.parent / "llama-quantize"
+    quantizer = beside if beside.is_file() else None
     for precision in args.precisions:
-        quantizer = args.llama_server.parent / "llama-quantize"
-        gguf = gguf_for(precision, shipped, work, quantizer if quantizer.is_file() else None)
+        gguf = gguf_for(precision, shipped, work, quantizer)
         art = work / f"art-{precision}"
         flags = {"kv_cache_dtype": args.kv_cache_dtype}
         if args.quantize_activations and precision != "F32":
