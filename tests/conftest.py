@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,11 @@ from kiln.example import make_checkpoint
 # processes tests start; the user's ~/.cache/kiln is never touched.
 os.environ["KILN_CACHE_DIR"] = tempfile.mkdtemp(prefix="kiln-test-cache-")
 SESSION_KERNELS = Path(os.environ["KILN_CACHE_DIR"]) / "kernels"
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The session's cache goes with it (its artefacts are tens of MB a session)."""
+    shutil.rmtree(os.environ["KILN_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -36,6 +37,7 @@ def smollm2_gptq(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("smollm2-gptq")
     hf = hf_folder_from_gguf(fetch("smollm2"), root / "float")
     write_int4_checkpoint(hf, root / "SmolLM2-135M-Instruct-GPTQ", "gptq", 64)
+    shutil.rmtree(hf)  # its float32 weights (540 MB) are not read again
     return root / "SmolLM2-135M-Instruct-GPTQ"
 
 
