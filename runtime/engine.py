@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -31,6 +30,7 @@ from kiln.runtime.request import Request, RequestOutput
 from kiln.runtime.sampler import SamplingRow, sample
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Batch, Scheduler, SchedulerConfig
+from kiln.runtime.tokenizer import import_tokenizer_libraries, load_tokenizer
 
 log = logging.getLogger("kiln.engine")
 
@@ -71,13 +71,15 @@ class Engine:
                 f"nodes run their ranks with `kiln serve ARTEFACT --nnodes "
                 f"{self.args.nnodes} --node-rank K --dist-init-addr HOST:PORT`"
             )
-        # transformers' import (~1.3 s of a ~2.8 s start) runs beside the artefact's checksums
-        # (hashlib lets go of the GIL); joined before the tokenizer is read (transformers'
-        # lazy module cannot be imported from two threads at once).
+        # The tokenizer's libraries are imported beside the artefact's checksums (hashlib lets
+        # go of the GIL); joined before the tokenizer is read (transformers' lazy module
+        # cannot be imported from two threads at once).
         skip_tokenizer = self.args.skip_tokenizer_init
-        plain = not skip_tokenizer and _plain_tokenizer(Path(artefact) / fmt.TOKENIZER_DIR)
         importer = threading.Thread(
-            target=_import_tokenizers, args=(plain,), name="kiln-import", daemon=True
+            target=import_tokenizer_libraries,
+            args=(Path(artefact) / fmt.TOKENIZER_DIR,),
+            name="kiln-import",
+            daemon=True,
         )
         if not skip_tokenizer:
             importer.start()
@@ -97,7 +99,7 @@ class Engine:
         self.context_length = asked or spec.context_length
         if importer.is_alive():
             importer.join()
-        self.tokenizer = None if skip_tokenizer else _load_tokenizer(self.art.tokenizer_dir, plain)
+        self.tokenizer = None if skip_tokenizer else load_tokenizer(self.art.tokenizer_dir)
         self.threads, threads_from = _set_threads(self.args.threads)
         self.max_running = self.args.max_running_requests or DEFAULT_MAX_RUNNING
         kv_tokens = self._kv_tokens(self.max_running)
@@ -495,40 +497,3 @@ def _set_threads(asked: int | None) -> tuple[int, str]:
         return asked, "--threads"
     env = os.environ.get("OMP_NUM_THREADS")
     return torch.get_num_threads(), f"OMP_NUM_THREADS={env}" if env else "one per core"
-
-
-# The class AutoTokenizer builds for these `tokenizer_class` values: loaded as that class
-# directly, transformers' auto module is never imported (0.7-0.9 s of a start on the CI
-# machine kind).
-PLAIN_TOKENIZERS = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
-
-
-def _plain_tokenizer(path: Path) -> bool:
-    """A fast tokenizer whose config names the plain class. Read once, before the artefact's
-    checksums: the name only chooses which of two loaders reads the files, after them."""
-    try:
-        config = json.loads((path / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    named = config.get("tokenizer_class") if isinstance(config, dict) else None
-    return named in PLAIN_TOKENIZERS and (path / "tokenizer.json").is_file()
-
-
-def _import_tokenizers(plain: bool) -> None:
-    if plain:
-        from transformers import PreTrainedTokenizerFast  # noqa: F401
-    else:
-        from transformers import AutoTokenizer  # noqa: F401
-
-
-def _load_tokenizer(path: Path, plain: bool) -> Any:
-    """The artefact's tokenizer; `plain`: `_plain_tokenizer(path)`, as the import chose."""
-    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
-        return None
-    if plain:
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast.from_pretrained(str(path))
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))

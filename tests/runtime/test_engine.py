@@ -209,32 +209,24 @@ def test_tiny_temperatures_are_greedy(engine) -> None:
     assert tiny["output_ids"] == greedy["output_ids"]
 
 
-def test_a_plain_fast_tokenizer_loads_without_the_auto_module(engine, tmp_path) -> None:
-    """A config naming the plain fast class is loaded as that class, which is what
-    AutoTokenizer builds for it; any other name still goes through AutoTokenizer."""
-    import json
-    import shutil
+def test_a_plain_tokenizer_is_served_without_transformers(artefact) -> None:
+    """The test artefact's tokenizer (the plain fast class) is read by `tokenizers` alone: an
+    engine in a fresh process never imports transformers (0.9 s of a start on a slow core)."""
+    import subprocess
+    import sys
 
-    from transformers import AutoTokenizer
-
-    from kiln.runtime.engine import _load_tokenizer, _plain_tokenizer
-
-    folder = engine.art.tokenizer_dir
-    assert _plain_tokenizer(folder)
-    direct, auto = _load_tokenizer(folder, True), AutoTokenizer.from_pretrained(str(folder))
-    assert type(direct) is type(auto)
-    text = "The capital of France is Paris. <|endoftext|> ünïcode 42"
-    assert direct.encode(text) == auto.encode(text)
-    ids = auto.encode(text)
-    for skip in (True, False):
-        assert direct.decode(ids, skip_special_tokens=skip) == auto.decode(
-            ids, skip_special_tokens=skip
-        )
-    assert direct.all_special_ids == auto.all_special_ids
-    other = tmp_path / "tok"
-    shutil.copytree(folder, other)
-    config = json.loads((other / "tokenizer_config.json").read_text())
-    (other / "tokenizer_config.json").write_text(
-        json.dumps({**config, "tokenizer_class": "GPT2Tokenizer"})
+    code = (
+        "import sys\n"
+        "from kiln.runtime.engine import Engine\n"
+        "from kiln.runtime.tokenizer import FastTokenizer\n"
+        f"e = Engine({str(artefact('llama'))!r})\n"
+        "assert isinstance(e.tokenizer, FastTokenizer), type(e.tokenizer)\n"
+        "out = e.generate(input_ids=[1, 5, 9], sampling_params={'max_new_tokens': 2})\n"
+        "assert len(out['output_ids']) == 2\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))\n"
     )
-    assert not _plain_tokenizer(other)
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "[]"
