@@ -10,8 +10,8 @@ templates give what `AutoTokenizer` gives (tests/runtime/test_tokenizer.py holds
 
 Anything this module does not reproduce exactly (another class, a config key it does not
 know, a special token the vocabulary lacks, a vocabulary large enough for transformers'
-pre-tokenizer patches, truncation or padding in tokenizer.json) is loaded by transformers
-instead; `load_tokenizer` logs why.
+pre-tokenizer patches, truncation or padding in tokenizer.json, a special_tokens_map.json
+beside it) is loaded by transformers instead; `load_tokenizer` logs why.
 """
 
 from __future__ import annotations
@@ -62,6 +62,9 @@ KNOWN_KEYS = frozenset(
 # patch); those load through transformers.
 MAX_VOCAB = 100_000
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+# Files transformers also reads for special tokens and templates (an artefact carries them
+# when the checkpoint has them): their meaning is not reproduced here.
+OTHER_FILES = ("special_tokens_map.json", "added_tokens.json", "chat_template.json")
 _ADDED_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
 
 
@@ -85,6 +88,9 @@ class FastTokenizer:
             raise NotExact("split_special_tokens")
         if not (folder / "tokenizer.json").is_file():
             raise NotExact("no tokenizer.json")
+        other = [f for f in OTHER_FILES if (folder / f).is_file()]
+        if other:
+            raise NotExact(f"the folder has {', '.join(other)}")
         backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
         if backend.truncation is not None or backend.padding is not None:
             raise NotExact("tokenizer.json sets truncation or padding")

@@ -168,6 +168,19 @@ def test_what_is_not_reproduced_goes_to_transformers(tiny, tmp_path, config, bac
     )
 
 
+@pytest.mark.parametrize("name", ["special_tokens_map.json", "added_tokens.json"])
+def test_other_special_token_files_go_to_transformers(tiny, tmp_path, name) -> None:
+    folder = edited(tiny, tmp_path / "tok")
+    (folder / name).write_text(json.dumps({"eos_token": "<|user|>"} if "map" in name else {}))
+    with pytest.raises(NotExact, match=name):
+        FastTokenizer(folder)
+    tok = load_tokenizer(folder)
+    assert not isinstance(tok, FastTokenizer)
+    assert tok.encode("The capital") == AutoTokenizer.from_pretrained(str(folder)).encode(
+        "The capital"
+    )
+
+
 def test_templates_stay_in_the_sandbox(tiny) -> None:
     from jinja2.exceptions import SecurityError, TemplateError
 
