@@ -341,6 +341,7 @@ class _RecordedPiece:
 
     def __init__(self, owner: PiecewisePrefill, fn: Callable[..., Any], info: PieceInfo) -> None:
         self.owner, self.fn, self.info = owner, fn, info
+        # per bucket: the input buffers (flattened once), the replay, which outputs to copy
         self.replays: dict[int, tuple[list[torch.Tensor], Callable[[], Any], tuple[bool, ...]]] = {}
 
     def __call__(self, *args: Any) -> tuple[torch.Tensor, ...]:
@@ -353,7 +354,8 @@ class _RecordedPiece:
                 raise RuntimeError(f"prefill bucket {bucket} was not recorded")
             slot = itertools.count()
             inputs = [_map(lambda t: owner.buffer(next(slot), t), v) for v in values]
-            _fill(inputs, values)
+            buffers = _leaves(inputs)
+            _fill(buffers, values)
             fn = self.fn
 
             def step() -> Any:
@@ -363,12 +365,11 @@ class _RecordedPiece:
             outs = replay()
             # Copied out after each replay: outputs read after the next piece has run, and
             # any that is a view of an input buffer (the next piece refills those).
-            buffers = _leaves(inputs)
             copy = tuple(
                 keep or any(_overlaps(t, buf) for t in _leaves(o) for buf in buffers)
                 for o, keep in zip(outs, self.info.keep, strict=True)
             )
-            entry = self.replays[bucket] = (inputs, replay, copy)
+            entry = self.replays[bucket] = (buffers, replay, copy)
             owner.recordings += 1
         else:
             _fill(entry[0], values)
@@ -389,8 +390,9 @@ def _leaves(value: Any) -> list[torch.Tensor]:
     return found
 
 
-def _fill(buffers: list[Any], values: tuple[Any, ...]) -> None:
-    for buf, v in zip(_leaves(buffers), _leaves(values), strict=True):
+def _fill(buffers: list[torch.Tensor], values: tuple[Any, ...]) -> None:
+    """Each tensor of `values` into the head rows of its buffer (`buffers`: flattened)."""
+    for buf, v in zip(buffers, _leaves(values), strict=True):
         if v.shape[0] > buf.shape[0]:
             raise ValueError(f"{v.shape[0]} rows do not fit a bucket of {buf.shape[0]}")
         buf[: v.shape[0]].copy_(v)
