@@ -133,8 +133,13 @@ class FastTokenizer:
 
     # The batch calls, with a batch of one: they let go of the GIL (the single ones do not),
     # so a megabyte prompt on a tokenizer thread never stalls the event loop (0.3 us more).
+    # encode_batch_fast leaves out the character offsets: freeing a full encoding of a
+    # 4.8 MB prompt held the GIL for 0.4-0.6 s (0.07-0.12 s without them), and the ids
+    # come 2.4x sooner.
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        batch = self.backend_tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+        batch = self.backend_tokenizer.encode_batch_fast(
+            [text], add_special_tokens=add_special_tokens
+        )
         return list(batch[0].ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
