@@ -11,8 +11,12 @@ art/
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
+import re
+import stat
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
 
@@ -20,7 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 # 3: linears carry a `prologue`, rope_attention joins the ops, and the C kernels' linear
 # entries take the prologue (an older artefact's graph and library would not match).
-FORMAT_VERSION = 3
+# 4: the graph records the model's context length, which the manifest's must equal; a
+# manifest lists only files kiln writes.
+FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 GRAPH = "graph.json"
 WEIGHTS = "weights/rank0.safetensors"
@@ -53,16 +59,93 @@ TOKENIZER_FILES = (
 )
 
 
+# The files `kiln compile` writes, and so the only ones a manifest may list.
+MEMBER = re.compile(
+    r"graph\.json|graph\.rank[1-9][0-9]{0,3}\.json|weights/rank[0-9]{1,4}\.safetensors"
+    r"|kernels/cpu_kernels\.so|tokenizer/(?:"
+    + "|".join(re.escape(n) for n in TOKENIZER_FILES)
+    + ")"
+)
+# Bounds on the manifest's numbers, checked before anything is sized by them (each is then
+# checked against the graph): far above any real model, far below what could stall a load.
+MAX_LAYERS = 4096
+MAX_HEADS = 4096
+MAX_HEAD_DIM = 4096
+MAX_RANKS = 1024
+MAX_VOCAB = 1 << 24
+MAX_CONTEXT = 1 << 27
+MAX_PAGE_SIZE = 4096
+MAX_STOP_IDS = 256
+MAX_NAME = 256
+_CHUNK = 1 << 22
+
+
 class ArtefactError(RuntimeError):
     """The artefact is missing, damaged or made for another machine; one line says which."""
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+def sha256_file(path: Path, chunk: int = _CHUNK) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def open_member(root: Path, rel: str) -> int:
+    """A read-only descriptor of the regular file `rel` inside the artefact at `root`,
+    reached without following a symbolic link at any step (a link inside an artefact could
+    point anywhere on the server, /etc/passwd included). Raises ArtefactError in one line."""
+    parts = PurePosixPath(rel).parts
+    where = f"{root}: {rel}"
+    try:
+        folder = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise ArtefactError(f"{root}: cannot open the artefact: {e.strerror}") from None
+    try:
+        for part in parts[:-1]:
+            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=folder)
+            os.close(folder)
+            folder = inner
+        # O_NONBLOCK: opening a FIFO planted in the artefact must not hang the load.
+        fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)
+    except FileNotFoundError:
+        raise ArtefactError(f"{where} is missing") from None
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise ArtefactError(
+                f"{where} is a symbolic link or lies behind one; an artefact's files must "
+                "be its own"
+            ) from None
+        raise ArtefactError(f"{where}: {e.strerror}") from None
+    finally:
+        os.close(folder)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ArtefactError(f"{where} is not a regular file")
+    return fd
+
+
+def _hash_fd(fd: int, keep: bool) -> tuple[str, int, bytes | None]:
+    h = hashlib.sha256()
+    size = 0
+    kept: list[bytes] = []
+    with os.fdopen(fd, "rb", closefd=True) as f:
+        while block := f.read(_CHUNK):
+            h.update(block)
+            size += len(block)
+            if keep:
+                kept.append(block)
+    return h.hexdigest(), size, b"".join(kept) if keep else None
+
+
+def read_member(root: Path, rel: str, entry: dict[str, Any]) -> bytes:
+    """The bytes of `rel`, a file the manifest lists as `entry`, once they match its size
+    and checksum (read once, so what is checked is what is used)."""
+    digest, size, data = _hash_fd(open_member(root, rel), keep=True)
+    _check_entry(root, rel, entry, digest, size)
+    assert data is not None
+    return data
 
 
 def file_entry(root: Path, rel: str) -> dict[str, Any]:
@@ -99,21 +182,22 @@ class NativeLib(_Strict):
 
 
 class RuntimeSpec(_Strict):
-    """What the runtime needs to know about the model (the manifest's `runtime`)."""
+    """What the runtime needs to know about the model (the manifest's `runtime`). Each
+    number is bounded here and then checked against the graph (runtime/artefact.py)."""
 
-    num_layers: int = Field(gt=0)
-    num_kv_heads: int = Field(gt=0)  # per tensor-parallel rank
-    tp_size: int = Field(default=1, gt=0)
-    head_dim: int = Field(gt=0)
-    vocab_size: int = Field(gt=0)
-    context_length: int = Field(gt=1)
+    num_layers: int = Field(gt=0, le=MAX_LAYERS)
+    num_kv_heads: int = Field(gt=0, le=MAX_HEADS)  # per tensor-parallel rank
+    tp_size: int = Field(default=1, gt=0, le=MAX_RANKS)
+    head_dim: int = Field(gt=0, le=MAX_HEAD_DIM)
+    vocab_size: int = Field(gt=0, le=MAX_VOCAB)
+    context_length: int = Field(gt=1, le=MAX_CONTEXT)
     dtype: Literal["float32", "float16", "bfloat16"]
-    page_size: int = Field(gt=0)
+    page_size: int = Field(gt=0, le=MAX_PAGE_SIZE)
     # The KV pool's element type: the model's dtype, or fp8 (--kv-cache-dtype).
     kv_dtype: Literal["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]
-    bos_token_id: int | None = Field(ge=0)
-    eos_token_ids: list[Annotated[int, Field(ge=0)]]
-    served_model_name: str
+    bos_token_id: int | None = Field(ge=0, le=MAX_VOCAB)
+    eos_token_ids: list[Annotated[int, Field(ge=0, le=MAX_VOCAB)]] = Field(max_length=MAX_STOP_IDS)
+    served_model_name: str = Field(min_length=1, max_length=MAX_NAME)
 
 
 class Manifest(_Strict):
@@ -137,6 +221,8 @@ class Manifest(_Strict):
             parts = PurePosixPath(rel).parts
             if not parts or rel.startswith("/") or ".." in parts or "\\" in rel:
                 raise ValueError(f"file path {rel!r} must stay inside the artefact")
+            if not MEMBER.fullmatch(rel):
+                raise ValueError(f"lists {rel[:80]!r}, which is not a file kiln compile writes")
         for required in (GRAPH, WEIGHTS):
             if required not in files:
                 raise ValueError(f"does not list {required}")
@@ -163,12 +249,12 @@ def read_manifest(root: Path) -> dict[str, Any]:
     path = root / MANIFEST
     if not root.is_dir():
         raise ArtefactError(f"{root} is not a folder: expected a kiln artefact")
-    if not path.is_file():
+    if not path.is_file() and not path.is_symlink():
         raise ArtefactError(
             f"{root} has no {MANIFEST}: not a kiln artefact (make one with `kiln compile`)"
         )
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(_hash_fd(open_member(root, MANIFEST), keep=True)[2] or b"")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ArtefactError(f"{path} is damaged: {e}") from e
     if not isinstance(manifest, dict):
@@ -187,15 +273,22 @@ def read_manifest(root: Path) -> dict[str, Any]:
 
 
 def verify_files(root: Path, manifest: dict[str, Any]) -> None:
-    """Check every file the manifest lists: present, right size, right checksum."""
+    """Check every file the manifest lists: its own (no symbolic link on the way), a
+    regular file, of the right size and checksum."""
     for rel, entry in manifest["files"].items():
-        p = root / rel
-        if not p.is_file():
-            raise ArtefactError(f"{root}: {rel} is missing")
-        if p.stat().st_size != entry["bytes"]:
-            raise ArtefactError(
-                f"{root}: {rel} is damaged ({p.stat().st_size} bytes, "
-                f"manifest says {entry['bytes']})"
-            )
-        if sha256_file(p) != entry["sha256"]:
-            raise ArtefactError(f"{root}: {rel} is damaged (checksum mismatch)")
+        fd = open_member(root, rel)
+        size = os.fstat(fd).st_size
+        if size != entry["bytes"]:
+            os.close(fd)
+            _check_entry(root, rel, entry, "", size)
+        digest, size, _ = _hash_fd(fd, keep=False)
+        _check_entry(root, rel, entry, digest, size)
+
+
+def _check_entry(root: Path, rel: str, entry: dict[str, Any], digest: str, size: int) -> None:
+    if size != entry["bytes"]:
+        raise ArtefactError(
+            f"{root}: {rel} is damaged ({size} bytes, manifest says {entry['bytes']})"
+        )
+    if digest != entry["sha256"]:
+        raise ArtefactError(f"{root}: {rel} is damaged (checksum mismatch)")

@@ -71,6 +71,7 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
         ranks = []  # (graph, constants, pass log) of each rank
         for rank in range(tp):
             graph, constants = trace(build(cfg))
+            graph.context_length = cfg.max_position_embeddings
             for spec in graph.weights.values():
                 if "load" in spec.source:
                     spec.dtype = dtype

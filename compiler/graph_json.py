@@ -13,6 +13,7 @@ import math
 import re
 from typing import Any
 
+from kiln.compiler.artefact import MAX_CONTEXT
 from kiln.compiler.ir import ATTENTION_OPS, CAPTURE_MODES, OPS, Graph, IRError, Node, WeightSpec
 from kiln.compiler.layout import LAYOUT
 
@@ -143,6 +144,13 @@ def graph_from_json(data: Any) -> Graph:
         by_name[node.name] = node
     if "capture_plan" in data:
         graph.plan = _decode_plan(data["capture_plan"], by_name)
+    if "context_length" in data:
+        ctx = data["context_length"]
+        if not _is_int(ctx) or not 1 < ctx <= MAX_CONTEXT:
+            raise IRError(
+                f"context_length must be an integer in [2, {MAX_CONTEXT}], got {_show(ctx)}"
+            )
+        graph.context_length = ctx
     return graph
 
 

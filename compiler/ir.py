@@ -179,6 +179,9 @@ class Graph:
         self.weights: dict[str, WeightSpec] = {}
         # The capture plan (passes/capture_plan.py): static shapes a step may run at.
         self.plan: dict[str, Any] | None = None
+        # The longest sequence the model takes (its max_position_embeddings), recorded at
+        # trace time; the runtime holds the manifest's context_length to it.
+        self.context_length: int | None = None
         self._names: set[str] = set()
         self._counter = 0
 
@@ -301,7 +304,9 @@ class Graph:
 
     def to_json(self) -> dict[str, Any]:
         plan = {} if self.plan is None else {"capture_plan": self.plan}
+        ctx = {} if self.context_length is None else {"context_length": self.context_length}
         return {
+            **ctx,
             **plan,
             "nodes": [
                 {

@@ -10,6 +10,7 @@ from typing import Any
 from kiln.compiler import artefact as fmt
 from kiln.compiler.ir import STRUCTURAL_OPS, Graph
 from kiln.compiler.store import explain
+from kiln.terminal import printable
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "int32": 4}
 _DTYPE_BYTES |= {"float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -17,8 +18,8 @@ _DTYPE_BYTES |= {"float8_e4m3fn": 1, "float8_e5m2": 1}
 
 def load(root: Path) -> tuple[dict[str, Any], Graph]:
     manifest = fmt.read_manifest(root)
-    graph = Graph.loads((root / fmt.GRAPH).read_text())
-    return manifest, graph
+    text = fmt.read_member(root, fmt.GRAPH, manifest["files"][fmt.GRAPH])
+    return manifest, Graph.loads(text.decode("utf-8"))
 
 
 def summary(root: Path) -> dict[str, Any]:
@@ -109,7 +110,8 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(
             f"native     {nk['compiler']}, {' '.join(nk['flags'])} (build {nk['build_id']})"
         )
-    return "\n".join(lines)
+    # Names come from the manifest, which anyone can edit: one printed line per line here.
+    return "\n".join(map(printable, lines))
 
 
 def _sizes(sizes: list[int]) -> str:
@@ -165,4 +167,4 @@ def diff(a: Path, b: Path) -> list[str]:
         if fa.get(rel, {}).get("sha256") != fb.get(rel, {}).get("sha256"):
             what = "added" if rel not in fa else "removed" if rel not in fb else "differs"
             lines.append(f"file    {rel}: {what}")
-    return lines
+    return [printable(line) for line in lines]

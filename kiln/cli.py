@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
-import logging
 import re
 import sys
 from collections.abc import Sequence
@@ -16,6 +15,7 @@ from typing import Any, NoReturn
 
 import kiln
 from kiln.args import ServerArgs, add_cli_args, explicit_values
+from kiln.terminal import configure_logging, printable
 
 # Server-argument flags are added with argparse.SUPPRESS as their default, so a namespace
 # holds exactly what the user gave (YAML defaults and artefact checks depend on that);
@@ -334,16 +334,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns, extra = parser.parse_known_args(argv)
     if extra:  # reported by the subcommand, which knows its flags (for "did you mean")
         sub.choices[ns.command].error(f"unrecognized arguments: {' '.join(extra)}")
-    logging.basicConfig(
-        level=getattr(ns, "log_level", "info").upper(), format="%(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(getattr(ns, "log_level", "info"))
     try:
         return int(ns.func(ns))
     except KeyboardInterrupt:
         return 130
     except (ValueError, RuntimeError, OSError, MemoryError) as e:
         # Our errors are one line that names the flag or file; no traceback for users.
-        print(f"kiln {ns.command}: error: {e}", file=sys.stderr)
+        print(f"kiln {ns.command}: error: {printable(str(e))}", file=sys.stderr)
         return 2
 
 

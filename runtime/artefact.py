@@ -78,9 +78,10 @@ class Artefact:
     weights: dict[str, torch.Tensor]
     lib: Any = None  # the native kernel library (runtime/native.py), when the graph uses it
 
-    @property
-    def tokenizer_dir(self) -> Path:
-        return self.root / fmt.TOKENIZER_DIR
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """The tokenizer files the manifest lists, by name, each read once and checked
+        against its checksum: nothing unlisted is ever read, and no symbolic link followed."""
+        return tokenizer_files(self.root, self.manifest)
 
     @classmethod
     def open(
@@ -100,7 +101,7 @@ class Artefact:
         spec = ModelSpec(**rt)
         if not 0 <= rank < spec.tp_size:
             raise fmt.ArtefactError(f"{root} has ranks 0..{spec.tp_size - 1}, not {rank}")
-        graph = _load_graph(root, fmt.graph_file(rank))
+        graph = _load_graph(root, manifest, fmt.graph_file(rank))
         wfile = fmt.weights_file(rank)
         try:
             weights = load_file(str(root / wfile), device=device)
@@ -146,10 +147,21 @@ def check_target(root: Path, manifest: dict[str, Any]) -> None:
         )
 
 
-def _load_graph(root: Path, name: str = fmt.GRAPH) -> Graph:
+def tokenizer_files(root: Path, manifest: dict[str, Any]) -> dict[str, bytes]:
+    """See `Artefact.tokenizer_files`."""
+    prefix = fmt.TOKENIZER_DIR + "/"
+    return {
+        rel.removeprefix(prefix): fmt.read_member(root, rel, entry)
+        for rel, entry in manifest["files"].items()
+        if rel.startswith(prefix)
+    }
+
+
+def _load_graph(root: Path, manifest: dict[str, Any], name: str = fmt.GRAPH) -> Graph:
     where = f"{root}/{name}"
+    text = fmt.read_member(root, name, manifest["files"][name])
     try:
-        graph = Graph.from_json(json.loads((root / name).read_text()))
+        graph = Graph.from_json(json.loads(text))
         graph.lint()
         check_features(graph)
     except (IRError, json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -193,9 +205,15 @@ def _check_agreement(root: Path, spec: ModelSpec, graph: Graph) -> None:
             f"{manifest_value}, the graph has {graph_value}"
         )
 
+    # Compared by count first: the manifest's number sizes nothing until it matches.
     layers = sorted(n.attrs["layer"] for n in graph.nodes if n.op in ATTENTION_OPS)
-    if layers != list(range(spec.num_layers)):
+    if len(layers) != spec.num_layers or layers != list(range(len(layers))):
         refuse("num_layers", spec.num_layers, f"attention layers {layers[:8]}")
+    if graph.context_length != spec.context_length:
+        refuse("context_length", spec.context_length, graph.context_length)
+    collectives = {n.attrs["ranks"] for n in graph.nodes if n.op in ("all_reduce", "all_gather")}
+    if collectives - {spec.tp_size} or (spec.tp_size > 1 and not collectives):
+        refuse("tp_size", spec.tp_size, f"collectives over {sorted(collectives) or 'no'} ranks")
     for n in graph.nodes:
         if n.op in ATTENTION_OPS:
             if n.attrs["num_kv_heads"] != spec.num_kv_heads:

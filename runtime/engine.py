@@ -30,7 +30,7 @@ from kiln.runtime.request import Request, RequestOutput
 from kiln.runtime.sampler import SamplingRow, sample
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Batch, Scheduler, SchedulerConfig
-from kiln.runtime.tokenizer import import_tokenizer_libraries, load_tokenizer
+from kiln.runtime.tokenizer import TokenizerError, import_tokenizer_libraries, load_tokenizer
 
 log = logging.getLogger("kiln.engine")
 
@@ -77,7 +77,7 @@ class Engine:
         skip_tokenizer = self.args.skip_tokenizer_init
         importer = threading.Thread(
             target=import_tokenizer_libraries,
-            args=(Path(artefact) / fmt.TOKENIZER_DIR,),
+            args=(Path(artefact),),
             name="kiln-import",
             daemon=True,
         )
@@ -99,7 +99,7 @@ class Engine:
         self.context_length = asked or spec.context_length
         if importer.is_alive():
             importer.join()
-        self.tokenizer = None if skip_tokenizer else load_tokenizer(self.art.tokenizer_dir)
+        self.tokenizer = None if skip_tokenizer else self._load_tokenizer()
         self.threads, threads_from = _set_threads(self.args.threads)
         self.max_running = self.args.max_running_requests or DEFAULT_MAX_RUNNING
         kv_tokens = self._kv_tokens(self.max_running)
@@ -119,6 +119,12 @@ class Engine:
         )
         self._live: dict[str, Request] = {}
         log.info("%s; threads: %d (%s)", self.describe(), self.threads, threads_from)
+
+    def _load_tokenizer(self) -> Any:
+        try:
+            return load_tokenizer(self.art.tokenizer_files())
+        except TokenizerError as e:
+            raise fmt.ArtefactError(f"{self.art.root}/{fmt.TOKENIZER_DIR}/{e}") from None
 
     def describe(self) -> str:
         """What runs: model, dtype, kernels per op, KV pool."""

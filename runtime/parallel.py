@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from kiln.args import ArgError
 from kiln.runtime.step import StepInputs
+from kiln.terminal import configure_logging
 
 log = logging.getLogger("kiln.parallel")
 
@@ -325,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S)
     args = p.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("KILN_LOG_LEVEL", "WARNING"))
+    configure_logging(os.environ.get("KILN_LOG_LEVEL", "WARNING"))
     try:
         return _worker(args)
     except (RuntimeError, ConnectionError) as e:  # rank 0 gone, or a collective failed

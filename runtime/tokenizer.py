@@ -12,18 +12,31 @@ Anything this module does not reproduce exactly (another class, a config key it 
 know, a special token the vocabulary lacks, a vocabulary large enough for transformers'
 pre-tokenizer patches, truncation or padding in tokenizer.json, a special_tokens_map.json
 beside it) is loaded by transformers instead; `load_tokenizer` logs why.
+
+An artefact is untrusted: the tokenizer is built from the files its manifest lists, read
+once and checked (`Artefact.tokenizer_files`), never from whatever else lies in the folder.
+transformers gets a private copy of exactly those files, with remote code refused, and a
+config that asks for custom code (`auto_map`) is refused before it is asked.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
+import tempfile
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from kiln.compiler.artefact import TOKENIZER_DIR, TOKENIZER_FILES, ArtefactError, open_member
+
 log = logging.getLogger("kiln.tokenizer")
+
+# A tokenizer's files by name (tokenizer.json, tokenizer_config.json...), as bytes.
+TokenizerFiles = Mapping[str, bytes]
 
 PLAIN_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
 # transformers' named special tokens: each becomes a variable of the chat template.
@@ -72,13 +85,17 @@ class NotExact(Exception):
     """The folder needs something FastTokenizer does not reproduce; the message says what."""
 
 
+class TokenizerError(ValueError):
+    """The tokenizer files are unusable; one line, starting with the file's name."""
+
+
 class FastTokenizer:
     """The subset of a transformers fast tokenizer kiln's server uses, on `tokenizers`."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, files: TokenizerFiles) -> None:
         from tokenizers import Tokenizer
 
-        config = _read_config(folder)
+        config = _read_config(files)
         unknown = sorted(set(config) - KNOWN_KEYS)
         if unknown:
             raise NotExact(f"tokenizer_config.json sets {', '.join(unknown)}")
@@ -86,12 +103,15 @@ class FastTokenizer:
             raise NotExact(f"tokenizer_class {config.get('tokenizer_class')!r}")
         if config.get("split_special_tokens"):
             raise NotExact("split_special_tokens")
-        if not (folder / "tokenizer.json").is_file():
+        if "tokenizer.json" not in files:
             raise NotExact("no tokenizer.json")
-        other = [f for f in OTHER_FILES if (folder / f).is_file()]
+        other = [f for f in OTHER_FILES if f in files]
         if other:
             raise NotExact(f"the folder has {', '.join(other)}")
-        backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        try:
+            backend = Tokenizer.from_str(files["tokenizer.json"].decode("utf-8"))
+        except Exception as e:  # tokenizers raises its own exception type for any defect
+            raise TokenizerError(f"tokenizer.json is invalid: {_first_line(e)}") from None
         if backend.truncation is not None or backend.padding is not None:
             raise NotExact("tokenizer.json sets truncation or padding")
         if backend.get_vocab_size() > MAX_VOCAB:
@@ -125,7 +145,7 @@ class FastTokenizer:
         self.added_tokens_decoder = dict(sorted(added.items()))
         listed = [*self.special_tokens_map.values(), *map(_content, extra or [])]
         self.all_special_ids = sorted({ids[t] for t in listed if t is not None})
-        self.chat_template = _chat_template(folder, config)
+        self.chat_template = _chat_template(files, config)
         # transformers skips its clean-up for BPE models (it would eat real spaces there).
         bpe = type(backend.model).__name__ == "BPE"
         self._clean_up = bool(config.get("clean_up_tokenization_spaces")) and not bpe
@@ -183,41 +203,84 @@ class FastTokenizer:
         )
 
 
-def import_tokenizer_libraries(folder: Path) -> None:
-    """Import what `load_tokenizer(folder)` will most likely need (on a thread, while the
-    artefact's checksums run): `tokenizers` where the config names the plain class,
-    transformers' AutoTokenizer (~1.3 s on a slow core) where it does not."""
+def read_folder(folder: Path) -> dict[str, bytes]:
+    """A checkpoint's tokenizer files (the names an artefact carries), as `load_tokenizer`
+    takes them; symbolic links are not followed."""
+    files = {}
+    for name in TOKENIZER_FILES:
+        path = folder / name
+        if path.is_file() and not path.is_symlink():
+            files[name] = path.read_bytes()
+    return files
+
+
+def import_tokenizer_libraries(artefact: Path) -> None:
+    """Import what `load_tokenizer` will most likely need for the artefact's tokenizer (on
+    a thread, while the artefact's checksums run): `tokenizers` where the config names the
+    plain class, transformers' AutoTokenizer (~1.3 s on a slow core) where it does not.
+    Only a hint: the config is read again, checked, before anything uses it."""
     try:
-        plain = _read_config(folder).get("tokenizer_class") in PLAIN_CLASSES
-    except NotExact:
-        plain = False
-    if plain:
+        with os.fdopen(open_member(artefact, f"{TOKENIZER_DIR}/tokenizer_config.json"), "rb") as f:
+            plain = _read_config({"tokenizer_config.json": f.read()}).get("tokenizer_class")
+    except (ArtefactError, NotExact, OSError):
+        plain = None
+    if plain in PLAIN_CLASSES:
         import tokenizers  # noqa: F401
     else:
         from transformers import AutoTokenizer  # noqa: F401
 
 
-def load_tokenizer(folder: Path) -> Any:
-    """The tokenizer in an artefact's folder (None when it holds none): a `FastTokenizer`
-    where that is exact, else transformers' `AutoTokenizer`."""
-    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+def load_tokenizer(files: TokenizerFiles) -> Any:
+    """The tokenizer made of `files` (None when they hold none): a `FastTokenizer` where
+    that is exact, else transformers' `AutoTokenizer` on a private copy of them. Raises
+    TokenizerError (one line) for files that ask for custom code or do not load."""
+    if not files.keys() & {"tokenizer.json", "tokenizer_config.json"}:
         return None
+    if "tokenizer_config.json" in files:
+        try:
+            config = _read_config(files)
+        except NotExact as e:
+            raise TokenizerError(str(e)) from None
+        if "auto_map" in config:
+            raise TokenizerError(
+                "tokenizer_config.json asks for custom tokenizer code (auto_map); kiln never "
+                "runs code from a checkpoint or an artefact"
+            )
     try:
-        return FastTokenizer(folder)
+        return FastTokenizer(files)
     except NotExact as e:
         log.info("tokenizer loaded by transformers (%s)", e)
+    return _transformers_tokenizer(files)
+
+
+def _transformers_tokenizer(files: TokenizerFiles) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(folder))
+    folder = Path(tempfile.mkdtemp(prefix="kiln-tokenizer-"))
+    try:
+        for name, data in files.items():
+            if name in TOKENIZER_FILES:  # plain names: nothing lands outside `folder`
+                (folder / name).write_bytes(data)
+        return AutoTokenizer.from_pretrained(
+            str(folder), trust_remote_code=False, local_files_only=True
+        )
+    except Exception as e:  # transformers' errors come in many types; all are the files'
+        raise TokenizerError(f"the tokenizer files do not load: {_first_line(e)}") from None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
-def _read_config(folder: Path) -> dict[str, Any]:
-    path = folder / "tokenizer_config.json"
-    if not path.is_file():
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:300] if lines else type(e).__name__
+
+
+def _read_config(files: TokenizerFiles) -> dict[str, Any]:
+    if "tokenizer_config.json" not in files:
         raise NotExact("no tokenizer_config.json")
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
+        config = json.loads(files["tokenizer_config.json"])
+    except ValueError as e:
         raise NotExact(f"tokenizer_config.json unreadable: {e}") from e
     if not isinstance(config, dict):
         raise NotExact("tokenizer_config.json is not an object")
@@ -231,11 +294,13 @@ def _content(token: Any) -> str | None:
     return token if isinstance(token, str) else None
 
 
-def _chat_template(folder: Path, config: Mapping[str, Any]) -> str | None:
+def _chat_template(files: TokenizerFiles, config: Mapping[str, Any]) -> str | None:
     """chat_template.jinja wins over the config's entry, as in transformers."""
-    file = folder / CHAT_TEMPLATE_FILE
-    if file.is_file():
-        return file.read_text(encoding="utf-8")
+    if CHAT_TEMPLATE_FILE in files:
+        try:
+            return files[CHAT_TEMPLATE_FILE].decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TokenizerError(f"{CHAT_TEMPLATE_FILE} is not UTF-8: {e}") from None
     template = config.get("chat_template")
     if template is None or isinstance(template, str):
         return template

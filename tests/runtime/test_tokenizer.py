@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from kiln.runtime.tokenizer import FastTokenizer, NotExact, load_tokenizer
+from kiln.runtime.tokenizer import FastTokenizer, NotExact, load_tokenizer, read_folder
 
 TEXTS = [
     "The capital of France is Paris.",
@@ -92,7 +92,7 @@ def tiny(checkpoint) -> Path:
 
 
 def test_the_test_checkpoints_tokenizer_is_read_exactly(tiny) -> None:
-    tok = load_tokenizer(tiny)
+    tok = load_tokenizer(read_folder(tiny))
     assert isinstance(tok, FastTokenizer)
     assert_same(tok, tiny, list(range(400)))
 
@@ -104,7 +104,7 @@ def test_the_real_models_tokenizer_is_read_exactly(tmp_path) -> None:
 
     folder = tmp_path / "tok"
     GGUFFile(fetch("smollm2")).write_tokenizer(folder)
-    tok = load_tokenizer(folder)
+    tok = load_tokenizer(read_folder(folder))
     assert isinstance(tok, FastTokenizer)
     assert_same(tok, folder, [*range(0, 49152, 97), 0, 1, 2, 49151])
 
@@ -121,7 +121,7 @@ def test_the_real_models_tokenizer_is_read_exactly(tmp_path) -> None:
 )
 def test_config_flags_change_what_they_change_in_transformers(tiny, tmp_path, config) -> None:
     folder = edited(tiny, tmp_path / "tok", config)
-    tok = load_tokenizer(folder)
+    tok = load_tokenizer(read_folder(folder))
     assert isinstance(tok, FastTokenizer)
     assert_same(tok, folder, [])
 
@@ -129,7 +129,7 @@ def test_config_flags_change_what_they_change_in_transformers(tiny, tmp_path, co
 def test_without_a_post_processor_nothing_surrounds_a_text(tiny, tmp_path) -> None:
     """Whatever add_bos_token says: transformers drops it when tokenizer.json exists."""
     folder = edited(tiny, tmp_path / "tok", {"add_bos_token": True}, post_processor=None)
-    tok = load_tokenizer(folder)
+    tok = load_tokenizer(read_folder(folder))
     assert isinstance(tok, FastTokenizer)
     assert tok.encode("x") == tok.encode("x", add_special_tokens=False)
     assert_same(tok, folder, [])
@@ -160,8 +160,8 @@ def test_without_a_post_processor_nothing_surrounds_a_text(tiny, tmp_path) -> No
 def test_what_is_not_reproduced_goes_to_transformers(tiny, tmp_path, config, backend, why) -> None:
     folder = edited(tiny, tmp_path / "tok", config, **backend)
     with pytest.raises(NotExact, match=why):
-        FastTokenizer(folder)
-    tok = load_tokenizer(folder)
+        FastTokenizer(read_folder(folder))
+    tok = load_tokenizer(read_folder(folder))
     assert not isinstance(tok, FastTokenizer)
     assert tok.encode("The capital") == AutoTokenizer.from_pretrained(str(folder)).encode(
         "The capital"
@@ -173,8 +173,8 @@ def test_other_special_token_files_go_to_transformers(tiny, tmp_path, name) -> N
     folder = edited(tiny, tmp_path / "tok")
     (folder / name).write_text(json.dumps({"eos_token": "<|user|>"} if "map" in name else {}))
     with pytest.raises(NotExact, match=name):
-        FastTokenizer(folder)
-    tok = load_tokenizer(folder)
+        FastTokenizer(read_folder(folder))
+    tok = load_tokenizer(read_folder(folder))
     assert not isinstance(tok, FastTokenizer)
     assert tok.encode("The capital") == AutoTokenizer.from_pretrained(str(folder)).encode(
         "The capital"
@@ -184,7 +184,7 @@ def test_other_special_token_files_go_to_transformers(tiny, tmp_path, name) -> N
 def test_templates_stay_in_the_sandbox(tiny) -> None:
     from jinja2.exceptions import SecurityError, TemplateError
 
-    tok = FastTokenizer(tiny)
+    tok = FastTokenizer(read_folder(tiny))
     convo = CONVERSATIONS[0]
     with pytest.raises(TemplateError, match="no system"):
         tok.apply_chat_template(convo, chat_template="{{ raise_exception('no system') }}")

@@ -7,9 +7,11 @@ stops it is the loader's checks, not the checksums.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -266,3 +268,194 @@ def test_cli_refuses_a_tampered_artefact_in_one_line(copy, tmp_path) -> None:
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "graph.json is invalid" in r.stderr
     assert not marker.exists()
+
+
+# -- the second hardening round (issue 23, items 1-5) -------------------------------------------
+def _one_line_refusal(art: Path, *parts: str) -> str:
+    with pytest.raises(ArtefactError) as e:
+        Engine(art, max_total_tokens=64)
+    message = str(e.value)
+    assert "\n" not in message, message
+    for part in parts:
+        assert part in message, message
+    return message
+
+
+def test_a_tokenizer_that_asks_for_custom_code_is_refused_without_running_it(
+    copy, tmp_path
+) -> None:
+    """Item 1: an auto_map naming a module planted beside the tokenizer never runs, and
+    nobody is asked whether it may (transformers would prompt "[y/N]")."""
+    marker = tmp_path / "ran"
+    (copy / "tokenizer" / "tokenization_evil.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n"
+        "from transformers import PreTrainedTokenizerFast as EvilTokenizer\n"
+    )
+    edit_json(
+        copy,
+        "tokenizer/tokenizer_config.json",
+        lambda c: {**c, "auto_map": {"AutoTokenizer": [None, "tokenization_evil.EvilTokenizer"]}},
+    )
+    _one_line_refusal(copy, "tokenizer/tokenizer_config.json asks for custom tokenizer code")
+    assert not marker.exists()
+
+
+def test_transformers_is_never_let_run_tokenizer_code(copy, tmp_path) -> None:
+    """Item 1, one level down: the fallback to transformers refuses remote code itself."""
+    from kiln.runtime.tokenizer import TokenizerError, _transformers_tokenizer, read_folder
+
+    marker = tmp_path / "ran"
+    folder = copy / "tokenizer"
+    (folder / "tokenization_evil.py").write_text(f"open({str(marker)!r}, 'w')\n")
+    files = read_folder(folder)
+    config = json.loads(files["tokenizer_config.json"])
+    config["auto_map"] = {"AutoTokenizer": [None, "tokenization_evil.EvilTokenizer"]}
+    files["tokenizer_config.json"] = json.dumps(config).encode()
+    files["tokenization_evil.py"] = (folder / "tokenization_evil.py").read_bytes()
+    try:
+        tok = _transformers_tokenizer(files)
+    except TokenizerError:
+        tok = None
+    assert not marker.exists()
+    assert tok is None or type(tok).__module__.startswith("transformers.")
+
+
+def test_a_listed_file_kiln_never_writes_is_refused(copy) -> None:
+    (copy / "tokenizer" / "tokenization_evil.py").write_text("print('hi')\n")
+    m = json.loads((copy / "manifest.json").read_text())
+    m["files"]["tokenizer/tokenization_evil.py"] = file_entry(
+        copy, "tokenizer/tokenization_evil.py"
+    )
+    (copy / "manifest.json").write_text(json.dumps(m))
+    _one_line_refusal(copy, "tokenization_evil.py", "not a file kiln compile writes")
+
+
+def _unlist(art: Path, rel: str) -> None:
+    m = json.loads((art / "manifest.json").read_text())
+    del m["files"][rel]
+    (art / "manifest.json").write_text(json.dumps(m))
+
+
+def test_an_unlisted_chat_template_is_never_read(copy) -> None:
+    """Item 2: a template the manifest does not list (planted, or left over) is not used."""
+    planted = "{{ 'PLANTED' }}"
+    _unlist(copy, "tokenizer/chat_template.jinja")
+    (copy / "tokenizer" / "chat_template.jinja").write_text(planted)
+    engine = Engine(copy, max_total_tokens=64)
+    assert engine.tokenizer is not None and engine.tokenizer.chat_template != planted
+
+
+@pytest.mark.parametrize(
+    "link",
+    ["tokenizer/chat_template.jinja", "tokenizer", "graph.json", "manifest.json"],
+)
+def test_no_symbolic_link_is_followed(copy, tmp_path, link) -> None:
+    """Item 2: a file of the artefact made a link (to /etc/passwd, or to a folder outside)
+    is refused in one line, however the checksums were recomputed."""
+    path = copy / link
+    if link == "tokenizer/chat_template.jinja":
+        path.unlink()
+        path.symlink_to("/etc/passwd")
+        reseal(copy)  # the checksum of /etc/passwd, as an attacker would write it
+    else:
+        moved = tmp_path / "outside" / link
+        moved.parent.mkdir()
+        path.rename(moved)
+        path.symlink_to(moved, target_is_directory=moved.is_dir())
+    message = _one_line_refusal(copy, link)
+    assert "symbolic link" in message or (link == "manifest.json" and "symbolic" in message)
+
+
+def test_a_fifo_in_place_of_a_file_does_not_hang_the_load(copy) -> None:
+    (copy / "tokenizer" / "tokenizer.json").unlink()
+    os.mkfifo(copy / "tokenizer" / "tokenizer.json")
+    _one_line_refusal(copy, "tokenizer/tokenizer.json is not a regular file")
+
+
+def test_a_malformed_tokenizer_is_one_line(copy) -> None:
+    """Item 3: tokenizer.json that is JSON but not a tokenizer, checksum recomputed."""
+    (copy / "tokenizer" / "tokenizer.json").write_text('{"model": {"type": "nonsense"}}')
+    reseal(copy)
+    _one_line_refusal(copy, "tokenizer/tokenizer.json is invalid")
+    r = subprocess.run(
+        [sys.executable, "-m", "kiln", "generate", str(copy), "--prompt", "x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "tokenizer.json is invalid" in r.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("num_layers", int(2e8), "runtime.num_layers: Input should be less than or equal"),
+        ("num_layers", 10**9, "runtime.num_layers: Input should be less than or equal"),
+        ("num_layers", 4000, "runtime.num_layers is 4000, the graph has attention layers"),
+        ("context_length", 10**12, "runtime.context_length: Input should be less than or equal"),
+        ("context_length", 2, "runtime.context_length is 2, the graph has 256"),
+        ("context_length", 100_000, "runtime.context_length is 100000, the graph has 256"),
+        ("eos_token_ids", list(range(10_000)), "runtime.eos_token_ids: List should have at most"),
+        ("served_model_name", "x" * 10_000, "runtime.served_model_name: String should have at"),
+    ],
+)
+def test_manifest_numbers_are_bounded_before_use(copy, field, value, message) -> None:
+    """Item 4: numbers the manifest holds (it has no checksum) are bounded and held to the
+    graph before anything is sized by them: each refusal is quick."""
+    edit_json(copy, "manifest.json", _set(["runtime", field], value))
+    start = time.perf_counter()
+    _one_line_refusal(copy, message)
+    assert time.perf_counter() - start < 5
+
+
+def test_tp_size_is_held_to_the_graphs_collectives(artefact, tmp_path) -> None:
+    art = tmp_path / "art"
+    shutil.copytree(artefact("llama", compile_args={"tp_size": 2}, num_kv_heads=4), art)
+    m = json.loads((art / "manifest.json").read_text())
+    m["runtime"]["tp_size"] = 1
+    (art / "manifest.json").write_text(json.dumps(m))
+    _one_line_refusal(art, "runtime.tp_size is 1, the graph has collectives over [2] ranks")
+
+
+def test_manifest_strings_are_printed_escaped(copy) -> None:
+    """Item 5: a model_path with a terminal escape and newlines, a served_model_name that
+    would forge a log line: both reach stderr escaped, one line each."""
+    forged = "INFO kiln.serve: forged"
+    m = json.loads((copy / "manifest.json").read_text())
+    m["runtime"]["served_model_name"] = f"evil\n{forged}"
+    (copy / "manifest.json").write_text(json.dumps(m))
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kiln",
+            "generate",
+            str(copy),
+            "--prompt",
+            "x",
+            "--max-new-tokens",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert not any(line.startswith(forged) for line in r.stderr.splitlines()), r.stderr
+    assert "evil\\nINFO" in r.stderr
+    m["compile_args"]["model_path"] = "\x1b[2J\nrm -rf"
+    m["target"]["features"] = [*m["target"]["features"], "no_such_feature"]
+    (copy / "manifest.json").write_text(json.dumps(m))
+    r = subprocess.run(
+        [sys.executable, "-m", "kiln", "generate", str(copy), "--prompt", "x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "\x1b" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "\\x1b[2J\\nrm -rf" in r.stderr
+    shown = subprocess.run(
+        [sys.executable, "-m", "kiln", "inspect", str(copy)], capture_output=True, text=True
+    )
+    assert "\x1b" not in shown.stdout and "evil\\nINFO" in shown.stdout
