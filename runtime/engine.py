@@ -245,7 +245,8 @@ class Engine:
             )
         gen = None
         if params.sampling_seed is not None:
-            gen = torch.Generator().manual_seed(params.sampling_seed + index)
+            # Modulo 2**64: any seed the parameters accept, plus the index, is a valid state.
+            gen = torch.Generator().manual_seed((params.sampling_seed + index) % 2**64)
         elif self._rng is not None:
             gen = torch.Generator().manual_seed(
                 int(torch.randint(2**62, (1,), generator=self._rng))

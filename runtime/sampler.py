@@ -42,6 +42,7 @@ def sample(
         for i, r in enumerate(rows):
             if r.params.penalised:
                 _penalise(logits[i], r)
+                _finite(logits[i])
             if r.suppress:
                 logits[i, list(r.suppress)] = float("-inf")
     tokens = logits.argmax(dim=-1).tolist()
@@ -52,7 +53,9 @@ def sample(
     logprobs: list[TokenLogprob | None] = [None] * len(rows)
     for i, r in enumerate(rows):
         if r.top_logprobs is not None:
-            lp = torch.log_softmax(logits[i], dim=-1)
+            # Clamped: a token penalised or suppressed to -inf has no finite logprob, and
+            # JSON has no -Infinity.
+            lp = torch.log_softmax(logits[i], dim=-1).clamp_(min=torch.finfo(torch.float32).min)
             top = torch.topk(lp, r.top_logprobs) if r.top_logprobs else None
             pairs = (
                 tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else ()
@@ -79,8 +82,17 @@ def _penalise(row: torch.Tensor, r: SamplingRow) -> None:
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 
+def _finite(row: torch.Tensor) -> None:
+    """Penalties may push a logit past float32's range (a repetition_penalty of 1e-38
+    divides by it): held at the largest finite values, so no inf - inf makes a NaN and the
+    order of the tokens is kept."""
+    big = torch.finfo(row.dtype).max
+    torch.nan_to_num_(row, nan=-big, posinf=big, neginf=-big)
+
+
 def _filtered_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    row = row / p.temperature
+    # A small temperature may overflow finite logits; -inf (suppressed tokens) stays -inf.
+    row = torch.nan_to_num(row / p.temperature, posinf=torch.finfo(row.dtype).max)
     if p.top_k > 0 and p.top_k < row.numel():
         kth = torch.topk(row, p.top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +31,14 @@ UNSUPPORTED = (
     "custom_params",
     "stream_interval",
 )
+# Seeds are taken modulo 2**64 (torch's generator state); any integer of 64 bits, signed or
+# not, is a seed.
+SEED_RANGE = (-(2**63), 2**64 - 1)
 # Fields that may be null (meaning: not set). The others must hold a value if given.
 _NULLABLE = ("max_new_tokens", "sampling_seed", "stop", "stop_token_ids", "logit_bias")
+
+
+_TOKEN_KEY = re.compile(r"\s*-?[0-9]{1,18}\s*")
 
 
 def _is_int(v: Any) -> bool:
@@ -139,6 +146,11 @@ class SamplingParams:
                 all(-100 <= b <= 100 for _, b in self.logit_bias),
                 "logit_bias values must be in [-100, 100]",
             ),
+            (
+                self.sampling_seed is None
+                or SEED_RANGE[0] <= self.sampling_seed <= SEED_RANGE[1],
+                f"seed must be an integer in [-2**63, 2**64 - 1], got {_show(self.sampling_seed)}",
+            ),
         )
         for ok, message in checks:
             if not ok:
@@ -189,7 +201,8 @@ def _logit_bias(bias: dict[Any, Any]) -> tuple[tuple[int, float], ...]:
     out = []
     for k, b in bias.items():
         token = k if _is_int(k) else None
-        if isinstance(k, str) and k.strip().lstrip("-").isdigit():
+        # ASCII digits only ("²".isdigit() is true, and int() refuses it), and few of them.
+        if isinstance(k, str) and _TOKEN_KEY.fullmatch(k):
             token = int(k)
         if token is None:
             raise ValueError(f"logit_bias: keys must be token ids, got {_show(k)}")

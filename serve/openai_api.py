@@ -52,10 +52,10 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     ctx = _ctx(request)
     ctx.refuse_unsupported(body.unsupported())
     n = body.n
-    best_of = body.best_of or n
     if not 1 <= n <= MAX_N:
         raise ApiError(400, f"n must be in [1, {MAX_N}], got {n}")
-    if not n <= best_of <= MAX_BEST_OF:
+    best_of = n if body.best_of is None else body.best_of
+    if body.best_of is not None and not n <= best_of <= MAX_BEST_OF:
         raise ApiError(400, f"best_of must be in [n, {MAX_BEST_OF}], got {best_of} (n is {n})")
     if body.stream and best_of != n:
         raise ApiError(400, "best_of > n cannot be streamed")
@@ -80,12 +80,17 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     head = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
 
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        include_usage, continuous = _usage_options(body)
 
         async def chunks() -> AsyncIterator[str]:
             started: set[int] = set()
             completion_tokens = 0
-            cached = {}
+            cached: dict[int, int] = {}
+
+            def usage() -> dict[str, Any]:
+                prompt_cached = sum(cached.get(i * n, 0) for i in range(len(prompts)))
+                return {"usage": ctx.usage(reqs, n, completion_tokens, prompt_cached)}
+
             async for i, out in merged(ctx, reqs):
                 cached[i] = out.cached_tokens
                 text = out.text
@@ -105,15 +110,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                     "finish_reason": reason,
                     "matched_stop": matched,
                 }
-                yield sse({**head, "choices": [choice]})
+                yield sse({**head, "choices": [choice], **(usage() if continuous else {})})
             if include_usage:
-                usage = ctx.usage(
-                    reqs,
-                    n,
-                    completion_tokens,
-                    sum(cached.get(i * n, 0) for i in range(len(prompts))),
-                )
-                yield sse({**head, "choices": [], "usage": usage})
+                yield sse({**head, "choices": [], **usage()})
 
         return StreamingResponse(events(chunks), media_type="text/event-stream")
 
@@ -141,6 +140,12 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     return {**head, "choices": choices, "usage": usage}
 
 
+def _usage_options(body: CompletionRequest | ChatCompletionRequest) -> tuple[bool, bool]:
+    """(a usage chunk at the end, usage in every chunk: vLLM's continuous_usage_stats)."""
+    opts = body.stream_options
+    return bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
+
+
 def _completion_logprobs(ctx: ServingContext, lps: list[TokenLogprob]) -> dict[str, Any]:
     tokens = [ctx.token_text(lp.token) for lp in lps]
     offsets, at = [], 0
@@ -160,7 +165,7 @@ def _completion_logprobs(ctx: ServingContext, lps: list[TokenLogprob]) -> dict[s
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     ctx = _ctx(request)
     ctx.refuse_unsupported(body.unsupported())
-    max_tokens = body.max_completion_tokens or body.max_tokens
+    max_tokens = body.max_new_tokens
     top = (body.top_logprobs or 0) if body.logprobs else None
 
     def build() -> list[Any]:
@@ -179,15 +184,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     head = {"id": rid, "created": created, "model": ctx.model_name}
 
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        include_usage, continuous = _usage_options(body)
         chunk_head = {**head, "object": "chat.completion.chunk"}
 
         async def chunks() -> AsyncIterator[str]:
+            completion_tokens = cached = 0
+
+            def usage() -> dict[str, Any]:
+                return {"usage": ctx.usage(reqs, body.n, completion_tokens, cached)}
+
             for i in range(body.n):
                 delta = {"role": "assistant", "content": ""}
                 first = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
-                yield sse({**chunk_head, "choices": [first]})
-            completion_tokens = cached = 0
+                yield sse({**chunk_head, "choices": [first], **(usage() if continuous else {})})
             async for i, out in merged(ctx, reqs):
                 completion_tokens += len(out.token_ids)
                 cached = out.cached_tokens if i == 0 else cached
@@ -201,10 +210,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                     "finish_reason": reason,
                     "matched_stop": matched,
                 }
-                yield sse({**chunk_head, "choices": [choice]})
+                yield sse({**chunk_head, "choices": [choice], **(usage() if continuous else {})})
             if include_usage:
-                usage = ctx.usage(reqs, body.n, completion_tokens, cached)
-                yield sse({**chunk_head, "choices": [], "usage": usage})
+                yield sse({**chunk_head, "choices": [], **usage()})
 
         return StreamingResponse(events(chunks), media_type="text/event-stream")
 

@@ -120,9 +120,19 @@ class Body(BaseModel):
         model._refused = refused
         return model
 
-    def unsupported(self) -> list[str]:
-        """Refused fields the body gave a value other than their default."""
-        return list(self._refused)
+    def unsupported(self, where: str = "") -> list[str]:
+        """Refused fields the body gave a value other than their default, with their path
+        (`messages[1].tool_calls`), nested objects included."""
+        out = [f"{where}{name}" for name in self._refused]
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, Body):
+                out += value.unsupported(f"{where}{name}.")
+            elif isinstance(value, list):
+                for i, item in enumerate(value):
+                    if isinstance(item, Body):
+                        out += item.unsupported(f"{where}{name}[{i}].")
+        return out
 
 
 # SGLang extensions both OpenAI routes define and kiln does not implement (yet).
@@ -156,8 +166,8 @@ _SGLANG_REFUSED: dict[str, Any] = {
 
 class StreamOptions(Body):
     include_usage: bool = False
-
-    REFUSED = {"continuous_usage_stats": False}
+    # vLLM's extension: every chunk carries the usage so far.
+    continuous_usage_stats: bool = False
 
 
 class ResponseFormat(Body):
@@ -195,11 +205,17 @@ class _Sampling(Body):
 
     REFUSED = _SGLANG_REFUSED
 
-    def unsupported(self) -> list[str]:
-        out = super().unsupported()
+    def unsupported(self, where: str = "") -> list[str]:
+        out = super().unsupported(where)
         if self.response_format is not None and self.response_format.type != "text":
             out.append(f"response_format {self.response_format.type!r}")
         return out
+
+    @model_validator(mode="after")
+    def _options_need_their_switch(self) -> _Sampling:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed with stream: true")
+        return self
 
     def sampling_params(self, max_tokens: int | None) -> dict[str, Any]:
         params = {
@@ -225,7 +241,7 @@ class _Sampling(Body):
 
 class CompletionRequest(_Sampling):
     prompt: Prompt
-    max_tokens: int | None = 16
+    max_tokens: int | None = Field(default=16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
     best_of: int | None = None
@@ -244,8 +260,8 @@ class ChatMessage(Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None
@@ -283,11 +299,24 @@ class ChatCompletionRequest(_Sampling):
         "store": False,
     }
 
-    def unsupported(self) -> list[str]:
-        out = super().unsupported()
+    def unsupported(self, where: str = "") -> list[str]:
+        out = super().unsupported(where)
         if self.tool_choice not in (None, "none", "auto"):
             out.append("tool_choice")
         return out
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: only allowed with logprobs: true")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """max_completion_tokens, else the older max_tokens (a 0 is a 0)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
 
 
 class GenerateRequest(Body):

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kiln.runtime.sampler import SamplingRow, sample
 from kiln.runtime.sampling_params import SamplingParams
@@ -134,3 +136,53 @@ def test_nullable_fields_mean_not_set() -> None:
     assert p == SamplingParams()
     assert SamplingParams.from_dict({"temperature": 1e-45}).greedy
     assert SamplingParams.from_dict({"regex": None}) == SamplingParams()
+
+
+# -- every value the validator accepts is safe in the sampler (issue 23, item 8) ---------------
+VOCAB = 12
+_edge_floats = st.one_of(
+    st.floats(min_value=-1e4, max_value=1e4, allow_nan=False),
+    st.sampled_from([0.0, 1e-38, -1e-38, 3.0e38, -3.0e38, 1e30, -1e30]),
+)
+
+
+@st.composite
+def accepted_params(draw: st.DrawFn) -> dict:
+    """Sampling parameters anywhere in the ranges SamplingParams accepts, edges included."""
+    return {
+        "temperature": draw(st.one_of(st.sampled_from([0.0, 1e-6, 2e-6, 1e6]), st.floats(0, 100))),
+        "top_p": draw(st.one_of(st.sampled_from([1e-30, 1.0]), st.floats(1e-9, 1.0))),
+        "top_k": draw(st.one_of(st.just(-1), st.integers(1, VOCAB + 5))),
+        "min_p": draw(st.one_of(st.sampled_from([0.0, 1.0]), st.floats(0, 1))),
+        "frequency_penalty": draw(st.floats(-2, 2)),
+        "presence_penalty": draw(st.floats(-2, 2)),
+        "repetition_penalty": draw(
+            st.one_of(st.sampled_from([1e-38, 1e-45, 2.0]), st.floats(1e-30, 2.0))
+        ),
+        "logit_bias": draw(
+            st.dictionaries(
+                st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100), max_size=VOCAB
+            )
+        ),
+    }
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    params=accepted_params(),
+    logits=st.lists(_edge_floats, min_size=VOCAB, max_size=VOCAB),
+    output=st.lists(st.integers(0, VOCAB - 1), max_size=6),
+    suppress=st.lists(st.integers(0, VOCAB - 1), max_size=3, unique=True),
+    seed=st.integers(0, 2**63 - 1),
+)
+def test_every_accepted_parameter_samples_a_token(params, logits, output, suppress, seed) -> None:
+    """A repetition_penalty of 1e-38 used to give inf logits and a 500 ("probability tensor
+    contains inf or nan"): for any accepted values and any finite logits, the sampler picks
+    a token it was allowed to pick, and every logprob is finite."""
+    sp = SamplingParams.from_dict(params)
+    r = SamplingRow(sp, gen(seed), (1, 2), tuple(output), top_logprobs=5, suppress=tuple(suppress))
+    [token], [lp] = sample(torch.tensor([logits]), [r])
+    assert 0 <= token < VOCAB and token not in suppress
+    assert (
+        lp is not None and torch.isfinite(torch.tensor([lp.logprob, *(v for _, v in lp.top)])).all()
+    )
