@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -38,6 +39,8 @@ DEFAULT_MAX_RUNNING = 256
 DEFAULT_CPU_MEM_FRACTION = 0.3
 # --chunked-prefill-size unset: chunks of this many tokens (SGLang sizes it per GPU).
 DEFAULT_CHUNKED_PREFILL = 4096
+# Longest the engine spends giving KV memory back in one go (it does so when idle).
+RELEASE_BUDGET_S = 0.05
 
 
 class RequestError(ValueError):
@@ -209,6 +212,7 @@ class Engine:
             self.add_request(req)
         while any(not r.finished for r in requests):
             self.step()
+        self.release_memory(math.inf)
         results = [self.result(r) for r in requests]
         return results[0] if single and len(results) == 1 else results
 
@@ -456,8 +460,22 @@ class Engine:
             self.runner.pool.free(req.pages)
 
     def flush_cache(self) -> int:
-        """Drop every prefix-cache entry no request is using; returns tokens freed."""
-        return self.scheduler.flush_cache() * self.runner.pool.page_size
+        """Drop every prefix-cache entry no request is using; returns tokens freed. Their
+        memory goes back to the OS."""
+        freed = self.scheduler.flush_cache() * self.runner.pool.page_size
+        self.release_memory()
+        return freed
+
+    def release_memory(self, budget_s: float = RELEASE_BUDGET_S) -> int:
+        """Give the OS back the KV memory of pages freed since the last call (no request
+        or prefix-cache entry holds them); returns the bytes. Called when the engine goes
+        idle, and after a flush; a fragmented pool is worked through `budget_s` seconds a
+        call, so a request arriving meanwhile waits at most that. On a tensor-parallel
+        artefact, rank 0's pool only."""
+        pool = self.runner.pool
+        released, rest = self.runner.kv.release(pool.take_freed(), pool.page_size, budget_s)
+        pool.put_back_freed(rest)
+        return released
 
     def on_rank_failure(self, fn: Callable[[str], None]) -> None:
         """Have `fn(reason)` called, from another thread, when a tensor-parallel rank dies

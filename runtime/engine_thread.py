@@ -83,6 +83,7 @@ class EngineThread:
         while not self._stopping.is_set():
             self._drain()
             if not self.engine.has_work:
+                self.engine.release_memory()  # a no-op unless pages fell free since
                 self._wake.wait(0.1)
                 self._wake.clear()
                 continue

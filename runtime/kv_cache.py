@@ -3,12 +3,16 @@
 On CPU the K/V tensors live in an anonymous memory mapping: zero-filled, and committed by
 the OS page by page as they are first written, so a server sized for its worst case idles
 at the memory it actually used (the allocator hands out low pages first, which keeps the
-touched part compact). On GPUs the pool is allocated up front, as SGLang does.
+touched part compact). Pages that fall free are given back to the OS (`KVCache.release`,
+MADV_DONTNEED: they read as zeros again) when the engine goes idle or the prefix cache is
+flushed. On GPUs the pool is allocated up front, as SGLang does.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
+import time
 
 import torch
 
@@ -23,6 +27,8 @@ class PagePool:
         self.num_pages = num_pages
         # Pop from the end: low page numbers are handed out first.
         self._free = list(range(num_pages - 1, -1, -1))
+        # Freed since the last `take_freed` and still free: memory that may go back.
+        self._freed: set[int] = set()
 
     @property
     def free_pages(self) -> int:
@@ -43,10 +49,22 @@ class PagePool:
             raise MemoryError(f"KV pool exhausted: {pages} pages asked, {len(self._free)} free")
         taken = self._free[-pages:] if pages else []
         del self._free[len(self._free) - pages :]
+        self._freed.difference_update(taken)
         return taken[::-1]
 
     def free(self, pages: list[int]) -> None:
         self._free.extend(reversed(pages))
+        self._freed.update(pages)
+
+    def take_freed(self) -> list[int]:
+        """The pages freed since the last call that are still free, in order."""
+        pages = sorted(self._freed)
+        self._freed.clear()
+        return pages
+
+    def put_back_freed(self, pages: list[int]) -> None:
+        """Pages from `take_freed` whose memory was not given back yet (still free)."""
+        self._freed.update(pages)
 
     def slots(self, pages: list[int], num_tokens: int) -> torch.Tensor:
         """Slot index of each of the first `num_tokens` tokens stored in `pages`."""
@@ -71,8 +89,9 @@ class KVCache:
         shape = (num_layers, num_kv_heads, num_slots, head_dim)
         # Zero-filled, not uninitialised: padded decode reads slot 0 under a mask, and
         # NaN * 0 is NaN.
-        self.k = _zeros(shape, dtype, device)
-        self.v = _zeros(shape, dtype, device)
+        self.k, k_map = _zeros(shape, dtype, device)
+        self.v, v_map = _zeros(shape, dtype, device)
+        self._maps = [m for m in (k_map, v_map) if m is not None]
         self.nbytes = 2 * self.k.numel() * self.k.element_size()
 
     @staticmethod
@@ -81,13 +100,56 @@ class KVCache:
     ) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
+    def release(
+        self, pages: list[int], page_size: int, budget_s: float = math.inf
+    ) -> tuple[int, list[int]]:
+        """Give the OS back the memory of `pages` (free ones: nothing may read them before
+        writing), in whole OS pages; they read as zeros again. One madvise per run of
+        pages per layer and head, so a fragmented pool costs many calls: after `budget_s`
+        seconds the rest is returned, for a later call. Returns (bytes released, pages not
+        handled); a GPU pool stays allocated (0 bytes)."""
+        if not self._maps or not pages:
+            return 0, []
+        layers, heads, slots, dim = self.k.shape
+        row = dim * self.k.element_size()  # bytes of one slot of one head
+        deadline = time.perf_counter() + budget_s
+        released = 0
+        for first, count in _runs(pages):
+            if time.perf_counter() > deadline:
+                return released, [p for p in pages if p >= first]
+            if count * page_size * row < mmap.PAGESIZE:
+                continue  # no whole OS page inside (fragments cost nothing to skip)
+            for block in range(layers * heads):
+                start = (block * slots + first * page_size) * row
+                end = start + count * page_size * row
+                start = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+                end = end // mmap.PAGESIZE * mmap.PAGESIZE
+                if end > start:
+                    for memory in self._maps:
+                        memory.madvise(mmap.MADV_DONTNEED, start, end - start)
+                    released += len(self._maps) * (end - start)
+        return released, []
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+
+def _runs(pages: list[int]) -> list[tuple[int, int]]:
+    """Sorted page numbers as (first, count) runs of consecutive pages."""
+    runs: list[tuple[int, int]] = []
+    for p in pages:
+        if runs and runs[-1][0] + runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((p, 1))
+    return runs
+
+
+def _zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, device: str
+) -> tuple[torch.Tensor, mmap.mmap | None]:
     if device != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return torch.zeros(shape, dtype=dtype, device=device), None
     numel = 1
     for d in shape:
         numel *= d
     nbytes = max(numel * dtype.itemsize, 1)
     memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)
+    return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape), memory

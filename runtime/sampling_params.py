@@ -147,8 +147,7 @@ class SamplingParams:
                 "logit_bias values must be in [-100, 100]",
             ),
             (
-                self.sampling_seed is None
-                or SEED_RANGE[0] <= self.sampling_seed <= SEED_RANGE[1],
+                self.sampling_seed is None or SEED_RANGE[0] <= self.sampling_seed <= SEED_RANGE[1],
                 f"seed must be an integer in [-2**63, 2**64 - 1], got {_show(self.sampling_seed)}",
             ),
         )

@@ -45,6 +45,8 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
         api_key=args.api_key,
         admin_key=args.admin_api_key,
         max_body=args.max_request_body_bytes,
+        host=args.host,
+        allowed_hosts=args.allowed_hosts or (),
     )
 
     @app.exception_handler(ApiError)

@@ -33,6 +33,8 @@ T = TypeVar("T")
 # capped by SamplingParams.
 MAX_BEST_OF = 20  # OpenAI's limit for legacy completions
 MAX_REQUESTS_PER_CALL = 1024  # prompts x n (or best_of) in one HTTP request
+# /health_generate runs at most one generation per this many seconds, however many call it.
+HEALTH_PROBE_SECONDS = 1.0
 RID = re.compile(r"[!-~]{1,256}")  # printable ASCII, no spaces: safe in logs and headers
 # apply_chat_template's own arguments: not for chat_template_kwargs to override.
 _TEMPLATE_RESERVED = frozenset(
@@ -69,6 +71,8 @@ class ServingContext:
         self._workers = ThreadPoolExecutor(
             max_workers=args.tokenizer_worker_num, thread_name_prefix="kiln-tokenize"
         )
+        self._probe: asyncio.Future[bool] | None = None
+        self._probed = (-HEALTH_PROBE_SECONDS, False)  # (when, healthy)
 
     def close(self) -> None:
         self._workers.shutdown(wait=False, cancel_futures=True)
@@ -275,6 +279,29 @@ class ServingContext:
         async for out in self.stream(reqs[0]):
             finished = out.finished
         return finished
+
+    async def health_probe(self) -> bool:
+        """/health_generate's answer. Concurrent callers await one shared probe, and an
+        answer younger than HEALTH_PROBE_SECONDS is reused, so keyless callers (the route
+        is public) cost at most one one-token generation a second. A caller that leaves
+        does not cancel the probe the others wait for."""
+        at, healthy = self._probed
+        if self._probe is None and time.monotonic() - at < HEALTH_PROBE_SECONDS:
+            return healthy
+        if self._probe is None:
+            self._probe = asyncio.ensure_future(self._run_probe())
+        return await asyncio.shield(self._probe)
+
+    async def _run_probe(self) -> bool:
+        healthy = False
+        try:
+            healthy = await self.probe(max_new_tokens=1)
+        except ApiError:
+            pass
+        finally:
+            self._probed = (time.monotonic(), healthy)
+            self._probe = None
+        return healthy
 
     def usage(
         self, reqs: list[Request], per_prompt: int, completion_tokens: int, cached_tokens: int = 0

@@ -10,13 +10,19 @@ client had gone kept generating. Here `receive` reaches the route untouched (onl
   carrying an `Origin` of another site is refused (403), and POST bodies must be JSON
   (415 for form and text content types), so no page can make this server work for it.
 - Body size: more than `--max-request-body-bytes` gets a 413, read no further.
+- Host names: a server bound to loopback answers only requests whose `Host` is a loopback
+  name (`localhost`, `127.0.0.1`, `[::1]`), its `--host` or one of `--allowed-hosts`. A page
+  on evil.com whose DNS name is rebound to 127.0.0.1 sends `Host: evil.com` and a matching
+  `Origin`, which the Origin check alone lets through (403 here). `--allowed-hosts` on a
+  server bound to another address restricts it the same way.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -46,14 +52,42 @@ async def send_error(send: Send, status: int, message: str, kind: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+def host_name(header: str) -> str:
+    """The name in a Host header, without its port: `[::1]:80` -> `::1`, `a.b:1` -> `a.b`."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1 : header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+def is_loopback(name: str) -> bool:
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
 class FrontDoor:
     def __init__(
-        self, app: ASGIApp, api_key: str | None, admin_key: str | None, max_body: int
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        admin_key: str | None,
+        max_body: int,
+        host: str = "127.0.0.1",
+        allowed_hosts: Iterable[str] = (),
     ) -> None:
         self.app = app
         self.api_key = api_key
         self.admin_key = admin_key
         self.max_body = max_body
+        allowed = {host_name(h) for h in allowed_hosts}
+        # None: any Host (a server bound to a public address, with no list given).
+        self.host_names: set[str] | None = (
+            allowed | {host_name(host)} if allowed or is_loopback(host_name(host)) else None
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -67,6 +101,16 @@ class FrontDoor:
         await self._with_body_limit(scope, receive, send)
 
     def _refusal(self, scope: Scope, headers: dict[str, str]) -> tuple[int, str, str] | None:
+        host = headers.get("host")
+        if self.host_names is not None and host is not None:
+            name = host_name(host)
+            if not is_loopback(name) and name not in self.host_names:
+                return (
+                    403,
+                    f"Host {host[:100]!r} is not a name of this server (it answers loopback "
+                    "names and --allowed-hosts)",
+                    "PermissionDeniedError",
+                )
         path = scope["path"]
         key = self._required_key(path)
         if key is not None:

@@ -104,11 +104,9 @@ async def health(request: Request) -> Response:
 
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
-    """Healthy only if the engine generates a token end to end."""
-    try:
-        ok = await _ctx(request).probe(max_new_tokens=1)
-    except ApiError:
-        ok = False
+    """Healthy only if the engine generates a token end to end. Public (as in SGLang), so
+    its callers share one probe: see `ServingContext.health_probe`."""
+    ok = await _ctx(request).health_probe()
     return Response(status_code=200 if ok else 503)
 
 

@@ -322,3 +322,52 @@ def test_cross_site_and_form_posts_are_refused(artefact, launch) -> None:
     r = httpx.post(open_server.url + "/flush_cache", headers={"Origin": f"http://{same}"})
     assert r.status_code == 200
     assert httpx.post(open_server.url + "/flush_cache").status_code == 200  # curl -X POST
+
+
+# -- second round, item 10: DNS rebinding ------------------------------------------------------
+def test_a_rebound_page_cannot_reach_a_loopback_server(artefact, launch) -> None:
+    """A page on evil.com rebound to 127.0.0.1 sends Host: evil.com and a matching Origin:
+    the Origin check alone let it through (a 200 from /generate). Loopback names and
+    --allowed-hosts are answered; any other Host is a 403, on every path."""
+    server = launch(
+        artefact("llama"),
+        "--max-total-tokens",
+        "256",
+        "--skip-server-warmup",
+        "--allowed-hosts",
+        "llm.example.com",
+    )
+    port = server.url.rsplit(":", 1)[1]
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
+    for host in (f"evil.com:{port}", "evil.com", f"127.0.0.1.evil.com:{port}", "localhost.evil"):
+        r = httpx.post(
+            server.url + "/generate",
+            json=body,
+            headers={"Host": host, "Origin": f"http://{host}"},
+        )
+        assert r.status_code == 403 and "not a name of this server" in r.json()["message"], host
+        r = httpx.get(server.url + "/get_model_info", headers={"Host": host})
+        assert r.status_code == 403, host
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "llm.example.com"):
+        r = httpx.post(server.url + "/generate", json=body, headers={"Host": host})
+        assert r.status_code == 200, (host, r.text)
+
+
+def test_host_names_are_read_as_a_browser_sends_them() -> None:
+    from kiln.serve.middleware import FrontDoor, host_name, is_loopback
+
+    assert [host_name(h) for h in ("a.B:80", "[::1]:8000", "::1", "x")] == [
+        "a.b",
+        "::1",
+        "::1",
+        "x",
+    ]
+    assert all(map(is_loopback, ("localhost", "api.localhost", "127.0.0.9", "::1")))
+    assert not any(map(is_loopback, ("evil.com", "10.0.0.1", "localhost.evil")))
+
+    def names(host: str, allowed: tuple[str, ...] = ()) -> set[str] | None:
+        return FrontDoor(None, None, None, 1, host, allowed).host_names  # type: ignore[arg-type]
+
+    assert names("0.0.0.0") is None  # bound to every address, no list: any Host
+    assert names("0.0.0.0", ("a.example",)) == {"a.example", "0.0.0.0"}
+    assert names("127.0.0.1") == {"127.0.0.1"}
