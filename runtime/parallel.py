@@ -15,8 +15,11 @@ Several machines (`--nnodes N --node-rank k --dist-init-addr host:port`, SGLang'
 node k runs ranks [k T/N, (k+1) T/N). Node 0's `kiln serve` is rank 0 and serves HTTP; on
 every other node `kiln serve` only starts and watches its ranks (`follow`), exiting 0 when
 rank 0 stops the group and 1 when one of its ranks fails or rank 0 is gone. Rank 0 sees its
-own node's rank processes die at once; a rank on another node is found lost at the next
-step, when a collective's connection to it breaks.
+own node's rank processes die at once. A rank on another node beats a heartbeat into the
+rendezvous store every HEARTBEAT_S seconds; rank 0 declares it lost when no beat has come
+for LOST_AFTER_S (a machine that vanished, or a process stopped, leaves no closed
+connection behind, and a collective would wait out --dist-timeout), or sooner when a
+step's collective finds its connection broken.
 
 The backend is gloo on CPU (NCCL would serve CUDA targets; not run on hardware yet). The
 rendezvous is a TCP store on `--dist-init-addr` (host:port), or a free loopback port on
@@ -36,6 +39,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -51,6 +55,10 @@ log = logging.getLogger("kiln.parallel")
 DEFAULT_TIMEOUT_S = 600
 _STOP = -1
 _WATCH_S = 0.2  # how often rank 0 looks at the other ranks' processes
+HEARTBEAT_S = 0.5  # how often a rank says it is alive
+# A rank on another node not heard from for this long is lost. Far above a beat's period:
+# a busy machine may run a beat late, never this late.
+LOST_AFTER_S = 10.0
 
 
 # What gloo says when a peer's connection breaks (its process or machine gone).
@@ -126,6 +134,51 @@ def _spawn(
     ]
 
 
+def _store(init_method: str, timeout_s: float) -> dist.TCPStore:
+    """A client of the group's rendezvous store (tcp://host:port), for heartbeats."""
+    host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+    return dist.TCPStore(
+        host,
+        int(port),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def _beat(rank: int, store: dist.TCPStore) -> None:
+    """Count this rank's heartbeats in the store until the store is gone (rank 0 with it)."""
+    key = f"kiln/alive/{rank}"
+    while True:
+        try:
+            store.add(key, 1)
+        except Exception:  # the store's host (rank 0) is gone: the step loop ends too
+            return
+        time.sleep(HEARTBEAT_S)
+
+
+class Heartbeats:
+    """Rank 0's view of the other nodes' ranks: each one's beat count and when it last
+    changed (on rank 0's clock, so no two machines' clocks are compared)."""
+
+    def __init__(self, store: dist.TCPStore, ranks: list[int]) -> None:
+        self.store = store
+        now = time.monotonic()
+        self.seen = {rank: (-1, now) for rank in ranks}
+
+    def silent(self) -> list[tuple[int, float]]:
+        """Ranks not heard from for LOST_AFTER_S, with how long they have been quiet."""
+        now = time.monotonic()
+        quiet = []
+        for rank, (count, since) in self.seen.items():
+            beats = int(self.store.add(f"kiln/alive/{rank}", 0))
+            if beats != count:
+                self.seen[rank] = (beats, now)
+            elif now - since > LOST_AFTER_S:
+                quiet.append((rank, now - since))
+        return quiet
+
+
 def _receive() -> StepInputs | None:
     size = torch.zeros(1, dtype=torch.long)
     dist.broadcast(size, src=0)
@@ -165,6 +218,8 @@ class TPGroup:
                 "gloo", init_method=method, rank=0, world_size=size, timeout=timeout
             )
             dist.broadcast(torch.tensor([max_total_tokens]), src=0)
+            remote = [r for r in range(1, size) if r not in local]
+            self.heartbeats = Heartbeats(_store(method, 30), remote) if remote else None
         except BaseException:
             self._reap(kill=True)
             raise
@@ -177,16 +232,39 @@ class TPGroup:
 
     def _watch(self) -> None:
         while not self._stopped.wait(_WATCH_S):
-            for rank, p in enumerate(self.procs, start=1):
-                code = p.poll()
-                if code is None or self._stopped.is_set():
-                    continue
-                self.failure = f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {code}"
-                log.error("%s; stopping the other ranks", self.failure)
-                self.abandon()
-                if self.on_failure is not None:
-                    self.on_failure(self.failure)
+            failure = self._dead_process() or self._silent_node()
+            if failure is not None and not self._stopped.is_set():
+                self._fail(failure)
                 return
+
+    def _dead_process(self) -> str | None:
+        for rank, p in enumerate(self.procs, start=1):
+            code = p.poll()
+            if code is not None:
+                return f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {code}"
+        return None
+
+    def _silent_node(self) -> str | None:
+        if self.heartbeats is None:
+            return None
+        try:
+            quiet = self.heartbeats.silent()
+        except Exception as e:  # the store runs in this process: this is a failure of ours
+            return f"the tensor-parallel heartbeat store failed ({e})"
+        if not quiet:
+            return None
+        rank, seconds = quiet[0]
+        return (
+            f"tensor-parallel rank {rank} on another node is gone (no heartbeat for "
+            f"{seconds:.0f} s)"
+        )
+
+    def _fail(self, failure: str) -> None:
+        self.failure = failure
+        log.error("%s; stopping the other ranks", failure)
+        self.abandon()
+        if self.on_failure is not None:
+            self.on_failure(failure)
 
     def lost_rank(self, error: BaseException | None = None) -> str | None:
         """After a step failed with `error`: the rank that died, if one did (its exit is
@@ -199,14 +277,12 @@ class TPGroup:
                 continue
             return f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {code}"
         if self.failure is None and self.nnodes > 1 and any(x in str(error) for x in _LOST):
-            self.failure = f"a tensor-parallel rank on another node is gone ({error})"
-            log.error("%s; stopping the other ranks", self.failure)
-            self.abandon()
-            if self.on_failure is not None:
-                self.on_failure(self.failure)
+            self._fail(f"a tensor-parallel rank on another node is gone ({error})")
         return self.failure
 
     def send(self, step: StepInputs) -> None:
+        if self.failure is not None:  # the watcher found a rank lost: no step can run
+            raise RuntimeError(self.failure)
         dead = [p.pid for p in self.procs if p.poll() is not None]
         if dead:
             raise RuntimeError(f"tensor-parallel rank process(es) {dead} exited")
@@ -304,6 +380,13 @@ def _worker(args: argparse.Namespace) -> int:
         world_size=args.size,
         timeout=datetime.timedelta(seconds=args.timeout),
     )
+    beats = threading.Thread(
+        target=_beat,
+        args=(args.rank, _store(args.init_method, args.timeout)),
+        name="kiln-heartbeat",
+        daemon=True,
+    )
+    beats.start()
     kv_tokens = torch.zeros(1, dtype=torch.long)
     dist.broadcast(kv_tokens, src=0)
     # This node's `kiln serve` (rank 0, or `follow`) checked every file's checksum.

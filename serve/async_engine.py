@@ -42,13 +42,16 @@ class AsyncEngine:
         # here, on the event loop, so back-to-back arrivals see each other at once.
         self._queued = 0
         self.draining = False
+        # Why the server can take no more requests, when it is a failure (a lost rank).
+        self.failure: str | None = None
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.thread.start()
 
     def stop(self) -> None:
-        self.thread.stop()
+        # After a failure the engine thread may be waiting on a lost rank for good.
+        self.thread.stop(timeout=1.0 if self.failure else 10.0)
 
     def _on_output(self, out: RequestOutput) -> None:  # engine thread
         assert self._loop is not None
@@ -91,11 +94,19 @@ class AsyncEngine:
         for rid in list(self._streams):
             self.thread.abort(rid, reason)
 
+    def fail_all(self, reason: dict[str, Any]) -> None:
+        """End every stream in flight now with `reason`, here on the event loop: for when
+        the engine thread cannot answer (a step waiting on a rank that is gone)."""
+        self.draining = True
+        self.failure = str(reason.get("message"))
+        for rid, stream in list(self._streams.items()):
+            stream.put_nowait(RequestOutput(rid, [], "", [], True, reason, 0, 0))
+
     async def stream(self, req: Request) -> AsyncIterator[RequestOutput]:
         """Submit `req`; yield its outputs until it finishes. Closing the iterator early
         (the client went away) aborts the request, which frees its memory."""
         if self.draining:
-            raise Unavailable("the server is shutting down")
+            raise Unavailable(self.failure or "the server is shutting down")
         if self.max_queued is not None and self.num_waiting >= self.max_queued:
             raise QueueFull(
                 f"the server has {self.num_waiting} queued requests "

@@ -197,7 +197,8 @@ class ServingContext:
     def admit(self, reqs: list[Request]) -> None:
         """Claim the requests' ids (on the event loop: atomic against other handlers)."""
         if self.async_engine.draining:
-            raise ApiError(503, "the server is shutting down", "ServiceUnavailableError")
+            message = self.async_engine.failure or "the server is shutting down"
+            raise ApiError(503, message, "ServiceUnavailableError")
         try:
             self.async_engine.claim(reqs)
         except RidInUse as e:

@@ -6,8 +6,9 @@ turns 503), lets those in flight finish for up to `--shutdown-timeout` seconds, 
 rest (each stream gets a final error event, each waiting client a 503), and exits 0. A
 second signal skips the wait. If a tensor-parallel rank dies, the engine cannot go on: /health
 turns 503, every request in flight ends with a 503 naming the rank, and the server exits 1
-(within seconds, not after --dist-timeout; runtime/parallel.py stops the other ranks), so a
-supervisor restarts it.
+(within seconds, not after --dist-timeout: runtime/parallel.py watches processes and the
+other nodes' heartbeats and stops the other ranks), so a supervisor restarts it. The 503s
+are sent from the event loop, since the engine thread may be waiting on the lost rank.
 """
 
 from __future__ import annotations
@@ -86,8 +87,9 @@ class KilnServer(uvicorn.Server):
     def _on_fatal(self) -> None:
         assert self.failure is not None
         engine = self.ctx.async_engine
-        engine.draining = True
-        engine.abort_all({"type": "abort", "message": self.failure, "status_code": 503})
+        reason = {"type": "abort", "message": self.failure, "status_code": 503}
+        engine.abort_all(reason)  # frees the engine's state, if its thread can still run
+        engine.fail_all(reason)  # answers every client now, whether or not it can
         self._stop_now.set()
         if self._drain is None:
             self._drain = asyncio.ensure_future(self._drain_then_exit())

@@ -20,6 +20,7 @@ from serve_helpers import API_KEY, free_port, start_server, stop_server
 from kiln import Engine
 from kiln.args import ArgError, ServerArgs
 from kiln.compiler.compile import compile_model
+from kiln.runtime.parallel import LOST_AFTER_S
 
 PROMPT = list(range(3, 43))
 GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
@@ -146,7 +147,9 @@ def test_two_nodes_serve_as_tp1_and_stop_together(
 ) -> None:
     """--nnodes 2 on localhost: node 1's `kiln serve` runs rank 1 (no HTTP), node 0's is
     rank 0 and the server. Greedy text as tp=1; SIGTERM to node 0 stops node 1 (exit 0);
-    a rank of node 1 killed takes node 0's server down (exit 1) at the next step."""
+    a rank of node 1 killed, or stopped (a vanished machine: only the heartbeat finds it),
+    takes node 0's server down (exit 1) with a 503 for the request in flight, within the
+    heartbeat's bound."""
     ckpt = checkpoint("llama", num_kv_heads=4)
     arts = {tp: tmp_path / f"tp{tp}" for tp in (1, 2)}
     for tp, art in arts.items():
@@ -162,11 +165,12 @@ def test_two_nodes_serve_as_tp1_and_stop_together(
     with pytest.raises(ArgError, match="needs --dist-init-addr host:port"):
         Engine(arts[2], nnodes=2, max_total_tokens=256)
 
-    for round_ in ("stop", "crash"):
+    for round_ in ("stop", "crash", "stall"):
         addr = f"127.0.0.1:{free_port()}"
         node1 = _node(arts[2], 1, addr, tmp_path / f"node1-{round_}.log")
         flags = ("--nnodes", "2", "--node-rank", "0", "--dist-init-addr", addr)
         server = None
+        rank1 = None
         try:
             server = start_server(arts[2], tmp_path / f"node0-{round_}.log", *flags)
             assert _children(server.process.pid) == []  # node 0 runs rank 0 alone
@@ -180,13 +184,21 @@ def test_two_nodes_serve_as_tp1_and_stop_together(
                 assert reply["choices"][0]["text"] == want["text"]
                 stop_server(server)
                 assert node1.wait(timeout=30) == 0, (tmp_path / "node1-stop.log").read_text()
-            else:
-                os.kill(rank1, signal.SIGKILL)
-                r = server.post("/generate", key=None, json={"input_ids": PROMPT})
-                assert r.status_code == 503 and "another node is gone" in r.text, r.text
-                assert server.process.wait(timeout=30) == 1
+                continue
+            # crash: the rank's process is gone (its connections close); stall: it stops
+            # answering with its connections open, as a machine that vanished leaves them,
+            # which only the heartbeat finds. Either way: a 503 within the bound.
+            os.kill(rank1, signal.SIGKILL if round_ == "crash" else signal.SIGSTOP)
+            start = time.monotonic()
+            r = server.post("/generate", key=None, json={"input_ids": PROMPT})
+            assert r.status_code == 503 and "another node is gone" in r.text, r.text
+            assert time.monotonic() - start < LOST_AFTER_S + 10
+            assert server.process.wait(timeout=30) == 1
+            if round_ == "crash":
                 assert node1.wait(timeout=30) == 1
         finally:
+            if round_ == "stall" and rank1 is not None:
+                os.kill(rank1, signal.SIGKILL)
             for p in (node1, server and server.process):
                 if p is not None and p.poll() is None:
                     p.kill()
