@@ -45,6 +45,13 @@ def copy(artefact, tmp_path) -> Path:
     return art
 
 
+def kiln(*argv: str) -> subprocess.CompletedProcess[str]:
+    """The `kiln` command, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "kiln", *argv], capture_output=True, text=True, timeout=120
+    )
+
+
 def payload(marker: Path) -> str:
     return f"__import__('os').system('touch {marker}')"
 
@@ -259,12 +266,7 @@ def test_weight_file_must_match_the_graph(copy) -> None:
 def test_cli_refuses_a_tampered_artefact_in_one_line(copy, tmp_path) -> None:
     marker = tmp_path / "ran"
     edit_json(copy, "graph.json", lambda g: INJECTIONS["getitem index"](g, payload(marker)))
-    r = subprocess.run(
-        [sys.executable, "-m", "kiln", "generate", str(copy), "--prompt", "x"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = kiln("generate", str(copy), "--prompt", "x")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "graph.json is invalid" in r.stderr
     assert not marker.exists()
@@ -377,12 +379,7 @@ def test_a_malformed_tokenizer_is_one_line(copy) -> None:
     (copy / "tokenizer" / "tokenizer.json").write_text('{"model": {"type": "nonsense"}}')
     reseal(copy)
     _one_line_refusal(copy, "tokenizer/tokenizer.json is invalid")
-    r = subprocess.run(
-        [sys.executable, "-m", "kiln", "generate", str(copy), "--prompt", "x"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = kiln("generate", str(copy), "--prompt", "x")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "tokenizer.json is invalid" in r.stderr.strip().splitlines()[-1]
 
@@ -425,37 +422,15 @@ def test_manifest_strings_are_printed_escaped(copy) -> None:
     m = json.loads((copy / "manifest.json").read_text())
     m["runtime"]["served_model_name"] = f"evil\n{forged}"
     (copy / "manifest.json").write_text(json.dumps(m))
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kiln",
-            "generate",
-            str(copy),
-            "--prompt",
-            "x",
-            "--max-new-tokens",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = kiln("generate", str(copy), "--prompt", "x", "--max-new-tokens", "1")
     assert r.returncode == 0, r.stderr
     assert not any(line.startswith(forged) for line in r.stderr.splitlines()), r.stderr
     assert "evil\\nINFO" in r.stderr
     m["compile_args"]["model_path"] = "\x1b[2J\nrm -rf"
     m["target"]["features"] = [*m["target"]["features"], "no_such_feature"]
     (copy / "manifest.json").write_text(json.dumps(m))
-    r = subprocess.run(
-        [sys.executable, "-m", "kiln", "generate", str(copy), "--prompt", "x"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = kiln("generate", str(copy), "--prompt", "x")
     assert r.returncode == 2 and "\x1b" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "\\x1b[2J\\nrm -rf" in r.stderr
-    shown = subprocess.run(
-        [sys.executable, "-m", "kiln", "inspect", str(copy)], capture_output=True, text=True
-    )
+    shown = kiln("inspect", str(copy))
     assert "\x1b" not in shown.stdout and "evil\\nINFO" in shown.stdout

@@ -43,6 +43,13 @@ def _auth(key: str | None, kw: dict) -> dict[str, str]:
     return headers
 
 
+def generated_tokens(server: Server) -> float:
+    """kiln:generation_tokens_total from the server's /metrics (--enable-metrics)."""
+    text = server.get("/metrics", key=None).text
+    line = next(x for x in text.splitlines() if x.startswith("kiln:generation_tokens_total"))
+    return float(line.split()[-1])
+
+
 def start_server(art: Path, log: Path, *flags: str) -> Server:
     return start_kiln(["serve", str(art), *flags], log)
 

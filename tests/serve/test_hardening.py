@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from serve_helpers import API_KEY
+from serve_helpers import API_KEY, generated_tokens
 
 from kiln import Engine
 
@@ -162,14 +162,10 @@ def test_body_size_and_fan_out_are_bounded(server) -> None:
 
 
 # -- item 6: a client that leaves stops its generation -----------------------------------------
-def _generated_tokens(server) -> float:
-    text = server.get("/metrics", key=None).text
-    line = next(x for x in text.splitlines() if x.startswith("kiln:generation_tokens_total"))
-    return float(line.split()[-1])
 
 
 def test_dropped_non_streaming_clients_stop_generating(server) -> None:
-    before = _generated_tokens(server)
+    before = generated_tokens(server)
     body = {"prompt": "Hello", "max_tokens": 8000, "ignore_eos": True}
 
     async def drop_all() -> None:
@@ -182,13 +178,13 @@ def test_dropped_non_streaming_clients_stop_generating(server) -> None:
             await asyncio.gather(*(one() for _ in range(10)))
 
     asyncio.run(drop_all())
-    at_drop = _generated_tokens(server) - before  # what 0.5 s of generation is on this machine
+    at_drop = generated_tokens(server) - before  # what 0.5 s of generation is on this machine
     deadline = time.time() + 5
     while server.get("/get_server_info").json()["num_running_reqs"] and time.time() < deadline:
         time.sleep(0.05)
     assert server.get("/get_server_info").json()["num_running_reqs"] == 0
     time.sleep(0.3)
-    spent = _generated_tokens(server) - before
+    spent = generated_tokens(server) - before
     # None ran to its end, and generation stopped within about a second of the drop, however
     # fast this machine is.
     assert spent < 10 * 8000 / 2, spent

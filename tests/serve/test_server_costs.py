@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from serve_helpers import API_KEY
+from serve_helpers import API_KEY, generated_tokens
 
 from kiln.serve.context import HEALTH_PROBE_SECONDS
 from kiln.serve.server import bind
@@ -24,12 +24,6 @@ def server(artefact, launch):
     return launch(
         artefact("llama"), "--api-key", API_KEY, "--enable-metrics", "--max-total-tokens", "4096"
     )
-
-
-def generated_tokens(server) -> float:
-    text = server.get("/metrics", key=None).text
-    line = next(x for x in text.splitlines() if x.startswith("kiln:generation_tokens_total"))
-    return float(line.split()[-1])
 
 
 # -- item 11: /health_generate is public, so its callers share one probe ---------------------
