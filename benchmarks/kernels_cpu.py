@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from bench_common import SMOLLM2_135M, machine, read_bandwidth_gbs
 
-from kiln.compiler.layout import pack_panels, pack_qpanels, panel_shape, panels_name
-from kiln.compiler.quant import CODE_LAYOUT, quantize
-from kiln.compiler.target import cpu_target
+from kiln.core.layout import pack_panels, pack_qpanels, panel_shape, panels_name
+from kiln.core.quant import CODE_LAYOUT, quantize
+from kiln.core.target import cpu_target
 from kiln.kernels import native, registry
 from kiln.kernels.attention import AttentionBatch, SeqSpan
 

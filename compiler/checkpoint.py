@@ -20,7 +20,7 @@ from kiln.compiler.int4_ckpt import (
     shape_of,
     unpack,
 )
-from kiln.compiler.quant import GGUF_FORMATS, dequantize, from_gguf_blocks, quantize
+from kiln.core.quant import GGUF_FORMATS, dequantize, from_gguf_blocks, quantize
 
 if TYPE_CHECKING:
     from kiln.compiler.gguf_import import GGUFFile
@@ -178,7 +178,7 @@ class CheckpointReader:
         return q.view(torch.uint8), s.reshape(n, 1, 1).contiguous()
 
     def quantized(self, name: str, fmt: str, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(codes, scales) of checkpoint tensor `name` in `fmt` (compiler/quant.py): tensors
+        """(codes, scales) of checkpoint tensor `name` in `fmt` (kiln/core/quant.py): tensors
         stored in that format (`stored_formats`) as they are, anything else quantized."""
         if self.gguf is not None and GGUF_FORMATS.get(self.gguf.qtype(name)) == (fmt, group):
             n, k = self.gguf.shape(name)

@@ -14,29 +14,33 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-import kiln
 from kiln.args import ArgError, ServerArgs
-from kiln.compiler import artefact as fmt
 from kiln.compiler.checkpoint import CheckpointReader
-from kiln.compiler.ir import ATTENTION_OPS, STRUCTURAL_OPS, Graph
 from kiln.compiler.key import CompileKey, resolve_dtype
 from kiln.compiler.kv_cache import KV_DTYPES, kv_cache_options
-from kiln.compiler.layout import pack_panels, pack_qpanels, panel_shape
 from kiln.compiler.publish import publish, staging_dir
-from kiln.compiler.quant import WEIGHT_FORMAT, quantize, with_int8_activations
-from kiln.compiler.store import compile_cached
-from kiln.compiler.target import Target
-from kiln.compiler.trace import trace
+from kiln.compiler.store import CompileResult, compile_cached
+from kiln.core import artefact as fmt
+from kiln.core.ir import ATTENTION_OPS, STRUCTURAL_OPS, Graph
+from kiln.core.layout import pack_panels, pack_qpanels, panel_shape
+from kiln.core.quant import WEIGHT_FORMAT, quantize, with_int8_activations
+from kiln.core.target import Target
+from kiln.core.trace import trace
 from kiln.kernels import native
 from kiln.models import ModelConfig, build
 from kiln.passes import PIPELINES, PassContext, run_passes
 from kiln.passes.quantize import TORCHAO
+from kiln.version import __version__
 
 log = logging.getLogger("kiln.compile")
 
-# Kept importable from here: `kiln compile` goes through the cache.
-compile_model = compile_cached
 __all__ = ["build_artefact", "compile_model", "resolve_dtype"]
+
+
+def compile_model(args: ServerArgs, out: str | Path | None = None) -> CompileResult:
+    """Compile through the cache (a hit returns at once); with `out`, place the artefact
+    there too."""
+    return compile_cached(args, build_artefact, out)
 
 
 def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
@@ -353,7 +357,7 @@ def _manifest(
     files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
     return {
         "format_version": fmt.FORMAT_VERSION,
-        "kiln_version": kiln.__version__,
+        "kiln_version": __version__,
         "torch_version": torch.__version__,
         "target": target.to_json(),
         "model": cfg.to_dict(),

@@ -1,5 +1,5 @@
 """GPTQ and AWQ checkpoints: 4-bit weights packed eight to an int32, with float16 scales and
-4-bit zero points per group of inputs, read into kiln's uint4 format (compiler/quant.py)
+4-bit zero points per group of inputs, read into kiln's uint4 format (kiln/core/quant.py)
 without loss.
 
 Per linear `P` (out features N, in features K, group G; both methods: w = s (q - z)):

@@ -25,14 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import kiln
 from kiln.args import ArgError, ServerArgs
-from kiln.compiler import artefact as fmt
 from kiln.compiler.ckpt_files import find_gguf, resolve_format, weight_files
-from kiln.compiler.target import Target, TargetError
-from kiln.compiler.target import resolve as resolve_target
+from kiln.core import artefact as fmt
+from kiln.core.target import Target, TargetError
+from kiln.core.target import resolve as resolve_target
 from kiln.kernels import native
 from kiln.paths import cache_dir
+from kiln.version import __version__
 
 DTYPE_NAMES = {
     "half": "float16",
@@ -131,7 +131,7 @@ def compile_key(args: ServerArgs, rehash: bool = False) -> CompileKey:
         resolved["quantization"] = args.quantization or "gguf"
     factors = {
         "format_version": fmt.FORMAT_VERSION,
-        "kiln_version": kiln.__version__,
+        "kiln_version": __version__,
         "kiln_source_sha256": source_sha256(),
         "torch_version": importlib.metadata.version("torch"),
         "compile_args": {**canonical_args(args), "load_format": load_format, **resolved},

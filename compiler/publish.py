@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from kiln.compiler.artefact import MANIFEST, ArtefactError
+from kiln.core.artefact import MANIFEST, ArtefactError
 
 _LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)-[^/]+")
 

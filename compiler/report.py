@@ -7,9 +7,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from kiln.compiler import artefact as fmt
-from kiln.compiler.ir import STRUCTURAL_OPS, Graph
 from kiln.compiler.store import explain
+from kiln.core import artefact as fmt
+from kiln.core.graph_json import load_graph
+from kiln.core.ir import STRUCTURAL_OPS, Graph
 from kiln.terminal import printable
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "int32": 4}
@@ -19,7 +20,7 @@ _DTYPE_BYTES |= {"float8_e4m3fn": 1, "float8_e5m2": 1}
 def load(root: Path) -> tuple[dict[str, Any], Graph]:
     manifest = fmt.read_manifest(root)
     text = fmt.read_member(root, fmt.GRAPH, manifest["files"][fmt.GRAPH])
-    return manifest, Graph.loads(text.decode("utf-8"))
+    return manifest, load_graph(text)
 
 
 def summary(root: Path) -> dict[str, Any]:

@@ -19,15 +19,15 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kiln.args import ServerArgs
-from kiln.compiler import artefact as fmt
-from kiln.compiler.key import compile_key
+from kiln.compiler.key import CompileKey, compile_key
 from kiln.compiler.publish import publish, staging_dir, sweep
+from kiln.core import artefact as fmt
 from kiln.paths import cache_dir
 
 log = logging.getLogger("kiln.compile")
@@ -148,10 +148,16 @@ def _whole(path: Path, key: str) -> bool:
         return False
 
 
+# What runs on a miss: the compile driver's `build_artefact(args, key, out)`.
+Builder = Callable[[ServerArgs, CompileKey, Path], None]
+
+
 def compile_cached(
-    args: ServerArgs, out: str | Path | None = None, rehash: bool = False
+    args: ServerArgs, build: Builder, out: str | Path | None = None, rehash: bool = False
 ) -> CompileResult:
-    """Compile through the cache; with `out`, also place the artefact there."""
+    """Compile through the cache, calling `build` on a miss; with `out`, also place the
+    artefact there. (The driver is passed in, not imported: it loads torch, which a hit
+    never needs.)"""
     t0 = time.perf_counter()
     ck = compile_key(args, rehash=rehash)
     store = Store()
@@ -166,10 +172,8 @@ def compile_cached(
                 if near is not None:
                     miss = (f"nearest entry {near[0].key[:16]} ({near[0].summary})", *near[1])
                     log.debug("cache miss: %s differs in: %s", miss[0], "; ".join(miss[1:]))
-                from kiln.compiler.compile import build_artefact  # torch: only on a miss
-
                 path = store.entry(ck.key)
-                build_artefact(args, ck, path)
+                build(args, ck, path)
                 built = True
     if out is not None:
         out = Path(out)

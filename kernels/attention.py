@@ -133,7 +133,7 @@ def rope_then_attend(
     attrs: dict[str, Any],
 ) -> torch.Tensor:
     """rope_attention as its two ops, one backend's `rope_qkv` and `attention`; `attrs`
-    are the attention's (compiler/ir.py _ATTENTION_ATTRS)."""
+    are the attention's (kiln/core/ir.py _ATTENTION_ATTRS)."""
     d = attrs["head_dim"]
     kv = attrs["num_kv_heads"] * d
     q, k, v = rope_qkv(qkv, cos_sin, d, [attrs["num_heads"] * d, kv, kv])

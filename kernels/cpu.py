@@ -4,7 +4,7 @@ What they replace, per batch-16 decode step of SmolLM2-135M on the CI machine ki
 cores), torch profiler: paged decode attention gathered every sequence's K/V pages into a padded
 batch (index_select, ~20 ms) and then ran SDPA on it (~11 ms); the C kernel reads K/V in
 place through the page table. RMSNorm, SiLU-and-mul and rope were 4-6 small aten ops each.
-The linear streams weights the compiler stored as panels (compiler/layout.py), where
+The linear streams weights the compiler stored as panels (kiln/core/layout.py), where
 oneDNN and MKL reached 50-70% of the memory bandwidth on decode batches.
 Figures: benchmarks/RESULTS.md.
 
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kiln.compiler.quant import GA8_KIND, KERNEL_FORMAT
+from kiln.core.quant import GA8_KIND, KERNEL_FORMAT
 from kiln.kernels.attention import AttentionBatch, attend_one, is_fp8, rope_then_attend, write_kv
 from kiln.kernels.attention import attention as torch_attention
 from kiln.kernels.registry import register

@@ -18,7 +18,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.compiler.target import CPU_EXTRA_CFLAGS, Target
+from kiln.core.target import CPU_EXTRA_CFLAGS, Target
 from kiln.paths import cache_dir
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"

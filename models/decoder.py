@@ -2,7 +2,7 @@
 experts Mixtral and Qwen3-MoE.
 
 Written for one device and traced, never run eagerly: build it on the meta device and
-hand it to `kiln.compiler.trace.trace`. Parameter names match the Hugging Face
+hand it to `kiln.core.trace.trace`. Parameter names match the Hugging Face
 checkpoints, so weights are loaded by name. Activations are [tokens, features] for the
 whole batch; attention knows where each sequence begins from the runtime's metadata.
 """
@@ -14,8 +14,8 @@ from typing import cast
 import torch
 from torch import nn
 
-from kiln.compiler import ops
-from kiln.compiler.trace import Value
+from kiln.core import ops
+from kiln.core.trace import Value
 from kiln.models.config import ModelConfig
 from kiln.models.rope import inv_freq
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.args import ArgError
-from kiln.compiler.ir import Graph, IRError
-from kiln.compiler.target import Target, cpu_target
+from kiln.core.ir import Graph, IRError
+from kiln.core.target import Target, cpu_target
 
 
 @dataclass(frozen=True)

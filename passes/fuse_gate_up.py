@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kiln.compiler.ir import Graph
+from kiln.core.ir import Graph
 from kiln.passes.base import PassContext, PassResult
 from kiln.passes.linear_fusion import fusable, fuse_linears
 

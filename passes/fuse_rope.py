@@ -10,7 +10,7 @@ per-head norm between the split and the rope (Qwen3's q/k norm) keep their ops.
 
 from __future__ import annotations
 
-from kiln.compiler.ir import Graph, Node
+from kiln.core.ir import Graph, Node
 from kiln.passes.base import PassContext, PassResult
 
 

@@ -9,7 +9,7 @@ whose kernels all take the prologue; a plain `linear` keeps its activation node.
 
 from __future__ import annotations
 
-from kiln.compiler.ir import Graph
+from kiln.core.ir import Graph
 from kiln.passes.base import PassContext, PassResult
 
 _TAKES_PROLOGUE = ("packed_linear", "quant_linear")

@@ -2,7 +2,7 @@
 
 On fp32 CPU targets with kiln's native kernels, every linear becomes `packed_linear` and its
 weight is written into the artefact in the panel layout of the target's build
-(compiler/layout.py), so serving memory-maps the weights and never repacks them. An
+(kiln/core/layout.py), so serving memory-maps the weights and never repacks them. An
 embedding that shares its table with a linear (tied lm_head) reads the same panels
 (`packed_embedding`): one copy of the table, not two.
 
@@ -19,8 +19,8 @@ The x86-64 baseline has no vector FMA; its linears stay on torch's runtime-dispa
 
 from __future__ import annotations
 
-from kiln.compiler.ir import Graph, Node
-from kiln.compiler.layout import panel_shape, panels_name
+from kiln.core.ir import Graph, Node
+from kiln.core.layout import panel_shape, panels_name
 from kiln.passes.base import PassContext, PassResult
 from kiln.passes.select_backends import compiles_pieces
 

@@ -6,7 +6,7 @@ weight's `source` recipe says how the artefact writer concatenates the originals
 
 from __future__ import annotations
 
-from kiln.compiler.ir import Graph, Node, WeightSpec
+from kiln.core.ir import Graph, Node, WeightSpec
 
 
 def fusable(graph: Graph, linears: list[Node]) -> bool:

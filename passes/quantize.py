@@ -8,14 +8,14 @@ The scheme comes from the compile arguments, resolved by `scheme_from_args`:
 - `--torchao-config int4wo-G` (G = 32, 64, 128, 256): 4-bit codes with a scale and a min
   per G inputs of a row (weight-only);
 - a GGUF checkpoint with `--dtype auto` (or `--quantization gguf`): each weight keeps the
-  format of its GGUF blocks where kiln runs it as it is (Q8_0, Q4_0, Q4_1: compiler/quant.py,
+  format of its GGUF blocks where kiln runs it as it is (Q8_0, Q4_0, Q4_1: kiln/core/quant.py,
   no loss), tied embedding and lm_head included; other block types are read as floats;
 - an fp8 checkpoint (config `quant_method: fp8`): its fp8 e4m3 weights as stored, the
   128 x 128 block scales as a scale per row per 128 inputs (no loss).
 With a float checkpoint the lm_head stays float, as SGLang leaves it.
 `--quantize-activations int8` (scheme "activations") turns each uint4 / int8 weight into
 uint4_a8 / int8_a8: the same codes and scales, run with activations rounded to int8 per
-group (compiler/quant.py); the other formats are left as they are.
+group (kiln/core/quant.py); the other formats are left as they are.
 
 A quantized linear becomes `quant_linear(x, codes, scales[, bias])` with its format and group
 as attributes; the weight's recipe becomes {"quantize": recipe, "format", "group", "part"},
@@ -33,9 +33,9 @@ from __future__ import annotations
 from typing import Any
 
 from kiln.args import ArgError
-from kiln.compiler.ir import Graph, Node, WeightSpec
-from kiln.compiler.layout import panel_shape
-from kiln.compiler.quant import CODE_DTYPE, CODE_LAYOUT, GROUP_STEP, INT8_ACTIVATIONS, PLANES
+from kiln.core.ir import Graph, Node, WeightSpec
+from kiln.core.layout import panel_shape
+from kiln.core.quant import CODE_DTYPE, CODE_LAYOUT, GROUP_STEP, INT8_ACTIVATIONS, PLANES
 from kiln.passes.base import PassContext, PassResult
 
 TORCHAO = {"int8wo": ("int8", 0), **{f"int4wo-{g}": ("uint4", g) for g in (32, 64, 128, 256)}}

@@ -11,8 +11,8 @@ linears) elsewhere. The runtime runs exactly what is recorded here.
 
 from __future__ import annotations
 
-from kiln.compiler.ir import ATTENTION_OPS, STRUCTURAL_OPS, Graph, Node
-from kiln.kernels import registry
+from kiln.core.ir import ATTENTION_OPS, STRUCTURAL_OPS, Graph, Node
+from kiln.kernels import catalog
 from kiln.passes.base import PassContext, PassResult
 
 
@@ -22,7 +22,7 @@ def select_backends(graph: Graph, ctx: PassContext) -> PassResult:
     for n in graph.nodes:
         if n.op in STRUCTURAL_OPS:
             continue
-        have = registry.available(n.op, ctx.device)
+        have = catalog.available(n.op, ctx.device)
         if not have:
             raise ValueError(f"%{n.name}: no kernel for op {n.op!r} on {ctx.device}")
         # --attention-backend names the backend of every op that attends

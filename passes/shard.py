@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from kiln.args import ArgError
-from kiln.compiler.ir import Graph, Node, WeightSpec
+from kiln.core.ir import Graph, Node, WeightSpec
 from kiln.passes.base import PassContext, PassResult
 
 _PER_HEAD = ("rope", "rmsnorm")

@@ -1,14 +1,14 @@
 """Verify: the graph lints, every compute node has a kernel, and feature sizes agree.
 
 Feature sizes (the last dim of each activation) are propagated from the weights
-(`kiln.compiler.shapes`), so a fusion that stacks the wrong weights or a bad split fails
+(`kiln.core.shapes`), so a fusion that stacks the wrong weights or a bad split fails
 here, at compile time. The artefact loader runs the same check on what it reads.
 """
 
 from __future__ import annotations
 
-from kiln.compiler.ir import STRUCTURAL_OPS, Graph
-from kiln.compiler.shapes import check_features
+from kiln.core.ir import STRUCTURAL_OPS, Graph
+from kiln.core.shapes import check_features
 from kiln.passes.base import PassContext, PassResult
 
 

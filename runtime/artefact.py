@@ -5,8 +5,8 @@ everything the runtime needs is in the artefact.
 
 An artefact is untrusted input. Checksums catch damage, not tampering (whoever edits a file
 can recompute them), so every file is also checked for sense: the manifest against its
-schema, the graph field by field (`kiln.compiler.graph_json`), feature sizes through the
-graph (`kiln.compiler.shapes`), every kernel the graph names, every weight's shape and
+schema, the graph field by field (`kiln.core.graph_json`), feature sizes through the
+graph (`kiln.core.shapes`), every kernel the graph names, every weight's shape and
 dtype, and the manifest's model numbers against the graph's. A failure is one line.
 """
 
@@ -21,13 +21,14 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-import kiln
-from kiln.compiler import artefact as fmt
-from kiln.compiler.ir import ATTENTION_OPS, STRUCTURAL_OPS, Graph, IRError
-from kiln.compiler.shapes import check_features
-from kiln.compiler.target import Target, missing_on_host
-from kiln.kernels import registry
+from kiln.core import artefact as fmt
+from kiln.core.graph_json import load_graph
+from kiln.core.ir import ATTENTION_OPS, STRUCTURAL_OPS, Graph, IRError
+from kiln.core.shapes import check_features
+from kiln.core.target import Target, missing_on_host
+from kiln.kernels import catalog
 from kiln.runtime.native import open_library
+from kiln.version import __version__
 
 log = logging.getLogger("kiln.runtime")
 
@@ -121,7 +122,7 @@ def check_versions(root: Path, manifest: dict[str, Any]) -> None:
     """The documented rule (docs/serving.md): the artefact format must match exactly (checked
     with the manifest); kiln and torch must match in major.minor, else the artefact is
     refused; a different patch release (or local build tag) only warns."""
-    for name, ours in (("kiln", kiln.__version__), ("torch", torch.__version__)):
+    for name, ours in (("kiln", __version__), ("torch", torch.__version__)):
         theirs = manifest[f"{name}_version"]
         if theirs == ours:
             continue
@@ -161,7 +162,7 @@ def _load_graph(root: Path, manifest: dict[str, Any], name: str = fmt.GRAPH) -> 
     where = f"{root}/{name}"
     text = fmt.read_member(root, name, manifest["files"][name])
     try:
-        graph = Graph.from_json(json.loads(text))
+        graph = load_graph(text)
         graph.lint()
         check_features(graph)
     except (IRError, json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -171,7 +172,7 @@ def _load_graph(root: Path, manifest: dict[str, Any], name: str = fmt.GRAPH) -> 
             continue
         backend = n.meta.get("backend")
         try:
-            registry.get(n.op, str(backend))
+            catalog.get(n.op, str(backend))
         except KeyError:
             raise fmt.ArtefactError(
                 f"{where}: %{n.name} asks for the {backend!r} kernel of {n.op}, "

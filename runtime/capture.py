@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kiln.compiler.ir import Node
+from kiln.core.ir import Node
+from kiln.kernels import catalog
 from kiln.paths import cache_dir
 from kiln.runtime.executor import PieceInfo, generate_piecewise
 from kiln.runtime.step import StepContext, StepInputs
@@ -117,9 +118,7 @@ class CompiledDecode(DecodeBuckets):
 
 
 def _opaque(node: Node, kernel: Callable[..., Any]) -> Callable[..., Any]:
-    from kiln.kernels import registry
-
-    native = registry.get(node.op, node.meta["backend"]).native
+    native = catalog.get(node.op, node.meta["backend"]).native
     if native or node.op in OPAQUE_OPS:
         return torch.compiler.disable(kernel, recursive=True)
     return kernel

@@ -21,11 +21,12 @@ import torch
 
 from kiln.args import ArgError, ServerArgs
 from kiln.args.stages import refuse_compile_time_changes
-from kiln.compiler import artefact as fmt
+from kiln.core import artefact as fmt
 from kiln.runtime.artefact import Artefact
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.model_runner import ModelRunner
+from kiln.runtime.parallel import TPGroup, check_nodes
 from kiln.runtime.radix_cache import RadixCache
 from kiln.runtime.request import Request, RequestOutput
 from kiln.runtime.sampler import SamplingRow, sample
@@ -90,8 +91,6 @@ class Engine:
         refuse_compile_time_changes(server_args, self.art.manifest)
         spec = self.art.spec
         if self.args.nnodes > 1:
-            from kiln.runtime.parallel import check_nodes
-
             check_nodes(spec.tp_size, self.args.nnodes, self.args.dist_init_addr)
         asked = self.args.context_length
         if asked is not None and asked > spec.context_length:
@@ -498,8 +497,6 @@ class Engine:
     def _start_ranks(self, kv_tokens: int) -> None:
         """Ranks 1..T-1 of a tensor-parallel artefact (those of node 0 with --nnodes), each
         with its share of this machine's threads."""
-        from kiln.runtime.parallel import TPGroup
-
         size, nnodes = self.art.spec.tp_size, self.args.nnodes
         per_rank = max(1, self.threads // (size // nnodes))  # this node's ranks
         torch.set_num_threads(per_rank)

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from kiln.compiler.ir import GRAPH_INPUTS, Graph, Node
-from kiln.kernels import registry
+from kiln.core.ir import GRAPH_INPUTS, Graph, Node
+from kiln.kernels import catalog
 
 
 def generate_source(
@@ -252,7 +252,7 @@ def _bound_kernel(n: Node, lib: Any) -> tuple[Callable[..., Any], bool]:
     backend = n.meta.get("backend")
     if not isinstance(backend, str):
         raise ValueError(f"%{n.name}: no backend recorded; was select_backends run?")
-    kernel = registry.get(n.op, backend)
+    kernel = catalog.get(n.op, backend)
     bound = dict(n.attrs)
     if kernel.native:
         if lib is None:

@@ -21,6 +21,7 @@ from kiln.runtime.capture import (
 )
 from kiln.runtime.executor import Executor
 from kiln.runtime.kv_cache import KVCache, PagePool
+from kiln.runtime.parallel import TPGroup
 from kiln.runtime.scheduler import Batch
 from kiln.runtime.step import StepContext, StepInputs
 
@@ -47,7 +48,7 @@ class ModelRunner:
         self._recorder: Recorder | None = None
         self.decode = self._decode_runner(art, context_length or spec.context_length)
         self.prefill = self._prefill_runner(art)
-        self.group = None  # rank 0 of a tensor-parallel artefact: its TPGroup
+        self.group: TPGroup | None = None  # rank 0 of a tensor-parallel artefact
 
     def forward(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:
         """Logits of the last fed token of each request that samples this step

@@ -21,10 +21,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from kiln.compiler import artefact as fmt
-from kiln.compiler.ir import Graph
-from kiln.compiler.layout import lanes_of, panels_of
-from kiln.compiler.target import Target
+from kiln.core import artefact as fmt
+from kiln.core.ir import Graph
+from kiln.core.layout import lanes_of, panels_of
+from kiln.core.target import Target
 from kiln.kernels import native
 
 log = logging.getLogger("kiln.runtime")

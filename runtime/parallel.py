@@ -4,7 +4,7 @@ Rank 0 is the engine's own process: it schedules, and before each step it broadc
 step's inputs (runtime/step.py `StepInputs`, one int64 tensor) to the other ranks.
 Every rank then runs the same step on its own graph, weights and KV heads; the graph's
 all_reduce / all_gather ops (passes/shard.py) are the only other traffic. Ranks 1..T-1 are
-`python -m kiln.runtime.parallel` processes started here, which exit when rank 0 says stop
+`python -m kiln.runtime.rank_worker` processes started here, which exit when rank 0 says stop
 or when their connection to it breaks (rank 0 gone). Rank 0 watches them: one that exits
 while the group runs (a crash, a SIGKILL) is named in `TPGroup.failure` at once, the other
 ranks are stopped (a group short of a rank cannot run a step) and `on_failure` is told
@@ -29,11 +29,9 @@ must share (page numbers in a step address all pools alike).
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import datetime
 import logging
-import os
 import signal
 import socket
 import subprocess
@@ -48,7 +46,6 @@ import torch.distributed as dist
 
 from kiln.args import ArgError
 from kiln.runtime.step import StepInputs
-from kiln.terminal import configure_logging
 
 log = logging.getLogger("kiln.parallel")
 
@@ -116,7 +113,7 @@ def _spawn(
             [
                 sys.executable,
                 "-m",
-                "kiln.runtime.parallel",
+                "kiln.runtime.rank_worker",
                 str(artefact),
                 "--rank",
                 str(rank),
@@ -134,7 +131,7 @@ def _spawn(
     ]
 
 
-def _store(init_method: str, timeout_s: float) -> dist.TCPStore:
+def rendezvous_store(init_method: str, timeout_s: float) -> dist.TCPStore:
     """A client of the group's rendezvous store (tcp://host:port), for heartbeats."""
     host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
     return dist.TCPStore(
@@ -146,7 +143,7 @@ def _store(init_method: str, timeout_s: float) -> dist.TCPStore:
     )
 
 
-def _beat(rank: int, store: dist.TCPStore) -> None:
+def beat(rank: int, store: dist.TCPStore) -> None:
     """Count this rank's heartbeats in the store until the store is gone (rank 0 with it)."""
     key = f"kiln/alive/{rank}"
     while True:
@@ -179,7 +176,7 @@ class Heartbeats:
         return quiet
 
 
-def _receive() -> StepInputs | None:
+def receive() -> StepInputs | None:
     size = torch.zeros(1, dtype=torch.long)
     dist.broadcast(size, src=0)
     if int(size) == _STOP:
@@ -219,7 +216,7 @@ class TPGroup:
             )
             dist.broadcast(torch.tensor([max_total_tokens]), src=0)
             remote = [r for r in range(1, size) if r not in local]
-            self.heartbeats = Heartbeats(_store(method, 30), remote) if remote else None
+            self.heartbeats = Heartbeats(rendezvous_store(method, 30), remote) if remote else None
         except BaseException:
             self._reap(kill=True)
             raise
@@ -366,56 +363,3 @@ def follow(
         log.error("node %d: %s; its other ranks are stopped", node_rank, failed)
         return 1
     return 0
-
-
-def _worker(args: argparse.Namespace) -> int:
-    from kiln.runtime.artefact import Artefact
-    from kiln.runtime.model_runner import ModelRunner
-
-    torch.set_num_threads(args.threads)
-    dist.init_process_group(
-        "gloo",
-        init_method=args.init_method,
-        rank=args.rank,
-        world_size=args.size,
-        timeout=datetime.timedelta(seconds=args.timeout),
-    )
-    beats = threading.Thread(
-        target=_beat,
-        args=(args.rank, _store(args.init_method, args.timeout)),
-        name="kiln-heartbeat",
-        daemon=True,
-    )
-    beats.start()
-    kv_tokens = torch.zeros(1, dtype=torch.long)
-    dist.broadcast(kv_tokens, src=0)
-    # This node's `kiln serve` (rank 0, or `follow`) checked every file's checksum.
-    art = Artefact.open(args.artefact, verify=False, rank=args.rank)
-    runner = ModelRunner(art, int(kv_tokens))
-    runner.warm_up()
-    with torch.inference_mode():
-        while (step := _receive()) is not None:
-            runner.run(step)
-    dist.destroy_process_group()
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kiln.runtime.parallel")
-    p.add_argument("artefact", type=Path)
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--size", type=int, required=True)
-    p.add_argument("--init-method", required=True)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S)
-    args = p.parse_args(argv)
-    configure_logging(os.environ.get("KILN_LOG_LEVEL", "WARNING"))
-    try:
-        return _worker(args)
-    except (RuntimeError, ConnectionError) as e:  # rank 0 gone, or a collective failed
-        log.error("tensor-parallel rank %d stops: %s", args.rank, e)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

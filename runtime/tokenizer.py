@@ -31,7 +31,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from kiln.compiler.artefact import TOKENIZER_DIR, TOKENIZER_FILES, ArtefactError, open_member
+from kiln.core.artefact import TOKENIZER_DIR, TOKENIZER_FILES, ArtefactError, open_member
 
 log = logging.getLogger("kiln.tokenizer")
 

@@ -8,10 +8,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-import kiln
 from kiln.serve.context import ServingContext
 from kiln.serve.protocol import GenerateRequest
 from kiln.serve.streams import Accumulated, ApiError, events, merged, sse
+from kiln.version import __version__
 
 router = APIRouter()
 
@@ -51,7 +51,8 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
             texts = [body.text] if isinstance(body.text, str) else body.text
             prompts = [ctx.prompt_ids(t)[0] for t in texts]
         else:
-            prompts = [body.input_ids] if single else list(body.input_ids)
+            ids: Any = body.input_ids
+            prompts = [ids] if single else list(ids)
         if not prompts:
             raise ApiError(400, "the prompt is empty")
         # SGLang's native default is 128 new tokens (OpenAI routes: up to the context).
@@ -71,7 +72,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
             accs = [Accumulated() for _ in reqs]
             async for i, out in merged(ctx, reqs):
                 accs[i].add(out)
-                item = {
+                item: dict[str, Any] = {
                     "text": accs[i].text,
                     "output_ids": accs[i].token_ids,
                     "meta_info": _meta(reqs[i].rid, accs[i], body.return_logprob),
@@ -136,7 +137,7 @@ async def server_info(request: Request) -> dict[str, Any]:
     pool = ctx.engine.runner.pool
     return {
         **args,
-        "version": kiln.__version__,
+        "version": __version__,
         "artefact": {"cache_key": manifest["cache_key"], "target": manifest["target"]},
         "max_total_tokens": pool.num_pages * pool.page_size,
         "threads": ctx.engine.threads,

@@ -24,7 +24,7 @@ def hf_greedy(hf: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[i
 def round_linear_inputs(hf: torch.nn.Module, group: int | None, skip: tuple[str, ...] = ()) -> None:
     """Make transformers round every Linear's input (but `skip`'s) to int8 per group of
     `group` inputs (None: the whole row), as kiln's --quantize-activations int8 kernels do."""
-    from kiln.compiler.quant import quantize_group_activations
+    from kiln.core.quant import quantize_group_activations
 
     def hook(_mod: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
         x = args[0]

@@ -392,7 +392,7 @@ int kiln_rope_decode_attention_f32(const float *qkv, int64_t qkv_stride, const f
 /* ---- Linear layers ----
  *
  * out[m, n] = x[m, :] . w[n, :] (+ bias[n]). Weights come packed by the compiler (the
- * layout pass, compiler/layout.py) into panels of L = lanes of one vector:
+ * layout pass, kiln/core/layout.py) into panels of L = lanes of one vector:
  * [N_pad / L][K][L], N padded with zeros to whole groups of GROUP_PANELS panels, so each
  * panel is one contiguous stream and a group never runs short. x is transposed per call
  * into row tiles, [tiles][K][rows], so the rows' values for one k share a cache line.
@@ -586,7 +586,7 @@ int kiln_embedding_packed_f32(const int64_t *ids, int64_t tokens, const float *p
 /* ---- Quantized linear layers ----
  *
  * out[m, n] = x[m, :] . dequant(w)[n, :] (+ bias[n]) with w stored by the compiler
- * (compiler/layout.py, `qpanels`) as panels of LANES output columns, N padded with zeros to
+ * (kiln/core/layout.py, `qpanels`) as panels of LANES output columns, N padded with zeros to
  * whole panels, and one scale (and one min) per column per group of `group` k's:
  *   QFMT_INT8:     q [N_pad / L][K][L] int8,        w = q * s            (s: [N_pad/L][K/g][L])
  *   QFMT_UINT4:    q [N_pad / L][K / 2][L] uint8,   w = q * s + min       (k even in the low

@@ -5,17 +5,8 @@
 """
 
 from kiln.args.flags import COMPILE, RUNTIME, Flag, Section, Stage, Status
-from kiln.args.server_args import (
-    FLAGS,
-    SPELLINGS,
-    ArgError,
-    ServerArgs,
-    add_cli_args,
-    explicit_values,
-    flag_of,
-    load_yaml,
-)
-from kiln.args.spec import SECTIONS
+from kiln.args.server_args import ServerArgs, add_cli_args, explicit_values, load_yaml
+from kiln.args.spec import FLAGS, SECTIONS, SPELLINGS, ArgError, flag_of
 
 __all__ = [
     "COMPILE",

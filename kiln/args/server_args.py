@@ -20,18 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from kiln.args.flags import Flag, Stage
-from kiln.args.spec import SECTIONS
+from kiln.args.spec import FLAGS, SECTION_OF, SECTIONS, SPELLINGS, ArgError
+from kiln.args.validate import translate_deprecated, validate
 
 log = logging.getLogger("kiln.args")
-
-
-class ArgError(ValueError):
-    """A bad argument value or combination; the message names the flag(s)."""
-
-
-FLAGS: dict[str, Flag] = {f.dest: f for s in SECTIONS for f in s.flags}
-SECTION_OF: dict[str, str] = {f.dest: s.attr for s in SECTIONS for f in s.flags}
-SPELLINGS: dict[str, Flag] = {name: f for f in FLAGS.values() for name in f.flags}
 
 
 def _section_class(attr: str, flags: Iterable[Flag]) -> type:
@@ -46,10 +38,6 @@ def _section_class(attr: str, flags: Iterable[Flag]) -> type:
 SECTION_CLASSES: dict[str, type] = {s.attr: _section_class(s.attr, s.flags) for s in SECTIONS}
 
 
-def flag_of(dest: str) -> str:
-    return FLAGS[dest].name
-
-
 class ServerArgs:
     """The argument tree. Immutable; `replace` returns a new, re-validated tree."""
 
@@ -57,8 +45,6 @@ class ServerArgs:
     _sections: dict[str, Any]
 
     def __init__(self, **values: Any) -> None:
-        from kiln.args.validate import translate_deprecated, validate
-
         groups: dict[str, dict[str, Any]] = {attr: {} for attr in SECTION_CLASSES}
         values, origin = translate_deprecated(values)
         for dest, value in values.items():

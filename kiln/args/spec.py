@@ -417,3 +417,16 @@ SECTIONS: tuple[Section, ...] = (
     )),
 )
 # fmt: on
+
+
+class ArgError(ValueError):
+    """A bad argument value or combination; the message names the flag(s)."""
+
+
+FLAGS: dict[str, Flag] = {f.dest: f for s in SECTIONS for f in s.flags}
+SECTION_OF: dict[str, str] = {f.dest: s.attr for s in SECTIONS for f in s.flags}
+SPELLINGS: dict[str, Flag] = {name: f for f in FLAGS.values() for name in f.flags}
+
+
+def flag_of(dest: str) -> str:
+    return FLAGS[dest].name

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.args.server_args import FLAGS, ArgError
+from kiln.args.spec import FLAGS, ArgError
 
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 

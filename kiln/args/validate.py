@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kiln.args.flags import Flag
+from kiln.args.spec import FLAGS, ArgError
 
 if TYPE_CHECKING:
     from kiln.args.server_args import ServerArgs
@@ -65,8 +66,6 @@ def translate_deprecated(values: dict[str, Any]) -> tuple[dict[str, Any], dict[s
 
     Returns the values and, for each value set on the user's behalf, the flag that set it
     (so an error can name what the user typed)."""
-    from kiln.args.server_args import FLAGS
-
     out, origin = dict(values), {}
     for old, (new, value) in _DEPRECATED_TO.items():
         if out.pop(old, False):
@@ -81,8 +80,6 @@ def translate_deprecated(values: dict[str, Any]) -> tuple[dict[str, Any], dict[s
 
 
 def validate(args: ServerArgs, origin: dict[str, str] | None = None) -> None:
-    from kiln.args.server_args import FLAGS
-
     values = args.to_dict()
     for dest, flag in FLAGS.items():
         _check_choice(flag, values[dest])
@@ -94,8 +91,6 @@ def validate(args: ServerArgs, origin: dict[str, str] | None = None) -> None:
 
 
 def _fail(message: str) -> None:
-    from kiln.args.server_args import ArgError
-
     raise ArgError(message)
 
 
@@ -127,8 +122,6 @@ def _check_status(flag: Flag, value: Any, origin: str | None = None) -> None:
 
 
 def _check_ranges(v: dict[str, Any]) -> None:
-    from kiln.args.server_args import FLAGS
-
     for dest in POSITIVE:
         if v[dest] is not None and v[dest] <= 0:
             _fail(f"{FLAGS[dest].name}: must be > 0, got {v[dest]}")
@@ -180,8 +173,6 @@ def _priority(v: dict[str, Any]) -> None:
 
 
 def _dynamic_batch_tokenizer(v: dict[str, Any]) -> None:
-    from kiln.args.server_args import FLAGS
-
     if v["enable_dynamic_batch_tokenizer"]:
         return
     for dest in ("dynamic_batch_tokenizer_batch_size", "dynamic_batch_tokenizer_batch_timeout"):
@@ -190,8 +181,6 @@ def _dynamic_batch_tokenizer(v: dict[str, Any]) -> None:
 
 
 def _speculative(v: dict[str, Any]) -> None:
-    from kiln.args.server_args import FLAGS
-
     if v["speculative_algorithm"] is not None:
         return
     for dest, flag in FLAGS.items():

@@ -12,10 +12,10 @@ from safetensors.torch import load_file
 
 from kiln import Engine
 from kiln.args import ArgError, ServerArgs
-from kiln.compiler.artefact import FORMAT_VERSION, ArtefactError
 from kiln.compiler.checkpoint import CheckpointError
 from kiln.compiler.compile import compile_model
-from kiln.compiler.target import host_cpu_level
+from kiln.core.artefact import FORMAT_VERSION, ArtefactError
+from kiln.core.target import host_cpu_level
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 PROMPT = [1, 4, 9, 16, 25]

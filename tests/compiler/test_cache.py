@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from kiln.args import ServerArgs
-from kiln.compiler.artefact import read_manifest, verify_files
 from kiln.compiler.key import compile_key
 from kiln.compiler.store import Store
+from kiln.core.artefact import read_manifest, verify_files
 from kiln.paths import cache_dir
 
 # A target level other than this host's own (CI machines have AVX2 or more).

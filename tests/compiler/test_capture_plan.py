@@ -13,7 +13,8 @@ import pytest
 
 from kiln.args import ArgError, ServerArgs
 from kiln.compiler.compile import compile_model
-from kiln.compiler.ir import Graph, IRError
+from kiln.core.graph_json import graph_from_json, load_graph
+from kiln.core.ir import IRError
 from kiln.passes.capture_plan import decode_batch_sizes, plan, prefill_token_sizes
 
 CUDA = {"device": "cuda", "target_isa": "sm_90"}
@@ -106,7 +107,7 @@ def test_inspect_shows_it_and_a_tampered_plan_is_refused(checkpoint, tmp_path: P
     assert "decode cuda_graph at batch 1, 2, 4, 8, ..., 64 (12 sizes), padded" in line
     assert "prefill eager; 3 pieces between 2 attentions" in line
     data = json.loads((art / "graph.json").read_text())
-    assert Graph.from_json(data).plan == data["capture_plan"]
+    assert graph_from_json(data).plan == data["capture_plan"]
     piecewise = tmp_path / "piecewise"
     compile_model(
         ServerArgs(
@@ -117,7 +118,7 @@ def test_inspect_shows_it_and_a_tampered_plan_is_refused(checkpoint, tmp_path: P
         ),
         piecewise,
     )
-    loaded = Graph.from_json(json.loads((piecewise / "graph.json").read_text()))
+    loaded = load_graph((piecewise / "graph.json").read_text())
     assert loaded.plan is not None
     prefill = loaded.plan["prefill"]
     assert prefill["mode"] == "piecewise" and prefill["tokens"] == [8, 64]
@@ -127,7 +128,7 @@ def test_inspect_shows_it_and_a_tampered_plan_is_refused(checkpoint, tmp_path: P
     broken = json.loads((piecewise / "graph.json").read_text())
     broken["capture_plan"]["prefill"]["eager_from"] = "nowhere"
     with pytest.raises(IRError, match="eager_from: expected a node name"):
-        Graph.from_json(broken)
+        graph_from_json(broken)
     for path, bad, message in (
         (("split_at",), ["v1"], "expected attention node names"),
         (("decode", "batch_sizes"), [4, -1], "expected positive integers"),
@@ -140,4 +141,4 @@ def test_inspect_shows_it_and_a_tampered_plan_is_refused(checkpoint, tmp_path: P
             target = target[key]
         target[last] = bad
         with pytest.raises(IRError, match=message):
-            Graph.from_json(tampered)
+            graph_from_json(tampered)

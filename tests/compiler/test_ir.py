@@ -2,8 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.compiler.ir import Graph, IRError
-from kiln.compiler.trace import trace
+from kiln.core.graph_json import load_graph
+from kiln.core.ir import Graph, IRError
+from kiln.core.trace import trace
 from kiln.models import ModelConfig, build
 
 CFG = ModelConfig.from_dict(
@@ -38,7 +39,7 @@ def test_trace_records_the_model_with_checkpoint_names() -> None:
 def test_json_round_trip_is_exact() -> None:
     g = traced()
     g.nodes[5].meta["note"] = "kept"
-    again = Graph.loads(g.dumps())
+    again = load_graph(g.dumps())
     assert again.format() == g.format()
     assert again.dumps() == g.dumps()
 

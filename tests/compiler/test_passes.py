@@ -4,11 +4,11 @@ from dataclasses import replace
 
 import pytest
 
-from kiln.compiler.ir import STRUCTURAL_OPS as STRUCTURAL
-from kiln.compiler.ir import Graph, IRError
-from kiln.compiler.shapes import check_features
-from kiln.compiler.target import Target, cpu_target
-from kiln.compiler.trace import trace
+from kiln.core.ir import STRUCTURAL_OPS as STRUCTURAL
+from kiln.core.ir import Graph, IRError
+from kiln.core.shapes import check_features
+from kiln.core.target import Target, cpu_target
+from kiln.core.trace import trace
 from kiln.kernels import cpu as cpu_kernels
 from kiln.models import ModelConfig, build
 from kiln.passes import (

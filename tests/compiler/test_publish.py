@@ -17,7 +17,7 @@ from pathlib import Path
 from kiln.args import ServerArgs
 from kiln.compiler.compile import compile_model
 from kiln.compiler.publish import publish, staging_dir
-from kiln.compiler.target import cpu_target
+from kiln.core.target import cpu_target
 from kiln.kernels import native
 
 WRITER = textwrap.dedent(

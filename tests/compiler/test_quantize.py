@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from kiln import Engine
 from kiln.args import ArgError, ServerArgs
 from kiln.compiler.compile import compile_model
-from kiln.compiler.quant import dequantize, quantize
+from kiln.core.quant import dequantize, quantize
 
 SHAPE = {"hidden_size": 128, "intermediate_size": 256}
 SCHEMES = {

@@ -6,7 +6,7 @@ import ctypes
 import functools
 import platform
 
-from kiln.compiler.target import CPU_ORDER, cpu_target, host_cpu_level
+from kiln.core.target import CPU_ORDER, cpu_target, host_cpu_level
 from kiln.kernels import native
 
 # Every level up to this host's (the baseline alone off x86).

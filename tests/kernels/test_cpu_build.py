@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from native_libs import HOST_LEVELS
 
-from kiln.compiler.target import cpu_target
+from kiln.core.target import cpu_target
 from kiln.kernels import native
 
 SHAPES = {"x86-64": (8, 3), "avx2": (8, 3), "avx512": (16, 4), "avx512_vnni": (16, 4)}

@@ -12,22 +12,22 @@ import torch
 import torch.nn.functional as F
 from native_libs import HOST_LEVELS, library
 
-from kiln.compiler.layout import pack_panels, pack_qpanels, panels_name
-from kiln.compiler.quant import (
+from kiln.core.layout import pack_panels, pack_qpanels, panels_name
+from kiln.core.quant import (
     CODE_LAYOUT,
     dequantize,
     quantize,
     quantize_activations,
     quantize_group_activations,
 )
-from kiln.kernels import registry
+from kiln.kernels import catalog
 from kiln.kernels.attention import AttentionBatch, SeqSpan
 
 
 def k(op: str, backend: str = "torch_native"):
     """The kernel; `kiln_cpu/<level>` binds the C library built for that level."""
     name, _, level = backend.partition("/")
-    fn = registry.get(op, name).fn
+    fn = catalog.get(op, name).fn
     return functools.partial(fn, lib=library(level)) if level else fn
 
 
@@ -335,10 +335,10 @@ def test_paged_attention_prefill_and_batched_decode_with_windows(backend: str) -
 
 
 def test_registry_lists_backends_per_device() -> None:
-    assert set(registry.available("linear", "cpu")) == {"torch_native"}
-    assert registry.available("packed_linear", "cpu") == ["kiln_cpu"]
-    assert registry.available("linear", "cuda") == ["torch_native"]
-    assert "attention" in registry.ops_with_kernels()
+    assert set(catalog.available("linear", "cpu")) == {"torch_native"}
+    assert catalog.available("packed_linear", "cpu") == ["kiln_cpu"]
+    assert catalog.available("linear", "cuda") == ["torch_native"]
+    assert "attention" in catalog.ops_with_kernels()
 
 
 @BOTH

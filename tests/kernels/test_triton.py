@@ -6,13 +6,12 @@ KILN_TRITON_DEVICE=cuda runs the same tests compiled for a GPU (benchmarks/gpu_c
 from __future__ import annotations
 
 import functools
-import json
 import os
 
 import pytest
 import torch
 
-from kiln.kernels import registry
+from kiln.kernels import catalog
 from kiln.runtime.step import StepContext, StepInputs
 
 DEVICE = os.environ.get("KILN_TRITON_DEVICE", "cpu")
@@ -27,7 +26,7 @@ arange = functools.partial(torch.arange, device=DEVICE)
 
 
 def both(op: str):
-    return registry.get(op, "triton").fn, registry.get(op, "torch_native").fn
+    return catalog.get(op, "triton").fn, catalog.get(op, "torch_native").fn
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -57,7 +56,7 @@ def test_rope_qkv_on_a_fused_projection(head_dim: int) -> None:
     sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
     qkv = randn(tokens, sum(sizes))
     inv_freq = 1.0 / (10000 ** (arange(0, head_dim, 2).float() / head_dim))
-    cos_sin = registry.get("rope_cos_sin", "torch_native").fn(arange(3, 9), inv_freq)
+    cos_sin = catalog.get("rope_cos_sin", "torch_native").fn(arange(3, 9), inv_freq)
     tri, ref = both("rope_qkv")
     got_all, want_all = tri(qkv, cos_sin, head_dim, sizes), ref(qkv, cos_sin, head_dim, sizes)
     for got, want in zip(got_all, want_all, strict=True):
@@ -67,7 +66,7 @@ def test_rope_qkv_on_a_fused_projection(head_dim: int) -> None:
 def _attend(backend: str, step: StepInputs, pools, q, k, v, attrs) -> torch.Tensor:
     k_cache, v_cache, page = pools
     ctx = StepContext(k_cache, v_cache, page).plan(step)[0]
-    return registry.get("attention", backend).fn(ctx, q, k, v, **attrs)
+    return catalog.get("attention", backend).fn(ctx, q, k, v, **attrs)
 
 
 @pytest.mark.parametrize("page", [1, 16])
@@ -125,10 +124,10 @@ def test_paged_attention_prefill_extend_mixed_decode(
 
 def test_a_cuda_artefact_runs_them(artefact) -> None:
     """Compiled for CUDA on this CPU machine: the ops with a triton kernel take it."""
-    from kiln.compiler.ir import Graph
+    from kiln.core.graph_json import load_graph
 
     art = artefact("llama", compile_args={"device": "cuda", "target_isa": "sm_90"})
-    graph = Graph.from_json(json.loads((art / "graph.json").read_text()))
+    graph = load_graph((art / "graph.json").read_text())
     backends = {n.op: n.meta.get("backend") for n in graph.nodes if "backend" in n.meta}
     for op in ("rope_attention", "add_rmsnorm", "rmsnorm"):
         assert backends[op] == "triton", backends

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 
 from kiln import Engine
 from kiln.args import ArgError, ServerArgs
-from kiln.compiler.artefact import graph_file
 from kiln.compiler.compile import compile_model
+from kiln.core.artefact import graph_file
 
 PROMPTS = [[1, 5, 9, 33], list(range(3, 43)), [7] * 11]
 GREEDY = {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}

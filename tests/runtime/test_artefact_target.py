@@ -16,7 +16,7 @@ import torch
 from test_untrusted_artefact import edit_json
 
 from kiln import Engine
-from kiln.compiler.artefact import ArtefactError
+from kiln.core.artefact import ArtefactError
 from kiln.runtime.artefact import Artefact
 
 
@@ -76,7 +76,7 @@ def test_a_swapped_kernel_library_is_never_loaded(copy) -> None:
     lib.write_bytes(lib.read_bytes() + b"\0")
 
     def reseal(m: dict) -> dict:
-        from kiln.compiler.artefact import sha256_file
+        from kiln.core.artefact import sha256_file
 
         m["native"]["sha256"] = sha256_file(lib)
         return m
@@ -91,7 +91,7 @@ def test_a_library_built_elsewhere_needs_trust_remote_code(copy, tmp_path) -> No
     code = """
 import sys
 from kiln.runtime.artefact import Artefact
-from kiln.compiler.artefact import ArtefactError
+from kiln.core.artefact import ArtefactError
 try:
     Artefact.open(sys.argv[1])
 except ArtefactError as e:

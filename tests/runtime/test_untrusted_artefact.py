@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from kiln import Engine
-from kiln.compiler.artefact import FORMAT_VERSION, ArtefactError, file_entry
-from kiln.compiler.ir import Graph
+from kiln.core.artefact import FORMAT_VERSION, ArtefactError, file_entry
+from kiln.core.graph_json import load_graph
 from kiln.runtime.executor import generate_source
 
 
@@ -108,7 +108,7 @@ def test_code_injection_is_refused_at_every_site(copy, tmp_path, site) -> None:
 
 def test_executor_emits_no_source_from_the_graph(artefact) -> None:
     """Even a graph built in memory, past the loader, cannot put text into the code."""
-    graph = Graph.loads((artefact("qwen3") / "graph.json").read_text())
+    graph = load_graph((artefact("qwen3") / "graph.json").read_text())
     for i, n in enumerate(graph.nodes):
         if n.op != "input":
             n.name = f"zzname{i}"

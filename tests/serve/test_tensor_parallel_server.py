@@ -28,7 +28,7 @@ GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
 
 def _ranks_of(art: Path) -> list[int]:
     found = subprocess.run(
-        ["pgrep", "-f", f"kiln.runtime.parallel {art}"], capture_output=True, text=True
+        ["pgrep", "-f", f"kiln.runtime.rank_worker {art}"], capture_output=True, text=True
     )
     return [int(x) for x in found.stdout.split()]
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from kiln.compiler.target import Target
+from kiln.core.target import Target
 
 if TYPE_CHECKING:
     import torch

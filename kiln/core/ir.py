@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.core.layout import stored_shape
+
 # Attribute kinds an op schema can name; what each admits is checked by
 # `kiln.compiler.graph_check` when a graph is read from a file.
 AttrKind = str  # "int" | "float" | "int?" | "ints" | "str"
@@ -49,7 +51,7 @@ OPS: dict[str, OpSchema] = {
     "getitem": OpSchema(1, 1, (("index", "int"),)),
     "embedding": OpSchema(2, 2),
     "linear": OpSchema(2, 3),
-    # A linear whose weight the layout pass stored as panels (compiler/layout.py); row counts
+    # A linear whose weight the layout pass stored as panels (kiln/core/layout.py); row counts
     # in `narrow_rows` ([lo, hi]) take the narrow micro-kernel, others the wide one (decided
     # at compile). `prologue`, here and on quant_linear: "none", or "silu_and_mul" for an
     # input of twice the features, silu(x1) * x2 taken in the same call
@@ -59,7 +61,7 @@ OPS: dict[str, OpSchema] = {
     ),
     # An embedding that reads its table from the panels of the tied lm_head.
     "packed_embedding": OpSchema(2, 2),
-    # Linear and embedding on quantized weights (compiler/quant.py): args codes, scales
+    # Linear and embedding on quantized weights (kiln/core/quant.py): args codes, scales
     # (and a bias), stored as q8/q4 panels and spanels by the quantize pass.
     "quant_linear": OpSchema(
         3, 4, (("format", "str"), ("group", "int"), ("out_features", "int"), ("prologue", "str"))
@@ -166,8 +168,6 @@ class WeightSpec:
     @property
     def stored_shape(self) -> tuple[int, ...]:
         """The shape of the tensor the artefact holds for this weight."""
-        from kiln.compiler.layout import stored_shape
-
         return stored_shape(self.shape, self.layout)
 
 
@@ -321,16 +321,5 @@ class Graph:
             "weights": {k: w.to_json() for k, w in self.weights.items()},
         }
 
-    @classmethod
-    def from_json(cls, d: Any) -> Graph:
-        """Decode a graph, checking every field (see `kiln.compiler.graph_json`)."""
-        from kiln.compiler.graph_json import graph_from_json
-
-        return graph_from_json(d)
-
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=1)
-
-    @classmethod
-    def loads(cls, text: str) -> Graph:
-        return cls.from_json(json.loads(text))

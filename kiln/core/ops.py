@@ -1,6 +1,6 @@
 """Op front-ends for model definitions: each call records one IR node while tracing.
 
-The names and signatures mirror `kiln.compiler.ir.OPS`; tensors are `Value`s or the
+The names and signatures mirror `kiln.core.ir.OPS`; tensors are `Value`s or the
 module's own parameters, everything else is a static attribute.
 """
 
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kiln.compiler.trace import Value, active_tracer
+from kiln.core.trace import Value, active_tracer
 
 
 def _op(op: str, *args: object, **attrs: object) -> Value:

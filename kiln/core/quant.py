@@ -40,7 +40,7 @@ CODE_DTYPE = {
     "int8_a8": "int8",
 }
 PLANES = {"int8": 1, "uint4": 2, "fp8_e4m3": 1, "w8a8_int8": 2, "uint4_a8": 2, "int8_a8": 2}
-# The layout kind (compiler/layout.py) each format's codes are stored in.
+# The layout kind (kiln/core/layout.py) each format's codes are stored in.
 CODE_LAYOUT = {
     "int8": "q8",
     "uint4": "q4",

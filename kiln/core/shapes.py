@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.compiler.ir import ATTENTION_OPS, PROLOGUES, Graph, IRError, Node
+from kiln.core.ir import ATTENTION_OPS, PROLOGUES, Graph, IRError, Node
 
 # A feature size: an int, None for per-token scalars (ids, positions), a tuple for
 # multi-output ops, or ("rope", rotary_dim) for the rotary tables.
@@ -67,7 +67,7 @@ def _panels(graph: Graph, node: Node, param: Node) -> None:
 
 def _quant(graph: Graph, node: Node) -> tuple[int, int]:
     """A quantized op's codes and scales agree with its format and group: (N, K)."""
-    from kiln.compiler.quant import CODE_DTYPE, CODE_LAYOUT, GROUP_STEP, PLANES
+    from kiln.core.quant import CODE_DTYPE, CODE_LAYOUT, GROUP_STEP, PLANES
 
     fmt, group = node.attrs["format"], node.attrs["group"]
     if fmt not in CODE_DTYPE:

@@ -2,7 +2,7 @@
 
 Model definitions are ordinary `torch.nn.Module`s built on the meta device; their
 parameters carry the checkpoint's names and shapes but no data. Their `forward` calls the
-op front-ends in `kiln.compiler.ops`, which append nodes to the active tracer's graph.
+op front-ends in `kiln.core.ops`, which append nodes to the active tracer's graph.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kiln.compiler.ir import GRAPH_INPUTS, Graph, IRError, Node, WeightSpec
+from kiln.core.ir import GRAPH_INPUTS, Graph, IRError, Node, WeightSpec
 
 
 class Value:
@@ -74,7 +74,7 @@ class Tracer:
 def active_tracer() -> Tracer:
     tracer = _ACTIVE.get()
     if tracer is None:
-        raise RuntimeError("kiln ops only run under kiln.compiler.trace.trace()")
+        raise RuntimeError("kiln ops only run under kiln.core.trace.trace()")
     return tracer
 
 

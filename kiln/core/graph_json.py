@@ -9,13 +9,14 @@ Nothing here evaluates anything; the executor then builds its code from integers
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any
 
-from kiln.compiler.artefact import MAX_CONTEXT
-from kiln.compiler.ir import ATTENTION_OPS, CAPTURE_MODES, OPS, Graph, IRError, Node, WeightSpec
-from kiln.compiler.layout import LAYOUT
+from kiln.core.artefact import MAX_CONTEXT
+from kiln.core.ir import ATTENTION_OPS, CAPTURE_MODES, OPS, Graph, IRError, Node, WeightSpec
+from kiln.core.layout import LAYOUT
 
 NODE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 WEIGHT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,255}")
@@ -127,6 +128,12 @@ def _decode_weight(name: Any, w: Any) -> WeightSpec:
     if layout.startswith("a4panels") and shape[1] % 8:
         raise _fail(where, f"a {layout} layout needs columns in eights, got {shape[1]}")
     return WeightSpec(tuple(shape), dtype, source, layout)
+
+
+def load_graph(text: str | bytes) -> Graph:
+    """A graph from its JSON text, checked (IRError names the first problem; text that is
+    not JSON is a json.JSONDecodeError)."""
+    return graph_from_json(json.loads(text))
 
 
 def graph_from_json(data: Any) -> Graph:

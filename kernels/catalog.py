@@ -1,0 +1,9 @@
+"""Every backend's kernels, registered: import this (not the registry) to look one up."""
+
+from __future__ import annotations
+
+# Importing the backend modules runs their @register decorators.
+from kiln.kernels import attention, cpu, torch_native, triton_ops  # noqa: F401
+from kiln.kernels.registry import Kernel, available, get, ops_with_kernels
+
+__all__ = ["Kernel", "available", "get", "ops_with_kernels"]

@@ -1,0 +1,74 @@
+"""A tensor-parallel rank other than 0: `python -m kiln.runtime.rank_worker ARTEFACT --rank R
+...`, started by rank 0's TPGroup or another node's `follow` (runtime/parallel.py). It joins
+the process group, beats its heartbeat, opens its rank's graph and weights, and runs every
+step rank 0 broadcasts until told to stop or rank 0 is gone."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from kiln.runtime.artefact import Artefact
+from kiln.runtime.model_runner import ModelRunner
+from kiln.runtime.parallel import DEFAULT_TIMEOUT_S, beat, receive, rendezvous_store
+from kiln.terminal import configure_logging
+
+log = logging.getLogger("kiln.parallel")
+
+
+def _worker(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    dist.init_process_group(
+        "gloo",
+        init_method=args.init_method,
+        rank=args.rank,
+        world_size=args.size,
+        timeout=datetime.timedelta(seconds=args.timeout),
+    )
+    beats = threading.Thread(
+        target=beat,
+        args=(args.rank, rendezvous_store(args.init_method, args.timeout)),
+        name="kiln-heartbeat",
+        daemon=True,
+    )
+    beats.start()
+    kv_tokens = torch.zeros(1, dtype=torch.long)
+    dist.broadcast(kv_tokens, src=0)
+    # This node's `kiln serve` (rank 0, or `follow`) checked every file's checksum.
+    art = Artefact.open(args.artefact, verify=False, rank=args.rank)
+    runner = ModelRunner(art, int(kv_tokens))
+    runner.warm_up()
+    with torch.inference_mode():
+        while (step := receive()) is not None:
+            runner.run(step)
+    dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kiln.runtime.rank_worker")
+    p.add_argument("artefact", type=Path)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--size", type=int, required=True)
+    p.add_argument("--init-method", required=True)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S)
+    args = p.parse_args(argv)
+    configure_logging(os.environ.get("KILN_LOG_LEVEL", "WARNING"))
+    try:
+        return _worker(args)
+    except (RuntimeError, ConnectionError) as e:  # rank 0 gone, or a collective failed
+        log.error("tensor-parallel rank %d stops: %s", args.rank, e)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
