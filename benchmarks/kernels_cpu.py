@@ -32,10 +32,10 @@ import torch
 from bench_common import SMOLLM2_135M, machine, read_bandwidth_gbs
 
 from kiln.core.layout import pack_panels, pack_qpanels, panel_shape, panels_name
+from kiln.core.ops.attention import AttentionBatch, SeqSpan
 from kiln.core.quant import CODE_LAYOUT, quantize
 from kiln.core.target import cpu_target
 from kiln.kernels import native, registry
-from kiln.kernels.attention import AttentionBatch, SeqSpan
 
 
 def per_call_us(fn: Callable[[int], object], repeats: int) -> tuple[float, float]:

@@ -21,8 +21,9 @@ from kiln.compiler.kv_cache import KV_DTYPES, kv_cache_options
 from kiln.compiler.publish import publish, staging_dir
 from kiln.compiler.store import CompileResult, compile_cached
 from kiln.core import artefact as fmt
-from kiln.core.ir import ATTENTION_OPS, STRUCTURAL_OPS, Graph
+from kiln.core.ir import Graph
 from kiln.core.layout import pack_panels, pack_qpanels, panel_shape
+from kiln.core.ops import ATTENTION_OPS, STRUCTURAL_OPS
 from kiln.core.quant import WEIGHT_FORMAT, quantize, with_int8_activations
 from kiln.core.target import Target
 from kiln.core.trace import trace

@@ -10,7 +10,8 @@ from typing import Any
 from kiln.compiler.store import explain
 from kiln.core import artefact as fmt
 from kiln.core.graph_json import load_graph
-from kiln.core.ir import STRUCTURAL_OPS, Graph
+from kiln.core.ir import Graph
+from kiln.core.ops import STRUCTURAL_OPS
 from kiln.terminal import printable
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "int32": 4}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 # Importing the backend modules runs their @register decorators.
-from kiln.kernels import attention, cpu, torch_native, triton_ops  # noqa: F401
-from kiln.kernels.registry import Kernel, available, get, ops_with_kernels
+from kiln.kernels import cpu, triton_ops  # noqa: F401
+from kiln.kernels.registry import Kernel, available, get, kernels
 
-__all__ = ["Kernel", "available", "get", "ops_with_kernels"]
+__all__ = ["Kernel", "available", "get", "kernels"]

@@ -23,9 +23,19 @@ from typing import Any
 
 import torch
 
+from kiln.core.ops.attention import (
+    Attention,
+    AttentionBatch,
+    attend_one,
+    is_fp8,
+    rope_then_attend,
+    write_kv,
+)
+from kiln.core.ops.attention import attention as reference_attention
+from kiln.core.ops.linear import PackedLinear, QuantEmbedding, QuantLinear
+from kiln.core.ops.norm import AddNorm, Norm
+from kiln.core.ops.rope import Rope, RopeQKV
 from kiln.core.quant import GA8_KIND, KERNEL_FORMAT
-from kiln.kernels.attention import AttentionBatch, attend_one, is_fp8, rope_then_attend, write_kv
-from kiln.kernels.attention import attention as torch_attention
 from kiln.kernels.registry import register
 
 # Ops this backend implements for rows-layout weights; select_backends takes it for these on
@@ -37,8 +47,8 @@ class KernelError(RuntimeError):
     """A kiln_cpu kernel got what the compiled graph promised it would not."""
 
 
-def _native(op: str, needs_ctx: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    return register(op, backend="kiln_cpu", devices=("cpu",), needs_ctx=needs_ctx, native=True)
+def _native(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    return register(op, backend="kiln_cpu", devices=("cpu",), native=True)
 
 
 @_native("packed_linear")
@@ -47,15 +57,13 @@ def packed_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    out_features: int,
-    narrow_rows: list[int],
+    a: PackedLinear,
     lib: ctypes.CDLL,
-    prologue: str = "none",
 ) -> torch.Tensor:
     """x @ W.T (+ bias) on W stored as panels; a row count in `narrow_rows` takes the
     narrow micro-kernel, any other the wide one, as the layout pass decided."""
     x = _rows(x, "packed_linear input")
-    m, k = x.shape[0], weight.shape[1]
+    m, k, out_features = x.shape[0], weight.shape[1], a.out_features
     out = torch.empty(m, out_features)
     rc = lib.kiln_linear_f32(
         x.data_ptr(),
@@ -66,8 +74,8 @@ def packed_linear(
         out_features,
         None if bias is None else bias.data_ptr(),
         out.data_ptr(),
-        int(not narrow_rows[0] <= m <= narrow_rows[1]),
-        _PROLOGUES[prologue],
+        int(not a.narrow_rows[0] <= m <= a.narrow_rows[1]),
+        _PROLOGUES[a.prologue],
         _threads(),
     )
     if rc != 0:
@@ -76,9 +84,9 @@ def packed_linear(
 
 
 @_native("packed_embedding")
-def packed_embedding(ids: torch.Tensor, table: torch.Tensor, *, lib: ctypes.CDLL) -> torch.Tensor:
+def packed_embedding(ids: torch.Tensor, weight: torch.Tensor, *, lib: ctypes.CDLL) -> torch.Tensor:
     """Rows `ids` of a [V, h] table stored as panels (the tied lm_head's)."""
-    ids = ids.contiguous()
+    ids, table = ids.contiguous(), weight
     h = table.shape[1]
     vocab = table.shape[0] * table.shape[2]  # padded rows read zeros; ids are checked below
     out = torch.empty(ids.shape[0], h)
@@ -96,14 +104,12 @@ def quant_linear(
     scales: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    format: str,
-    group: int,
-    out_features: int,
+    a: QuantLinear,
     lib: ctypes.CDLL,
-    prologue: str = "none",
 ) -> torch.Tensor:
     """x @ dequant(W).T (+ bias) on codes and scales stored as quantized panels."""
     x = _rows(x, "quant_linear input")
+    format, group, out_features, prologue = a.format, a.group, a.out_features, a.prologue
     m, k = x.shape[0], x.shape[1] // (2 if prologue == "silu_and_mul" else 1)
     out = torch.empty(m, out_features)
     if format == "w8a8_int8":
@@ -154,12 +160,11 @@ def quant_embedding(
     codes: torch.Tensor,
     scales: torch.Tensor,
     *,
-    format: str,
-    group: int,
-    num_embeddings: int,
+    a: QuantEmbedding,
     lib: ctypes.CDLL,
 ) -> torch.Tensor:
     """Rows `ids` of a quantized [V, h] table (the tied lm_head's), as float32."""
+    format, group, num_embeddings = a.format, a.group, a.num_embeddings
     ids = ids.contiguous()
     h = scales.shape[1] * group
     out = torch.empty(ids.shape[0], h)
@@ -182,12 +187,10 @@ def quant_embedding(
 
 
 @_native("rmsnorm")
-def rmsnorm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, group: int = 0, *, lib: ctypes.CDLL
-) -> torch.Tensor:
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, *, a: Norm, lib: ctypes.CDLL) -> torch.Tensor:
     """`group`: normalise every `group` features on their own (Qwen3's per-head q/k norm)."""
     x = _rows(x, "rmsnorm input")
-    n = group or x.shape[-1]
+    n = a.group or x.shape[-1]
     groups = x.shape[1] // n
     out = torch.empty(x.shape)
     lib.kiln_rmsnorm_f32(
@@ -198,7 +201,7 @@ def rmsnorm(
         out.data_ptr(),
         x.shape[0] * groups,
         n,
-        eps,
+        a.eps,
         _threads(),
     )
     return out
@@ -206,7 +209,7 @@ def rmsnorm(
 
 @_native("add_rmsnorm")
 def add_rmsnorm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, lib: ctypes.CDLL
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, a: AddNorm, lib: ctypes.CDLL
 ) -> tuple[torch.Tensor, torch.Tensor]:
     x, residual = x.contiguous(), residual.contiguous()
     rows, n = x.shape
@@ -221,7 +224,7 @@ def add_rmsnorm(
         total.data_ptr(),
         rows,
         n,
-        eps,
+        a.eps,
         _threads(),
     )
     return out, total
@@ -238,12 +241,13 @@ def silu_and_mul(x: torch.Tensor, *, lib: ctypes.CDLL) -> torch.Tensor:
 
 @_native("rope")
 def rope(
-    x: torch.Tensor,
-    cos_sin: tuple[torch.Tensor, ...],
-    head_dim: int,
-    *,
-    lib: ctypes.CDLL,
-    heads: int = 0,
+    x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], *, a: Rope, lib: ctypes.CDLL
+) -> torch.Tensor:
+    return _rope(x, cos_sin, a.head_dim, 0, lib)
+
+
+def _rope(
+    x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], head_dim: int, heads: int, lib: Any
 ) -> torch.Tensor:
     """Every head of x's rows, or the first `heads` of each row."""
     x = _rows(x, "rope input")
@@ -269,60 +273,38 @@ def rope(
 
 @_native("rope_qkv")
 def rope_qkv(
-    qkv: torch.Tensor,
-    cos_sin: tuple[torch.Tensor, ...],
-    head_dim: int,
-    sizes: list[int],
-    *,
-    lib: ctypes.CDLL,
+    qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], *, a: RopeQKV, lib: ctypes.CDLL
 ) -> tuple[torch.Tensor, ...]:
     """One rotary call over the q and k heads of a fused projection's rows; v stays a view."""
-    nq, nk, _ = sizes
-    qk = rope(qkv, cos_sin, head_dim, heads=(nq + nk) // head_dim, lib=lib)
+    nq, nk, _ = a.sizes
+    qk = _rope(qkv, cos_sin, a.head_dim, (nq + nk) // a.head_dim, lib)
     return qk[:, :nq], qk[:, nq:], qkv[:, nq + nk :]
 
 
-@_native("attention", needs_ctx=True)
+@_native("attention")
 def attention(
     ctx: AttentionBatch,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    layer: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    scale: float,
-    sliding_window: int | None,
+    a: Attention,
     lib: ctypes.CDLL,
-    kv_scale: float = 1.0,
 ) -> torch.Tensor:
     """Single-token rows (all of a decode step, the decoding requests of a mixed chunk) run
     the C kernel on the paged pool; multi-token rows keep SDPA (compute-bound, where aten's
     flash kernel is already good), so a step of prefills only is SDPA throughout."""
+    layer, heads, kv, d = a.layer, a.num_heads, a.num_kv_heads, a.head_dim
     k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
     if ctx.kv_index is None:
-        return torch_attention(
-            ctx,
-            q,
-            k,
-            v,
-            layer=layer,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            scale=scale,
-            sliding_window=sliding_window,
-            kv_scale=kv_scale,
-        )
-    if head_dim % 8:
-        raise KernelError(f"kiln_cpu attention: head_dim {head_dim} is not a multiple of 8")
+        return reference_attention.kernel(ctx, q, k, v, a=a)
+    if d % 8:
+        raise KernelError(f"kiln_cpu attention: head_dim {d} is not a multiple of 8")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise KernelError("kiln_cpu attention: the KV pool must be contiguous")
     q, k, v = (_rows(t, "attention input") for t in (q, k, v))
     if is_fp8(k_cache.dtype):
-        write_kv(ctx, layer, k, v, num_kv_heads, head_dim, kv_scale)
+        write_kv(ctx, layer, k, v, kv, d, a.kv_scale)
     else:
         lib.kiln_kv_write_f32(
             k.data_ptr(),
@@ -334,61 +316,38 @@ def attention(
             k_cache.data_ptr(),
             v_cache.data_ptr(),
             k_cache.shape[1],
-            num_kv_heads,
-            head_dim,
+            kv,
+            d,
         )
     if ctx.decode:
-        return _decode(lib, ctx, q, layer, num_heads, num_kv_heads, sliding_window, scale, kv_scale)
+        return _decode(lib, ctx, q, a)
     # Mixed batch: the single-token rows together in C, the others one by one in SDPA.
     assert ctx.single_rows is not None
-    out = torch.empty(q.shape[0], num_heads * head_dim)
-    single = _decode(
-        lib,
-        ctx,
-        q.index_select(0, ctx.single_rows),
-        layer,
-        num_heads,
-        num_kv_heads,
-        sliding_window,
-        scale,
-        kv_scale,
-    )
+    out = torch.empty(q.shape[0], heads * d)
+    single = _decode(lib, ctx, q.index_select(0, ctx.single_rows), a)
     out.index_copy_(0, ctx.single_rows, single)
     skip = set(ctx.single_seqs)
     for i, s in enumerate(ctx.seqs):
         if i not in skip:
-            out[s.q_start : s.q_start + s.q_len] = attend_one(
-                ctx,
-                s,
-                q,
-                k,
-                v,
-                layer,
-                num_heads,
-                num_kv_heads,
-                head_dim,
-                scale,
-                sliding_window,
-                kv_scale,
-            )
+            out[s.q_start : s.q_start + s.q_len] = attend_one(ctx, s, q, k, v, a)
     return out
 
 
-@_native("rope_attention", needs_ctx=True)
+@_native("rope_attention")
 def rope_attention(
     ctx: AttentionBatch,
     qkv: torch.Tensor,
     cos_sin: tuple[torch.Tensor, ...],
     *,
+    a: Attention,
     lib: ctypes.CDLL,
-    **attrs: Any,
 ) -> torch.Tensor:
     """rope_qkv then attention. A decode step on an fp32 pool is one C call (rotary, the
     KV write and paged attention); other steps and fp8 pools run the two kernels."""
     if not (ctx.decode and ctx.k_cache.dtype == torch.float32):
         two = (functools.partial(rope_qkv, lib=lib), functools.partial(attention, lib=lib))
-        return rope_then_attend(*two, ctx, qkv, cos_sin, attrs)
-    heads, head_dim = attrs["num_heads"], attrs["head_dim"]
+        return rope_then_attend(*two, ctx, qkv, cos_sin, a)
+    heads, head_dim = a.num_heads, a.head_dim
     qkv = _rows(qkv, "rope_attention input")
     cos, sin = (t.contiguous() for t in cos_sin)
     if cos.shape[-1] != head_dim or cos.dtype != torch.float32 or head_dim % 8:
@@ -401,15 +360,15 @@ def rope_attention(
         cos.data_ptr(),
         sin.data_ptr(),
         ctx.out_slots.data_ptr(),
-        *_paged_pool(ctx, attrs["layer"]),
+        *_paged_pool(ctx, a.layer),
         out.data_ptr(),
         rows,
         heads,
-        attrs["num_kv_heads"],
+        a.num_kv_heads,
         head_dim,
         ctx.page_size,
-        attrs["sliding_window"] or 0,
-        attrs["scale"],
+        a.sliding_window or 0,
+        a.scale,
         _threads(),
     )
     if rc != 0:
@@ -417,35 +376,25 @@ def rope_attention(
     return out
 
 
-def _decode(
-    lib: ctypes.CDLL,
-    ctx: AttentionBatch,
-    q: torch.Tensor,
-    layer: int,
-    num_heads: int,
-    num_kv_heads: int,
-    window: int | None,
-    scale: float,
-    kv_scale: float = 1.0,
-) -> torch.Tensor:
+def _decode(lib: ctypes.CDLL, ctx: AttentionBatch, q: torch.Tensor, a: Attention) -> torch.Tensor:
     """One new token per row of q, each attending to its sequence in `ctx`'s page table."""
     pool = ctx.k_cache  # [layers, kv_heads, slots, head_dim]; _paged_pool finds the layer
     rows, head_dim = q.shape[0], pool.shape[3]
-    out = torch.empty(rows, num_heads * head_dim)
+    out = torch.empty(rows, a.num_heads * head_dim)
     rc = lib.kiln_decode_attention(
         q.data_ptr(),
         q.stride(0),
-        *_paged_pool(ctx, layer),
+        *_paged_pool(ctx, a.layer),
         out.data_ptr(),
         rows,
-        num_heads,
-        num_kv_heads,
+        a.num_heads,
+        a.num_kv_heads,
         head_dim,
         ctx.page_size,
-        window or 0,
-        scale,
+        a.sliding_window or 0,
+        a.scale,
         _KV_FORMATS[pool.dtype],
-        kv_scale,
+        a.kv_scale,
         _threads(),
     )
     if rc == -2:

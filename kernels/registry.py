@@ -1,4 +1,10 @@
-"""Kernel registry: op name -> backend name -> implementation.
+"""Kernel registry: op -> backend name -> implementation.
+
+Each op's reference kernel (its definition's, kiln/core/ops) is its `torch_native` kernel.
+Other backends register theirs with `@register(op, backend)`, and the registry holds each
+to the signature the op's definition implies (`([ctx,] *inputs, *, a[, lib])`: the step
+context first for ops that attend, the attribute object `a`, the native library `lib` for
+kernels of the artefact's library), refusing a mismatch as the module is imported.
 
 Backend modules register into it as they are imported; `kiln.kernels.catalog` imports them
 all and is what the compiler and runtime look kernels up in. `select_backends` (a compiler
@@ -12,7 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-# torch_native: reference, every device. kiln_cpu: kiln's own C kernels for fp32 on CPU
+from kiln.core.opdef import OpDef, signature_problem
+from kiln.core.ops import OPS, STRUCTURAL_OPS
+
+# torch_native: the reference, every device. kiln_cpu: kiln's own C kernels for fp32 on CPU
 # (linears on packed weights, paged decode attention, norms, rope). triton / flashinfer:
 # GPU kernels.
 BACKENDS = ("torch_native", "kiln_cpu", "triton", "flashinfer")
@@ -20,33 +29,45 @@ BACKENDS = ("torch_native", "kiln_cpu", "triton", "flashinfer")
 
 @dataclass(frozen=True)
 class Kernel:
-    op: str
+    op: OpDef
     backend: str
     fn: Callable[..., Any]
     devices: tuple[str, ...]
-    # Kernels that read per-step runtime state (the KV cache, sequence layout) take the
-    # step's context as their first argument.
-    needs_ctx: bool = False
     # Kernels of the artefact's native library take it as the keyword `lib` (bound by the
     # executor; the library is opened by runtime/native.py).
     native: bool = False
 
+    @property
+    def needs_ctx(self) -> bool:
+        """Takes the step's attention context first (the op reads the KV pool)."""
+        return self.op.needs_ctx
 
-_KERNELS: dict[str, dict[str, Kernel]] = {}
+
+_KERNELS: dict[str, dict[str, Kernel]] = {
+    name: {"torch_native": Kernel(d, "torch_native", d.reference, ("cpu", "cuda"))}
+    for name, d in OPS.items()
+    if name not in STRUCTURAL_OPS and d.reference is not None
+}
 
 
 def register(
     op: str,
-    backend: str = "torch_native",
+    backend: str,
     devices: tuple[str, ...] = ("cpu", "cuda"),
-    needs_ctx: bool = False,
     native: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}")
+    """Register the decorated function as `backend`'s kernel of `op`."""
+    if backend not in BACKENDS or backend == "torch_native":
+        raise ValueError(f"unknown backend {backend!r} (torch_native is each op's reference)")
+    definition = OPS.get(op)
+    if definition is None or op in STRUCTURAL_OPS:
+        raise ValueError(f"{backend}: no op {op!r} to register a kernel for")
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-        _KERNELS.setdefault(op, {})[backend] = Kernel(op, backend, fn, devices, needs_ctx, native)
+        problem = signature_problem(definition, fn, native)
+        if problem is not None:
+            raise TypeError(f"{backend} kernel of {op} ({fn.__qualname__}) {problem}")
+        _KERNELS.setdefault(op, {})[backend] = Kernel(definition, backend, fn, devices, native)
         return fn
 
     return deco
@@ -61,9 +82,10 @@ def get(op: str, backend: str) -> Kernel:
 
 
 def available(op: str, device: str) -> list[str]:
-    """Backends that implement `op` on `device`, in registration order."""
+    """Backends that implement `op` on `device`, the reference first."""
     return [k.backend for k in _KERNELS.get(op, {}).values() if device in k.devices]
 
 
-def ops_with_kernels() -> set[str]:
-    return set(_KERNELS)
+def kernels() -> list[Kernel]:
+    """Every registered kernel."""
+    return [k for per_op in _KERNELS.values() for k in per_op.values()]

@@ -61,7 +61,7 @@ def silu_and_mul_kernel(X, Y, stride_x, stride_y, d, BLOCK: tl.constexpr):
 def rope_kernel(
     X, Y, COS, SIN, stride_x, stride_y, stride_c, heads, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr
 ):
-    """One token, every head: rotate-half rope with the tables of kernels/torch_native.py
+    """One token, every head: rotate-half rope with the tables of kiln/core/ops/rope.py
     (cos for both halves, sin signed): y = x * cos + swap_halves(x) * sin."""
     t = tl.program_id(0)
     h = tl.program_id(1)

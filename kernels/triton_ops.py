@@ -20,7 +20,9 @@ from typing import Any
 
 import torch
 
-from kiln.kernels.attention import AttentionBatch, rope_then_attend, write_kv
+from kiln.core.ops.attention import Attention, AttentionBatch, rope_then_attend, write_kv
+from kiln.core.ops.norm import AddNorm, Norm
+from kiln.core.ops.rope import Rope, RopeQKV
 from kiln.kernels.registry import register
 
 BLOCK_M, BLOCK_N = 16, 32
@@ -42,8 +44,8 @@ def _pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
 
-def _triton(op: str, needs_ctx: bool = False) -> Any:
-    return register(op, backend="triton", devices=("cuda",), needs_ctx=needs_ctx)
+def _triton(op: str) -> Any:
+    return register(op, backend="triton", devices=("cuda",))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -53,9 +55,9 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 @_triton("rmsnorm")
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int = 0) -> torch.Tensor:
-    shape = x.shape
-    rows = _rows(x if not group else x.reshape(-1, group))
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, *, a: Norm) -> torch.Tensor:
+    shape, eps = x.shape, a.eps
+    rows = _rows(x if not a.group else x.reshape(-1, a.group))
     y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     n = rows.shape[1]
     _jit().rmsnorm_kernel[(rows.shape[0],)](
@@ -67,14 +69,14 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, group: int = 0) -
 
 @_triton("add_rmsnorm")
 def add_rmsnorm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, a: AddNorm
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    a, r = _rows(x), _rows(residual)
-    y, total = torch.empty_like(a), torch.empty_like(a)
-    n = a.shape[1]
-    _jit().rmsnorm_kernel[(a.shape[0],)](
-        a, r, weight, y, total, a.stride(0), r.stride(0), y.stride(0), total.stride(0), n, eps,
-        HAS_RESIDUAL=True, BLOCK=_pow2(n),
+    xs, r = _rows(x), _rows(residual)
+    y, total = torch.empty_like(xs), torch.empty_like(xs)
+    n = xs.shape[1]
+    _jit().rmsnorm_kernel[(xs.shape[0],)](
+        xs, r, weight, y, total, xs.stride(0), r.stride(0), y.stride(0), total.stride(0), n,
+        a.eps, HAS_RESIDUAL=True, BLOCK=_pow2(n),
     )  # fmt: skip
     return y.view(x.shape), total.view(x.shape)
 
@@ -91,8 +93,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @_triton("rope")
-def rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], head_dim: int) -> torch.Tensor:
-    rows = _rows(x)
+def rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], *, a: Rope) -> torch.Tensor:
+    rows, head_dim = _rows(x), a.head_dim
     cos, sin = (t.reshape(t.shape[0], -1).contiguous() for t in cos_sin)
     if cos.shape[1] != head_dim:
         raise ValueError(f"triton rope: rotary dim {cos.shape[1]} != head_dim {head_dim}")
@@ -107,28 +109,19 @@ def rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], head_dim: int) -> t
 
 @_triton("rope_qkv")
 def rope_qkv(
-    qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], head_dim: int, sizes: list[int]
+    qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], *, a: RopeQKV
 ) -> tuple[torch.Tensor, ...]:
-    nq, nk, _ = sizes
-    qk = rope(qkv[:, : nq + nk], cos_sin, head_dim)
+    nq, nk, _ = a.sizes
+    qk = rope(qkv[:, : nq + nk], cos_sin, a=Rope(a.head_dim))
     return qk[:, :nq], qk[:, nq:], qkv[:, nq + nk :]
 
 
-@_triton("attention", needs_ctx=True)
+@_triton("attention")
 def attention(
-    ctx: AttentionBatch,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    layer: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    scale: float,
-    sliding_window: int | None,
-    kv_scale: float = 1.0,
+    ctx: AttentionBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, a: Attention
 ) -> torch.Tensor:
+    layer, num_heads, num_kv_heads, head_dim = a.layer, a.num_heads, a.num_kv_heads, a.head_dim
+    scale, sliding_window, kv_scale = a.scale, a.sliding_window, a.kv_scale
     if ctx.page_table is None:
         raise ValueError("triton attention: the step has no page table (plan it with StepContext)")
     write_kv(ctx, layer, k, v, num_kv_heads, head_dim, kv_scale)
@@ -148,8 +141,8 @@ def attention(
     return out
 
 
-@_triton("rope_attention", needs_ctx=True)
+@_triton("rope_attention")
 def rope_attention(
-    ctx: AttentionBatch, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], **attrs: Any
+    ctx: AttentionBatch, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], *, a: Attention
 ) -> torch.Tensor:
-    return rope_then_attend(rope_qkv, attention, ctx, qkv, cos_sin, attrs)
+    return rope_then_attend(rope_qkv, attention, ctx, qkv, cos_sin, a)

@@ -43,8 +43,8 @@ class Attention(nn.Module):
         k = ops.linear(x, self.k_proj.weight, self.k_proj.bias)
         v = ops.linear(x, self.v_proj.weight, self.v_proj.bias)
         if cfg.qk_norm:
-            q = ops.rmsnorm(q, self.q_norm.weight, cfg.rms_norm_eps, group=cfg.head_dim)
-            k = ops.rmsnorm(k, self.k_norm.weight, cfg.rms_norm_eps, group=cfg.head_dim)
+            q = ops.rmsnorm(q, self.q_norm.weight, eps=cfg.rms_norm_eps, group=cfg.head_dim)
+            k = ops.rmsnorm(k, self.k_norm.weight, eps=cfg.rms_norm_eps, group=cfg.head_dim)
         q = ops.rope(q, cos_sin, head_dim=cfg.head_dim)
         k = ops.rope(k, cos_sin, head_dim=cfg.head_dim)
         o = ops.attention(
@@ -121,10 +121,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: Value, cos_sin: Value) -> Value:
         h = ops.add(
-            h, self.self_attn(ops.rmsnorm(h, self.input_layernorm.weight, self.eps), cos_sin)
+            h, self.self_attn(ops.rmsnorm(h, self.input_layernorm.weight, eps=self.eps), cos_sin)
         )
         ffn = getattr(self, self.ffn_name)
-        return ops.add(h, ffn(ops.rmsnorm(h, self.post_attention_layernorm.weight, self.eps)))
+        return ops.add(h, ffn(ops.rmsnorm(h, self.post_attention_layernorm.weight, eps=self.eps)))
 
 
 class Backbone(nn.Module):
@@ -158,7 +158,7 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             h = layer(h, cos_sin)
         h = ops.rmsnorm(
-            ops.index_select(h, logits_indices), self.model.norm.weight, cfg.rms_norm_eps
+            ops.index_select(h, logits_indices), self.model.norm.weight, eps=cfg.rms_norm_eps
         )
         return ops.linear(h, self.lm_head_weight)
 

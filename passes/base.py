@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.args import ArgError
+from kiln.core.check import lint
 from kiln.core.ir import Graph, IRError
 from kiln.core.target import Target, cpu_target
 
@@ -51,7 +52,7 @@ def run_passes(
         try:
             result = p(graph, ctx)
             if lint_each:
-                result.graph.lint()
+                lint(result.graph)
         except ArgError:
             raise  # the user's flag does not fit this model: their error, named, not a bug
         except (IRError, ValueError, KeyError) as e:

@@ -28,7 +28,8 @@ from __future__ import annotations
 from typing import Any
 
 from kiln.args import ArgError
-from kiln.core.ir import ATTENTION_OPS, Graph
+from kiln.core.ir import Graph
+from kiln.core.ops import ATTENTION_OPS
 from kiln.passes.base import PassContext, PassResult
 
 NO_GPU_MAX_BS = 160  # SGLang's cuda_graph_max_bs when it sees no GPU

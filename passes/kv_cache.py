@@ -4,7 +4,8 @@ with in an fp8 pool (options["kv_cache"], from --kv-cache-dtype and
 
 from __future__ import annotations
 
-from kiln.core.ir import ATTENTION_OPS, Graph
+from kiln.core.ir import Graph
+from kiln.core.ops import ATTENTION_OPS
 from kiln.passes.base import PassContext, PassResult
 
 

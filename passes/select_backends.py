@@ -11,7 +11,8 @@ linears) elsewhere. The runtime runs exactly what is recorded here.
 
 from __future__ import annotations
 
-from kiln.core.ir import ATTENTION_OPS, STRUCTURAL_OPS, Graph, Node
+from kiln.core.ir import Graph, Node
+from kiln.core.ops import ATTENTION_OPS, STRUCTURAL_OPS
 from kiln.kernels import catalog
 from kiln.passes.base import PassContext, PassResult
 

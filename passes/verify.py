@@ -7,15 +7,15 @@ here, at compile time. The artefact loader runs the same check on what it reads.
 
 from __future__ import annotations
 
-from kiln.core.ir import STRUCTURAL_OPS, Graph
-from kiln.core.shapes import check_features
+from kiln.core.check import check
+from kiln.core.ir import Graph
+from kiln.core.ops import STRUCTURAL_OPS
 from kiln.passes.base import PassContext, PassResult
 
 
 def verify(graph: Graph, ctx: PassContext) -> PassResult:
-    graph.lint()
     for n in graph.nodes:
         if n.op not in STRUCTURAL_OPS and "backend" not in n.meta:
             raise ValueError(f"%{n.name}: no backend selected for {n.op}")
-    check_features(graph)
+    check(graph)
     return PassResult(graph, False)

@@ -22,9 +22,10 @@ import torch
 from safetensors.torch import load_file
 
 from kiln.core import artefact as fmt
+from kiln.core.check import check, infer_types
 from kiln.core.graph_json import load_graph
-from kiln.core.ir import ATTENTION_OPS, STRUCTURAL_OPS, Graph, IRError
-from kiln.core.shapes import check_features
+from kiln.core.ir import Graph, IRError
+from kiln.core.ops import ATTENTION_OPS, STRUCTURAL_OPS
 from kiln.core.target import Target, missing_on_host
 from kiln.kernels import catalog
 from kiln.runtime.native import open_library
@@ -163,8 +164,7 @@ def _load_graph(root: Path, manifest: dict[str, Any], name: str = fmt.GRAPH) -> 
     text = fmt.read_member(root, name, manifest["files"][name])
     try:
         graph = load_graph(text)
-        graph.lint()
-        check_features(graph)
+        check(graph)
     except (IRError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise fmt.ArtefactError(f"{where} is invalid: {e}") from None
     for n in graph.nodes:
@@ -227,9 +227,9 @@ def _check_agreement(root: Path, spec: ModelSpec, graph: Graph) -> None:
                 refuse("vocab_size", spec.vocab_size, f"an embedding of {table.shape[0]} rows")
             if table.dtype != spec.dtype and n.op != "quant_embedding":
                 refuse("dtype", spec.dtype, table.dtype)
-    logits = check_features(graph)[graph.output.name]
-    if logits != (spec.vocab_size,):
-        refuse("vocab_size", spec.vocab_size, f"logits of {logits[0]} features")
+    [logits] = infer_types(graph)[graph.output.name]
+    if logits.features != spec.vocab_size:
+        refuse("vocab_size", spec.vocab_size, f"logits of {logits.features} features")
     ids = [*spec.eos_token_ids, *([spec.bos_token_id] if spec.bos_token_id is not None else [])]
     if any(t >= spec.vocab_size for t in ids):
         refuse("bos/eos token ids", ids, f"a vocabulary of {spec.vocab_size}")

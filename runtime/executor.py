@@ -253,7 +253,7 @@ def _bound_kernel(n: Node, lib: Any) -> tuple[Callable[..., Any], bool]:
     if not isinstance(backend, str):
         raise ValueError(f"%{n.name}: no backend recorded; was select_backends run?")
     kernel = catalog.get(n.op, backend)
-    bound = dict(n.attrs)
+    bound: dict[str, Any] = {"a": kernel.op.bind(n.attrs)} if kernel.op.fields else {}
     if kernel.native:
         if lib is None:
             raise ValueError(f"%{n.name}: the {backend} {n.op} kernel needs the native library")

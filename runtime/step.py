@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kiln.kernels.attention import AttentionBatch, SeqSpan
+from kiln.core.ops.attention import AttentionBatch, SeqSpan
 
 
 @dataclass

@@ -10,16 +10,17 @@ Nothing here evaluates anything; the executor then builds its code from integers
 from __future__ import annotations
 
 import json
-import math
 import re
 from typing import Any
 
 from kiln.core.artefact import MAX_CONTEXT
-from kiln.core.ir import ATTENTION_OPS, CAPTURE_MODES, OPS, Graph, IRError, Node, WeightSpec
+from kiln.core.ir import CAPTURE_MODES, Graph, IRError, Node, WeightSpec
 from kiln.core.layout import LAYOUT
+from kiln.core.opdef import NAME
+from kiln.core.ops import ATTENTION_OPS, OPS
 
 NODE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
-WEIGHT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,255}")
+WEIGHT_NAME = NAME
 META_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 DTYPES = ("float32", "float16", "bfloat16", "int8", "uint8", "int32", "int64")
 _NODE_KEYS = {"name", "op", "args", "attrs", "meta"}
@@ -31,27 +32,6 @@ def _fail(where: str, message: str) -> IRError:
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _check_attr(where: str, kind: str, v: Any) -> Any:
-    if kind == "int" and _is_int(v):
-        return v
-    if kind == "int?" and (v is None or _is_int(v)):
-        return v
-    if kind == "float" and (_is_int(v) or isinstance(v, float)) and math.isfinite(v):
-        return float(v)
-    if kind == "ints" and isinstance(v, list) and all(_is_int(x) for x in v):
-        return list(v)
-    if kind == "str" and isinstance(v, str) and WEIGHT_NAME.fullmatch(v):
-        return v
-    wanted = {
-        "int": "an integer",
-        "int?": "an integer or null",
-        "float": "a finite number",
-        "ints": "a list of integers",
-        "str": "a name of letters, digits, '_', '.' and '-'",
-    }[kind]
-    raise _fail(where, f"expected {wanted}, got {_show(v)}")
 
 
 def _show(v: Any) -> str:
@@ -70,8 +50,8 @@ def _decode_node(i: int, nd: Any, by_name: dict[str, Node], graph: Graph) -> Nod
     if name in by_name:
         raise _fail(where, "duplicate node name")
     op = nd["op"]
-    schema = OPS.get(op) if isinstance(op, str) else None
-    if schema is None:
+    definition = OPS.get(op) if isinstance(op, str) else None
+    if definition is None:
         raise _fail(where, f"unknown op {_show(op)}")
     args = nd["args"]
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
@@ -82,11 +62,14 @@ def _decode_node(i: int, nd: Any, by_name: dict[str, Node], graph: Graph) -> Nod
     attrs = nd.get("attrs") or {}
     if not isinstance(attrs, dict):
         raise _fail(where, "attrs must be an object")
-    if set(attrs) != set(schema.attr_names):
+    if set(attrs) != set(definition.attr_names):
         raise _fail(
-            where, f"{op} takes attrs {sorted(schema.attr_names)}, got {_show(sorted(attrs))}"
+            where, f"{op} takes attrs {sorted(definition.attr_names)}, got {_show(sorted(attrs))}"
         )
-    checked = {k: _check_attr(f"{where} attr {k}", kind, attrs[k]) for k, kind in schema.attrs}
+    try:
+        checked = {k: definition.check_attr(k, attrs[k]) for k in definition.attr_names}
+    except IRError as e:
+        raise _fail(where, str(e)) from None
     meta = nd.get("meta") or {}
     if not isinstance(meta, dict):
         raise _fail(where, "meta must be an object")

@@ -1,4 +1,5 @@
-"""The kiln graph IR: a straight-line list of nodes over a small, fixed op vocabulary.
+"""The kiln graph IR: a straight-line list of nodes over a small, fixed op vocabulary (the
+ops of kiln/core/ops, each defined once; kiln/core/check.py holds a graph to them).
 
 A node names its tensor inputs (`args`, other nodes), its static attributes (`attrs`,
 JSON-serialisable) and free-form pass notes (`meta`, e.g. the kernel backend chosen).
@@ -14,106 +15,8 @@ from typing import Any
 
 from kiln.core.layout import stored_shape
 
-# Attribute kinds an op schema can name; what each admits is checked by
-# `kiln.compiler.graph_check` when a graph is read from a file.
-AttrKind = str  # "int" | "float" | "int?" | "ints" | "str"
-
-
-@dataclass(frozen=True)
-class OpSchema:
-    """Arity and typed attributes of an op. `max_args=None` means variadic."""
-
-    min_args: int
-    max_args: int | None
-    attrs: tuple[tuple[str, AttrKind], ...] = ()
-    outputs: int = 1
-
-    @property
-    def attr_names(self) -> tuple[str, ...]:
-        return tuple(name for name, _ in self.attrs)
-
-
-_ATTENTION_ATTRS = (
-    ("layer", "int"),
-    ("num_heads", "int"),
-    ("num_kv_heads", "int"),
-    ("head_dim", "int"),
-    ("scale", "float"),
-    ("sliding_window", "int?"),
-    # An fp8 KV pool stores K/V / kv_scale (passes/kv_cache.py); 1.0 otherwise.
-    ("kv_scale", "float"),
-)
-
-OPS: dict[str, OpSchema] = {
-    "input": OpSchema(0, 0, (("name", "str"),)),
-    "param": OpSchema(0, 0, (("name", "str"),)),
-    "output": OpSchema(1, None),
-    "getitem": OpSchema(1, 1, (("index", "int"),)),
-    "embedding": OpSchema(2, 2),
-    "linear": OpSchema(2, 3),
-    # A linear whose weight the layout pass stored as panels (kiln/core/layout.py); row counts
-    # in `narrow_rows` ([lo, hi]) take the narrow micro-kernel, others the wide one (decided
-    # at compile). `prologue`, here and on quant_linear: "none", or "silu_and_mul" for an
-    # input of twice the features, silu(x1) * x2 taken in the same call
-    # (passes/fuse_silu_linear.py).
-    "packed_linear": OpSchema(
-        2, 3, (("out_features", "int"), ("narrow_rows", "ints"), ("prologue", "str"))
-    ),
-    # An embedding that reads its table from the panels of the tied lm_head.
-    "packed_embedding": OpSchema(2, 2),
-    # Linear and embedding on quantized weights (kiln/core/quant.py): args codes, scales
-    # (and a bias), stored as q8/q4 panels and spanels by the quantize pass.
-    "quant_linear": OpSchema(
-        3, 4, (("format", "str"), ("group", "int"), ("out_features", "int"), ("prologue", "str"))
-    ),
-    "quant_embedding": OpSchema(
-        3, 3, (("format", "str"), ("group", "int"), ("num_embeddings", "int"))
-    ),
-    "rmsnorm": OpSchema(2, 2, (("eps", "float"), ("group", "int"))),
-    "add_rmsnorm": OpSchema(3, 3, (("eps", "float"),), outputs=2),
-    "add": OpSchema(2, 2),
-    "mul": OpSchema(2, 2),
-    "silu": OpSchema(1, 1),
-    "silu_and_mul": OpSchema(1, 1),
-    "split": OpSchema(1, 1, (("sizes", "ints"),), outputs=-1),
-    "rope_cos_sin": OpSchema(2, 2),
-    "rope": OpSchema(2, 2, (("head_dim", "int"),)),
-    # The fused q/k/v projection's output [q | k | v] -> (rope(q), rope(k), v): one rotary
-    # call over the q and k heads together, v a view (passes/fuse_rope.py).
-    "rope_qkv": OpSchema(2, 2, (("head_dim", "int"), ("sizes", "ints")), outputs=3),
-    "attention": OpSchema(3, 3, _ATTENTION_ATTRS),
-    # rope_qkv and attention in one op: args the fused projection's rows [q | k | v] and the
-    # rotary tables (passes/fuse_rope.py); a decode step runs it as one native call.
-    "rope_attention": OpSchema(2, 2, _ATTENTION_ATTRS),
-    "index_select": OpSchema(2, 2),
-    # A mixture-of-experts MLP: args x, the router [E, H], then each expert's gate, up and
-    # down weights; each token runs its top_k experts by router softmax (renormalize: the
-    # k weights scaled to sum to 1) and sums their outputs so weighted. An expert-parallel
-    # rank holds experts [first_expert, first_expert + its weights / 3) and adds only theirs.
-    "moe": OpSchema(
-        5,
-        None,
-        (("num_experts", "int"), ("top_k", "int"), ("renormalize", "int"), ("first_expert", "int")),
-    ),
-    # Tensor parallelism (passes/shard.py): the sum of every rank's x, and every rank's x
-    # side by side along the features (rank order).
-    "all_reduce": OpSchema(1, 1, (("ranks", "int"),)),
-    "all_gather": OpSchema(1, 1, (("ranks", "int"),)),
-    # A vocabulary-parallel rank's embedding: rows [first_row, first_row + its rows) of the
-    # table; ids outside them give zeros, and an all_reduce after it sums the ranks.
-    "embedding_part": OpSchema(2, 2, (("first_row", "int"),)),
-}
-
-# The ops that attend over one layer's KV pool (their attrs are _ATTENTION_ATTRS).
-ATTENTION_OPS = ("attention", "rope_attention")
-# What a linear's `prologue` attr may say.
-PROLOGUES = ("none", "silu_and_mul")
-
 # How the capture plan (passes/capture_plan.py) may run each kind of step.
 CAPTURE_MODES = {"decode": ("cuda_graph", "compiled", "eager"), "prefill": ("piecewise", "eager")}
-
-# Ops the executor handles itself (no kernel, no backend).
-STRUCTURAL_OPS = frozenset({"input", "param", "output", "getitem"})
 
 # Runtime-provided graph inputs, in the order the executor passes them.
 GRAPH_INPUTS = ("input_ids", "positions", "logits_indices")
@@ -247,53 +150,6 @@ class Graph:
 
     def count(self, op: str) -> int:
         return sum(1 for n in self.nodes if n.op == op)
-
-    # -- invariants ---------------------------------------------------------------------
-    def lint(self) -> None:
-        """Raise IRError on the first broken invariant."""
-        seen: set[int] = set()
-        names: set[str] = set()
-        params: set[str] = set()
-        for i, n in enumerate(self.nodes):
-            schema = OPS.get(n.op)
-            if schema is None:
-                raise IRError(f"%{n.name}: unknown op {n.op!r}")
-            if n.name in names:
-                raise IRError(f"%{n.name}: duplicate node name")
-            names.add(n.name)
-            nargs = len(n.args)
-            if nargs < schema.min_args or (schema.max_args is not None and nargs > schema.max_args):
-                raise IRError(
-                    f"%{n.name}: {n.op} takes {schema.min_args}..{schema.max_args} "
-                    f"args, got {nargs}"
-                )
-            missing = [a for a in schema.attr_names if a not in n.attrs]
-            if missing:
-                raise IRError(f"%{n.name}: {n.op} is missing attrs {missing}")
-            for a in n.args:
-                if id(a) not in seen:
-                    raise IRError(f"%{n.name}: uses %{a.name} before it is defined")
-                if a.op == "output":
-                    raise IRError(f"%{n.name}: uses the output node")
-                if OPS[a.op].outputs != 1 and n.op != "getitem":
-                    raise IRError(f"%{n.name}: uses multi-output %{a.name} without getitem")
-            if n.op == "param":
-                wname = n.attrs["name"]
-                if wname not in self.weights:
-                    raise IRError(f"%{n.name}: param {wname!r} has no weight spec")
-                if wname in params:
-                    raise IRError(f"%{n.name}: second param node for {wname!r}")
-                params.add(wname)
-            if n.op == "input" and n.attrs["name"] not in GRAPH_INPUTS:
-                raise IRError(f"%{n.name}: unknown graph input {n.attrs['name']!r}")
-            if n.op == "output" and i != len(self.nodes) - 1:
-                raise IRError(f"%{n.name}: output must be the last node")
-            seen.add(id(n))
-        if not self.nodes or self.nodes[-1].op != "output":
-            raise IRError("graph has no output node")
-        unused = set(self.weights) - params
-        if unused:
-            raise IRError(f"weights without a param node: {sorted(unused)[:5]}")
 
     # -- printing and serialisation -------------------------------------------------------
     def format(self) -> str:

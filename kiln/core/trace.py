@@ -10,11 +10,15 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kiln.core.ir import GRAPH_INPUTS, Graph, IRError, Node, WeightSpec
+from kiln.core.lazy import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 
 class Value:
@@ -101,7 +105,6 @@ def trace(module: torch.nn.Module) -> tuple[Graph, dict[str, torch.Tensor]]:
     tracer.graph.add("output", [tracer.as_node(o) for o in outs], name="output")
     graph = tracer.graph
     graph.nodes.sort(key=lambda n: {"input": 0, "param": 1}.get(n.op, 2))
-    graph.lint()
     return graph, tracer.constants
 
 

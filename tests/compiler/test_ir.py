@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from kiln.core.check import lint
 from kiln.core.graph_json import load_graph
 from kiln.core.ir import Graph, IRError
 from kiln.core.trace import trace
@@ -26,7 +27,7 @@ def traced() -> Graph:
 
 def test_trace_records_the_model_with_checkpoint_names() -> None:
     g = traced()
-    g.lint()
+    lint(g)
     assert g.count("attention") == 2 and g.count("embedding") == 1
     assert "model.layers.1.self_attn.q_proj.bias" in g.weights
     assert g.weights["model.layers.0.mlp.up_proj.weight"].shape == (64, 32)
@@ -48,19 +49,19 @@ def test_lint_catches_broken_graphs() -> None:
     g = traced()
     g.nodes.insert(0, g.nodes.pop(-2))  # a use before its definition
     with pytest.raises(IRError, match="before it is defined"):
-        g.lint()
+        lint(g)
 
     g = traced()
     g.add("frobnicate", before=g.output)
     with pytest.raises(IRError, match="unknown op 'frobnicate'"):
-        g.lint()
+        lint(g)
 
     g = traced()
     del next(n for n in g.nodes if n.op == "attention").attrs["scale"]
     with pytest.raises(IRError, match=r"missing attrs \['scale'\]"):
-        g.lint()
+        lint(g)
 
     g = traced()
     g.weights["orphan"] = g.weights["rope.inv_freq"]
     with pytest.raises(IRError, match="without a param node"):
-        g.lint()
+        lint(g)

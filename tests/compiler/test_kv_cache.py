@@ -16,7 +16,7 @@ from kiln.args import ArgError, ServerArgs
 from kiln.compiler.compile import compile_model
 from kiln.compiler.key import compile_key
 from kiln.compiler.report import summary
-from kiln.core.ir import ATTENTION_OPS
+from kiln.core.ops import ATTENTION_OPS
 
 SHAPE = {"hidden_size": 128, "intermediate_size": 256}
 IDS = list(range(3, 40))

@@ -4,9 +4,9 @@ from dataclasses import replace
 
 import pytest
 
-from kiln.core.ir import STRUCTURAL_OPS as STRUCTURAL
+from kiln.core.check import infer_types, lint
 from kiln.core.ir import Graph, IRError
-from kiln.core.shapes import check_features
+from kiln.core.ops import STRUCTURAL_OPS as STRUCTURAL
 from kiln.core.target import Target, cpu_target
 from kiln.core.trace import trace
 from kiln.kernels import cpu as cpu_kernels
@@ -57,7 +57,7 @@ def test_fuse_qkv_stacks_weights_and_biases() -> None:
     linears = g.count("linear")
     result = fuse_qkv(g, CTX)
     assert result.changed
-    g.lint()
+    lint(g)
     assert g.count("linear") == linears - 2 * LAYERS
     assert g.count("split") == LAYERS
     w = g.weights["model.layers.0.self_attn.qkv_proj.weight"]
@@ -79,15 +79,15 @@ def test_fuse_rope_takes_q_and_k_of_the_fused_projection_in_one_call() -> None:
     g = graph()
     fuse_qkv(g, CTX)
     assert fuse_rope(g, CTX).changed
-    g.lint()
+    lint(g)
     assert g.count("rope_qkv") == LAYERS and g.count("rope") == 0 and g.count("split") == 0
     fused = next(n for n in g.nodes if n.op == "rope_qkv")
     assert fused.attrs == {"head_dim": 8, "sizes": [32, 16, 16]}
     assert not fuse_rope(g, CTX).changed
-    check_features(g)
+    infer_types(g)
     fused.attrs["sizes"] = [32, 12, 20]  # what an edited artefact could claim
     with pytest.raises(IRError, match="rope head_dim 8 does not divide q or k"):
-        check_features(g)
+        infer_types(g)
     # Qwen3's per-head q/k norm sits between the split and the rope: nothing to fuse.
     g3 = graph("qwen3")
     fuse_qkv(g3, CTX)
@@ -100,17 +100,17 @@ def test_fuse_rope_attention_reads_the_fused_projection_and_the_tables() -> None
     fuse_rope(g, CTX)
     attrs = [n.attrs for n in g.nodes if n.op == "attention"]
     assert fuse_rope_attention(g, CTX).changed
-    g.lint()
+    lint(g)
     assert g.count("rope_attention") == LAYERS and g.count("attention") == 0
     assert g.count("rope_qkv") == 0 and g.count("getitem") == 0
     fused = [n for n in g.nodes if n.op == "rope_attention"]
     assert [n.attrs for n in fused] == attrs
     assert fused[0].args[0].op == "linear" and fused[0].args[1].op == "rope_cos_sin"
     assert not fuse_rope_attention(g, CTX).changed
-    check_features(g)
+    infer_types(g)
     fused[0].attrs["num_kv_heads"] = 1  # what an edited artefact could claim
     with pytest.raises(IRError, match="q, k and v features is 64, expected 48"):
-        check_features(g)
+        infer_types(g)
     # v read by something else too: the three outputs stay
     g2 = graph()
     fuse_qkv(g2, CTX)
@@ -127,17 +127,17 @@ def test_fuse_silu_linear_gives_the_activation_to_the_down_projection() -> None:
     acts = [n for n in g.nodes if n.op == "silu_and_mul"]
     downs = [g.users()[a][0] for a in acts]
     assert fuse_silu_linear(g, CTX).changed
-    g.lint()
+    lint(g)
     assert g.count("silu_and_mul") == 0
     for act, down in zip(acts, downs, strict=True):
         assert down.attrs["prologue"] == "silu_and_mul" and down.args[0] is act.args[0]
     # qkv, o and gate_up per layer and the lm_head keep theirs
     nones = sum(n.attrs["prologue"] == "none" for n in g.nodes if n.op == "packed_linear")
     assert nones == 1 + LAYERS * 3
-    check_features(g)
+    infer_types(g)
     downs[0].attrs["prologue"] = "gelu"
-    with pytest.raises(IRError, match="prologue must be one of none, silu_and_mul"):
-        check_features(g)
+    with pytest.raises(IRError, match="attr prologue: expected one of none, silu_and_mul"):
+        infer_types(g)
     # A plain linear (no packed kernel for the target) keeps its activation node.
     g2 = graph()
     ctx = replace(CTX, target=cpu_target("x86-64"))
@@ -149,7 +149,7 @@ def test_fuse_silu_linear_gives_the_activation_to_the_down_projection() -> None:
 def test_fuse_gate_up_makes_silu_and_mul() -> None:
     g = graph()
     assert fuse_gate_up(g, CTX).changed
-    g.lint()
+    lint(g)
     assert g.count("silu_and_mul") == LAYERS
     assert g.count("silu") == 0 and g.count("mul") == 0 and g.count("split") == 0
     assert g.weights["model.layers.2.mlp.gate_up_proj.weight"].shape == (128, 32)
@@ -159,7 +159,7 @@ def test_fuse_add_rmsnorm_keeps_the_residual_stream() -> None:
     g = graph()
     adds = g.count("add")
     assert fuse_add_rmsnorm(g, CTX).changed
-    g.lint()
+    lint(g)
     # Every residual add feeding a norm fuses; the last one feeds index_select first.
     assert g.count("add_rmsnorm") == 2 * LAYERS - 1
     assert g.count("add") == adds - (2 * LAYERS - 1)

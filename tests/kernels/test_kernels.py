@@ -10,9 +10,11 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_calls import with_attrs
 from native_libs import HOST_LEVELS, library
 
 from kiln.core.layout import pack_panels, pack_qpanels, panels_name
+from kiln.core.ops.attention import AttentionBatch, SeqSpan
 from kiln.core.quant import (
     CODE_LAYOUT,
     dequantize,
@@ -21,14 +23,16 @@ from kiln.core.quant import (
     quantize_group_activations,
 )
 from kiln.kernels import catalog
-from kiln.kernels.attention import AttentionBatch, SeqSpan
 
 
 def k(op: str, backend: str = "torch_native"):
-    """The kernel; `kiln_cpu/<level>` binds the C library built for that level."""
+    """The kernel, called as the tests write it: tensors, then the op's attributes by
+    position or name (`rmsnorm(x, w, 1e-6, group=8)`), which become its attribute object;
+    `kiln_cpu/<level>` binds the C library built for that level."""
     name, _, level = backend.partition("/")
-    fn = catalog.get(op, name).fn
-    return functools.partial(fn, lib=library(level)) if level else fn
+    kernel = catalog.get(op, name)
+    fn = functools.partial(kernel.fn, lib=library(level)) if level else kernel.fn
+    return with_attrs(kernel.op, fn)
 
 
 # Backends of the ops both implement; kiln_cpu must really run here (CI has a C compiler).
@@ -336,9 +340,9 @@ def test_paged_attention_prefill_and_batched_decode_with_windows(backend: str) -
 
 def test_registry_lists_backends_per_device() -> None:
     assert set(catalog.available("linear", "cpu")) == {"torch_native"}
-    assert catalog.available("packed_linear", "cpu") == ["kiln_cpu"]
+    assert catalog.available("packed_linear", "cpu") == ["torch_native", "kiln_cpu"]
     assert catalog.available("linear", "cuda") == ["torch_native"]
-    assert "attention" in catalog.ops_with_kernels()
+    assert catalog.available("attention", "cuda") == ["torch_native", "triton"]
 
 
 @BOTH
@@ -429,7 +433,7 @@ def test_fp8_pool_stores_scaled_values_and_reads_them_back(backend, pool, kv_sca
     # --kv-cache-dtype fp8_*: a mixed step (decode rows over cached pages, a fresh prompt, a
     # later chunk) on an fp8 pool equals attention over K/V rounded through that format,
     # except a fresh prompt's own rows, which attend to its K/V as computed.
-    from kiln.kernels.attention import from_pool, to_pool
+    from kiln.core.ops.attention import from_pool, to_pool
 
     torch.manual_seed(3)
     heads, kv_heads, d, page = 4, 2, 64, 4

@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from kernel_calls import with_attrs
 
 from kiln.kernels import catalog
 from kiln.runtime.step import StepContext, StepInputs
@@ -25,8 +26,13 @@ zeros = functools.partial(torch.zeros, device=DEVICE)
 arange = functools.partial(torch.arange, device=DEVICE)
 
 
+def kernel(op: str, backend: str):
+    k = catalog.get(op, backend)
+    return with_attrs(k.op, k.fn)
+
+
 def both(op: str):
-    return catalog.get(op, "triton").fn, catalog.get(op, "torch_native").fn
+    return kernel(op, "triton"), kernel(op, "torch_native")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -66,7 +72,7 @@ def test_rope_qkv_on_a_fused_projection(head_dim: int) -> None:
 def _attend(backend: str, step: StepInputs, pools, q, k, v, attrs) -> torch.Tensor:
     k_cache, v_cache, page = pools
     ctx = StepContext(k_cache, v_cache, page).plan(step)[0]
-    return catalog.get("attention", backend).fn(ctx, q, k, v, **attrs)
+    return kernel("attention", backend)(ctx, q, k, v, **attrs)
 
 
 @pytest.mark.parametrize("page", [1, 16])

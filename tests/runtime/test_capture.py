@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kiln import Engine
-from kiln.kernels.attention import AttentionBatch, SeqSpan
+from kiln.core.ops.attention import AttentionBatch, SeqSpan
 from kiln.passes.capture_plan import logits_tail
 from kiln.runtime.artefact import Artefact
 from kiln.runtime.capture import GraphDecode, PiecewisePrefill, eager_recorder, unowned

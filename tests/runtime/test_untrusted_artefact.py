@@ -208,7 +208,7 @@ GRAPH_DEFECTS = [
     (
         "prologue",
         lambda g: (_first(g, "packed_linear")["attrs"].update(prologue="os.system"), g)[1],
-        "prologue must be one of none, silu_and_mul",
+        "attr prologue: expected one of none, silu_and_mul",
     ),
     (
         "heads",

@@ -1,4 +1,6 @@
-"""Paged attention over the runtime's KV pool (torch_native backend).
+"""Paged attention over the runtime's KV pool: the step's attention context
+(`AttentionBatch`, built by runtime/step.py and read by every backend's attention kernels),
+the pool's fp8 conversions, and the reference kernels.
 
 The runtime builds one `AttentionBatch` per forward step; every attention node of the
 graph reads it. The pool is head-major, [layers, kv_heads, slots, head_dim], so gathering
@@ -14,12 +16,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.nn.functional as F
+from kiln.core.lazy import lazy_module
+from kiln.core.opdef import Attrs, Check, TensorType, op
+from kiln.core.ops.rope import RopeQKV, rope_qkv
 
-from kiln.kernels.registry import register
+if TYPE_CHECKING:
+    import torch
+    import torch.nn.functional as F
+else:
+    torch = lazy_module("torch")
+    F = lazy_module("torch.nn.functional")
 
 
 @dataclass
@@ -124,20 +132,63 @@ class AttentionBatch:
         return mask
 
 
+@dataclass(frozen=True, slots=True)
+class Attention(Attrs):
+    """What every op that attends over one layer's KV pool takes."""
+
+    layer: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None
+    # An fp8 KV pool stores K/V / kv_scale (passes/kv_cache.py); 1.0 otherwise.
+    kv_scale: float = 1.0
+
+
+def _heads(check: Check, a: dict[str, Any]) -> tuple[int, int, int]:
+    heads, kv, d = a["num_heads"], a["num_kv_heads"], a["head_dim"]
+    check.positive(num_heads=heads, num_kv_heads=kv, head_dim=d)
+    if heads % kv:
+        raise check.fail(f"num_heads {heads} is not a multiple of num_kv_heads {kv}")
+    if a["sliding_window"] is not None:
+        check.positive(sliding_window=a["sliding_window"])
+    if a["layer"] < 0:
+        raise check.fail(f"attention layer must be >= 0, got {a['layer']}")
+    return heads, kv, d
+
+
+def _attention(check: Check, a: dict[str, Any], ins: list[Any]) -> Any:
+    heads, kv, d = _heads(check, a)
+    q, k, v = (check.float_tensor(t, n) for t, n in zip(ins, "qkv", strict=True))
+    check.expect("q features", q.features, heads * d)
+    check.expect("k features", k.features, kv * d)
+    check.expect("v features", v.features, kv * d)
+    check.same_dtype(q, k, v)
+    return q
+
+
+def _rope_attention(check: Check, a: dict[str, Any], ins: list[Any]) -> Any:
+    heads, kv, d = _heads(check, a)
+    qkv = check.float_tensor(ins[0])
+    check.expect("q, k and v features", qkv.features, (heads + 2 * kv) * d)
+    check.expect("rotary tables", ins[1], TensorType(d, "float32", "rope"))
+    return TensorType(heads * d, qkv.dtype)
+
+
 def rope_then_attend(
     rope_qkv: Callable[..., tuple[torch.Tensor, ...]],
     attend: Callable[..., torch.Tensor],
     ctx: AttentionBatch,
     qkv: torch.Tensor,
     cos_sin: tuple[torch.Tensor, ...],
-    attrs: dict[str, Any],
+    a: Attention,
 ) -> torch.Tensor:
-    """rope_attention as its two ops, one backend's `rope_qkv` and `attention`; `attrs`
-    are the attention's (kiln/core/ir.py _ATTENTION_ATTRS)."""
-    d = attrs["head_dim"]
-    kv = attrs["num_kv_heads"] * d
-    q, k, v = rope_qkv(qkv, cos_sin, d, [attrs["num_heads"] * d, kv, kv])
-    return attend(ctx, q, k, v, **attrs)
+    """rope_attention as its two ops, one backend's `rope_qkv` and `attention`."""
+    d = a.head_dim
+    kv = a.num_kv_heads * d
+    q, k, v = rope_qkv(qkv, cos_sin, a=RopeQKV(d, [a.num_heads * d, kv, kv]))
+    return attend(ctx, q, k, v, a=a)
 
 
 def _causal_mask(q_len: int, kv_len: int, window: int | None) -> torch.Tensor:
@@ -149,53 +200,17 @@ def _causal_mask(q_len: int, kv_len: int, window: int | None) -> torch.Tensor:
     return mask
 
 
-@register("attention", needs_ctx=True)
+@op("q, k, v", Attention, rule=_attention, needs_ctx=True)
 def attention(
-    ctx: AttentionBatch,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    layer: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    scale: float,
-    sliding_window: int | None,
-    kv_scale: float = 1.0,
+    ctx: AttentionBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, a: Attention
 ) -> torch.Tensor:
+    """Paged attention of a step's rows over the layer's pool, their K/V written first."""
+    layer = a.layer
     k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
-    write_kv(ctx, layer, k, v, num_kv_heads, head_dim, kv_scale)
+    write_kv(ctx, layer, k, v, a.num_kv_heads, a.head_dim, a.kv_scale)
     if ctx.decode:
-        return _decode(
-            ctx,
-            q,
-            k_cache,
-            v_cache,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            scale,
-            sliding_window,
-            kv_scale,
-        )
-    outs = [
-        attend_one(
-            ctx,
-            s,
-            q,
-            k,
-            v,
-            layer,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            scale,
-            sliding_window,
-            kv_scale,
-        )
-        for s in ctx.seqs
-    ]
+        return _decode(ctx, q, k_cache, v_cache, a)
+    outs = [attend_one(ctx, s, q, k, v, a) for s in ctx.seqs]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
@@ -220,11 +235,8 @@ def write_kv(
     v_pool.index_copy_(1, ctx.out_slots, v)
 
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
 def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in FP8_DTYPES
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def to_pool(x: torch.Tensor, pool: torch.dtype, kv_scale: float) -> torch.Tensor:
@@ -249,34 +261,33 @@ def attend_one(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    layer: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    scale: float,
-    window: int | None,
-    kv_scale: float = 1.0,
+    a: Attention,
 ) -> torch.Tensor:
     """Attention output rows [q_len, heads * head_dim] of one sequence of a prefill or
     mixed batch (its K/V already written): SDPA on its fresh K/V when nothing was cached
     before, else on its cached slots gathered in order."""
+    heads, kv, d, window = a.num_heads, a.num_kv_heads, a.head_dim, a.sliding_window
     rows = slice(s.q_start, s.q_start + s.q_len)
-    qs = q[rows].view(s.q_len, num_heads, head_dim).transpose(0, 1).unsqueeze(0)
+    qs = q[rows].view(s.q_len, heads, d).transpose(0, 1).unsqueeze(0)
     if s.kv_len == s.q_len:
-        ks = k[rows].view(s.q_len, num_kv_heads, head_dim).transpose(0, 1).unsqueeze(0)
-        vs = v[rows].view(s.q_len, num_kv_heads, head_dim).transpose(0, 1).unsqueeze(0)
+        ks = k[rows].view(s.q_len, kv, d).transpose(0, 1).unsqueeze(0)
+        vs = v[rows].view(s.q_len, kv, d).transpose(0, 1).unsqueeze(0)
     else:
         ks, vs = (
-            from_pool(c[layer].index_select(1, s.kv_slots), q.dtype, kv_scale).unsqueeze(0)
+            from_pool(c[a.layer].index_select(1, s.kv_slots), q.dtype, a.kv_scale).unsqueeze(0)
             for c in (ctx.k_cache, ctx.v_cache)
         )
-    gqa = num_heads != num_kv_heads
+    gqa = heads != kv
     if s.kv_len == s.q_len and window is None:
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=a.scale, enable_gqa=gqa
+        )
     else:
         mask = _causal_mask(s.q_len, s.kv_len, window)
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return o[0].transpose(0, 1).reshape(s.q_len, num_heads * head_dim)
+        o = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, scale=a.scale, enable_gqa=gqa
+        )
+    return o[0].transpose(0, 1).reshape(s.q_len, heads * d)
 
 
 def _decode(
@@ -284,22 +295,32 @@ def _decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    scale: float,
-    window: int | None,
-    kv_scale: float = 1.0,
+    a: Attention,
 ) -> torch.Tensor:
     # One new token per sequence: the query heads sharing a KV head become query *rows*
     # of that head ([kv_heads, batch, group, d]), so no K/V is repeated for GQA.
     assert ctx.kv_index is not None
-    b = ctx.num_seqs
-    group = num_heads // num_kv_heads
-    block = ctx.page_size * head_dim
-    ks = k_cache.view(num_kv_heads, -1, block).index_select(1, ctx.kv_index)
-    vs = v_cache.view(num_kv_heads, -1, block).index_select(1, ctx.kv_index)
-    ks, vs = (from_pool(t, q.dtype, kv_scale).view(num_kv_heads, b, -1, head_dim) for t in (ks, vs))
-    qg = q.view(b, num_kv_heads, group, head_dim).transpose(0, 1)
-    o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=ctx.decode_mask(window), scale=scale)
-    return o.transpose(0, 1).reshape(b, num_heads * head_dim)
+    b, kv, d = ctx.num_seqs, a.num_kv_heads, a.head_dim
+    group = a.num_heads // kv
+    block = ctx.page_size * d
+    ks = k_cache.view(kv, -1, block).index_select(1, ctx.kv_index)
+    vs = v_cache.view(kv, -1, block).index_select(1, ctx.kv_index)
+    ks, vs = (from_pool(t, q.dtype, a.kv_scale).view(kv, b, -1, d) for t in (ks, vs))
+    qg = q.view(b, kv, group, d).transpose(0, 1)
+    mask = ctx.decode_mask(a.sliding_window)
+    o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=mask, scale=a.scale)
+    return o.transpose(0, 1).reshape(b, a.num_heads * d)
+
+
+@op("qkv, cos_sin", Attention, rule=_rope_attention, needs_ctx=True)
+def rope_attention(
+    ctx: AttentionBatch, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], *, a: Attention
+) -> torch.Tensor:
+    """rope_qkv and attention in one op: args the fused projection's rows [q | k | v] and
+    the rotary tables (passes/fuse_rope.py); a decode step runs it as one native call."""
+    return rope_then_attend(rope_qkv.kernel, attention.kernel, ctx, qkv, cos_sin, a)
+
+
+# The ops that attend over one layer's KV pool (their attributes are `Attention`).
+OPS = (attention, rope_attention)
+ATTENTION_OPS = tuple(d.name for d in OPS)

@@ -1,0 +1,85 @@
+"""Every op kiln's IR has, each defined once (kiln/core/opdef.py): `OPS` by name. The
+definitions are also the tracing front-ends model definitions call (`ops.linear(x, w)`).
+
+Families of ops, one module each: structure (graph inputs, weights, output, getitem),
+elementwise, norm, rope, attention, linear (float, panels, quantized; embeddings), moe,
+collective. A new op is one definition in one of them (or a new module listed here)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kiln.core.lazy import lazy_module
+from kiln.core.opdef import OpDef
+from kiln.core.ops import attention as _attention
+from kiln.core.ops import collective as _collective
+from kiln.core.ops import elementwise as _elementwise
+from kiln.core.ops import linear as _linear
+from kiln.core.ops import moe as _moe
+from kiln.core.ops import norm as _norm
+from kiln.core.ops import rope as _rope
+from kiln.core.ops import structure as _structure
+from kiln.core.ops.attention import ATTENTION_OPS, attention, rope_attention
+from kiln.core.ops.collective import all_gather, all_reduce
+from kiln.core.ops.elementwise import add, index_select, mul, silu, silu_and_mul, split
+from kiln.core.ops.linear import PROLOGUES, embedding, linear
+from kiln.core.ops.moe import moe
+from kiln.core.ops.norm import add_rmsnorm, rmsnorm
+from kiln.core.ops.rope import rope, rope_cos_sin, rope_qkv
+from kiln.core.ops.structure import STRUCTURAL_OPS
+from kiln.core.trace import Value, active_tracer
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
+
+OPS: dict[str, OpDef] = {
+    d.name: d
+    for module in (
+        _structure,
+        _elementwise,
+        _norm,
+        _rope,
+        _attention,
+        _linear,
+        _moe,
+        _collective,
+    )
+    for d in (module.STRUCTURAL if module is _structure else module.OPS)
+}
+# Ops whose output feature j depends on input feature j alone.
+ELEMENTWISE = frozenset(d.name for d in _elementwise.ELEMENTWISE)
+
+
+def constant(name: str, value: torch.Tensor) -> Value:
+    """A tensor the model definition computes (rope frequencies), stored as a weight."""
+    return active_tracer().constant(name, value)
+
+
+__all__ = [
+    "ATTENTION_OPS",
+    "ELEMENTWISE",
+    "OPS",
+    "PROLOGUES",
+    "STRUCTURAL_OPS",
+    "add",
+    "add_rmsnorm",
+    "all_gather",
+    "all_reduce",
+    "attention",
+    "constant",
+    "embedding",
+    "index_select",
+    "linear",
+    "moe",
+    "mul",
+    "rmsnorm",
+    "rope",
+    "rope_attention",
+    "rope_cos_sin",
+    "rope_qkv",
+    "silu",
+    "silu_and_mul",
+    "split",
+]

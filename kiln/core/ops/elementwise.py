@@ -1,0 +1,92 @@
+"""Ops that work feature by feature or row by row: sums, products, activations, splits,
+picking rows. Each is `elementwise` where a feature of the output depends only on the
+same feature of the inputs, which lets the tensor-parallel pass carry a split through it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kiln.core.lazy import lazy_module
+from kiln.core.opdef import Attrs, Check, TensorType, op
+
+if TYPE_CHECKING:
+    import torch
+    import torch.nn.functional as F
+else:
+    torch = lazy_module("torch")
+    F = lazy_module("torch.nn.functional")
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes(Attrs):
+    sizes: list[int]
+
+
+def _same(check: Check, a: dict[str, Any], ins: list[Any]) -> Any:
+    """Two float tensors of one size and type in, the same out."""
+    x, y = (check.float_tensor(t) for t in ins)
+    check.expect("right operand features", y.features, x.features)
+    check.same_dtype(x, y)
+    return x
+
+
+def _unary(check: Check, a: dict[str, Any], ins: list[Any]) -> Any:
+    return check.float_tensor(ins[0])
+
+
+@op("a, b", rule=_same)
+def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a + b
+
+
+@op("a, b", rule=_same)
+def mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a * b
+
+
+@op("x", rule=_unary)
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return F.silu(x)
+
+
+def _halves(check: Check, a: dict[str, Any], ins: list[Any]) -> Any:
+    x = check.float_tensor(ins[0])
+    if not isinstance(x.features, int) or x.features % 2:
+        raise check.fail(f"silu_and_mul needs an even feature size, got {x.features}")
+    return TensorType(x.features // 2, x.dtype)
+
+
+@op("x", rule=_halves)
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x1) * x2 for x = [x1 | x2] (a fused gate and up projection's output)."""
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def _split(check: Check, a: dict[str, Any], ins: list[Any]) -> Any:
+    x = check.float_tensor(ins[0])
+    check.positive(**{f"size {i}": s for i, s in enumerate(a["sizes"])})
+    check.expect("total", sum(a["sizes"]), x.features)
+    return tuple(TensorType(s, x.dtype) for s in a["sizes"])
+
+
+@op("x", Sizes, rule=_split, outputs=-1)
+def split(x: torch.Tensor, *, a: Sizes) -> tuple[torch.Tensor, ...]:
+    return torch.split(x, a.sizes, dim=-1)
+
+
+def _rows(check: Check, a: dict[str, Any], ins: list[Any]) -> Any:
+    check.ids(ins[1], "index")
+    return check.float_tensor(ins[0])
+
+
+@op("x, index", rule=_rows)
+def index_select(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` of x (the rows whose logits a step wants)."""
+    return x.index_select(0, index)
+
+
+# Ops whose output feature j depends on input feature j alone (split inputs stay split).
+ELEMENTWISE = (add, mul, silu, silu_and_mul)
+OPS = (add, mul, silu, silu_and_mul, split, index_select)
