@@ -33,7 +33,7 @@ from bench_common import SMOLLM2_135M, machine, read_bandwidth_gbs
 
 from kiln.core.layout import pack_panels, pack_qpanels, panel_shape, panels_name
 from kiln.core.ops.attention import AttentionBatch, SeqSpan
-from kiln.core.quant import CODE_LAYOUT, quantize
+from kiln.core.quant import FORMATS, quantize
 from kiln.core.target import cpu_target
 from kiln.kernels import native, registry
 
@@ -220,7 +220,7 @@ def quant_gemms(
         stored = []
         for n, k in shapes:
             codes, scales = quantize(torch.randn(n, k), fmt, 32)
-            layout = f"{CODE_LAYOUT[fmt]}panels{lanes}"
+            layout = f"{FORMATS[fmt].layout}panels{lanes}"
             stored.append((pack_qpanels(codes, layout), pack_qpanels(scales, f"spanels{lanes}")))
         nbytes = sum(c.numel() * c.element_size() + s.numel() * 4 for c, s in stored)
         cells = []

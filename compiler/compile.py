@@ -24,7 +24,7 @@ from kiln.core import artefact as fmt
 from kiln.core.ir import Graph
 from kiln.core.layout import pack_panels, pack_qpanels, panel_shape
 from kiln.core.ops import ATTENTION_OPS, STRUCTURAL_OPS
-from kiln.core.quant import WEIGHT_FORMAT, quantize, with_int8_activations
+from kiln.core.quant import FORMATS, quantize, with_int8_activations
 from kiln.core.target import Target
 from kiln.core.trace import trace
 from kiln.kernels import native
@@ -145,7 +145,8 @@ def quant_scheme(
             f"{flag}: needs quantized weights (a GGUF Q4_0 / Q4_1 / Q8_0 file, "
             "--torchao-config int4wo-G or int8wo, or a GPTQ / AWQ checkpoint)"
         )
-    if scheme.get("format") in ("fp8_e4m3", "w8a8_int8"):
+    fmt = scheme.get("format")
+    if fmt is not None and FORMATS[fmt].int8_activations is None:
         raise ArgError(f"{flag}: applies to 4- and 8-bit integer weights, not {scheme['flag']}")
     return {**scheme, "activations": args.quantize_activations}
 
@@ -273,15 +274,16 @@ def _quantized(
     An int8-activation format is its weight format's codes and scales, whatever the recipe,
     with a code-sum plane made for exactly those codes."""
     inner, fmt, group = src["quantize"], src["format"], src["group"]
-    if fmt in WEIGHT_FORMAT:
-        weights = _quantized({**src, "format": WEIGHT_FORMAT[fmt]}, reader, constants)
+    base = FORMATS[fmt].base
+    if base is not None and FORMATS[fmt].kernel == "ga8":
+        weights = _quantized({**src, "format": base}, reader, constants)
         return with_int8_activations(*weights, fmt)
     if "concat" in inner:
         parts = [_quantized({**src, "quantize": s}, reader, constants) for s in inner["concat"]]
         return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
     if "slice" in inner:
         # w8a8_int8's correction plane sums a row's codes: made for the rank's part.
-        base = "int8" if fmt == "w8a8_int8" else fmt
+        base = base or fmt
         whole = {**src, "quantize": inner["slice"], "format": base}
         codes, scales = _quantized(whole, reader, constants)
         dim, lo, hi = inner["dim"], inner["start"], inner["stop"]

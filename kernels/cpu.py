@@ -35,7 +35,7 @@ from kiln.core.ops.attention import attention as reference_attention
 from kiln.core.ops.linear import PackedLinear, QuantEmbedding, QuantLinear
 from kiln.core.ops.norm import AddNorm, Norm
 from kiln.core.ops.rope import Rope, RopeQKV
-from kiln.core.quant import GA8_KIND, KERNEL_FORMAT
+from kiln.core.quant import FORMATS
 from kiln.kernels.registry import register
 
 # Ops this backend implements for rows-layout weights; select_backends takes it for these on
@@ -112,7 +112,8 @@ def quant_linear(
     format, group, out_features, prologue = a.format, a.group, a.out_features, a.prologue
     m, k = x.shape[0], x.shape[1] // (2 if prologue == "silu_and_mul" else 1)
     out = torch.empty(m, out_features)
-    if format == "w8a8_int8":
+    form = FORMATS[format]
+    if form.kernel == "a8":
         rc = lib.kiln_a8_linear_f32(
             x.data_ptr(),
             x.stride(0),
@@ -128,10 +129,10 @@ def quant_linear(
         )
     else:
         # int8-activation formats have their own kernel; both take the same arguments
-        if format in GA8_KIND:
-            fn, kind = lib.kiln_ga8_linear_f32, GA8_KIND[format]
+        if form.kernel == "ga8":
+            fn, kind = lib.kiln_ga8_linear_f32, form.ga8
         else:
-            fn, kind = lib.kiln_qlinear_f32, KERNEL_FORMAT[format]
+            fn, kind = lib.kiln_qlinear_f32, form.qfmt
         rc = fn(
             x.data_ptr(),
             x.stride(0),
@@ -173,7 +174,7 @@ def quant_embedding(
         ids.shape[0],
         codes.data_ptr(),
         scales.data_ptr(),
-        KERNEL_FORMAT[format],
+        FORMATS[format].qfmt,
         group,
         num_embeddings,
         h,

@@ -35,7 +35,7 @@ from typing import Any
 from kiln.args import ArgError
 from kiln.core.ir import Graph, Node, WeightSpec
 from kiln.core.layout import panel_shape
-from kiln.core.quant import CODE_DTYPE, CODE_LAYOUT, GROUP_STEP, INT8_ACTIVATIONS, PLANES
+from kiln.core.quant import FORMATS
 from kiln.passes.base import PassContext, PassResult
 
 TORCHAO = {"int8wo": ("int8", 0), **{f"int4wo-{g}": ("uint4", g) for g in (32, 64, 128, 256)}}
@@ -59,13 +59,15 @@ def quantize(graph: Graph, ctx: PassContext) -> PassResult:
             continue
         fmt, per = chosen  # per = 0: one scale per row (of this rank's part, when sharded)
         group = per or spec.shape[1]
-        if scheme.get("activations") == "int8" and fmt in INT8_ACTIVATIONS:
-            fmt = INT8_ACTIVATIONS[fmt]
-            if group % GROUP_STEP[fmt]:
+        a8 = FORMATS[fmt].int8_activations
+        if scheme.get("activations") == "int8" and a8 is not None:
+            fmt, step = a8, FORMATS[a8].group_step
+            if group % step:
                 raise ArgError(
                     f"--quantize-activations int8: {param.attrs['name']} has groups of "
-                    f"{group} inputs, and {fmt} needs a multiple of {GROUP_STEP[fmt]}"
+                    f"{group} inputs, and {fmt} needs a multiple of {step}"
                 )
+        form = FORMATS[fmt]
         if spec.shape[1] % group:
             raise ArgError(_indivisible(scheme, ctx, param.attrs["name"], spec.shape[1], group))
         name = param.attrs["name"]
@@ -73,13 +75,13 @@ def quantize(graph: Graph, ctx: PassContext) -> PassResult:
         n, k = spec.shape
         graph.weights[name] = WeightSpec(
             (n, k),
-            CODE_DTYPE[fmt],
+            form.code_dtype,
             {**recipe, "part": "codes"},
-            f"{CODE_LAYOUT[fmt]}panels{lanes}",
+            f"{form.layout}panels{lanes}",
         )
         scales_name = f"{name}.scales"
         graph.weights[scales_name] = WeightSpec(
-            (n, k // group, PLANES[fmt]),
+            (n, k // group, form.planes),
             "float32",
             {**recipe, "part": "scales"},
             f"spanels{lanes}",

@@ -22,10 +22,13 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
+from kiln.core.lazy import lazy_module
 from kiln.core.target import Target
 
 if TYPE_CHECKING:
     import torch
+else:
+    torch = lazy_module("torch")
 
 LAYOUT = re.compile(r"rows|panels(8|16)x([1-8])|(q8|q4|a8|a4|s)panels(8|16)")
 
@@ -86,8 +89,6 @@ def stored_shape(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
 
 def pack_panels(w: torch.Tensor, layout: str) -> torch.Tensor:
     """[N, K] rows -> the stored tensor of a panels layout."""
-    import torch
-
     panels = panels_of(layout)
     assert panels is not None
     lanes, group = panels
@@ -101,8 +102,6 @@ def pack_panels(w: torch.Tensor, layout: str) -> torch.Tensor:
 def pack_qpanels(t: torch.Tensor, layout: str) -> torch.Tensor:
     """Codes [N, K] (one per element; 4-bit ones as uint8 0..15) or scales [N, G, P] -> the
     stored tensor of a quantized layout."""
-    import torch
-
     q = qpanels_of(layout)
     assert q is not None
     kind, lanes = q
@@ -123,3 +122,24 @@ def pack_qpanels(t: torch.Tensor, layout: str) -> torch.Tensor:
     if kind == "q8":
         return panels
     return (panels[:, 0::2] | (panels[:, 1::2] << 4)).contiguous()
+
+
+def unpack_codes(codes: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
+    """Codes stored in layout `kind` (q8, q4, a8, a4) -> [rows, K], one code per element
+    (4-bit codes as 0..15), as `pack_qpanels` had them."""
+    if kind == "a8":  # [T, K/4, L, 4] -> [T, K, L]
+        codes = codes.permute(0, 1, 3, 2).reshape(codes.shape[0], -1, codes.shape[2])
+    elif kind == "a4":  # [T, K/8, L, 4] bytes -> [T, K, L], 4 low nibbles first
+        t, blocks, lanes, _ = codes.shape
+        nibbles = torch.stack([codes & 0xF, codes >> 4], dim=3)  # [T, K/8, L, 2, 4]
+        codes = nibbles.permute(0, 1, 3, 4, 2).reshape(t, blocks * 8, lanes)
+    elif kind == "q4":  # [T, K/2, L] bytes -> [T, K, L], k even from the low nibble
+        tiles, _, lanes = codes.shape
+        codes = torch.stack([codes & 0xF, codes >> 4], dim=2).reshape(tiles, -1, lanes)
+    tiles, _, lanes = codes.shape
+    return codes.transpose(1, 2).reshape(tiles * lanes, -1)[:rows]
+
+
+def unpack_scales(scales: torch.Tensor, rows: int) -> torch.Tensor:
+    """spanels [T, G, P, L] -> [rows, G, P]."""
+    return scales.permute(0, 3, 1, 2).reshape(-1, *scales.shape[1:3])[:rows]

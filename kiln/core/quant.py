@@ -22,43 +22,69 @@ group of `group` consecutive inputs, float32 scales and codes:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from kiln.core.lazy import lazy_module
+
 if TYPE_CHECKING:
     import torch
+else:
+    torch = lazy_module("torch")
 
-FORMATS = ("int8", "uint4", "fp8_e4m3", "w8a8_int8", "uint4_a8", "int8_a8")
-# Stored code dtype and scale planes (1: scale; 2: scale, min or correction) per format.
-CODE_DTYPE = {
-    "int8": "int8",
-    "uint4": "uint8",
-    "fp8_e4m3": "uint8",
-    "w8a8_int8": "int8",
-    "uint4_a8": "uint8",
-    "int8_a8": "int8",
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """One quantization format: everything the compiler, the type rules, the reference
+    kernel and kiln_cpu's dispatch need to know about it, in one entry of FORMATS."""
+
+    name: str
+    code_dtype: Literal["int8", "uint8"]  # what the codes are stored as
+    layout: Literal["q8", "q4", "a8", "a4"]  # their panel kind (kiln/core/layout.py)
+    planes: int  # scale planes: 1 (scale) or 2 (scale and min, or scale and code sum)
+    # kiln_cpu's entry point for its linears, and the format's numbers in the C source:
+    # QFMT_* (qlinear and the quantized embedding) and GA8_* (the ga8 linear).
+    kernel: Literal["qlinear", "ga8", "a8"]
+    qfmt: int | None = None
+    ga8: int | None = None
+    group_step: int = 1  # a group size must be a multiple of this (its kernel's step)
+    fp8: bool = False  # codes are fp8 e4m3 bit patterns
+    has_min: bool = False  # the second plane is a min added after scaling
+    base: str | None = None  # an int8-activation format: the weight format it runs
+    int8_activations: str | None = None  # this format under --quantize-activations int8
+    gguf: tuple[tuple[str, int], ...] = ()  # GGUF block types kept as this: (type, group)
+
+
+FORMATS: dict[str, QuantFormat] = {
+    f.name: f
+    for f in (
+        QuantFormat(
+            "int8", "int8", "q8", 1, "qlinear", 0, int8_activations="int8_a8", gguf=(("Q8_0", 32),)
+        ),
+        QuantFormat(
+            "uint4",
+            "uint8",
+            "q4",
+            2,
+            "qlinear",
+            1,
+            group_step=2,
+            has_min=True,
+            int8_activations="uint4_a8",
+            gguf=(("Q4_0", 32), ("Q4_1", 32)),
+        ),
+        QuantFormat("fp8_e4m3", "uint8", "q8", 1, "qlinear", 2, fp8=True),
+        QuantFormat("w8a8_int8", "int8", "a8", 2, "a8", base="int8"),
+        QuantFormat(
+            "uint4_a8", "uint8", "a4", 2, "ga8", 3, 0, group_step=8, has_min=True, base="uint4"
+        ),
+        QuantFormat("int8_a8", "int8", "a8", 2, "ga8", 4, 1, group_step=4, base="int8"),
+    )
 }
-PLANES = {"int8": 1, "uint4": 2, "fp8_e4m3": 1, "w8a8_int8": 2, "uint4_a8": 2, "int8_a8": 2}
-# The layout kind (kiln/core/layout.py) each format's codes are stored in.
-CODE_LAYOUT = {
-    "int8": "q8",
-    "uint4": "q4",
-    "fp8_e4m3": "q8",
-    "w8a8_int8": "a8",
-    "uint4_a8": "a4",
-    "int8_a8": "a8",
-}
-# What a group size must be a multiple of, per format (its kernel's step over k).
-GROUP_STEP = {"uint4": 2, "uint4_a8": 8, "int8_a8": 4}
-# The C kernels' format numbers (csrc: QFMT_*), and the int8-activation kinds (GA8_*).
-KERNEL_FORMAT = {"int8": 0, "uint4": 1, "fp8_e4m3": 2, "uint4_a8": 3, "int8_a8": 4}
-GA8_KIND = {"uint4_a8": 0, "int8_a8": 1}
-# --quantize-activations int8: weight format -> the same weights with int8 activations.
-INT8_ACTIVATIONS = {"uint4": "uint4_a8", "int8": "int8_a8"}
-WEIGHT_FORMAT = {a8: w for w, a8 in INT8_ACTIVATIONS.items()}
 # GGUF block types kiln runs as they are: type -> (format, group).
-GGUF_FORMATS = {"Q8_0": ("int8", 32), "Q4_0": ("uint4", 32), "Q4_1": ("uint4", 32)}
+GGUF_FORMATS = {t: (f.name, group) for f in FORMATS.values() for t, group in f.gguf}
 FP8_E4M3_MAX = 448.0
 
 
@@ -69,17 +95,18 @@ class QuantError(ValueError):
 def quantize(w: torch.Tensor, fmt: str, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Float [N, K] -> (codes [N, K], scales [N, K / group, planes]) in `fmt`; group 0 is
     one group per row."""
-    import torch
-
     n, k = w.shape
     group = group or k
     if group < 0 or k % group:
         raise QuantError(f"group size {group} does not divide {k} input features")
-    if group % GROUP_STEP.get(fmt, 1):
-        raise QuantError(f"{fmt} needs a group size that is a multiple of {GROUP_STEP[fmt]}")
+    form = FORMATS.get(fmt)
+    if form is None:
+        raise QuantError(f"unknown quantization format {fmt!r} (known: {', '.join(FORMATS)})")
+    if group % form.group_step:
+        raise QuantError(f"{fmt} needs a group size that is a multiple of {form.group_step}")
     g = w.float().reshape(n, k // group, group)
-    if fmt in WEIGHT_FORMAT:
-        return with_int8_activations(*quantize(w, WEIGHT_FORMAT[fmt], group), fmt)
+    if form.base is not None and form.kernel == "ga8":
+        return with_int8_activations(*quantize(w, form.base, group), fmt)
     if fmt == "w8a8_int8":
         if group != k:
             raise QuantError(f"w8a8_int8 has one scale per row, not a group of {group}")
@@ -111,8 +138,6 @@ def _refine_uint4(
     """Codes for the min/max grid, then a few rounds of: the least-squares scale and min for
     those codes, and the codes for that grid (each round lowers the group's squared error;
     a group whose codes are all equal keeps its grid)."""
-    import torch
-
     size = g.shape[-1]
     best_q = torch.round((g - m) / s).clamp(0, 15)
     best_s, best_m = s, m
@@ -141,10 +166,9 @@ def with_int8_activations(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """uint4 / int8 (codes, scales) -> the same weights in `fmt` (uint4_a8 / int8_a8 /
     w8a8_int8: a plane of 128 x the group's code sum, for the kernels' unsigned inputs)."""
-    import torch
-
-    if fmt == "uint4_a8":
-        return codes, scales
+    form = FORMATS[fmt]
+    if form.base is None or form.planes == FORMATS[form.base].planes:
+        return codes, scales  # no code-sum plane to add (uint4_a8 runs uint4's as they are)
     n, groups = scales.shape[:2]
     sums = codes.view(torch.int8).reshape(n, groups, -1).sum(-1, dtype=torch.int64)
     return codes, torch.cat([scales, (128.0 * sums.double()).float().unsqueeze(-1)], dim=-1)
@@ -153,8 +177,6 @@ def with_int8_activations(
 def quantize_group_activations(x: torch.Tensor, group: int) -> torch.Tensor:
     """uint4_a8 / int8_a8's activations as their kernel rounds them: x [M, K] -> float64
     [M, K] of xq * sx, sx = max|x| / 127 per group of `group` inputs, xq = round(x / sx)."""
-    import torch
-
     m, k = x.shape
     g = x.float().reshape(m, k // group, group)
     amax = g.abs().amax(-1, keepdim=True)
@@ -166,8 +188,6 @@ def quantize_group_activations(x: torch.Tensor, group: int) -> torch.Tensor:
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w8a8_int8's per-token activations, as its kernel computes them: (codes [M, K] in
     [-127, 127] as float, scales [M, 1])."""
-    import torch
-
     amax = x.abs().amax(-1, keepdim=True)
     sx = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     return torch.round(x / sx).clamp(-127, 127), sx
@@ -175,14 +195,13 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize(q: torch.Tensor, s: torch.Tensor, fmt: str) -> torch.Tensor:
     """(codes [N, K], scales [N, G, planes]) -> float32 [N, K] (w8a8_int8: its weights)."""
-    import torch
-
     n, k = q.shape
     groups = s.shape[1]
-    vals = q.view(torch.float8_e4m3fn).float() if fmt == "fp8_e4m3" else q.float()
+    form = FORMATS[fmt]
+    vals = q.view(torch.float8_e4m3fn).float() if form.fp8 else q.float()
     vals = vals.reshape(n, groups, k // groups)
     out = vals * s[..., :1]
-    if fmt in ("uint4", "uint4_a8"):
+    if form.has_min:
         out = out + s[..., 1:2]
     return out.reshape(n, k)
 

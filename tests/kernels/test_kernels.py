@@ -16,7 +16,7 @@ from native_libs import HOST_LEVELS, library
 from kiln.core.layout import pack_panels, pack_qpanels, panels_name
 from kiln.core.ops.attention import AttentionBatch, SeqSpan
 from kiln.core.quant import (
-    CODE_LAYOUT,
+    FORMATS,
     dequantize,
     quantize,
     quantize_activations,
@@ -120,7 +120,7 @@ def _stored(w: torch.Tensor, fmt: str, group: int, backend: str) -> tuple[torch.
     them for `backend`'s vector width."""
     lanes = _lanes(backend)
     q, s = quantize(w, fmt, group)
-    codes = pack_qpanels(q, f"{CODE_LAYOUT[fmt]}panels{lanes}")
+    codes = pack_qpanels(q, f"{FORMATS[fmt].layout}panels{lanes}")
     return q, s, codes, pack_qpanels(s, f"spanels{lanes}")
 
 

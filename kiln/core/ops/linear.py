@@ -9,15 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from kiln.core.layout import unpack_codes, unpack_scales
 from kiln.core.lazy import lazy_module
 from kiln.core.opdef import Attrs, Check, TensorType, op
 from kiln.core.ops.elementwise import silu_and_mul
 from kiln.core.quant import (
-    CODE_DTYPE,
-    CODE_LAYOUT,
-    GA8_KIND,
-    GROUP_STEP,
-    PLANES,
+    FORMATS,
     dequantize,
     quantize_activations,
     quantize_group_activations,
@@ -105,25 +102,26 @@ def _packed_linear(check: Check, a: dict[str, Any], ins: list[Any]) -> Any:
 def _quant(check: Check, a: dict[str, Any]) -> tuple[int, int]:
     """A quantized op's codes and scales agree with its format and group: (N, K)."""
     fmt, group = a["format"], a["group"]
-    if fmt not in CODE_DTYPE:
+    form = FORMATS.get(fmt)
+    if form is None:
         raise check.fail(f"unknown quantization format {fmt!r}")
     check.positive(group=group)
     graph, node = check.graph, check.node
     codes, scales = graph.weight_of(node.args[1]), graph.weight_of(node.args[2])
     if codes is None or scales is None:
         raise check.fail(f"{node.op} needs stored codes and scales")
-    want = f"{CODE_LAYOUT[fmt]}panels"
-    if not codes.layout.startswith(want) or codes.dtype != CODE_DTYPE[fmt]:
-        raise check.fail(f"{fmt} codes must be {CODE_DTYPE[fmt]} {want}")
+    want = f"{form.layout}panels"
+    if not codes.layout.startswith(want) or codes.dtype != form.code_dtype:
+        raise check.fail(f"{fmt} codes must be {form.code_dtype} {want}")
     if not scales.layout.startswith("spanels") or scales.dtype != "float32":
         raise check.fail("scales must be float32 spanels")
     n, k = check.weight(1, 2)
-    if k % group or group % GROUP_STEP.get(fmt, 1):
+    if k % group or group % form.group_step:
         raise check.fail(
             f"group {group} does not divide {k} input features in whole steps of "
-            f"{GROUP_STEP.get(fmt, 1)} ({fmt})"
+            f"{form.group_step} ({fmt})"
         )
-    check.expect("scales shape", check.weight(2, 3), (n, k // group, PLANES[fmt]))
+    check.expect("scales shape", check.weight(2, 3), (n, k // group, form.planes))
     return n, k
 
 
@@ -167,20 +165,11 @@ def unpack_panels(packed: torch.Tensor, rows: int) -> torch.Tensor:
 
 def unpack_quant(codes: torch.Tensor, scales: torch.Tensor, fmt: str, rows: int) -> torch.Tensor:
     """Quantized panels (kiln/core/layout.py) -> float32 [rows, K]."""
-    if fmt in ("w8a8_int8", "int8_a8"):  # [T, K/4, L, 4] -> [T, K, L]
-        codes = codes.permute(0, 1, 3, 2).reshape(codes.shape[0], -1, codes.shape[2])
-    if fmt == "uint4_a8":  # [T, K/8, L, 4] bytes -> [T, K, L] codes, 4 low nibbles first
-        t, blocks, lanes, _ = codes.shape
-        nibbles = torch.stack([codes & 0xF, codes >> 4], dim=3)  # [T, K/8, L, 2, 4]
-        codes = nibbles.permute(0, 1, 3, 4, 2).reshape(t, blocks * 8, lanes)
-    tiles, _, lanes = codes.shape
-    if fmt == "uint4":  # [T, K/2, L] bytes -> [T, K, L] codes, k even from the low nibble
-        codes = torch.stack([codes & 0xF, codes >> 4], dim=2).reshape(tiles, -1, lanes)
-    if fmt in ("int8", "w8a8_int8", "int8_a8"):
-        codes = codes.view(torch.int8)
-    q = codes.transpose(1, 2).reshape(tiles * lanes, -1)[:rows]
-    s = scales.permute(0, 3, 1, 2).reshape(tiles * lanes, *scales.shape[1:3])[:rows]
-    return dequantize(q, s, fmt)
+    form = FORMATS[fmt]
+    q = unpack_codes(codes, form.layout, rows)
+    if form.code_dtype == "int8":
+        q = q.view(torch.int8)
+    return dequantize(q, unpack_scales(scales, rows), fmt)
 
 
 def _with_prologue(x: torch.Tensor, prologue: str) -> torch.Tensor:
@@ -216,10 +205,10 @@ def quant_linear(
     which is the kernel's sum before its float32 roundings)."""
     x = _with_prologue(x, a.prologue)
     w = unpack_quant(codes, scales, a.format, a.out_features)
-    if a.format in GA8_KIND:
+    if FORMATS[a.format].kernel == "ga8":
         out = (quantize_group_activations(x, a.group) @ w.double().T).float()
         return out if bias is None else out + bias
-    if a.format != "w8a8_int8":
+    if FORMATS[a.format].kernel != "a8":
         return F.linear(x, w.to(x.dtype), bias)
     tiles, _, lanes, _ = codes.shape
     sw = scales[:, 0, 0, :].reshape(tiles * lanes)[: a.out_features]
