@@ -17,7 +17,7 @@ from tqdm import tqdm
 from kiln.args import ArgError, ServerArgs
 from kiln.compiler.checkpoint import CheckpointReader
 from kiln.compiler.key import CompileKey, resolve_dtype
-from kiln.compiler.kv_cache import KV_DTYPES, kv_cache_options
+from kiln.compiler.options import KV_DTYPES, compile_options
 from kiln.compiler.publish import publish, staging_dir
 from kiln.compiler.store import CompileResult, compile_cached
 from kiln.core import artefact as fmt
@@ -29,8 +29,7 @@ from kiln.core.target import Target
 from kiln.core.trace import trace
 from kiln.kernels import native
 from kiln.models import ModelConfig, build
-from kiln.passes import PIPELINES, PassContext, run_passes
-from kiln.passes.quantize import TORCHAO
+from kiln.passes import PIPELINE, run_passes
 from kiln.version import __version__
 
 log = logging.getLogger("kiln.compile")
@@ -59,33 +58,15 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
             cfg = ModelConfig.from_dict(reader.gguf.hf_config())
         else:
             cfg = ModelConfig.from_hf(ck.checkpoint)
-        backends = {"attention": args.attention_backend} if args.attention_backend else {}
-        options = {
-            "backends": backends,
-            "native_kernels": toolchain is not None,
-            "quantization": quant_scheme(args, target, reader),
-            "kv_cache": kv_cache_options(args, cfg.num_layers),
-            "capture": {name: getattr(args, name) for name in CAPTURE_FLAGS},
-        }
-        tp = args.tp_size
-        if args.ep_size not in (1, tp):
-            raise ArgError(
-                f"--ep-size {args.ep_size}: kiln runs expert parallelism over the tensor-"
-                f"parallel ranks: --ep-size 1 or equal to --tp-size ({tp})"
-            )
-        ranks = []  # (graph, constants, pass log) of each rank
-        for rank in range(tp):
+        options = compile_options(args, ck, reader, cfg)
+        ranks = []  # (graph, pass log, constants) of each rank
+        for rank in range(options.tp.size):
             graph, constants = trace(build(cfg))
             graph.context_length = cfg.max_position_embeddings
             for spec in graph.weights.values():
                 if "load" in spec.source:
                     spec.dtype = dtype
-            ctx = PassContext(
-                target=target,
-                dtype=dtype,
-                options={**options, "tp": {"size": tp, "rank": rank, "ep": args.ep_size}},
-            )
-            ranks.append((*run_passes(graph, ctx, PIPELINES["default"]), constants))
+            ranks.append((*run_passes(graph, options.for_rank(rank), PIPELINE), constants))
         graph, pass_log, _ = ranks[0]
         uses_native = any(
             n.meta.get("backend") == "kiln_cpu" for n in graph.nodes if n.op not in STRUCTURAL_OPS
@@ -114,102 +95,6 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
             publish(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-# The compile arguments the capture plan is made from (passes/capture_plan.py).
-CAPTURE_FLAGS = (
-    "cuda_graph_bs",
-    "cuda_graph_max_bs",
-    "disable_cuda_graph",
-    "disable_cuda_graph_padding",
-    "enable_piecewise_cuda_graph",
-    "piecewise_cuda_graph_tokens",
-    "piecewise_cuda_graph_max_tokens",
-    "enable_torch_compile",
-    "torch_compile_max_bs",
-)
-
-
-def quant_scheme(
-    args: ServerArgs, target: Target, reader: CheckpointReader
-) -> dict[str, Any] | None:
-    """The quantize pass's scheme from --quantization / --torchao-config and
-    --quantize-activations (passes/quantize.py); ArgError names the flag for what kiln
-    does not run."""
-    scheme = _weight_scheme(args, target, reader)
-    if args.quantize_activations == "none":
-        return scheme
-    flag = f"--quantize-activations {args.quantize_activations}"
-    if scheme is None:
-        raise ArgError(
-            f"{flag}: needs quantized weights (a GGUF Q4_0 / Q4_1 / Q8_0 file, "
-            "--torchao-config int4wo-G or int8wo, or a GPTQ / AWQ checkpoint)"
-        )
-    fmt = scheme.get("format")
-    if fmt is not None and FORMATS[fmt].int8_activations is None:
-        raise ArgError(f"{flag}: applies to 4- and 8-bit integer weights, not {scheme['flag']}")
-    return {**scheme, "activations": args.quantize_activations}
-
-
-def _weight_scheme(
-    args: ServerArgs, target: Target, reader: CheckpointReader
-) -> dict[str, Any] | None:
-    if args.quantization and args.torchao_config:
-        raise ArgError("--quantization and --torchao-config: give one of them, not both")
-    gguf = reader.gguf
-    wants = args.quantization or args.torchao_config
-    if wants and target.device != "cpu":
-        flag = "--quantization" if args.quantization else "--torchao-config"
-        raise ArgError(f"{flag} {wants}: quantized kernels exist for cpu targets only so far")
-    if args.quantization == "gguf" or (gguf is not None and not wants and args.dtype == "auto"):
-        if gguf is None:
-            raise ArgError("--quantization gguf: the checkpoint is not a GGUF file")
-        if target.device != "cpu":
-            return None  # no quantized kernels for this target: the blocks are read as floats
-        return {"stored": reader.stored_formats()}
-    stored_method = (
-        reader.int4.method if reader.int4 else "fp8" if reader.fp8_block() is not None else None
-    )
-    if stored_method and not args.torchao_config:
-        # A quantized checkpoint (quant_method gptq, awq or fp8) runs as stored, as SGLang
-        # detects it from the config; act-order GPTQ weights are read as floats.
-        if args.quantization not in (None, stored_method):
-            raise ArgError(
-                f"--quantization {args.quantization}: the checkpoint is {stored_method} already"
-            )
-        if target.device != "cpu":
-            return None
-        stored = reader.stored_formats()
-        floats = len(reader.int4_weights()) - len(stored) if reader.int4 else 0
-        if floats:
-            log.warning(
-                "%d %s weights have act-order groups (desc_act): kiln reads them as floats",
-                floats,
-                stored_method,
-            )
-        return {"stored": stored}
-    if args.quantization in ("gptq", "awq"):
-        raise ArgError(
-            f"--quantization {args.quantization}: the checkpoint has no {args.quantization} "
-            "quantization_config (kiln reads GPTQ / AWQ checkpoints as they are published)"
-        )
-    if args.quantization == "fp8":
-        return {"format": "fp8_e4m3", "group": 0, "flag": "--quantization fp8"}
-    if args.quantization == "w8a8_int8":
-        return {"format": "w8a8_int8", "group": 0, "flag": "--quantization w8a8_int8"}
-    if args.quantization:
-        raise ArgError(
-            f"--quantization {args.quantization}: not implemented yet "
-            "(kiln runs fp8, w8a8_int8, gguf, and gptq / awq checkpoints)"
-        )
-    if args.torchao_config:
-        if args.torchao_config not in TORCHAO:
-            raise ArgError(
-                f"--torchao-config {args.torchao_config}: kiln runs {', '.join(TORCHAO)}"
-            )
-        fmt, group = TORCHAO[args.torchao_config]
-        return {"format": fmt, "group": group, "flag": f"--torchao-config {args.torchao_config}"}
-    return None
 
 
 def _native_build(target: Target, toolchain: native.Toolchain, root: Path) -> dict[str, Any]:

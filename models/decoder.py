@@ -154,13 +154,13 @@ class CausalLM(nn.Module):
         cfg = self.cfg
         freqs = ops.constant("rope.inv_freq", inv_freq(cfg.rope, cfg.head_dim))
         cos_sin = ops.rope_cos_sin(positions, freqs)
-        h = ops.embedding(input_ids, self.model.embed_tokens.weight)
+        h = ops.embedding(input_ids, self.model.embed_tokens.weight, role="embedding")
         for layer in self.model.layers:
             h = layer(h, cos_sin)
         h = ops.rmsnorm(
             ops.index_select(h, logits_indices), self.model.norm.weight, eps=cfg.rms_norm_eps
         )
-        return ops.linear(h, self.lm_head_weight)
+        return ops.linear(h, self.lm_head_weight, role="lm_head")
 
 
 def build(cfg: ModelConfig) -> CausalLM:

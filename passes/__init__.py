@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kiln.passes.base import Pass, PassContext, PassError, PassResult, run_passes
+from kiln.passes.base import PassError, run_passes
 from kiln.passes.capture_plan import capture_plan
 from kiln.passes.dce import dce
 from kiln.passes.fuse_add_rmsnorm import fuse_add_rmsnorm
@@ -12,40 +12,40 @@ from kiln.passes.fuse_rope import fuse_rope, fuse_rope_attention
 from kiln.passes.fuse_silu_linear import fuse_silu_linear
 from kiln.passes.kv_cache import kv_cache
 from kiln.passes.layout import pack_weights
+from kiln.passes.options import CompileOptions, Pass, PassResult, compiler_pass
 from kiln.passes.quantize import quantize
 from kiln.passes.select_backends import select_backends
 from kiln.passes.shard import shard
 from kiln.passes.verify import verify
 
-# Named pipelines: the compile driver picks one from the compile-time arguments.
-PIPELINES: dict[str, list[Pass]] = {
-    "default": [
-        dce,
-        shard,
-        fuse_qkv,
-        fuse_gate_up,
-        fuse_add_rmsnorm,
-        fuse_rope,
-        fuse_rope_attention,
-        dce,
-        quantize,
-        kv_cache,
-        pack_weights,
-        fuse_silu_linear,
-        select_backends,
-        capture_plan,
-        verify,
-    ],
-    "unfused": [dce, shard, quantize, kv_cache, pack_weights, select_backends, verify],
-}
+# The one pipeline: a pass that the options leave nothing to do returns the graph
+# unchanged (shard at --tp-size 1, quantize without a scheme, pack_weights off kiln_cpu...).
+PIPELINE: list[Pass] = [
+    dce,
+    shard,
+    fuse_qkv,
+    fuse_gate_up,
+    fuse_add_rmsnorm,
+    fuse_rope,
+    fuse_rope_attention,
+    dce,
+    quantize,
+    kv_cache,
+    pack_weights,
+    fuse_silu_linear,
+    select_backends,
+    capture_plan,
+    verify,
+]
 
 __all__ = [
-    "PIPELINES",
+    "PIPELINE",
+    "CompileOptions",
     "Pass",
-    "PassContext",
     "PassError",
     "PassResult",
     "capture_plan",
+    "compiler_pass",
     "dce",
     "fuse_add_rmsnorm",
     "fuse_gate_up",

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from kiln.core.ir import Graph
-from kiln.passes.base import PassContext, PassResult
+from kiln.passes.options import CompileOptions, PassResult, compiler_pass
 
 
-def dce(graph: Graph, ctx: PassContext) -> PassResult:
+@compiler_pass()
+def dce(graph: Graph, ctx: CompileOptions) -> PassResult:
     live: set[int] = set()
     for n in reversed(graph.nodes):
         if n.op in ("output", "input") or id(n) in live:

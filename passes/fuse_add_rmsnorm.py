@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from kiln.core.ir import Graph
-from kiln.passes.base import PassContext, PassResult
+from kiln.passes.options import CompileOptions, PassResult, compiler_pass
 
 
-def fuse_add_rmsnorm(graph: Graph, ctx: PassContext) -> PassResult:
+@compiler_pass()
+def fuse_add_rmsnorm(graph: Graph, ctx: CompileOptions) -> PassResult:
     changed = False
     for norm in [n for n in graph.nodes if n.op == "rmsnorm"]:
         total, weight = norm.args

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from kiln.core.ir import Graph
-from kiln.passes.base import PassContext, PassResult
 from kiln.passes.linear_fusion import fusable, fuse_linears
+from kiln.passes.options import CompileOptions, PassResult, compiler_pass
 
 
-def fuse_gate_up(graph: Graph, ctx: PassContext) -> PassResult:
+@compiler_pass()
+def fuse_gate_up(graph: Graph, ctx: CompileOptions) -> PassResult:
     changed = False
     users = graph.users()
     for mul in [n for n in graph.nodes if n.op == "mul"]:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kiln.core.ir import Graph, Node
-from kiln.passes.base import PassContext, PassResult
 from kiln.passes.linear_fusion import fusable, fuse_linears
+from kiln.passes.options import CompileOptions, PassResult, compiler_pass
 
 # Ops that may sit between a projection and attention (per-head norm, rotary embedding).
 _PER_HEAD = ("rope", "rmsnorm")
@@ -16,7 +16,8 @@ def _projection(node: Node) -> Node:
     return node
 
 
-def fuse_qkv(graph: Graph, ctx: PassContext) -> PassResult:
+@compiler_pass()
+def fuse_qkv(graph: Graph, ctx: CompileOptions) -> PassResult:
     changed = False
     for attn in [n for n in graph.nodes if n.op == "attention"]:
         linears = [_projection(a) for a in attn.args]

@@ -11,10 +11,11 @@ per-head norm between the split and the rope (Qwen3's q/k norm) keep their ops.
 from __future__ import annotations
 
 from kiln.core.ir import Graph, Node
-from kiln.passes.base import PassContext, PassResult
+from kiln.passes.options import CompileOptions, PassResult, compiler_pass
 
 
-def fuse_rope(graph: Graph, ctx: PassContext) -> PassResult:
+@compiler_pass()
+def fuse_rope(graph: Graph, ctx: CompileOptions) -> PassResult:
     users = graph.users()
     changed = False
     for split in [n for n in graph.nodes if n.op == "split" and len(n.attrs["sizes"]) == 3]:
@@ -41,7 +42,8 @@ def fuse_rope(graph: Graph, ctx: PassContext) -> PassResult:
     return PassResult(graph, changed)
 
 
-def fuse_rope_attention(graph: Graph, ctx: PassContext) -> PassResult:
+@compiler_pass()
+def fuse_rope_attention(graph: Graph, ctx: CompileOptions) -> PassResult:
     users = graph.users()
     changed = False
     for rope in [n for n in graph.nodes if n.op == "rope_qkv"]:

@@ -10,12 +10,13 @@ whose kernels all take the prologue; a plain `linear` keeps its activation node.
 from __future__ import annotations
 
 from kiln.core.ir import Graph
-from kiln.passes.base import PassContext, PassResult
+from kiln.passes.options import CompileOptions, PassResult, compiler_pass
 
 _TAKES_PROLOGUE = ("packed_linear", "quant_linear")
 
 
-def fuse_silu_linear(graph: Graph, ctx: PassContext) -> PassResult:
+@compiler_pass()
+def fuse_silu_linear(graph: Graph, ctx: CompileOptions) -> PassResult:
     users = graph.users()
     changed = False
     for act in [n for n in graph.nodes if n.op == "silu_and_mul"]:

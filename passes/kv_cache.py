@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from kiln.core.ir import Graph
 from kiln.core.ops import ATTENTION_OPS
-from kiln.passes.base import PassContext, PassResult
+from kiln.passes.options import CompileOptions, PassResult, compiler_pass
 
 
-def kv_cache(graph: Graph, ctx: PassContext) -> PassResult:
-    opts = ctx.options.get("kv_cache")
-    if not opts:
+@compiler_pass("kv_cache")
+def kv_cache(graph: Graph, ctx: CompileOptions) -> PassResult:
+    if ctx.kv_cache is None:
         return PassResult(graph, False)
-    scales = opts["scales"]
+    scales = ctx.kv_cache.scales
     for n in graph.nodes:
         if n.op in ATTENTION_OPS:
             n.attrs["kv_scale"] = float(scales[n.attrs["layer"]])

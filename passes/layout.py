@@ -21,22 +21,22 @@ from __future__ import annotations
 
 from kiln.core.ir import Graph, Node
 from kiln.core.layout import panel_shape, panels_name
-from kiln.passes.base import PassContext, PassResult
-from kiln.passes.select_backends import compiles_pieces
+from kiln.passes.options import CompileOptions, PassResult, compiler_pass
 
 NARROW_ROWS = {"avx512": [6, 16], "avx512_vnni": [6, 16], "avx2": [6, 8]}
 _READERS = {"linear": "packed_linear", "embedding": "packed_embedding"}
 
 
-def packs(ctx: PassContext) -> bool:
+def packs(ctx: CompileOptions) -> bool:
     """Whether the target's linears run kiln_cpu on panels."""
-    native = ctx.options.get("native_kernels", False) and not compiles_pieces(ctx)
+    native = ctx.native_kernels and not ctx.compiles_pieces
     return (
         ctx.device == "cpu" and ctx.dtype == "float32" and native and ctx.target.isa in NARROW_ROWS
     )
 
 
-def pack_weights(graph: Graph, ctx: PassContext) -> PassResult:
+@compiler_pass("target", "dtype", "native_kernels", "capture")
+def pack_weights(graph: Graph, ctx: CompileOptions) -> PassResult:
     if not packs(ctx):
         return PassResult(graph, False)
     layout = panels_name(*panel_shape(ctx.target))

@@ -31,6 +31,8 @@ def fusable(graph: Graph, linears: list[Node]) -> bool:
 def fused_name(weight_name: str, new_module: str) -> str:
     """'model.layers.0.self_attn.q_proj.weight' -> 'model.layers.0.self_attn.qkv_proj.weight'."""
     parts = weight_name.split(".")
+    if len(parts) < 2:  # a name with no module path: put the fused module in front
+        return f"{new_module}.{weight_name}"
     parts[-2] = new_module
     return ".".join(parts)
 

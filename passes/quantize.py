@@ -32,19 +32,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.args import ArgError
 from kiln.core.ir import Graph, Node, WeightSpec
 from kiln.core.layout import panel_shape
 from kiln.core.quant import FORMATS
-from kiln.passes.base import PassContext, PassResult
+from kiln.passes.options import CompileOptions, PassResult, Quantization, compiler_pass
 
-TORCHAO = {"int8wo": ("int8", 0), **{f"int4wo-{g}": ("uint4", g) for g in (32, 64, 128, 256)}}
-_FLOAT_HEAD = ("lm_head.weight", "model.embed_tokens.weight")
+# Roles (recorded at trace time) whose weights a float checkpoint keeps float, as SGLang
+# leaves the lm_head (and the embedding table a tied lm_head shares).
+_FLOAT_ROLES = ("lm_head", "embedding")
 
 
-def quantize(graph: Graph, ctx: PassContext) -> PassResult:
-    scheme: dict[str, Any] | None = ctx.options.get("quantization")
-    if not scheme:
+@compiler_pass("quantization", "target")
+def quantize(graph: Graph, ctx: CompileOptions) -> PassResult:
+    scheme = ctx.quantization
+    if scheme is None:
         return PassResult(graph, False)
     lanes = panel_shape(ctx.target)[0] if ctx.device == "cpu" else 16
     users = graph.users()
@@ -54,22 +55,21 @@ def quantize(graph: Graph, ctx: PassContext) -> PassResult:
         readers = users.get(param, [])
         if spec is None or len(spec.shape) != 2 or not _quantizable(param, readers):
             continue
-        chosen = _format_for(spec, scheme)
+        chosen = _format_for(spec, scheme, readers)
         if chosen is None:
             continue
         fmt, per = chosen  # per = 0: one scale per row (of this rank's part, when sharded)
         group = per or spec.shape[1]
         a8 = FORMATS[fmt].int8_activations
-        if scheme.get("activations") == "int8" and a8 is not None:
-            fmt, step = a8, FORMATS[a8].group_step
-            if group % step:
-                raise ArgError(
-                    f"--quantize-activations int8: {param.attrs['name']} has groups of "
-                    f"{group} inputs, and {fmt} needs a multiple of {step}"
-                )
+        if scheme.int8_activations and a8 is not None:
+            fmt = a8
         form = FORMATS[fmt]
-        if spec.shape[1] % group:
-            raise ArgError(_indivisible(scheme, ctx, param.attrs["name"], spec.shape[1], group))
+        if spec.shape[1] % group or group % form.group_step:
+            # compiler/options.py checked the flags against the model's shapes
+            raise ValueError(
+                f"{param.attrs['name']}: {spec.shape[1]} inputs are not whole {fmt} groups "
+                f"of {group}"
+            )
         name = param.attrs["name"]
         recipe = {"quantize": spec.source, "format": fmt, "group": per}
         n, k = spec.shape
@@ -100,20 +100,6 @@ def quantize(graph: Graph, ctx: PassContext) -> PassResult:
     return PassResult(graph, changed)
 
 
-def _indivisible(scheme: dict[str, Any], ctx: PassContext, name: str, k: int, group: int) -> str:
-    tp = (ctx.options.get("tp") or {}).get("size", 1)
-    if tp > 1:  # a row-parallel weight's inputs are cut in tp parts, each whole groups
-        return (
-            f"--tp-size {tp}: each rank's {k} inputs of {name} are not whole quantization "
-            f"groups of {group}; choose a --tp-size (or a group) that divides them"
-        )
-    # GGUF rows are whole blocks: only a float scheme's group can fail to divide
-    return (
-        f"{scheme.get('flag', 'quantization')}: group {group} does not divide the "
-        f"{k} inputs of {name}; choose a group that does"
-    )
-
-
 def _quantizable(param: Node, readers: list[Node]) -> bool:
     """Read only as a linear's weight or an embedding's table, and by a linear at least."""
     ok = all(n.op in ("linear", "embedding") and n.args[1] is param for n in readers)
@@ -137,14 +123,17 @@ def _loads(source: dict[str, Any]) -> list[str] | None:
     return None
 
 
-def _format_for(spec: WeightSpec, scheme: dict[str, Any]) -> tuple[str, int] | None:
+def _format_for(
+    spec: WeightSpec, scheme: Quantization, readers: list[Node]
+) -> tuple[str, int] | None:
     loads = _loads(spec.source)
     if loads is None:
         return None
-    if "stored" in scheme:  # as the checkpoint stores them, where every part agrees
-        formats = {tuple(scheme["stored"][x]) if x in scheme["stored"] else None for x in loads}
+    if scheme.stored is not None:  # as the checkpoint stores them, where every part agrees
+        stored = scheme.stored
+        formats = {stored.get(x) for x in loads}
         found = formats.pop() if len(formats) == 1 else None
-        return None if found is None else (str(found[0]), int(found[1]))
-    if any(x in _FLOAT_HEAD for x in loads):
+        return None if found is None else (found[0], found[1])
+    if scheme.format is None or any(r.meta.get("role") in _FLOAT_ROLES for r in readers):
         return None
-    return scheme["format"], scheme["group"]
+    return scheme.format, scheme.group

@@ -14,11 +14,11 @@ from __future__ import annotations
 from kiln.core.ir import Graph, Node
 from kiln.core.ops import ATTENTION_OPS, STRUCTURAL_OPS
 from kiln.kernels import catalog
-from kiln.passes.base import PassContext, PassResult
+from kiln.passes.options import CompileOptions, PassResult, compiler_pass
 
 
-def select_backends(graph: Graph, ctx: PassContext) -> PassResult:
-    prefer: dict[str, str] = ctx.options.get("backends", {})
+@compiler_pass("target", "dtype", "native_kernels", "attention_backend", "capture")
+def select_backends(graph: Graph, ctx: CompileOptions) -> PassResult:
     changed = False
     for n in graph.nodes:
         if n.op in STRUCTURAL_OPS:
@@ -27,7 +27,7 @@ def select_backends(graph: Graph, ctx: PassContext) -> PassResult:
         if not have:
             raise ValueError(f"%{n.name}: no kernel for op {n.op!r} on {ctx.device}")
         # --attention-backend names the backend of every op that attends
-        wanted = prefer.get("attention" if n.op in ATTENTION_OPS else n.op)
+        wanted = ctx.attention_backend if n.op in ATTENTION_OPS else None
         if wanted is not None and wanted not in have:
             raise ValueError(
                 f"%{n.name}: backend {wanted!r} has no {n.op} kernel on {ctx.device} "
@@ -45,19 +45,15 @@ def native_suits(n: Node) -> bool:
     return n.op not in ATTENTION_OPS or n.attrs["head_dim"] % 8 == 0
 
 
-def compiles_pieces(ctx: PassContext) -> bool:
-    """`--enable-torch-compile`: Inductor generates the code between the attention ops, so
-    those ops take the reference kernels it can trace (kiln's C kernels would be opaque
-    calls splitting every piece); attention, which runs between the pieces, keeps them, and
-    so do the quantized linears (the reference dequantizes a whole weight per call)."""
-    return bool((ctx.options.get("capture") or {}).get("enable_torch_compile"))
-
-
-def _preferred(n: Node, ctx: PassContext, have: list[str]) -> str:
+def _preferred(n: Node, ctx: CompileOptions, have: list[str]) -> str:
     if ctx.device == "cuda" and "triton" in have:
         return "triton"
-    native = ctx.options.get("native_kernels", False)
-    if compiles_pieces(ctx) and n.op not in ATTENTION_OPS and not n.op.startswith("quant_"):
+    native = ctx.native_kernels
+    # --enable-torch-compile: Inductor generates the code between the attention ops, so
+    # those ops take the reference kernels it can trace (kiln's C kernels would be opaque
+    # calls splitting every piece); attention, which runs between the pieces, keeps them,
+    # and so do the quantized linears (the reference dequantizes a whole weight per call).
+    if ctx.compiles_pieces and n.op not in ATTENTION_OPS and not n.op.startswith("quant_"):
         native = False
     if ctx.dtype == "float32" and native and "kiln_cpu" in have and native_suits(n):
         return "kiln_cpu"

@@ -1,11 +1,15 @@
 """Tensor parallelism: the single-device graph becomes rank r's of `--tp-size` T.
 
-Megatron's layout, decided per node from the graph alone:
+Megatron's layout, decided per node from the graph alone (roles recorded at trace time,
+op definitions, the dataflow; never checkpoint names):
 - attention: rank r keeps heads [r H/T, (r+1) H/T) of q and the KV heads they read
   (KV/T of them, or the one they share when KV < T: replicated, as SGLang does); q/k/v
   projections are cut by rows (column-parallel), o_proj by columns (row-parallel), and an
   `all_reduce` sums the ranks' partial outputs;
-- MLP: gate and up by rows, down by columns, then `all_reduce`;
+- MLP: any linear whose input is computed, through elementwise ops only (kiln/core/ops
+  ELEMENTWISE: SiLU, products, sums...), from linears that all read one input is the down
+  projection: those linears (gate, up) are cut by rows, it by columns, then `all_reduce`,
+  whatever its activation;
 - mixture of experts: each expert's gate and up by rows and down by columns, or with
   `--ep-size` equal to `--tp-size` whole experts a rank (num_experts/T of them), the router
   whole, then `all_reduce`: every rank routes each token alike and adds what its part of
@@ -14,53 +18,63 @@ Megatron's layout, decided per node from the graph alone:
 - the embedding by vocabulary rows too (`embedding_part`: ids of other ranks' rows give
   zeros), then `all_reduce`;
 - norms and rope tables are whole on every rank.
-A row-parallel linear's bias is added on rank 0 only, so the sum counts it once.
+A row-parallel linear's bias is added on rank 0 only, so the sum counts it once. A linear no
+rule covers stops the compile, naming the node: it is never left whole on every rank.
 
 Weights are cut in their recipes ({"slice": recipe, "dim", "start", "stop"}): the compile
 driver writes each rank only its part. Runs before the fusion passes, which then fuse each
-rank's slices as they fuse whole weights. What does not divide is an ArgError naming the
-dimension and the flag.
+rank's slices as they fuse whole weights. compiler/options.py checked --tp-size against
+the model's shapes; what still does not divide here is an error naming the node.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kiln.args import ArgError
-from kiln.core.ir import Graph, Node, WeightSpec
-from kiln.passes.base import PassContext, PassResult
+from kiln.core.ir import Graph, IRError, Node, WeightSpec
+from kiln.core.ops import ELEMENTWISE
+from kiln.passes.options import CompileOptions, PassResult, compiler_pass
 
 _PER_HEAD = ("rope", "rmsnorm")
 
 
-def shard(graph: Graph, ctx: PassContext) -> PassResult:
-    tp: dict[str, int] | None = ctx.options.get("tp")
-    if not tp or tp["size"] == 1:
+@compiler_pass("tp")
+def shard(graph: Graph, ctx: CompileOptions) -> PassResult:
+    tp = ctx.tp
+    if tp.size == 1:
         return PassResult(graph, False)
-    size, rank, experts_whole = tp["size"], tp["rank"], tp.get("ep", 1) > 1
+    size, rank = tp.size, tp.rank
     users = graph.users()
+    done: set[int] = set()  # the linears a rule has split
     for attn in [n for n in graph.nodes if n.op == "attention"]:
-        _attention(graph, users, attn, size, rank)
-    for down in _mlp_downs(graph):
-        silu, up = down.args[0].args
-        gate = silu.args[0]
-        lo, hi = _part(_out_features(graph, up), size, rank, "MLP intermediate_size")
-        _cut_rows(graph, gate, lo, hi)
-        _cut_rows(graph, up, lo, hi)
+        done |= _attention(graph, users, attn, size, rank)
+    for down, inputs in _mlps(graph, done):
+        lo, hi = _part(_out_features(graph, inputs[0]), size, rank, inputs[0])
+        for linear in inputs:
+            _cut_rows(graph, linear, lo, hi)
         _row_parallel(graph, users, down, lo, hi, size, rank)
+        done |= {id(down), *map(id, inputs)}
     for moe in [n for n in graph.nodes if n.op == "moe"]:
-        if experts_whole:
+        if tp.experts_whole:
             _expert_parallel(graph, users, moe, size, rank)
         else:
             _moe(graph, users, moe, size, rank)
-    _lm_head(graph, size, rank)
+    done.add(id(_lm_head(graph, size, rank)))
     _embedding(graph, users, size, rank)
+    left = [n for n in graph.nodes if n.op == "linear" and id(n) not in done]
+    if left:
+        raise IRError(
+            f"%{left[0].name}: --tp-size {size}: no tensor-parallel rule splits this linear "
+            "(it does not feed attention, read its output, sit in an MLP of elementwise "
+            "ops between linears, or make the logits); kiln will not leave it whole on "
+            "every rank"
+        )
     return PassResult(graph, True)
 
 
-def _part(total: int, size: int, rank: int, what: str) -> tuple[int, int]:
+def _part(total: int, size: int, rank: int, node: Node) -> tuple[int, int]:
     if total % size:
-        raise ArgError(f"--tp-size {size}: {what} {total} is not divisible by {size}")
+        raise IRError(f"%{node.name}: {total} features do not split over {size} ranks")
     step = total // size
     return rank * step, (rank + 1) * step
 
@@ -71,36 +85,54 @@ def _projection(node: Node) -> Node:
     return node
 
 
-def _attention(graph: Graph, users: dict[Node, list[Node]], attn: Node, size: int, rank: int):
+def _attention(
+    graph: Graph, users: dict[Node, list[Node]], attn: Node, size: int, rank: int
+) -> set[int]:
+    """Heads [lo, hi) of q and the KV heads they read; o_proj by columns. Returns the
+    linears it split."""
     heads, kv, d = attn.attrs["num_heads"], attn.attrs["num_kv_heads"], attn.attrs["head_dim"]
     q, k, v = (_projection(a) for a in attn.args)
-    lo, hi = _part(heads, size, rank, "num_attention_heads")
+    lo, hi = _part(heads, size, rank, attn)
     if kv % size == 0:
         kv_lo, kv_hi = rank * kv // size, (rank + 1) * kv // size
-    elif size % kv == 0:  # fewer KV heads than ranks: each rank keeps the one its q heads read
+    else:  # fewer KV heads than ranks: each rank keeps the one its q heads read
         kv_lo = lo // (heads // kv)
         kv_hi = kv_lo + 1
-    else:
-        raise ArgError(
-            f"--tp-size {size}: num_key_value_heads {kv} neither divides by nor divides {size}"
-        )
+    for linear in (q, k, v):
+        if linear.op != "linear":
+            raise IRError(f"%{attn.name}: attention input %{linear.name} is not a projection")
     _cut_rows(graph, q, lo * d, hi * d)
     _cut_rows(graph, k, kv_lo * d, kv_hi * d)
     _cut_rows(graph, v, kv_lo * d, kv_hi * d)
     attn.attrs.update(num_heads=hi - lo, num_kv_heads=kv_hi - kv_lo)
-    [o] = [u for u in users[attn] if u.op == "linear"]
-    _row_parallel(graph, users, o, lo * d, hi * d, size, rank)
+    outs = [u for u in users[attn] if u.op == "linear"]
+    if len(outs) != 1 or len(users[attn]) != 1:
+        raise IRError(f"%{attn.name}: attention's output must feed one linear (its o_proj)")
+    _row_parallel(graph, users, outs[0], lo * d, hi * d, size, rank)
+    return {id(q), id(k), id(v), id(outs[0])}
 
 
-def _mlp_downs(graph: Graph) -> list[Node]:
-    """down(silu(gate(x)) * up(x)) linears, as the model definitions write the MLP."""
+def _mlps(graph: Graph, done: set[int]) -> list[tuple[Node, list[Node]]]:
+    """(down, [its input linears]) for every linear whose input comes, through
+    elementwise ops only, from linears that all read one input, none split yet."""
     found = []
     for n in graph.nodes:
-        if n.op != "linear" or n.args[0].op != "mul":
+        if n.op != "linear" or id(n) in done or n.args[0].op not in ELEMENTWISE:
             continue
-        a, b = n.args[0].args
-        if a.op == "silu" and a.args[0].op == "linear" and b.op == "linear":
-            found.append(n)
+        leaves: list[Node] = []
+        stack, seen = [n.args[0]], set()
+        while stack:
+            x = stack.pop()
+            if id(x) in seen:
+                continue
+            seen.add(id(x))
+            if x.op in ELEMENTWISE:
+                stack += x.args
+            else:
+                leaves.append(x)
+        ok = leaves and all(x.op == "linear" and id(x) not in done for x in leaves)
+        if ok and len({id(x.args[0]) for x in leaves}) == 1:
+            found.append((n, sorted(leaves, key=graph.nodes.index)))
     return found
 
 
@@ -115,7 +147,7 @@ def _sliced(graph: Graph, param: Node, dim: int, lo: int, hi: int, name: str) ->
     """A param holding [lo, hi) of `param`'s weight along `dim`, under `name`."""
     spec = graph.weight_of(param)
     if spec is None:
-        raise ArgError(f"--tp-size: {param.attrs['name']} is not a checkpoint weight")
+        raise IRError(f"%{param.name}: a tensor-parallel split needs a weight here")
     shape = list(spec.shape)
     shape[dim] = hi - lo
     source: dict[str, Any] = {"slice": spec.source, "dim": dim, "start": lo, "stop": hi}
@@ -161,7 +193,7 @@ def _reduce_after(graph: Graph, users: dict[Node, list[Node]], node: Node, size:
 def _moe(graph: Graph, users: dict[Node, list[Node]], moe: Node, size: int, rank: int) -> None:
     """Each expert's MLP split as a dense one is; the router stays whole."""
     x, router, *weights = moe.args
-    lo, hi = _part(_out_features(graph, moe), size, rank, "moe_intermediate_size")
+    lo, hi = _part(_out_features(graph, moe), size, rank, moe)
     args = [x, router]
     for gate, up, down in zip(weights[0::3], weights[1::3], weights[2::3], strict=True):
         args += [
@@ -177,33 +209,40 @@ def _expert_parallel(
     graph: Graph, users: dict[Node, list[Node]], moe: Node, size: int, rank: int
 ) -> None:
     """Experts [lo, hi) whole on this rank; the router stays whole."""
-    lo, hi = _part(moe.attrs["num_experts"], size, rank, "num_experts (--ep-size)")
+    lo, hi = _part(moe.attrs["num_experts"], size, rank, moe)
     moe.args = [*moe.args[:2], *moe.args[2 + 3 * lo : 2 + 3 * hi]]
     moe.attrs["first_expert"] = lo
     _reduce_after(graph, users, moe, size)
 
 
 def _embedding(graph: Graph, users: dict[Node, list[Node]], size: int, rank: int) -> None:
-    for emb in [n for n in graph.nodes if n.op == "embedding"]:
+    """The token embedding by vocabulary rows (`embedding_part`), then all_reduce."""
+    for emb in [n for n in graph.nodes if n.meta.get("role") == "embedding"]:
         ids, table = emb.args
         spec = graph.weight_of(table)
         assert spec is not None
-        lo, hi = _part(spec.shape[0], size, rank, "vocab_size")
+        lo, hi = _part(spec.shape[0], size, rank, emb)
         # (A tied lm_head already reads its own slice, so the table's name is free.)
         emb.op, emb.attrs = "embedding_part", {"first_row": lo}
         emb.args = [ids, _sliced(graph, table, 0, lo, hi, table.attrs["name"])]
         _reduce_after(graph, users, emb, size)
 
 
-def _lm_head(graph: Graph, size: int, rank: int) -> None:
-    head = graph.output.args[0]
-    if head.op != "linear":
-        raise ArgError("--tp-size: the graph does not end in an lm_head linear")
+def _lm_head(graph: Graph, size: int, rank: int) -> Node:
+    """The lm_head by vocabulary rows, then all_gather of the logits."""
+    heads = [n for n in graph.nodes if n.meta.get("role") == "lm_head"]
+    if len(heads) != 1 or heads[0].op != "linear":
+        raise IRError("the graph has no lm_head linear (a role the model definition records)")
+    head = heads[0]
     weight = head.args[1]
     spec = graph.weight_of(weight)
     assert spec is not None
-    lo, hi = _part(spec.shape[0], size, rank, "vocab_size")
+    lo, hi = _part(spec.shape[0], size, rank, head)
     # A tied lm_head reads the embedding's table, which stays whole: its own sliced weight.
     head.args = [head.args[0], _sliced(graph, weight, 0, lo, hi, "lm_head.weight")]
-    gathered = graph.add("all_gather", [head], {"ranks": size}, before=graph.output)
-    graph.output.args = [gathered if a is head else a for a in graph.output.args]
+    after = graph.nodes[graph.nodes.index(head) + 1]
+    gathered = graph.add("all_gather", [head], {"ranks": size}, before=after)
+    for u in graph.users()[head]:
+        if u is not gathered:
+            u.args = [gathered if a is head else a for a in u.args]
+    return head

@@ -10,10 +10,11 @@ from __future__ import annotations
 from kiln.core.check import check
 from kiln.core.ir import Graph
 from kiln.core.ops import STRUCTURAL_OPS
-from kiln.passes.base import PassContext, PassResult
+from kiln.passes.options import CompileOptions, PassResult, compiler_pass
 
 
-def verify(graph: Graph, ctx: PassContext) -> PassResult:
+@compiler_pass()
+def verify(graph: Graph, ctx: CompileOptions) -> PassResult:
     for n in graph.nodes:
         if n.op not in STRUCTURAL_OPS and "backend" not in n.meta:
             raise ValueError(f"%{n.name}: no backend selected for {n.op}")

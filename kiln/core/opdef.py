@@ -33,6 +33,9 @@ from typing import Any, Literal
 from kiln.core.ir import Graph, IRError, Node
 from kiln.core.trace import Value, active_tracer
 
+# What a node may be to the model, recorded at trace time in `meta["role"]`: the token
+# embedding and the lm_head (passes keep them float, shard them by vocabulary rows).
+ROLES = ("embedding", "lm_head")
 # A weight or node name: what a "str" attribute may hold (no code, no path).
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,255}")
 
@@ -194,13 +197,15 @@ class OpDef:
         return self.attrs(**attrs)
 
     # -- tracing --------------------------------------------------------------------------
-    def __call__(self, *args: Any, **attrs: Any) -> Any:
-        """Trace the op into the active graph (model definitions call this)."""
+    def __call__(self, *args: Any, role: str | None = None, **attrs: Any) -> Any:
+        """Trace the op into the active graph (model definitions call this). `role` marks
+        what the node is to the model ("embedding", "lm_head"), so that passes know it from
+        the graph rather than from checkpoint names."""
         if self._front is not None:
             return self._front(self, *args, **attrs)
-        return self.emit(list(args), attrs)
+        return self.emit(list(args), attrs, role)
 
-    def emit(self, args: list[Any], attrs: dict[str, Any]) -> Any:
+    def emit(self, args: list[Any], attrs: dict[str, Any], role: str | None = None) -> Any:
         """Record the node with `attrs` filled from the defaults; returns its Value, or one
         Value per output."""
         while args and args[-1] is None and len(args) > self.min_args:
@@ -213,8 +218,12 @@ class OpDef:
             if name not in attrs and default is dataclasses.MISSING:
                 raise TypeError(f"{self.name} needs attribute {name}")
             full[name] = attrs.get(name, default)
+        if role is not None and role not in ROLES:
+            raise TypeError(f"role {role!r}: one of {', '.join(ROLES)}")
         tracer = active_tracer()
         node = tracer.emit(self.name, args, full)
+        if role is not None:
+            node.meta["role"] = role
         count = len(full["sizes"]) if self.outputs == -1 else self.outputs
         if count == 1:
             return Value(node)

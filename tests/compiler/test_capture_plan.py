@@ -13,9 +13,10 @@ import pytest
 
 from kiln.args import ArgError, ServerArgs
 from kiln.compiler.compile import compile_model
+from kiln.compiler.options import capture_options, decode_batch_sizes, prefill_token_sizes
 from kiln.core.graph_json import graph_from_json, load_graph
 from kiln.core.ir import IRError
-from kiln.passes.capture_plan import decode_batch_sizes, plan, prefill_token_sizes
+from kiln.core.target import cpu_target, cuda_target
 
 CUDA = {"device": "cuda", "target_isa": "sm_90"}
 
@@ -81,17 +82,25 @@ def test_the_plan_follows_the_flags(checkpoint, tmp_path: Path) -> None:
 def test_compiled_and_piecewise_plans() -> None:
     """--enable-torch-compile's buckets stop at --torch-compile-max-bs; piecewise prefill
     (refused on the command line until the CUDA runtime replays it) is a CUDA plan only."""
-    flags = {"enable_torch_compile": True, "torch_compile_max_bs": 16}
-    decode = plan(flags, "cpu", None, 1)["decode"]
-    assert decode == {"mode": "compiled", "batch_sizes": [1, 2, 4, 8, 12, 16], "padding": True}
+    cpu, h100 = cpu_target("avx2"), cuda_target("sm_90")
+
+    def plan(target, **flags):
+        return capture_options(ServerArgs(**flags), target, 1)
+
+    decode = plan(cpu, enable_torch_compile=True, torch_compile_max_bs=16)
+    assert (decode.decode, decode.batch_sizes, decode.padding) == (
+        "compiled",
+        (1, 2, 4, 8, 12, 16),
+        True,
+    )
     with pytest.raises(ArgError, match="--enable-piecewise-cuda-graph: a cpu target captures"):
-        plan({"enable_piecewise_cuda_graph": True}, "cpu", None, 1)
-    prefill = plan({"enable_piecewise_cuda_graph": True}, "cuda", "sm_90", 1)["prefill"]
-    assert prefill == {"mode": "piecewise", "tokens": prefill_token_sizes(4096)}
+        plan(cpu, enable_piecewise_cuda_graph=True)
+    prefill = plan(h100, enable_piecewise_cuda_graph=True)
+    assert (prefill.prefill, prefill.tokens) == ("piecewise", tuple(prefill_token_sizes(4096)))
     listed = {"enable_piecewise_cuda_graph": True, "piecewise_cuda_graph_tokens": "[64, 8,16]"}
-    assert plan(listed, "cuda", "sm_90", 1)["prefill"]["tokens"] == [8, 16, 64]
+    assert plan(h100, **listed).tokens == (8, 16, 64)
     with pytest.raises(ArgError, match="--piecewise-cuda-graph-tokens: expected token counts"):
-        plan({**listed, "piecewise_cuda_graph_tokens": "8,lots"}, "cuda", "sm_90", 1)
+        plan(h100, **{**listed, "piecewise_cuda_graph_tokens": "8,lots"})
 
 
 def test_inspect_shows_it_and_a_tampered_plan_is_refused(checkpoint, tmp_path: Path) -> None:

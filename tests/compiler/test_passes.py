@@ -12,8 +12,8 @@ from kiln.core.trace import trace
 from kiln.kernels import cpu as cpu_kernels
 from kiln.models import ModelConfig, build
 from kiln.passes import (
-    PIPELINES,
-    PassContext,
+    PIPELINE,
+    CompileOptions,
     PassError,
     PassResult,
     dce,
@@ -49,7 +49,7 @@ def graph(model_type: str = "qwen2", tie: bool = False) -> Graph:
     return trace(build(cfg))[0]
 
 
-CTX = PassContext(target=cpu_target("avx512"), options={"native_kernels": True})
+CTX = CompileOptions(target=cpu_target("avx512"), native_kernels=True)
 
 
 def test_fuse_qkv_stacks_weights_and_biases() -> None:
@@ -178,8 +178,8 @@ def test_dce_drops_unreachable_nodes_and_their_weights() -> None:
 
 
 def test_default_pipeline_logs_each_pass_and_picks_backends() -> None:
-    g, log = run_passes(graph(), CTX, PIPELINES["default"])
-    assert [e["pass"] for e in log] == [p.__name__ for p in PIPELINES["default"]]
+    g, log = run_passes(graph(), CTX, PIPELINE)
+    assert [e["pass"] for e in log] == [p.__name__ for p in PIPELINE]
     compute = [n for n in g.nodes if n.op not in ("input", "param", "output", "getitem")]
     # fp32 on an AVX-512 CPU with the C kernels: linears packed, the ops kiln's C kernels
     # cover on kiln_cpu, the rest on torch.
@@ -190,11 +190,11 @@ def test_default_pipeline_logs_each_pass_and_picks_backends() -> None:
     for op in (*cpu_kernels.OPS, "packed_linear"):
         assert op in fused or backend.pop(op) == "kiln_cpu"
     assert "linear" not in backend and set(backend.values()) == {"torch_native"}
-    g16, _ = run_passes(graph(), replace(CTX, dtype="bfloat16"), PIPELINES["default"])
+    g16, _ = run_passes(graph(), replace(CTX, dtype="bfloat16"), PIPELINE)
     assert {n.meta["backend"] for n in g16.nodes if n.op not in STRUCTURAL} == {"torch_native"}
     # --attention-backend torch_native keeps the reference attention, the rest unchanged.
-    ctx = replace(CTX, options={**CTX.options, "backends": {"attention": "torch_native"}})
-    g_ref, _ = run_passes(graph(), ctx, PIPELINES["default"])
+    ctx = replace(CTX, attention_backend="torch_native")
+    g_ref, _ = run_passes(graph(), ctx, PIPELINE)
     chosen = {n.op: n.meta["backend"] for n in g_ref.nodes if n.op not in STRUCTURAL}
     assert chosen["rope_attention"] == "torch_native" and chosen["rmsnorm"] == "kiln_cpu"
 
@@ -204,7 +204,7 @@ def test_default_pipeline_logs_each_pass_and_picks_backends() -> None:
 )
 def test_layout_is_decided_by_the_target_alone(isa: str, layout: str, narrow: list[int]) -> None:
     ctx = replace(CTX, target=cpu_target(isa))
-    g, _ = run_passes(graph("llama", tie=True), ctx, PIPELINES["default"])
+    g, _ = run_passes(graph("llama", tie=True), ctx, PIPELINE)
     packed = [n for n in g.nodes if n.op == "packed_linear"]
     # per layer qkv, o, gate_up, down; and the lm_head
     assert len(packed) == 1 + LAYERS * 4 and g.count("linear") == 0
@@ -223,13 +223,13 @@ def test_layout_is_decided_by_the_target_alone(isa: str, layout: str, narrow: li
     "ctx",
     [
         replace(CTX, target=cpu_target("x86-64")),  # no vector FMA: torch's GEMM
-        replace(CTX, options={}),  # no C compiler where it compiled
+        replace(CTX, native_kernels=False),  # no C compiler where it compiled
         replace(CTX, target=Target("cuda", "sm_90")),
     ],
     ids=["x86-64", "no-compiler", "cuda"],
 )
-def test_linears_keep_rows_where_the_target_has_no_packed_kernel(ctx: PassContext) -> None:
-    g, _ = run_passes(graph(), ctx, PIPELINES["default"])
+def test_linears_keep_rows_where_the_target_has_no_packed_kernel(ctx: CompileOptions) -> None:
+    g, _ = run_passes(graph(), ctx, PIPELINE)
     assert g.count("packed_linear") == 0 and g.count("linear") == 1 + LAYERS * 4
     assert all(w.layout == "rows" for w in g.weights.values())
     native = {n.meta["backend"] for n in g.nodes if n.meta.get("backend") == "kiln_cpu"}
@@ -237,7 +237,7 @@ def test_linears_keep_rows_where_the_target_has_no_packed_kernel(ctx: PassContex
 
 
 def test_failure_names_the_passes_that_ran_before() -> None:
-    def break_graph(g: Graph, ctx: PassContext) -> PassResult:
+    def break_graph(g: Graph, ctx: CompileOptions) -> PassResult:
         g.nodes.reverse()
         return PassResult(g, True)
 
@@ -254,6 +254,6 @@ def test_verify_catches_a_bad_split() -> None:
 
 
 def test_select_backends_refuses_a_missing_backend() -> None:
-    ctx = PassContext(options={"backends": {"attention": "flashinfer"}})
+    ctx = CompileOptions(attention_backend="flashinfer")
     with pytest.raises(ValueError, match="backend 'flashinfer' has no attention kernel"):
         select_backends(graph(), ctx)
