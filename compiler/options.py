@@ -52,6 +52,8 @@ def compile_options(
         dtype=key.dtype,
         native_kernels=key.toolchain is not None,
         attention_backend=args.attention_backend,
+        prefill_attention_backend=args.prefill_attention_backend,
+        decode_attention_backend=args.decode_attention_backend,
         quantization=scheme,
         kv_cache=kv_cache_options(args, cfg.num_layers),
         capture=capture_options(args, target, tp.size),

@@ -10,7 +10,7 @@ from typing import Any
 from kiln.compiler.store import explain
 from kiln.core import artefact as fmt
 from kiln.core.graph_json import load_graph
-from kiln.core.ir import Graph
+from kiln.core.ir import Graph, Node
 from kiln.core.ops import STRUCTURAL_OPS
 from kiln.terminal import printable
 
@@ -27,9 +27,7 @@ def load(root: Path) -> tuple[dict[str, Any], Graph]:
 def summary(root: Path) -> dict[str, Any]:
     manifest, graph = load(root)
     rt = manifest["runtime"]
-    kernels = Counter(
-        f"{n.op} -> {n.meta.get('backend')}" for n in graph.nodes if n.op not in STRUCTURAL_OPS
-    )
+    kernels = Counter(kernel_line(n) for n in graph.nodes if n.op not in STRUCTURAL_OPS)
     by_dtype: Counter[str] = Counter()
     for w in graph.weights.values():
         count = 1
@@ -72,6 +70,14 @@ def summary(root: Path) -> dict[str, Any]:
         if native is None
         else {k: native[k] for k in ("build_id", "compiler", "flags", "lanes", "group_panels")},
     }
+
+
+def kernel_line(n: Node) -> str:
+    """What runs `n`: its kernel, or for an op that attends its decode and prefill ones."""
+    prefill = n.meta.get("prefill_backend")
+    if prefill is None or prefill == n.meta.get("backend"):
+        return f"{n.op} -> {n.meta.get('backend')}"
+    return f"{n.op} -> {n.meta.get('backend')} (decode) / {prefill} (prefill)"
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -149,8 +155,7 @@ def diff(a: Path, b: Path) -> list[str]:
     mb, gb = load(b)
     lines = [f"factor  {x}" for x in explain(ma["cache_factors"], mb["cache_factors"])]
     ka, kb = (
-        Counter(f"{n.op} -> {n.meta.get('backend')}" for n in g.nodes if n.op not in STRUCTURAL_OPS)
-        for g in (ga, gb)
+        Counter(kernel_line(n) for n in g.nodes if n.op not in STRUCTURAL_OPS) for g in (ga, gb)
     )
     for k in sorted(set(ka) | set(kb)):
         if ka[k] != kb[k]:

@@ -23,32 +23,22 @@ from typing import Any
 
 import torch
 
-from kiln.core.ops.attention import (
-    Attention,
-    AttentionBatch,
-    attend_one,
-    is_fp8,
-    rope_then_attend,
-    write_kv,
-)
-from kiln.core.ops.attention import attention as reference_attention
+from kiln.core.ops.attention import Attention, AttentionBatch, is_fp8, rope_then_attend, write_kv
 from kiln.core.ops.linear import PackedLinear, QuantEmbedding, QuantLinear
 from kiln.core.ops.norm import AddNorm, Norm
 from kiln.core.ops.rope import Rope, RopeQKV
 from kiln.core.quant import FORMATS
 from kiln.kernels.registry import register
 
-# Ops this backend implements for rows-layout weights; select_backends takes it for these on
-# fp32 CPU targets (the packed ops come from the layout pass).
-OPS = ("rmsnorm", "add_rmsnorm", "silu_and_mul", "rope", "rope_qkv", "attention", "rope_attention")
-
 
 class KernelError(RuntimeError):
     """A kiln_cpu kernel got what the compiled graph promised it would not."""
 
 
-def _native(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    return register(op, backend="kiln_cpu", devices=("cpu",), native=True)
+def _native(
+    op: str, phases: tuple[str, ...] = ("decode", "prefill")
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    return register(op, backend="kiln_cpu", devices=("cpu",), native=True, phases=phases)
 
 
 @_native("packed_linear")
@@ -282,7 +272,7 @@ def rope_qkv(
     return qk[:, :nq], qk[:, nq:], qkv[:, nq + nk :]
 
 
-@_native("attention")
+@_native("attention", phases=("decode",))
 def attention(
     ctx: AttentionBatch,
     q: torch.Tensor,
@@ -292,13 +282,14 @@ def attention(
     a: Attention,
     lib: ctypes.CDLL,
 ) -> torch.Tensor:
-    """Single-token rows (all of a decode step, the decoding requests of a mixed chunk) run
-    the C kernel on the paged pool; multi-token rows keep SDPA (compute-bound, where aten's
-    flash kernel is already good), so a step of prefills only is SDPA throughout."""
-    layer, heads, kv, d = a.layer, a.num_heads, a.num_kv_heads, a.head_dim
+    """A decode step: each sequence's new K/V written, then its one new token attending to
+    the paged pool in place, through the page table. Decode only: prefill steps are
+    compute-bound, where aten's SDPA is already good, and run the prefill kernel the graph
+    records (select_backends)."""
+    layer, kv, d = a.layer, a.num_kv_heads, a.head_dim
     k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
-    if ctx.kv_index is None:
-        return reference_attention.kernel(ctx, q, k, v, a=a)
+    if not ctx.decode or ctx.kv_index is None:
+        raise KernelError("kiln_cpu attention runs decode steps only (the graph says so)")
     if d % 8:
         raise KernelError(f"kiln_cpu attention: head_dim {d} is not a multiple of 8")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -320,21 +311,10 @@ def attention(
             kv,
             d,
         )
-    if ctx.decode:
-        return _decode(lib, ctx, q, a)
-    # Mixed batch: the single-token rows together in C, the others one by one in SDPA.
-    assert ctx.single_rows is not None
-    out = torch.empty(q.shape[0], heads * d)
-    single = _decode(lib, ctx, q.index_select(0, ctx.single_rows), a)
-    out.index_copy_(0, ctx.single_rows, single)
-    skip = set(ctx.single_seqs)
-    for i, s in enumerate(ctx.seqs):
-        if i not in skip:
-            out[s.q_start : s.q_start + s.q_len] = attend_one(ctx, s, q, k, v, a)
-    return out
+    return _decode(lib, ctx, q, a)
 
 
-@_native("rope_attention")
+@_native("rope_attention", phases=("decode",))
 def rope_attention(
     ctx: AttentionBatch,
     qkv: torch.Tensor,
@@ -343,9 +323,9 @@ def rope_attention(
     a: Attention,
     lib: ctypes.CDLL,
 ) -> torch.Tensor:
-    """rope_qkv then attention. A decode step on an fp32 pool is one C call (rotary, the
-    KV write and paged attention); other steps and fp8 pools run the two kernels."""
-    if not (ctx.decode and ctx.k_cache.dtype == torch.float32):
+    """rope_qkv then attention on a decode step: on an fp32 pool one C call (rotary, the
+    KV write and paged attention); on an fp8 pool this backend's rope_qkv and attention."""
+    if ctx.k_cache.dtype != torch.float32:
         two = (functools.partial(rope_qkv, lib=lib), functools.partial(attention, lib=lib))
         return rope_then_attend(*two, ctx, qkv, cos_sin, a)
     heads, head_dim = a.num_heads, a.head_dim

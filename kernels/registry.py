@@ -36,6 +36,10 @@ class Kernel:
     # Kernels of the artefact's native library take it as the keyword `lib` (bound by the
     # executor; the library is opened by runtime/native.py).
     native: bool = False
+    # The steps it runs, for an op that attends: "decode" (every sequence adds one token)
+    # and "prefill" (every other step: prefills, extends, mixed chunks). A kernel covers
+    # what it says and nothing else; select_backends records one kernel per phase.
+    phases: tuple[str, ...] = ("decode", "prefill")
 
     @property
     def needs_ctx(self) -> bool:
@@ -55,6 +59,7 @@ def register(
     backend: str,
     devices: tuple[str, ...] = ("cpu", "cuda"),
     native: bool = False,
+    phases: tuple[str, ...] = ("decode", "prefill"),
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register the decorated function as `backend`'s kernel of `op`."""
     if backend not in BACKENDS or backend == "torch_native":
@@ -67,7 +72,9 @@ def register(
         problem = signature_problem(definition, fn, native)
         if problem is not None:
             raise TypeError(f"{backend} kernel of {op} ({fn.__qualname__}) {problem}")
-        _KERNELS.setdefault(op, {})[backend] = Kernel(definition, backend, fn, devices, native)
+        _KERNELS.setdefault(op, {})[backend] = Kernel(
+            definition, backend, fn, devices, native, phases
+        )
         return fn
 
     return deco
@@ -81,9 +88,13 @@ def get(op: str, backend: str) -> Kernel:
         raise KeyError(f"no {backend!r} kernel for op {op!r} (registered: {have})") from None
 
 
-def available(op: str, device: str) -> list[str]:
-    """Backends that implement `op` on `device`, the reference first."""
-    return [k.backend for k in _KERNELS.get(op, {}).values() if device in k.devices]
+def available(op: str, device: str, phase: str = "decode") -> list[str]:
+    """Backends that implement `op` on `device` for `phase`, the reference first."""
+    return [
+        k.backend
+        for k in _KERNELS.get(op, {}).values()
+        if device in k.devices and phase in k.phases
+    ]
 
 
 def kernels() -> list[Kernel]:

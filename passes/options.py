@@ -65,6 +65,8 @@ class CompileOptions:
     dtype: str = "float32"
     native_kernels: bool = False  # a C compiler built kiln_cpu for the target
     attention_backend: str | None = None  # --attention-backend
+    prefill_attention_backend: str | None = None  # --prefill-attention-backend
+    decode_attention_backend: str | None = None  # --decode-attention-backend
     quantization: Quantization | None = None
     kv_cache: KVCache | None = None
     capture: Capture = field(default_factory=Capture)

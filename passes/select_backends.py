@@ -17,27 +17,47 @@ from kiln.kernels import catalog
 from kiln.passes.options import CompileOptions, PassResult, compiler_pass
 
 
-@compiler_pass("target", "dtype", "native_kernels", "attention_backend", "capture")
+@compiler_pass(
+    "target",
+    "dtype",
+    "native_kernels",
+    "attention_backend",
+    "prefill_attention_backend",
+    "decode_attention_backend",
+    "capture",
+)
 def select_backends(graph: Graph, ctx: CompileOptions) -> PassResult:
     changed = False
     for n in graph.nodes:
         if n.op in STRUCTURAL_OPS:
             continue
-        have = catalog.available(n.op, ctx.device)
-        if not have:
-            raise ValueError(f"%{n.name}: no kernel for op {n.op!r} on {ctx.device}")
-        # --attention-backend names the backend of every op that attends
-        wanted = ctx.attention_backend if n.op in ATTENTION_OPS else None
-        if wanted is not None and wanted not in have:
-            raise ValueError(
-                f"%{n.name}: backend {wanted!r} has no {n.op} kernel on {ctx.device} "
-                f"(available: {', '.join(have)})"
-            )
-        choice = wanted or _preferred(n, ctx, have)
-        if n.meta.get("backend") != choice:
-            n.meta["backend"] = choice
-            changed = True
+        if n.op in ATTENTION_OPS:  # a kernel for decode steps, one for the others
+            picks = {
+                "backend": _pick(n, ctx, "decode", ctx.decode_attention_backend),
+                "prefill_backend": _pick(n, ctx, "prefill", ctx.prefill_attention_backend),
+            }
+        else:
+            picks = {"backend": _pick(n, ctx, "decode", None)}
+        for key, choice in picks.items():
+            if n.meta.get(key) != choice:
+                n.meta[key] = choice
+                changed = True
     return PassResult(graph, changed)
+
+
+def _pick(n: Node, ctx: CompileOptions, phase: str, flag: str | None) -> str:
+    """The backend of `n` for `phase`: the flag's (--prefill- / --decode-attention-backend,
+    else --attention-backend, for ops that attend), else kiln's choice."""
+    have = catalog.available(n.op, ctx.device, phase)
+    if not have:
+        raise ValueError(f"%{n.name}: no kernel for op {n.op!r} on {ctx.device}")
+    wanted = flag or (ctx.attention_backend if n.op in ATTENTION_OPS else None)
+    if wanted is not None and wanted not in have:
+        raise ValueError(
+            f"%{n.name}: backend {wanted!r} has no {phase} {n.op} kernel on {ctx.device} "
+            f"(available: {', '.join(have)})"
+        )
+    return wanted or _preferred(n, ctx, have)
 
 
 def native_suits(n: Node) -> bool:

@@ -34,7 +34,7 @@ import torch
 from kiln.core.ir import Node
 from kiln.kernels import catalog
 from kiln.paths import cache_dir
-from kiln.runtime.executor import PieceInfo, generate_piecewise
+from kiln.runtime.executor import PieceInfo, backend_of, generate_piecewise
 from kiln.runtime.step import StepContext, StepInputs
 
 log = logging.getLogger("kiln.capture")
@@ -90,11 +90,10 @@ class CompiledDecode(DecodeBuckets):
         limit = len(self.sizes) + 2
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
         self.pieces = 0
-        source, env = generate_piecewise(
+        program = generate_piecewise(
             graph, weights, lib, set(plan["split_at"]), self._compile, _opaque
         )
-        exec(compile(source, "<kiln pieces>", "exec"), env)
-        self._forward: Callable[..., Any] = env["forward"]
+        self._forward: Callable[..., Any] = program.fn
 
     def _compile(
         self, fn: Callable[..., Any], key: tuple[Any, ...], info: PieceInfo
@@ -118,7 +117,7 @@ class CompiledDecode(DecodeBuckets):
 
 
 def _opaque(node: Node, kernel: Callable[..., Any]) -> Callable[..., Any]:
-    native = catalog.get(node.op, node.meta["backend"]).native
+    native = catalog.get(node.op, backend_of(node, "decode")).native
     if native or node.op in OPAQUE_OPS:
         return torch.compiler.disable(kernel, recursive=True)
     return kernel
@@ -266,7 +265,7 @@ class PiecewisePrefill:
         self.bucket_now = self.tokens_now = 0
         self.buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self.recordings = 0
-        source, env = generate_piecewise(
+        program = generate_piecewise(
             graph,
             weights,
             lib,
@@ -275,9 +274,9 @@ class PiecewisePrefill:
             make_split=self._real_rows,
             eager_from=prefill["eager_from"],
             share=False,
+            phase="prefill",
         )
-        exec(compile(source, "<kiln prefill pieces>", "exec"), env)
-        self._forward: Callable[..., Any] = env["forward"]
+        self._forward: Callable[..., Any] = program.fn
 
     def bucket(self, step: StepInputs) -> int | None:
         n = len(step.ids)

@@ -131,11 +131,11 @@ class Engine:
     def describe(self) -> str:
         """What runs: model, dtype, kernels per op, KV pool."""
         spec, pool = self.art.spec, self.runner.pool
-        backends: dict[str, dict[str, int]] = {}
+        backends: dict[str, set[str]] = {}
         for n in self.art.graph.nodes:
-            if "backend" in n.meta:
-                per_op = backends.setdefault(n.op, {})
-                per_op[n.meta["backend"]] = per_op.get(n.meta["backend"], 0) + 1
+            for key, phase in (("backend", ""), ("prefill_backend", " prefill")):
+                if key in n.meta:
+                    backends.setdefault(n.op, set()).add(f"{n.meta[key]}{phase}")
         kernels = ", ".join(f"{op} {'/'.join(sorted(b))}" for op, b in sorted(backends.items()))
         tokens = pool.num_pages * pool.page_size
         return (

@@ -1,8 +1,11 @@
-"""The executor: the graph turned into one straight-line Python function, once, at load.
+"""The executor: the graph turned into straight-line Python functions, once, at load.
 
 Each node becomes one line calling its kernel (chosen by `select_backends` and recorded in
 the graph); values are deleted after their last use so long prefills do not hold every
-layer's activations. No per-node interpretation happens while serving.
+layer's activations. No per-node interpretation happens while serving. An op that attends
+has two recorded kernels, one for decode steps (every sequence adds one token) and one for
+the others (prefills, extends, mixed chunks): the executor makes one function per phase
+and runs the one the step is.
 
 The graph comes from a file, so no string from it ever becomes source text: every name in
 the generated code is a letter and a number the executor counts itself (`v12`, `k3`,
@@ -15,24 +18,49 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from kiln.core.ir import GRAPH_INPUTS, Graph, Node
+from kiln.core.ops import ATTENTION_OPS, OPS
 from kiln.kernels import catalog
 
+Phase = Literal["decode", "prefill"]
 
-def generate_source(
-    graph: Graph, weights: dict[str, Any], lib: Any = None
-) -> tuple[str, dict[str, Any]]:
-    """Source of `forward(ctx, input_ids, positions, logits_indices)` and its globals."""
-    env: dict[str, Any] = {}
-    names: dict[int, str] = {}
-    last_use: dict[int, int] = {}
+
+@dataclass(frozen=True)
+class Program:
+    """Generated code and the function it defines."""
+
+    source: str
+    fn: Callable[..., Any]
+
+
+def define(source: str, env: dict[str, Any], name: str) -> Callable[..., Any]:
+    """The function `name` that `source` defines over `env`: the one place kiln runs code it
+    generated (from numbered names and checked integers only; see the module docstring)."""
+    exec(compile(source, f"<kiln {name}>", "exec"), env)
+    fn: Callable[..., Any] = env[name]
+    return fn
+
+
+def last_uses(graph: Graph) -> dict[int, int]:
+    """Each value's last reader, by node index (id(node) -> index)."""
+    last: dict[int, int] = {}
     for i, n in enumerate(graph.nodes):
         for a in n.args:
-            last_use[id(a)] = i
+            last[id(a)] = i
+    return last
+
+
+def generate(
+    graph: Graph, weights: dict[str, Any], lib: Any = None, phase: Phase = "decode"
+) -> Program:
+    """`forward(ctx, input_ids, positions, logits_indices)` with `phase`'s kernels."""
+    env: dict[str, Any] = {}
+    names: dict[int, str] = {}
+    last_use = last_uses(graph)
 
     params = [f"x{j}" for j in range(len(GRAPH_INPUTS))]
     lines = [f"def forward(ctx, {', '.join(params)}):"]
@@ -58,7 +86,7 @@ def generate_source(
                 raise ValueError(f"%{n.name}: getitem index must be an int")
             lines.append(f"    {var} = {args[0]}[{index:d}]")
         else:
-            env[f"k{i}"], needs_ctx = _bound_kernel(n, lib)
+            env[f"k{i}"], needs_ctx = _bound_kernel(n, lib, phase)
             call_args = (["ctx"] if needs_ctx else []) + args
             lines.append(f"    {var} = k{i}({', '.join(call_args)})")
         dead = [
@@ -68,7 +96,8 @@ def generate_source(
         ]
         if dead:
             lines.append(f"    del {', '.join(dead)}")
-    return "\n".join(lines) + "\n", env
+    source = "\n".join(lines) + "\n"
+    return Program(source, define(source, env, "forward"))
 
 
 @dataclass(frozen=True)
@@ -90,7 +119,8 @@ def generate_piecewise(
     make_split: Callable[[Callable[..., Any], PieceInfo], Callable[..., Any]] | None = None,
     eager_from: str | None = None,
     share: bool = True,
-) -> tuple[str, dict[str, Any]]:
+    phase: Phase = "decode",
+) -> Program:
     """The same `forward`, cut at the nodes named in `split`: each run of nodes between two
     cuts becomes a function of its live inputs and its weights (`piece(a0, .., b0, ..)`,
     returning the values used after it), handed to `make_piece` with a key that is equal for
@@ -102,10 +132,7 @@ def generate_piecewise(
     fixes). `wrap_kernel(node, kernel)`, if given, replaces each kernel inside a made piece
     (a compiler leaves opaque ones alone)."""
     order = {id(n): i for i, n in enumerate(graph.nodes)}
-    last_use: dict[int, int] = {}
-    for i, n in enumerate(graph.nodes):
-        for a in n.args:
-            last_use[id(a)] = i
+    last_use = last_uses(graph)
     segments: list[list[Node]] = [[]]
     tails = [False]  # per segment: from `eager_from` on
     for n in graph.nodes:
@@ -150,7 +177,7 @@ def generate_piecewise(
             )
             break
         source, piece_env, ins, outs, takes_ctx = _piece_source(
-            seg, order, last_use, lib, wrap_kernel if made[j] else None
+            seg, order, last_use, lib, wrap_kernel if made[j] else None, phase
         )
         info = PieceInfo(
             takes_ctx,
@@ -159,8 +186,7 @@ def generate_piecewise(
         )
         key = (source, *_kernel_keys(seg)) + (() if share else (j,))
         if key not in built:
-            exec(compile(source, "<kiln piece>", "exec"), piece_env)
-            fn = piece_env["piece"]
+            fn = define(source, piece_env, "piece")
             if made[j]:
                 fn = make_piece(fn, key, info)
             elif make_split is not None and seg[0].name in split:
@@ -183,11 +209,12 @@ def generate_piecewise(
         ]
         if dead:
             lines.append(f"    del {', '.join(dead)}")
-    return "\n".join(lines) + "\n", env
+    source = "\n".join(lines) + "\n"
+    return Program(source, define(source, env, "forward"))
 
 
-def _takes_ctx(seg: list[Node], lib: Any) -> bool:
-    return any(_bound_kernel(n, lib)[1] for n in seg if n.op != "getitem")
+def _takes_ctx(seg: list[Node]) -> bool:
+    return any(OPS[n.op].needs_ctx for n in seg)
 
 
 def _kernel_keys(seg: list[Node]) -> list[Any]:
@@ -200,6 +227,7 @@ def _piece_source(
     last_use: dict[int, int],
     lib: Any,
     wrap_kernel: Callable[[Node, Callable[..., Any]], Callable[..., Any]] | None,
+    phase: Phase,
 ) -> tuple[str, dict[str, Any], list[Node], list[Node], bool]:
     """`piece(ctx?, a0.., b0..)` over `seg`: its inputs (values from before it, then its
     weights), its outputs (values used after it) and whether it takes the context."""
@@ -221,7 +249,7 @@ def _piece_source(
         local[id(a)] = f"a{j}"
     for j, a in enumerate(weights):
         local[id(a)] = f"b{j}"
-    needs_ctx = _takes_ctx(seg, lib)
+    needs_ctx = _takes_ctx(seg)
     head = (["ctx"] if needs_ctx else []) + [local[id(a)] for a in values + weights]
     lines = [f"def piece({', '.join(head)}):"]
     for j, n in enumerate(seg):
@@ -234,7 +262,7 @@ def _piece_source(
                 raise ValueError(f"%{n.name}: getitem index must be an int")
             lines.append(f"    {var} = {args[0]}[{index:d}]")
             continue
-        kernel, ctx_arg = _bound_kernel(n, lib)
+        kernel, ctx_arg = _bound_kernel(n, lib, phase)
         env[f"k{j}"] = kernel if wrap_kernel is None else wrap_kernel(n, kernel)
         lines.append(f"    {var} = k{j}({', '.join((['ctx'] if ctx_arg else []) + args)})")
     lines.append(f"    return ({''.join(local[id(o)] + ', ' for o in outs)})")
@@ -248,10 +276,19 @@ def _unique(nodes: list[Node]) -> list[Node]:
     return list(seen.values())
 
 
-def _bound_kernel(n: Node, lib: Any) -> tuple[Callable[..., Any], bool]:
-    backend = n.meta.get("backend")
+def backend_of(n: Node, phase: Phase) -> str:
+    """The backend the graph records for `n` in `phase` (ops that attend record one per
+    phase; the others one for both)."""
+    backend = n.meta.get(
+        "prefill_backend" if phase == "prefill" and n.op in ATTENTION_OPS else "backend"
+    )
     if not isinstance(backend, str):
-        raise ValueError(f"%{n.name}: no backend recorded; was select_backends run?")
+        raise ValueError(f"%{n.name}: no {phase} backend recorded; was select_backends run?")
+    return backend
+
+
+def _bound_kernel(n: Node, lib: Any, phase: Phase) -> tuple[Callable[..., Any], bool]:
+    backend = backend_of(n, phase)
     kernel = catalog.get(n.op, backend)
     bound: dict[str, Any] = {"a": kernel.op.bind(n.attrs)} if kernel.op.fields else {}
     if kernel.native:
@@ -263,13 +300,18 @@ def _bound_kernel(n: Node, lib: Any) -> tuple[Callable[..., Any], bool]:
 
 
 class Executor:
-    """Runs the compiled graph: `executor(ctx, input_ids, positions, logits_indices)`."""
+    """Runs the compiled graph: `executor(ctx, input_ids, positions, logits_indices)`, with
+    the decode kernels on a decode step (`ctx.decode`) and the prefill kernels otherwise."""
 
     def __init__(self, graph: Graph, weights: dict[str, torch.Tensor], lib: Any = None) -> None:
         """`lib`: the artefact's native library (runtime/native.py), for kiln_cpu nodes."""
-        self.source, namespace = generate_source(graph, weights, lib)
-        exec(compile(self.source, "<kiln graph>", "exec"), namespace)
-        self._forward: Callable[..., Any] = namespace["forward"]
+        self.decode = generate(graph, weights, lib, "decode")
+        phased = any(
+            backend_of(n, "prefill") != backend_of(n, "decode")
+            for n in graph.nodes
+            if n.op in ATTENTION_OPS
+        )
+        self.prefill = generate(graph, weights, lib, "prefill") if phased else self.decode
 
     @torch.inference_mode()
     def __call__(
@@ -279,4 +321,5 @@ class Executor:
         positions: torch.Tensor,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        return self._forward(ctx, input_ids, positions, logits_indices)
+        program = self.decode if ctx.decode else self.prefill
+        return program.fn(ctx, input_ids, positions, logits_indices)

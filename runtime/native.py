@@ -6,10 +6,11 @@ checksums). It loads, in this order:
 
 1. this user's own build with that checksum, from the kiln kernel store ($KILN_CACHE_DIR/
    kernels, where `kiln compile` keeps what it built; a CI cache restores it with the rest);
-2. else, where a C compiler exists, a build of this kiln's own source for the artefact's
-   target (when the artefact was built from the same source);
-3. else the artefact's copy, only if the user says so with --trust-remote-code;
-4. else nothing: one line says why and what to do.
+2. else the artefact's copy, only if the user says so with --trust-remote-code;
+3. else nothing: one line names the `kiln compile` that builds the kernels on this machine.
+
+Native code is built at compile time only: loading never runs a C compiler (what the
+runtime runs is what the compile decided, built with the toolchain the cache key names).
 
 The library's vector width and panel grouping must match the weights' stored layout.
 """
@@ -24,7 +25,6 @@ from typing import Any
 from kiln.core import artefact as fmt
 from kiln.core.ir import Graph
 from kiln.core.layout import lanes_of, panels_of
-from kiln.core.target import Target
 from kiln.kernels import native
 
 log = logging.getLogger("kiln.runtime")
@@ -64,24 +64,13 @@ def _trusted_copy(
     stored = native.store() / f"cpu_kernels-{info['build_id']}.so"
     if stored.is_file() and fmt.sha256_file(stored) == info["sha256"]:
         return stored
-    toolchain = native.Toolchain.find()
-    if toolchain is not None and info["source_sha256"] == native.source_sha256():
-        target = Target.from_json(manifest["target"])
-        try:
-            path = native.build(target, toolchain)
-        except native.KernelBuildError as e:
-            raise fmt.ArtefactError(f"{root}: cannot rebuild its kernels here: {e}") from None
-        log.info("kiln_cpu kernels rebuilt here from kiln's source for %s", target)
-        return path
     if trust_remote_code:
         log.warning("loading %s/%s as built elsewhere (--trust-remote-code)", root, info["file"])
         return root / info["file"]
-    why = (
-        f"no C compiler ({native.compiler_command()}) to rebuild them"
-        if toolchain is None
-        else "this kiln's kernel source differs from the one they were built from"
-    )
+    model = manifest["compile_args"].get("model_path") or "CKPT"
     raise fmt.ArtefactError(
-        f"{root}: its compiled kernels were not built on this machine and {why}; "
-        "pass --trust-remote-code to load them if you trust where the artefact came from"
+        f"{root}: its kernels ({info['file']}) were not built by kiln on this machine "
+        f"(none in {native.store()} has their checksum); compile it here, which builds them: "
+        f"kiln compile --model-path {model} [its flags] -o {root}, or pass "
+        "--trust-remote-code to load them if you trust where the artefact came from"
     )

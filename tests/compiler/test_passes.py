@@ -9,7 +9,6 @@ from kiln.core.ir import Graph, IRError
 from kiln.core.ops import STRUCTURAL_OPS as STRUCTURAL
 from kiln.core.target import Target, cpu_target
 from kiln.core.trace import trace
-from kiln.kernels import cpu as cpu_kernels
 from kiln.models import ModelConfig, build
 from kiln.passes import (
     PIPELINE,
@@ -187,9 +186,13 @@ def test_default_pipeline_logs_each_pass_and_picks_backends() -> None:
     # rope and rope_qkv fused into rope_attention, silu_and_mul into the down projection
     fused = ("rope", "rope_qkv", "attention", "silu_and_mul")
     assert not set(fused) & set(backend)
-    for op in (*cpu_kernels.OPS, "packed_linear"):
-        assert op in fused or backend.pop(op) == "kiln_cpu"
+    native = ("rmsnorm", "add_rmsnorm", "rope_attention", "packed_linear")
+    for op in native:
+        assert backend.pop(op) == "kiln_cpu", op
     assert "linear" not in backend and set(backend.values()) == {"torch_native"}
+    # Attention's kiln_cpu kernel runs decode steps; prefill steps take SDPA's reference.
+    attn = next(n for n in g.nodes if n.op == "rope_attention")
+    assert (attn.meta["backend"], attn.meta["prefill_backend"]) == ("kiln_cpu", "torch_native")
     g16, _ = run_passes(graph(), replace(CTX, dtype="bfloat16"), PIPELINE)
     assert {n.meta["backend"] for n in g16.nodes if n.op not in STRUCTURAL} == {"torch_native"}
     # --attention-backend torch_native keeps the reference attention, the rest unchanged.
@@ -197,6 +200,13 @@ def test_default_pipeline_logs_each_pass_and_picks_backends() -> None:
     g_ref, _ = run_passes(graph(), ctx, PIPELINE)
     chosen = {n.op: n.meta["backend"] for n in g_ref.nodes if n.op not in STRUCTURAL}
     assert chosen["rope_attention"] == "torch_native" and chosen["rmsnorm"] == "kiln_cpu"
+    # --prefill-attention-backend / --decode-attention-backend name one phase each.
+    ctx = replace(CTX, decode_attention_backend="torch_native")
+    g_dec, _ = run_passes(graph(), ctx, PIPELINE)
+    attn = next(n for n in g_dec.nodes if n.op == "rope_attention")
+    assert (attn.meta["backend"], attn.meta["prefill_backend"]) == ("torch_native",) * 2
+    with pytest.raises(PassError, match="backend 'kiln_cpu' has no prefill rope_attention"):
+        run_passes(graph(), replace(CTX, prefill_attention_backend="kiln_cpu"), PIPELINE)
 
 
 @pytest.mark.parametrize(
@@ -255,5 +265,5 @@ def test_verify_catches_a_bad_split() -> None:
 
 def test_select_backends_refuses_a_missing_backend() -> None:
     ctx = CompileOptions(attention_backend="flashinfer")
-    with pytest.raises(ValueError, match="backend 'flashinfer' has no attention kernel"):
+    with pytest.raises(ValueError, match="backend 'flashinfer' has no decode attention kernel"):
         select_backends(graph(), ctx)

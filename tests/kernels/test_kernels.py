@@ -35,6 +35,15 @@ def k(op: str, backend: str = "torch_native"):
     return with_attrs(kernel.op, fn)
 
 
+def for_step(op: str, backend: str, batch: AttentionBatch):
+    """The kernel a step runs: an attention backend covers only the phases it registered
+    (kiln_cpu's, decode steps); other steps run the reference, as select_backends records."""
+    phase = "decode" if batch.decode else "prefill"
+    return k(
+        op, backend if phase in catalog.get(op, backend.split("/")[0]).phases else "torch_native"
+    )
+
+
 # Backends of the ops both implement; kiln_cpu must really run here (CI has a C compiler).
 NATIVE = [f"kiln_cpu/{level}" for level in HOST_LEVELS]
 BOTH = pytest.mark.parametrize("backend", ["torch_native", *NATIVE])
@@ -374,7 +383,7 @@ def test_decode_reads_whole_pages(backend: str, window, d: int) -> None:
 def _check_step(backend, batch, qs, keys, vals, new, window, heads, kv_heads, d) -> None:
     """Run one attention step whose sequence i brings its last new[i] tokens, and compare
     with attention over each sequence's whole K/V without a cache."""
-    out = k("attention", backend)(
+    out = for_step("attention", backend, batch)(
         batch,
         torch.cat(qs),
         torch.cat([x[len(x) - n :] for x, n in zip(keys, new, strict=True)]),
@@ -458,7 +467,7 @@ def test_fp8_pool_stores_scaled_values_and_reads_them_back(backend, pool, kv_sca
         spans.append(SeqSpan(start, new, n, slots, pages))
         start += new
     batch = AttentionBatch.build(kc, vc, spans, page_size=page)
-    out = k("attention", backend)(
+    out = for_step("attention", backend, batch)(
         batch,
         torch.cat(qs),
         torch.cat([x[len(x) - n :] for x, (_, n) in zip(keys, shape, strict=True)]),
@@ -513,7 +522,7 @@ def test_rope_attention_is_rope_qkv_then_attention(backend: str, pool: torch.dty
         qkv = torch.randn(start, sum(sizes))
         fused = AttentionBatch.build(*pools, spans, page_size=page)
         assert fused.decode == (fed == [1, 1, 1])
-        got = k("rope_attention", backend)(fused, qkv, cos_sin, **attrs)
+        got = for_step("rope_attention", backend, fused)(fused, qkv, cos_sin, **attrs)
         q, kk, v = k("rope_qkv")(qkv, cos_sin, head_dim=d, sizes=sizes)
         two = AttentionBatch.build(*copies, spans, page_size=page)
         want = k("attention")(two, q, kk, v, **attrs)

@@ -17,6 +17,7 @@ from test_untrusted_artefact import edit_json
 
 from kiln import Engine
 from kiln.core.artefact import ArtefactError
+from kiln.kernels import native
 from kiln.runtime.artefact import Artefact
 
 
@@ -70,8 +71,9 @@ def test_versions_minor_refuses_patch_warns(copy, name, caplog) -> None:
 
 
 def test_a_swapped_kernel_library_is_never_loaded(copy) -> None:
-    """Replacing kernels/cpu_kernels.so (checksums recomputed) does not get it loaded: the
-    runtime takes this user's own build, or rebuilds from kiln's source."""
+    """Replacing kernels/cpu_kernels.so (checksums recomputed) does not get it loaded: no
+    build of this user's has that checksum, and loading never compiles; one line names the
+    `kiln compile` that builds the kernels here."""
     lib = copy / "kernels/cpu_kernels.so"
     lib.write_bytes(lib.read_bytes() + b"\0")
 
@@ -82,8 +84,11 @@ def test_a_swapped_kernel_library_is_never_loaded(copy) -> None:
         return m
 
     edit_json(copy, "manifest.json", reseal)
-    art = Artefact.open(copy)
-    assert art.lib is not None and Path(art.lib._name).parent != lib.parent
+    built = sorted(native.store().glob("cpu_kernels-*.so"))
+    with pytest.raises(ArtefactError) as e:
+        Artefact.open(copy)
+    assert "\n" not in str(e.value) and "kiln compile --model-path" in str(e.value)
+    assert sorted(native.store().glob("cpu_kernels-*.so")) == built  # nothing was built
 
 
 def test_a_library_built_elsewhere_needs_trust_remote_code(copy, tmp_path) -> None:
@@ -105,6 +110,6 @@ print("loaded:", art.lib._name)
     )
     assert done.returncode == 0, done.stderr
     refused, loaded = done.stdout.strip().splitlines()
-    assert "not built on this machine and no C compiler" in refused
-    assert "--trust-remote-code" in refused
+    assert "were not built by kiln on this machine" in refused
+    assert "--trust-remote-code" in refused and "kiln compile --model-path" in refused
     assert loaded == f"loaded: {copy / 'kernels/cpu_kernels.so'}"

@@ -21,7 +21,7 @@ import pytest
 from kiln import Engine
 from kiln.core.artefact import FORMAT_VERSION, ArtefactError, file_entry
 from kiln.core.graph_json import load_graph
-from kiln.runtime.executor import generate_source
+from kiln.runtime.executor import generate
 
 
 def reseal(art: Path) -> None:
@@ -113,12 +113,12 @@ def test_executor_emits_no_source_from_the_graph(artefact) -> None:
         if n.op != "input":
             n.name = f"zzname{i}"
     weights = {name: None for name in graph.weights}
-    source, _ = generate_source(graph, weights, lib=object())
+    source = generate(graph, weights, lib=object()).source
     assert "zzname" not in source and "model." not in source
     getitem = next(n for n in graph.nodes if n.op == "getitem")
     getitem.attrs["index"] = "__import__('os')"
     with pytest.raises(ValueError, match="getitem index must be an int"):
-        generate_source(graph, weights, lib=object())
+        generate(graph, weights, lib=object())
 
 
 def _set(path: list[str], value: Any) -> Callable[[dict], dict]:
