@@ -60,6 +60,12 @@ class ModelSpec:
         return getattr(torch, self.kv_dtype)
 
 
+def model_spec(manifest: dict[str, Any]) -> ModelSpec:
+    rt = dict(manifest["runtime"])
+    rt["eos_token_ids"] = tuple(rt["eos_token_ids"])
+    return ModelSpec(**rt)
+
+
 def checked_manifest(root: Path, verify: bool = True) -> dict[str, Any]:
     """The manifest of the artefact at `root`, once its format, kiln and torch versions and
     target fit this host and (with `verify`) every file matches its checksum."""
@@ -79,6 +85,7 @@ class Artefact:
     graph: Graph
     weights: dict[str, torch.Tensor]
     lib: Any = None  # the native kernel library (runtime/native.py), when the graph uses it
+    device: str = "cpu"  # where the weights were loaded (runtime/placement.py)
 
     def tokenizer_files(self) -> dict[str, bytes]:
         """The tokenizer files the manifest lists, by name, each read once and checked
@@ -92,15 +99,19 @@ class Artefact:
         verify: bool = True,
         trust_remote_code: bool = False,
         rank: int = 0,
+        device: str | None = None,
+        manifest: dict[str, Any] | None = None,
     ) -> Artefact:
-        """Load and check an artefact (tensor-parallel rank `rank`'s graph and weights);
-        raises ArtefactError with one line naming the problem."""
+        """Load and check an artefact (tensor-parallel rank `rank`'s graph and weights, onto
+        `device`: by default the target's); raises ArtefactError with one line naming the
+        problem. `manifest`: one `checked_manifest(root, verify=False)` already read."""
         root = Path(root)
-        manifest = checked_manifest(root, verify)
-        device = manifest["target"]["device"]
-        rt = dict(manifest["runtime"])
-        rt["eos_token_ids"] = tuple(rt["eos_token_ids"])
-        spec = ModelSpec(**rt)
+        if manifest is None:
+            manifest = checked_manifest(root, verify)
+        elif verify:
+            fmt.verify_files(root, manifest)
+        device = device or manifest["target"]["device"]
+        spec = model_spec(manifest)
         if not 0 <= rank < spec.tp_size:
             raise fmt.ArtefactError(f"{root} has ranks 0..{spec.tp_size - 1}, not {rank}")
         graph = _load_graph(root, manifest, fmt.graph_file(rank))
@@ -112,7 +123,7 @@ class Artefact:
         _check_weights(root / wfile, graph, weights)
         _check_agreement(root, spec, graph)
         lib = open_library(root, manifest, graph, trust_remote_code)
-        return cls(root, manifest, spec, graph, weights, lib)
+        return cls(root, manifest, spec, graph, weights, lib, device)
 
 
 def _major_minor(version: str) -> tuple[str, ...]:

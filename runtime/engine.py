@@ -22,11 +22,12 @@ import torch
 from kiln.args import ArgError, ServerArgs
 from kiln.args.stages import refuse_compile_time_changes
 from kiln.core import artefact as fmt
-from kiln.runtime.artefact import Artefact
+from kiln.runtime.artefact import Artefact, ModelSpec, checked_manifest, model_spec
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.parallel import TPGroup, check_nodes
+from kiln.runtime.placement import KVDemand, Placement, available_ram, gpu_memory, place
 from kiln.runtime.radix_cache import RadixCache
 from kiln.runtime.request import Request, RequestOutput
 from kiln.runtime.sampler import SamplingRow, sample
@@ -37,7 +38,6 @@ from kiln.runtime.tokenizer import TokenizerError, import_tokenizer_libraries, l
 log = logging.getLogger("kiln.engine")
 
 DEFAULT_MAX_RUNNING = 256
-DEFAULT_CPU_MEM_FRACTION = 0.3
 # --chunked-prefill-size unset: chunks of this many tokens (SGLang sizes it per GPU).
 DEFAULT_CHUNKED_PREFILL = 4096
 # Longest the engine spends giving KV memory back in one go (it does so when idle).
@@ -46,10 +46,6 @@ RELEASE_BUDGET_S = 0.05
 
 class RequestError(ValueError):
     """A request kiln cannot run as given (empty, too long, unknown tokens...)."""
-
-
-def _available_memory() -> int:
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class RankLost(RuntimeError):
@@ -87,11 +83,10 @@ class Engine:
         )
         if not skip_tokenizer:
             importer.start()
-        self.art = Artefact.open(artefact, trust_remote_code=self.args.trust_remote_code)
-        refuse_compile_time_changes(server_args, self.art.manifest)
-        spec = self.art.spec
-        if self.args.nnodes > 1:
-            check_nodes(spec.tp_size, self.args.nnodes, self.args.dist_init_addr)
+        # Where this rank runs and its pool's size come first, once the manifest fits this
+        # host (versions, target), from its bounded numbers (held to the graph at open).
+        manifest = checked_manifest(Path(artefact), verify=False)
+        spec = model_spec(manifest)
         asked = self.args.context_length
         if asked is not None and asked > spec.context_length:
             raise ArgError(
@@ -99,12 +94,22 @@ class Engine:
                 f"{spec.context_length} (max_position_embeddings)"
             )
         self.context_length = asked or spec.context_length
+        self.max_running = self.args.max_running_requests or DEFAULT_MAX_RUNNING
+        self.placement = self._place(manifest, spec)
+        self.art = Artefact.open(
+            artefact,
+            trust_remote_code=self.args.trust_remote_code,
+            device=self.placement.device,
+            manifest=manifest,
+        )
+        refuse_compile_time_changes(server_args, self.art.manifest)
+        if self.args.nnodes > 1:
+            check_nodes(spec.tp_size, self.args.nnodes, self.args.dist_init_addr)
         if importer.is_alive():
             importer.join()
         self.tokenizer = None if skip_tokenizer else self._load_tokenizer()
         self.threads, threads_from = _set_threads(self.args.threads)
-        self.max_running = self.args.max_running_requests or DEFAULT_MAX_RUNNING
-        kv_tokens = self._kv_tokens(self.max_running)
+        kv_tokens = self.placement.kv_tokens
         self.runner = ModelRunner(self.art, kv_tokens, self.context_length)
         if spec.tp_size > 1:
             self._start_ranks(kv_tokens)
@@ -161,17 +166,25 @@ class Engine:
             seed=a.random_seed or 0,
         )
 
-    def _kv_tokens(self, max_running: int) -> int:
-        if self.args.max_total_tokens:
-            return int(self.args.max_total_tokens)
-        spec = self.art.spec
+    def _place(self, manifest: dict[str, Any], spec: ModelSpec) -> Placement:
+        """Rank 0's placement (runtime/placement.py): its device, and the KV pool every
+        rank shares, from the target and this machine's memory."""
+        device = manifest["target"]["device"]
+        weights = manifest["files"][fmt.weights_file(0)]["bytes"]
         per_token = KVCache.bytes_per_token(
             spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.kv_torch_dtype
         )
-        fraction = self.args.mem_fraction_static or DEFAULT_CPU_MEM_FRACTION
-        budget = int(_available_memory() * fraction) // per_token
-        # No request can use more than the context, so a larger pool would stay empty.
-        return max(spec.page_size, min(budget, self.context_length * max_running))
+        demand = KVDemand(per_token, spec.page_size, self.context_length * self.max_running)
+        memory = gpu_memory(0) if device == "cuda" else available_ram()
+        return place(
+            device,
+            0,
+            demand,
+            weights,
+            memory,
+            self.args.max_total_tokens,
+            self.args.mem_fraction_static,
+        )
 
     # -- offline API --------------------------------------------------------------------------
     def generate(
@@ -509,6 +522,7 @@ class Engine:
             self.args.dist_init_addr,
             self.args.dist_timeout,
             nnodes,
+            self.placement,
         )
 
 

@@ -32,7 +32,7 @@ class ModelRunner:
     ) -> None:
         spec = art.spec
         self.spec = spec
-        self.device = art.manifest["target"]["device"]
+        self.device = art.device
         self.executor = Executor(art.graph, art.weights, art.lib)
         self.pool = PagePool(max(1, max_total_tokens // spec.page_size), spec.page_size)
         # One page past the pool's: the scratch page padding rows write to (runtime/step.py).

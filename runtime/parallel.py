@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from kiln.args import ArgError
+from kiln.runtime.placement import Placement
 from kiln.runtime.step import StepInputs
 
 log = logging.getLogger("kiln.parallel")
@@ -95,19 +96,22 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _send(step: StepInputs | None) -> None:
-    """The step's size (or _STOP), then the step."""
+def _send(step: StepInputs | None, device: str) -> None:
+    """The step's size (or _STOP), then the step (on the group's device: NCCL moves only
+    GPU tensors)."""
     if step is None:
-        dist.broadcast(torch.tensor([_STOP]), src=0)
+        dist.broadcast(torch.tensor([_STOP], device=device), src=0)
         return
-    data = step.encode()
-    dist.broadcast(torch.tensor([len(data)]), src=0)
+    data = step.encode().to(device)
+    dist.broadcast(torch.tensor([len(data)], device=device), src=0)
     dist.broadcast(data, src=0)
 
 
 def _spawn(
     artefact: Path, ranks: range, size: int, method: str, threads: int, timeout_s: int
 ) -> list[subprocess.Popen[bytes]]:
+    """The rank processes of `ranks`, this node's: their local ranks count from 0 at the
+    node's first rank (each its own GPU on CUDA targets)."""
     return [
         subprocess.Popen(
             [
@@ -117,6 +121,8 @@ def _spawn(
                 str(artefact),
                 "--rank",
                 str(rank),
+                "--local-rank",
+                str(rank - ranks.start),
                 "--size",
                 str(size),
                 "--init-method",
@@ -176,14 +182,25 @@ class Heartbeats:
         return quiet
 
 
-def receive() -> StepInputs | None:
-    size = torch.zeros(1, dtype=torch.long)
+def receive(device: str) -> StepInputs | None:
+    size = torch.zeros(1, dtype=torch.long, device=device)
     dist.broadcast(size, src=0)
     if int(size) == _STOP:
         return None
-    data = torch.empty(int(size), dtype=torch.long)
+    data = torch.empty(int(size), dtype=torch.long, device=device)
     dist.broadcast(data, src=0)
-    return StepInputs.decode_from(data)
+    return StepInputs.decode_from(data.cpu())
+
+
+def init_group(backend: str, method: str, rank: int, size: int, timeout_s: float) -> None:
+    """Join the tensor-parallel process group (the placement says gloo or NCCL)."""
+    dist.init_process_group(
+        backend,
+        init_method=method,
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
 
 
 class TPGroup:
@@ -198,6 +215,7 @@ class TPGroup:
         init_addr: str | None = None,
         timeout_s: int | None = None,
         nnodes: int = 1,
+        placement: Placement | None = None,
     ) -> None:
         if dist.is_initialized():
             raise RuntimeError(
@@ -205,16 +223,16 @@ class TPGroup:
                 "(Engine.shutdown) before starting another"
             )
         self.nnodes = nnodes  # the layout is the Engine's to check (check_nodes)
+        self.device = placement.device if placement else "cpu"
+        backend = placement.backend if placement else "gloo"
         host, port = init_addr.rsplit(":", 1) if init_addr else ("127.0.0.1", _free_port())
         method = f"tcp://{host}:{port}"
         timeout = datetime.timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
         local = node_ranks(size, nnodes, 0)[1:]
         self.procs = _spawn(artefact, local, size, method, threads, int(timeout.total_seconds()))
         try:
-            dist.init_process_group(
-                "gloo", init_method=method, rank=0, world_size=size, timeout=timeout
-            )
-            dist.broadcast(torch.tensor([max_total_tokens]), src=0)
+            init_group(backend, method, 0, size, timeout.total_seconds())
+            dist.broadcast(torch.tensor([max_total_tokens], device=self.device), src=0)
             remote = [r for r in range(1, size) if r not in local]
             self.heartbeats = Heartbeats(rendezvous_store(method, 30), remote) if remote else None
         except BaseException:
@@ -283,7 +301,7 @@ class TPGroup:
         dead = [p.pid for p in self.procs if p.poll() is not None]
         if dead:
             raise RuntimeError(f"tensor-parallel rank process(es) {dead} exited")
-        _send(step)
+        _send(step, self.device)
 
     def abandon(self) -> None:
         """Stop the ranks that are left without talking to them (one is gone, so a
@@ -303,7 +321,7 @@ class TPGroup:
         atexit.unregister(self.close)
         try:
             if all(p.poll() is None for p in self.procs):
-                _send(None)
+                _send(None, self.device)
         except RuntimeError:  # a rank already gone: the others are reaped below
             pass
         self._reap(kill=False)

@@ -6,7 +6,6 @@ step rank 0 broadcasts until told to stop or rank 0 is gone."""
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import os
 import sys
@@ -16,9 +15,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from kiln.core import artefact as fmt
 from kiln.runtime.artefact import Artefact
 from kiln.runtime.model_runner import ModelRunner
-from kiln.runtime.parallel import DEFAULT_TIMEOUT_S, beat, receive, rendezvous_store
+from kiln.runtime.parallel import DEFAULT_TIMEOUT_S, beat, init_group, receive, rendezvous_store
 from kiln.terminal import configure_logging
 
 log = logging.getLogger("kiln.parallel")
@@ -26,12 +26,12 @@ log = logging.getLogger("kiln.parallel")
 
 def _worker(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
-    dist.init_process_group(
-        "gloo",
-        init_method=args.init_method,
-        rank=args.rank,
-        world_size=args.size,
-        timeout=datetime.timedelta(seconds=args.timeout),
+    # The target decides the device and the backend (runtime/placement.py); the pool's
+    # size is rank 0's, which every rank shares.
+    target = fmt.read_manifest(args.artefact)["target"]["device"]
+    device = f"cuda:{args.local_rank}" if target == "cuda" else "cpu"
+    init_group(
+        "nccl" if target == "cuda" else "gloo", args.init_method, args.rank, args.size, args.timeout
     )
     beats = threading.Thread(
         target=beat,
@@ -40,14 +40,14 @@ def _worker(args: argparse.Namespace) -> int:
         daemon=True,
     )
     beats.start()
-    kv_tokens = torch.zeros(1, dtype=torch.long)
+    kv_tokens = torch.zeros(1, dtype=torch.long, device=device)
     dist.broadcast(kv_tokens, src=0)
     # This node's `kiln serve` (rank 0, or `follow`) checked every file's checksum.
-    art = Artefact.open(args.artefact, verify=False, rank=args.rank)
+    art = Artefact.open(args.artefact, verify=False, rank=args.rank, device=device)
     runner = ModelRunner(art, int(kv_tokens))
     runner.warm_up()
     with torch.inference_mode():
-        while (step := receive()) is not None:
+        while (step := receive(device)) is not None:
             runner.run(step)
     dist.destroy_process_group()
     return 0
@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kiln.runtime.rank_worker")
     p.add_argument("artefact", type=Path)
     p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--local-rank", type=int, default=0)
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--init-method", required=True)
     p.add_argument("--threads", type=int, default=1)
