@@ -210,7 +210,9 @@ def _write_weights(
             )
         tensors[name] = t if spec.layout == "rows" else pack_panels(t, spec.layout)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata={"format": "pt", "producer": "kiln"})
+    # One metadata entry: safetensors writes a header's entries in hash order, which changes
+    # from process to process, and the same inputs must give the same bytes.
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> None:

@@ -186,3 +186,21 @@ def test_kiln_source_is_a_cache_factor(artefact) -> None:
     """A build of kiln with other passes or kernels must not reuse old artefacts."""
     m = json.loads((artefact("llama") / "manifest.json").read_text())
     assert len(m["cache_factors"]["kiln_source_sha256"]) == 64
+
+
+def test_the_same_inputs_give_a_byte_identical_artefact(
+    artefact, checkpoint, tmp_path, monkeypatch
+) -> None:
+    """Compiled again into another folder, under another cache root (its own kernel build
+    included), every file is the same bytes: nothing of the compile's time, place or
+    timings is in the artefact."""
+    first = artefact("llama")
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "another-cache"))
+    again = compile_model(
+        ServerArgs(model_path=str(checkpoint("llama")), dtype="float32"), tmp_path / "again"
+    ).path
+    files = sorted(p.relative_to(first) for p in first.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
+    for rel in files:
+        assert (first / rel).read_bytes() == (again / rel).read_bytes(), rel
+    assert "seconds" not in (first / "manifest.json").read_text()
