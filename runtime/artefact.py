@@ -151,12 +151,11 @@ def check_target(root: Path, manifest: dict[str, Any]) -> None:
     target = Target.from_json(manifest["target"])
     missing = missing_on_host(target)
     if missing:
-        model = manifest["compile_args"].get("model_path") or "CKPT"
+        device = "cpu" if target.device == "cpu" or missing == ["a CUDA GPU"] else "cuda"
         raise fmt.ArtefactError(
             f"{root} was compiled for {target}; this machine lacks {', '.join(missing)}. "
-            f"Compile for this machine: kiln compile --model-path {model} --device "
-            f"{'cpu' if target.device == 'cpu' or missing == ['a CUDA GPU'] else 'cuda'} "
-            "--target-isa native"
+            "Compile for this machine: "
+            + fmt.compile_command(manifest, f"--device {device} --target-isa native")
         )
 
 

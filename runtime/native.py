@@ -67,10 +67,9 @@ def _trusted_copy(
     if trust_remote_code:
         log.warning("loading %s/%s as built elsewhere (--trust-remote-code)", root, info["file"])
         return root / info["file"]
-    model = manifest["compile_args"].get("model_path") or "CKPT"
     raise fmt.ArtefactError(
         f"{root}: its kernels ({info['file']}) were not built by kiln on this machine "
         f"(none in {native.store()} has their checksum); compile it here, which builds them: "
-        f"kiln compile --model-path {model} [its flags] -o {root}, or pass "
+        f"{fmt.compile_command(manifest, f'[its flags] -o {root}')}, or pass "
         "--trust-remote-code to load them if you trust where the artefact came from"
     )

@@ -243,6 +243,12 @@ def _first_problem(e: ValidationError) -> str:
     return f"{where}: {err['msg']}"
 
 
+def compile_command(manifest: dict[str, Any], flags: str = "") -> str:
+    """The `kiln compile` that makes this artefact again, for messages that name it."""
+    model = manifest.get("compile_args", {}).get("model_path") or "CKPT"
+    return f"kiln compile --model-path {model}{' ' + flags if flags else ''}"
+
+
 def read_manifest(root: Path) -> dict[str, Any]:
     """The manifest of the artefact at `root`, checked against the schema; raises
     ArtefactError with one line naming the first problem."""
