@@ -1,4 +1,5 @@
-"""Batch-1 decode of two kilns on the same file, alternating: did a change move the speed?
+"""Batch-1 decode and prefill of two kilns on the same file, alternating: did a change move
+the speed?
 
     git worktree add /tmp/kiln-before <commit>
     pip install --no-deps --no-build-isolation --target /tmp/kiln-before-site /tmp/kiln-before
@@ -9,7 +10,8 @@ of its processes); "after" is the kiln this script is run with. Each side compil
 model (SmolLM2-135M-Instruct, `python -m kiln.example --fetch smollm2`, its Q4_1 GGUF file)
 with its own compiler into its own cache, and runs in its own process; rounds alternate
 before, after, before, ... Decode tok/s excludes the prefill: (tokens - 1) over the time of
-a long generation minus a one-token one. Each row prints the median (min-max) of the rounds
+a long generation minus a one-token one; prefill tok/s is a 128-token prompt's tokens over
+the time of its one-token generation. Each row prints the median (min-max) of the rounds
 and after / before.
 
 Rows: F32 (the file's blocks read as floats, `--dtype float32`), Q4_1 (kept as stored) and
@@ -34,6 +36,7 @@ ROWS: dict[str, dict[str, str]] = {
     "Q4_1 +a8": {"quantize_activations": "int8"},
 }
 PROMPT = list(range(1000, 1016))
+LONG_PROMPT = list(range(2000, 2128))
 
 
 def worker(flags: dict[str, str], threads: int) -> None:
@@ -50,10 +53,12 @@ def worker(flags: dict[str, str], threads: int) -> None:
     engine = Engine(art, max_total_tokens=2048, max_running_requests=1, disable_radix_cache=True)
     print("ready", flush=True)
     for line in sys.stdin:
-        new = int(line)
+        new, prompt = int(line), PROMPT
+        if new < 0:  # a prefill: the long prompt, one token
+            new, prompt = 1, LONG_PROMPT
         params = {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}
         t0 = time.perf_counter()
-        engine.generate(input_ids=PROMPT, sampling_params=params)
+        engine.generate(input_ids=prompt, sampling_params=params)
         print(time.perf_counter() - t0, flush=True)
 
 
@@ -84,6 +89,9 @@ class Side:
         first = self.seconds(1)
         return (tokens - 1) / (self.seconds(tokens) - first)
 
+    def prefill_rate(self) -> float:
+        return len(LONG_PROMPT) / self.seconds(-1)
+
     def close(self) -> None:
         self.inp.close()
         self.proc.wait(timeout=60)
@@ -108,26 +116,35 @@ def main() -> None:
     if not args.before:
         p.error("--before FOLDER is required")
     work = Path(tempfile.mkdtemp(prefix="kiln-ab-"))
-    print("| row | before tok/s | after tok/s | after / before |")
-    print("| --- | --- | --- | --- |")
+    print(
+        "| row | decode before tok/s | decode after | after / before | "
+        "prefill before tok/s | prefill after | after / before |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for row in args.rows:
         sides = {
             name: Side(site, ROWS[row], args.threads, work / name)
             for name, site in (("before", args.before), ("after", None))
         }
         got: dict[str, list[float]] = {name: [] for name in sides}
+        pre: dict[str, list[float]] = {name: [] for name in sides}
         for side in sides.values():
             side.decode_rate(8)  # warm-up
+            side.prefill_rate()
         for _ in range(args.rounds):
             for name, side in sides.items():
                 got[name].append(side.decode_rate(args.tokens))
+                pre[name].append(side.prefill_rate())
         for side in sides.values():
             side.close()
-        ratio = statistics.median(got["after"]) / statistics.median(got["before"])
-        print(f"| {row} | {spread(got['before'])} | {spread(got['after'])} | {ratio:.2f}x |")
+        cells = []
+        for runs in (got, pre):
+            ratio = statistics.median(runs["after"]) / statistics.median(runs["before"])
+            cells += [spread(runs["before"]), spread(runs["after"]), f"{ratio:.2f}x"]
+        print(f"| {row} | {' | '.join(cells)} |")
     print(
-        f"\n{args.rounds} alternating rounds, {args.tokens} tokens after a 16-token prompt, "
-        f"{args.threads} threads; median (min-max)"
+        f"\n{args.rounds} alternating rounds; decode: {args.tokens} tokens after a 16-token "
+        f"prompt; prefill: {len(LONG_PROMPT)} tokens; {args.threads} threads; median (min-max)"
     )
 
 
