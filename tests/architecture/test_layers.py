@@ -4,21 +4,16 @@ and no import cycle anywhere (a function-level import included)."""
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# Package -> its folder (pyproject.toml's package-dir: the design card's flat layout).
-FOLDERS = {
-    "kiln.compiler": "compiler",
-    "kiln.runtime": "runtime",
-    "kiln.models": "models",
-    "kiln.kernels": "kernels",
-    "kiln.passes": "passes",
-    "kiln.serve": "serve",
-    "kiln": "kiln",
-}
+# Package -> its folder: pyproject.toml's package-dir (the design card's flat layout).
+FOLDERS: dict[str, str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"][
+    "setuptools"
+]["package-dir"]
 # Small leaf modules every layer above the core may use.
 BASE = {"kiln.version", "kiln.paths", "kiln.terminal"}
 # Layer -> the layers it may import (besides itself and BASE). Bottom first.
