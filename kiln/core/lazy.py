@@ -12,6 +12,7 @@ so types are checked as usual and the import happens at the first `torch.x` at r
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 
@@ -25,6 +26,24 @@ class _LazyModule:
         return value
 
 
+# Every stand-in, with the namespace of the module that holds it.
+_STAND_INS: list[tuple[dict[str, Any], _LazyModule]] = []
+
+
 def lazy_module(name: str) -> Any:
     """A stand-in for module `name` that imports it when an attribute is first read."""
-    return _LazyModule(name)
+    proxy = _LazyModule(name)
+    _STAND_INS.append((sys._getframe(1).f_globals, proxy))
+    return proxy
+
+
+def resolve() -> None:
+    """Put the real modules in place of every stand-in. What runs kernels calls this
+    first (kiln/kernels/registry.py): torch.compile must see torch itself in a reference
+    kernel's globals, not an object whose attributes appear as they are first read (the
+    first trace and a later one would differ, and Inductor's cache would miss)."""
+    for namespace, proxy in _STAND_INS:
+        real = importlib.import_module(proxy._name)
+        for key, value in list(namespace.items()):
+            if value is proxy:
+                namespace[key] = real

@@ -4,10 +4,10 @@ and no import cycle anywhere (a function-level import included)."""
 from __future__ import annotations
 
 import ast
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 # Package -> its folder: pyproject.toml's package-dir (the design card's flat layout).
