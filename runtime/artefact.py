@@ -180,14 +180,23 @@ def _load_graph(root: Path, manifest: dict[str, Any], name: str = fmt.GRAPH) -> 
     for n in graph.nodes:
         if n.op in STRUCTURAL_OPS:
             continue
-        backend = n.meta.get("backend")
-        try:
-            catalog.get(n.op, str(backend))
-        except KeyError:
-            raise fmt.ArtefactError(
-                f"{where}: %{n.name} asks for the {backend!r} kernel of {n.op}, "
-                "which this kiln does not have"
-            ) from None
+        phases = {"backend": "decode"}
+        if n.op in ATTENTION_OPS:  # one kernel for decode steps, one for the others
+            phases = {"backend": "decode", "prefill_backend": "prefill"}
+        for key, phase in phases.items():
+            backend = n.meta.get(key)
+            try:
+                kernel = catalog.get(n.op, str(backend))
+            except KeyError:
+                raise fmt.ArtefactError(
+                    f"{where}: %{n.name} asks for the {backend!r} kernel of {n.op}, "
+                    "which this kiln does not have"
+                ) from None
+            if phase not in kernel.phases:
+                raise fmt.ArtefactError(
+                    f"{where}: %{n.name} asks the {backend} kernel of {n.op} to run {phase} "
+                    "steps, which it does not"
+                )
     return graph
 
 

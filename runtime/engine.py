@@ -24,6 +24,7 @@ from kiln.args.stages import refuse_compile_time_changes
 from kiln.core import artefact as fmt
 from kiln.runtime.artefact import Artefact, ModelSpec, checked_manifest, model_spec
 from kiln.runtime.detokenizer import IncrementalDetokenizer
+from kiln.runtime.grammar import Grammars
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.parallel import TPGroup, check_nodes
@@ -108,6 +109,7 @@ class Engine:
         if importer.is_alive():
             importer.join()
         self.tokenizer = None if skip_tokenizer else self._load_tokenizer()
+        self.grammars = self._grammars(spec)
         self.threads, threads_from = _set_threads(self.args.threads)
         kv_tokens = self.placement.kv_tokens
         self.runner = ModelRunner(self.art, kv_tokens, self.context_length)
@@ -126,6 +128,19 @@ class Engine:
         )
         self._live: dict[str, Request] = {}
         log.info("%s; threads: %d (%s)", self.describe(), self.threads, threads_from)
+
+    def _grammars(self, spec: ModelSpec) -> Grammars | None:
+        """The constraint compiler (runtime/grammar.py), unless --grammar-backend none or
+        the server has no tokenizer."""
+        backend = self.args.grammar_backend or "xgrammar"
+        if backend == "none" or self.tokenizer is None:
+            return None
+        return Grammars(
+            self.tokenizer,
+            spec.vocab_size,
+            spec.eos_token_ids,
+            any_whitespace=not self.args.constrained_json_disable_any_whitespace,
+        )
 
     def _load_tokenizer(self) -> Any:
         try:
@@ -259,6 +274,10 @@ class Engine:
             raise RequestError(
                 f"the prompt has {len(ids)} tokens; the context length is {self.context_length}"
             )
+        constraint = params.constraint
+        if constraint is not None and self.grammars is None:  # compiled by attach_grammar
+            why = "no tokenizer" if self.tokenizer is None else "--grammar-backend none"
+            raise RequestError(f"{constraint.kind}: grammar-constrained decoding is off ({why})")
         gen = None
         if params.sampling_seed is not None:
             # Modulo 2**64: any seed the parameters accept, plus the index, is a valid state.
@@ -284,9 +303,21 @@ class Engine:
             priority=priority,
         )
 
+    def attach_grammar(self, req: Request) -> None:
+        """Compile the request's constraint (cached) and give it its own matcher. Slow for
+        a big grammar: the server runs it on its grammar threads, never on the engine
+        thread; GrammarError (a ValueError) names the field when it does not compile."""
+        constraint = req.params.constraint
+        if constraint is None or req.grammar is not None:
+            return
+        if self.grammars is None:
+            raise RequestError(f"{constraint.kind}: grammar-constrained decoding is off")
+        req.grammar = self.grammars.matcher(self.grammars.compile(constraint))
+
     def add_request(self, req: Request) -> None:
         if req.rid in self._live:
             raise RequestError(f"rid {req.rid!r} is already in use by a request in flight")
+        self.attach_grammar(req)  # the offline API's requests; served ones have theirs
         if self._finish_if_done(req):
             return
         self.scheduler.add(req)
@@ -369,12 +400,21 @@ class Engine:
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self._eos)
             suppress = tuple(t for t in sorted(stops) if 0 <= t < self.art.spec.vocab_size)
         return SamplingRow(
-            p, req.generator, req.prompt_ids, req.output_ids, req.top_logprobs, suppress
+            p,
+            req.generator,
+            req.prompt_ids,
+            req.output_ids,
+            req.top_logprobs,
+            suppress,
+            req.grammar,
         )
 
     def _postprocess(self, req: Request) -> None:
-        """Detokenize the new token and decide whether the request is done."""
+        """Advance the request's grammar, detokenize the new token and decide whether the
+        request is done."""
         token = req.output_ids[-1]
+        if req.grammar is not None and not req.grammar.is_terminated():
+            req.grammar.accept_token(token)
         if req.detok is not None and (
             not self._is_stop_token(req, token) or req.params.no_stop_trim
         ):
@@ -394,6 +434,8 @@ class Engine:
                 reason = {"type": "stop", "matched": last}
             elif req.detok is not None and req.detok.matched is not None:
                 reason = {"type": "stop", "matched": req.detok.matched}
+            elif req.grammar is not None and req.grammar.is_terminated():
+                reason = {"type": "stop", "matched": None}  # the grammar ended
         if reason is None and (
             len(req.output_ids) >= p.max_new_tokens or req.num_tokens >= self.context_length
         ):

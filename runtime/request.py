@@ -41,6 +41,7 @@ class Request:
     reported: int = 0  # output tokens already handed out in a RequestOutput
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     cache_node: Any = None  # the prefix-cache node this request holds locked
+    grammar: Any = None  # its constraint's matcher (runtime/grammar.py), if it has one
 
     @property
     def all_ids(self) -> list[int]:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from kiln.runtime.grammar import apply_bitmask, token_bitmask
 from kiln.runtime.sampling_params import SamplingParams
 
 
@@ -21,6 +23,7 @@ class SamplingRow:
     top_logprobs: int | None = None  # None: no logprobs; k >= 0: the token's plus top k
     # Tokens that may not be picked this step (EOS and stop ids before min_new_tokens).
     suppress: tuple[int, ...] = ()
+    grammar: Any = None  # the request's grammar matcher: what it allows next is all it may pick
 
 
 @dataclass(frozen=True)
@@ -33,18 +36,26 @@ class TokenLogprob:
 def sample(
     logits: torch.Tensor, rows: Sequence[SamplingRow]
 ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """One token per row. Penalties first; greedy rows take the argmax, the others sample
-    after temperature, top-k, top-p and min-p with their own generator. Logprobs are of the
-    penalised distribution before temperature, as OpenAI reports them."""
+    """One token per row. A constrained row's grammar mask first, then penalties; greedy
+    rows take the argmax, the others sample after temperature, top-k, top-p and min-p with
+    their own generator. Logprobs are of the masked, penalised distribution before
+    temperature, as OpenAI reports them. Rows without a grammar pay nothing for it."""
     logits = logits.float()
-    if any(r.params.penalised or r.suppress for r in rows):
+    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    if constrained or any(r.params.penalised or r.suppress for r in rows):
         logits = logits.clone()
-        for i, r in enumerate(rows):
-            if r.params.penalised:
-                _penalise(logits[i], r)
-                _finite(logits[i])
-            if r.suppress:
-                logits[i, list(r.suppress)] = float("-inf")
+    if constrained:
+        mask = token_bitmask([rows[i].grammar for i in constrained], logits.shape[-1])
+        apply_bitmask(logits, mask, constrained)
+    for i, r in enumerate(rows):
+        if r.params.penalised:
+            _penalise(logits[i], r)
+            _finite(logits[i])
+        if r.suppress:
+            kept = logits[i, list(r.suppress)].clone()
+            logits[i, list(r.suppress)] = float("-inf")
+            if r.grammar is not None and not torch.isfinite(logits[i]).any():
+                logits[i, list(r.suppress)] = kept  # the grammar can only end here
     tokens = logits.argmax(dim=-1).tolist()
     for i, r in enumerate(rows):
         if not r.params.greedy:
@@ -85,14 +96,18 @@ def _penalise(row: torch.Tensor, r: SamplingRow) -> None:
 def _finite(row: torch.Tensor) -> None:
     """Penalties may push a logit past float32's range (a repetition_penalty of 1e-38
     divides by it): held at the largest finite values, so no inf - inf makes a NaN and the
-    order of the tokens is kept."""
+    order of the tokens is kept. A -inf (a token the grammar forbids) stays impossible."""
     big = torch.finfo(row.dtype).max
+    masked = torch.isneginf(row)
     torch.nan_to_num_(row, nan=-big, posinf=big, neginf=-big)
+    row[masked] = float("-inf")
 
 
 def _filtered_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     # A small temperature may overflow finite logits; -inf (suppressed tokens) stays -inf.
-    row = torch.nan_to_num(row / p.temperature, posinf=torch.finfo(row.dtype).max)
+    row = torch.nan_to_num(
+        row / p.temperature, posinf=torch.finfo(row.dtype).max, neginf=float("-inf")
+    )
     if p.top_k > 0 and p.top_k < row.numel():
         kth = torch.topk(row, p.top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))

@@ -3,16 +3,19 @@
 Parameters come from clients, so `from_dict` checks each one's type strictly (an int is
 not a bool, `"5"` is not 5, 2.5 is not a top_k, numbers are finite) and its range, and
 names the field in the error. Parameters SGLang defines that kiln does not implement
-(constrained decoding, custom logit processors...) are refused by name, never ignored.
+(custom logit processors, stop regexes...) are refused by name, never ignored.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from kiln.runtime.grammar import KINDS, Constraint, constraint_of
 
 _ALIASES = {"seed": "sampling_seed", "max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
 # SGLang treats temperatures below this as greedy (dividing logits by them overflows).
@@ -22,20 +25,19 @@ MAX_N = 128
 MAX_STOP_STRINGS = 32
 MAX_STOP_LENGTH = 1024
 # SGLang sampling parameters kiln does not implement yet: refused when given a value.
-UNSUPPORTED = (
-    "json_schema",
-    "regex",
-    "ebnf",
-    "structural_tag",
-    "stop_regex",
-    "custom_params",
-    "stream_interval",
-)
+UNSUPPORTED = ("stop_regex", "custom_params", "stream_interval")
 # Seeds are taken modulo 2**64 (torch's generator state); any integer of 64 bits, signed or
 # not, is a seed.
 SEED_RANGE = (-(2**63), 2**64 - 1)
 # Fields that may be null (meaning: not set). The others must hold a value if given.
-_NULLABLE = ("max_new_tokens", "sampling_seed", "stop", "stop_token_ids", "logit_bias")
+_NULLABLE = (
+    "max_new_tokens",
+    "sampling_seed",
+    "stop",
+    "stop_token_ids",
+    "logit_bias",
+    *KINDS,
+)
 
 
 _TOKEN_KEY = re.compile(r"\s*-?[0-9]{1,18}\s*")
@@ -74,6 +76,11 @@ class SamplingParams:
     sampling_seed: int | None = None
     n: int = 1
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    # Grammar-constrained decoding (runtime/grammar.py): at most one of these.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -105,7 +112,13 @@ class SamplingParams:
             values[name] = _checked(name, v, _KINDS[name])
         if 0 < values.get("temperature", 1.0) < SAMPLING_EPS:
             values["temperature"] = 0.0  # as SGLang: too small to divide by, so greedy
+        constraint_of(values)  # at most one, each a non-empty text
         return cls(**values)
+
+    @property
+    def constraint(self) -> Constraint | None:
+        """The grammar the output must follow, if any."""
+        return constraint_of({k: getattr(self, k) for k in KINDS})
 
     def __post_init__(self) -> None:
         checks = (
@@ -185,6 +198,10 @@ def _checked(name: str, v: Any, kind: str) -> Any:
         return tuple(v)
     if kind == "bias" and isinstance(v, dict):
         return _logit_bias(v)
+    if kind == "text" and isinstance(v, str):
+        return v
+    if kind == "json" and isinstance(v, str | dict):
+        return v if isinstance(v, str) else json.dumps(v)
     wanted = {
         "int": "an integer",
         "float": "a finite number",
@@ -192,6 +209,8 @@ def _checked(name: str, v: Any, kind: str) -> Any:
         "strs": "a string or a list of strings",
         "ints": "a list of integers",
         "bias": 'an object of token id to bias, e.g. {"42": -100}',
+        "text": "a string",
+        "json": "a JSON object or its text",
     }[kind]
     raise ValueError(f"{name}: expected {wanted}, got {_show(v)}")
 
@@ -230,4 +249,8 @@ _KINDS = {
     "sampling_seed": "int",
     "n": "int",
     "logit_bias": "bias",
+    "json_schema": "json",
+    "regex": "text",
+    "ebnf": "text",
+    "structural_tag": "json",
 }

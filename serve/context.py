@@ -35,6 +35,9 @@ MAX_BEST_OF = 20  # OpenAI's limit for legacy completions
 MAX_REQUESTS_PER_CALL = 1024  # prompts x n (or best_of) in one HTTP request
 # /health_generate runs at most one generation per this many seconds, however many call it.
 HEALTH_PROBE_SECONDS = 1.0
+# Threads that compile grammars (json_schema, regex...): apart from the tokenizer threads,
+# so a grammar that takes seconds to compile delays only the requests that have one.
+GRAMMAR_THREADS = 2
 RID = re.compile(r"[!-~]{1,256}")  # printable ASCII, no spaces: safe in logs and headers
 # apply_chat_template's own arguments: not for chat_template_kwargs to override.
 _TEMPLATE_RESERVED = frozenset(
@@ -71,11 +74,15 @@ class ServingContext:
         self._workers = ThreadPoolExecutor(
             max_workers=args.tokenizer_worker_num, thread_name_prefix="kiln-tokenize"
         )
+        self._grammar_workers = ThreadPoolExecutor(
+            max_workers=GRAMMAR_THREADS, thread_name_prefix="kiln-grammar"
+        )
         self._probe: asyncio.Future[bool] | None = None
         self._probed = (-HEALTH_PROBE_SECONDS, False)  # (when, healthy)
 
     def close(self) -> None:
         self._workers.shutdown(wait=False, cancel_futures=True)
+        self._grammar_workers.shutdown(wait=False, cancel_futures=True)
 
     async def off_loop(self, fn: Callable[[], T]) -> T:
         """Run `fn` on a tokenizer thread and await it."""
@@ -205,10 +212,27 @@ class ServingContext:
             raise ApiError(400, str(e)) from e
 
     async def build(self, fn: Callable[[], list[Request]]) -> list[Request]:
-        """Build requests on a tokenizer thread, then admit them."""
+        """Build requests on a tokenizer thread, compile their grammars, admit them."""
         reqs = await self.off_loop(fn)
+        await self.compile_grammars(reqs)
         self.admit(reqs)
         return reqs
+
+    async def compile_grammars(self, reqs: list[Request]) -> None:
+        """Each constrained request's matcher, compiled on the grammar threads (cached by
+        constraint); a 400 naming the field when one does not compile."""
+        pending = [r for r in reqs if r.params.constraint is not None]
+        if not pending:
+            return
+
+        def attach() -> None:
+            for r in pending:
+                self.engine.attach_grammar(r)
+
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._grammar_workers, attach)
+        except (ValueError, RequestError) as e:
+            raise ApiError(400, str(e)) from e
 
     def _fit(self, ids: list[int], max_new: int | None) -> list[int]:
         """Check the prompt (and max tokens) against the context; truncate if allowed."""

@@ -75,6 +75,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         return prompts, echo, reqs
 
     prompts, echo, reqs = await ctx.off_loop(build)
+    await ctx.compile_grammars(reqs)
     ctx.admit(reqs)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}

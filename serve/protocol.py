@@ -16,6 +16,7 @@ true for 1, no NaN), and text fields may not hold lone surrogates (not Unicode).
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -27,6 +28,8 @@ from pydantic import (
     ValidatorFunctionWrapHandler,
     model_validator,
 )
+
+from kiln.runtime.grammar import KINDS
 
 
 def _is_int(v: Any) -> bool:
@@ -137,8 +140,6 @@ class Body(BaseModel):
 
 # SGLang extensions both OpenAI routes define and kiln does not implement (yet).
 _SGLANG_REFUSED: dict[str, Any] = {
-    "regex": None,
-    "ebnf": None,
     "stop_regex": None,
     "lora_path": None,
     "session_id": None,
@@ -170,9 +171,29 @@ class StreamOptions(Body):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(Body):
+    """OpenAI's response_format.json_schema: the schema under `schema`."""
+
+    model_config = ConfigDict(populate_by_name=False)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(Body):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: Any = None
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> dict[str, str]:
+        """The SGLang sampling parameter this format asks for (json_object: any object)."""
+        if self.type == "json_object":
+            return {"json_schema": json.dumps({"type": "object"})}
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.schema_ is None:
+                raise ValueError("response_format.json_schema.schema: a JSON schema is required")
+            return {"json_schema": json.dumps(self.json_schema.schema_)}
+        return {}
 
 
 class _Sampling(Body):
@@ -199,22 +220,36 @@ class _Sampling(Body):
     logit_bias: dict[str, float] | None = None
     rid: Texts | None = None
     priority: int = 0  # used with --enable-priority-scheduling
-    response_format: ResponseFormat | None = None  # type "text" only
+    response_format: ResponseFormat | None = None
+    # SGLang's constraints, as extra body fields (runtime/grammar.py): at most one, and not
+    # with a response_format that constrains.
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
     # Accepted and ignored: who is asking, not what to generate (OpenAI).
     user: str | None = None
 
     REFUSED = _SGLANG_REFUSED
 
-    def unsupported(self, where: str = "") -> list[str]:
-        out = super().unsupported(where)
-        if self.response_format is not None and self.response_format.type != "text":
-            out.append(f"response_format {self.response_format.type!r}")
-        return out
+    def constraint(self) -> dict[str, Any]:
+        """The grammar fields of the sampling parameters this body asks for."""
+        given = {k: getattr(self, k) for k in KINDS if getattr(self, k) is not None}
+        if self.response_format is not None:
+            fmt = self.response_format.constraint()
+            if fmt and given:
+                raise ValueError(
+                    f"response_format {self.response_format.type} and "
+                    f"{', '.join(given)}: give one constraint"
+                )
+            given |= fmt
+        return given
 
     @model_validator(mode="after")
     def _options_need_their_switch(self) -> _Sampling:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed with stream: true")
+        self.constraint()  # one constraint at most, each complete
         return self
 
     def sampling_params(self, max_tokens: int | None) -> dict[str, Any]:
@@ -235,6 +270,7 @@ class _Sampling(Body):
             "no_stop_trim": self.no_stop_trim,
             "logit_bias": self.logit_bias,
             "max_new_tokens": max_tokens,
+            **self.constraint(),
         }
         return {k: v for k, v in params.items() if v is not None}
 
@@ -246,7 +282,7 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     best_of: int | None = None
 
-    REFUSED = {**_SGLANG_REFUSED, "suffix": None, "json_schema": None}
+    REFUSED = {**_SGLANG_REFUSED, "suffix": None}
 
 
 class ChatMessage(Body):

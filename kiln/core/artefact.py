@@ -26,7 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 # entries take the prologue (an older artefact's graph and library would not match).
 # 4: the graph records the model's context length, which the manifest's must equal; a
 # manifest lists only files kiln writes.
-FORMAT_VERSION = 4
+# 5: ops are defined in kiln/core/ops (kernels take attribute objects), and an op that
+# attends records a decode kernel (meta.backend) and a prefill kernel (meta.prefill_backend).
+FORMAT_VERSION = 5
 MANIFEST = "manifest.json"
 GRAPH = "graph.json"
 WEIGHTS = "weights/rank0.safetensors"

@@ -420,7 +420,7 @@ def test_logit_bias_and_unsupported_fields(server, client, engine) -> None:
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
     for extra, field in (
         ({"tools": [{"type": "function"}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema.schema"),
     ):
         r = server.post("/v1/chat/completions", json={**chat, **extra})
         assert r.status_code == 400 and field in r.json()["message"], r.text
