@@ -178,9 +178,12 @@ class FastTokenizer:
         chat_template: str | None = None,
         tokenize: bool = False,
         add_generation_prompt: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
         **kwargs: Any,
     ) -> str:
-        """The conversation as text, as transformers renders it (`tokenize=False` only)."""
+        """The conversation as text, as transformers renders it (`tokenize=False` only;
+        `tools` as OpenAI's tool objects, which transformers passes as they are)."""
         if tokenize:
             raise ValueError("FastTokenizer renders chat templates as text; encode the text")
         template = chat_template or self.chat_template
@@ -195,8 +198,8 @@ class FastTokenizer:
         return str(
             compiled.render(
                 messages=messages,
-                tools=None,
-                documents=None,
+                tools=None if tools is None else _plain(list(tools)),
+                documents=None if documents is None else _plain(list(documents)),
                 add_generation_prompt=add_generation_prompt,
                 **{**self.special_tokens_map, **_plain(kwargs)},
             )

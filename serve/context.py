@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -97,19 +98,20 @@ class ServingContext:
             return [list(prompt)]  # type: ignore[arg-type]
         return [self._encode(p) if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[arg-type]
 
-    def chat_prompt_ids(
-        self, messages: Sequence[ChatMessage], template_kwargs: dict[str, Any] | None = None
-    ) -> list[int]:
+    def chat_prompt(
+        self,
+        messages: Sequence[ChatMessage],
+        template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> tuple[str, list[int]]:
+        """The conversation rendered by the chat template (with `tools`, OpenAI's tool
+        objects, as transformers passes them), as text and as token ids."""
         if self.tokenizer is None:
             raise ApiError(400, "chat needs a tokenizer; this server was started without one")
         reserved = sorted(set(template_kwargs or {}) & _TEMPLATE_RESERVED)
         if reserved:
             raise ApiError(400, f"chat_template_kwargs may not set {', '.join(reserved)}")
-        convo = []
-        for m in messages:
-            turn = {"role": m.role, "content": _text_content(m.content)}
-            turn.update({k: getattr(m, k) for k in ("name", "reasoning_content") if getattr(m, k)})
-            convo.append(turn)
+        convo = [_turn(m) for m in messages]
         template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise ApiError(
@@ -121,11 +123,12 @@ class ServingContext:
                 chat_template=template,
                 tokenize=False,
                 add_generation_prompt=True,
+                tools=tools,
                 **(template_kwargs or {}),
             )
         except Exception as e:  # a template error is about this conversation
             raise ApiError(400, f"the chat template failed on these messages: {e}") from e
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return text, list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _encode(self, text: str) -> list[int]:
         if not text:
@@ -383,6 +386,36 @@ def _as_dict(params: Any) -> dict[str, Any]:
     if not isinstance(params, dict):
         raise ApiError(400, f"sampling_params: expected an object, got {params!r:.40}")
     return params
+
+
+def _turn(m: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it (transformers' conventions): text content, and
+    earlier calls' arguments as objects where they are JSON objects (as SGLang passes them;
+    templates such as Qwen2.5's write them with `tojson`)."""
+    turn: dict[str, Any] = {"role": m.role, "content": _text_content(m.content)}
+    for key in ("name", "reasoning_content", "tool_call_id"):
+        if getattr(m, key):
+            turn[key] = getattr(m, key)
+    if m.tool_calls:
+        calls = []
+        for c in m.tool_calls:
+            args: Any = c.function.arguments
+            try:
+                parsed = json.loads(args)
+            except ValueError:
+                parsed = None
+            calls.append(
+                {
+                    "id": c.id,
+                    "type": c.type,
+                    "function": {
+                        "name": c.function.name,
+                        "arguments": parsed if isinstance(parsed, dict) else args,
+                    },
+                }
+            )
+        turn["tool_calls"] = calls
+    return turn
 
 
 def _text_content(content: str | list[dict[str, Any]] | None) -> str:

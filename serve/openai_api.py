@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kiln.runtime.sampler import TokenLogprob
 from kiln.runtime.sampling_params import MAX_N
+from kiln.serve.chat_output import plan_chat
 from kiln.serve.context import MAX_BEST_OF, ServingContext
 from kiln.serve.protocol import ChatCompletionRequest, CompletionRequest
 from kiln.serve.streams import ApiError, events, merged, sse
@@ -166,21 +167,29 @@ def _completion_logprobs(ctx: ServingContext, lps: list[TokenLogprob]) -> dict[s
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     ctx = _ctx(request)
     ctx.refuse_unsupported(body.unsupported())
+    plan = plan_chat(body, ctx.args.tool_call_parser, ctx.args.reasoning_parser)
     max_tokens = body.max_new_tokens
     top = (body.top_logprobs or 0) if body.logprobs else None
+    prompt = ""
 
     def build() -> list[Any]:
-        ids = ctx.chat_prompt_ids(body.messages, body.chat_template_kwargs)
+        nonlocal prompt
+        prompt, ids = ctx.chat_prompt(body.messages, body.chat_template_kwargs, plan.tools)
         return ctx.make_requests(
             [ids],
-            body.sampling_params(max_tokens),
+            {**body.sampling_params(max_tokens), **plan.sampling},
             body.n,
             top_logprobs=top,
             priority=body.priority,
             rid=body.rid,
         )
 
-    reqs = await ctx.build(build)
+    try:
+        reqs = await ctx.build(build)
+    except ApiError as e:
+        if plan.forces_calls and e.message.startswith("json_schema: "):
+            raise ApiError(400, "tools: " + e.message.removeprefix("json_schema: ")) from e
+        raise
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "created": created, "model": ctx.model_name}
 
@@ -190,28 +199,40 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 
         async def chunks() -> AsyncIterator[str]:
             completion_tokens = cached = 0
+            streams = [plan.stream(prompt) for _ in range(body.n)]
 
             def usage() -> dict[str, Any]:
                 return {"usage": ctx.usage(reqs, body.n, completion_tokens, cached)}
 
+            def chunk(choice: dict[str, Any]) -> str:
+                return sse({**chunk_head, "choices": [choice], **(usage() if continuous else {})})
+
             for i in range(body.n):
                 delta = {"role": "assistant", "content": ""}
-                first = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
-                yield sse({**chunk_head, "choices": [first], **(usage() if continuous else {})})
+                yield chunk({"index": i, "delta": delta, "logprobs": None, "finish_reason": None})
             async for i, out in merged(ctx, reqs):
                 completion_tokens += len(out.token_ids)
                 cached = out.cached_tokens if i == 0 else cached
-                reason, matched = _finish_reason(out)
-                if not out.text and not out.finished:
+                deltas = streams[i].feed(out.text) if out.text else []
+                if out.finished:
+                    deltas += streams[i].finish()
+                logprobs = _chat_logprobs(ctx, out.logprobs) if body.logprobs else None
+                if not deltas and not out.finished and not (logprobs and out.logprobs):
                     continue
-                choice = {
-                    "index": i,
-                    "delta": {"content": out.text} if out.text else {},
-                    "logprobs": _chat_logprobs(ctx, out.logprobs) if body.logprobs else None,
-                    "finish_reason": reason,
-                    "matched_stop": matched,
-                }
-                yield sse({**chunk_head, "choices": [choice], **(usage() if continuous else {})})
+                reason, matched = _finish_reason(out)
+                if reason == "stop" and streams[i].has_calls:
+                    reason = "tool_calls"
+                for k, delta in enumerate(deltas or [{}]):
+                    last = k == max(len(deltas) - 1, 0)
+                    yield chunk(
+                        {
+                            "index": i,
+                            "delta": delta,
+                            "logprobs": logprobs if k == 0 else None,
+                            "finish_reason": reason if last else None,
+                            "matched_stop": matched if last else None,
+                        }
+                    )
             if include_usage:
                 yield sse({**chunk_head, "choices": [], **usage()})
 
@@ -221,10 +242,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     choices = []
     for i, res in enumerate(finals):
         reason, matched = _finish_reason(res)
+        message, has_calls = plan.message(prompt, res.text)
+        if reason == "stop" and has_calls:
+            reason = "tool_calls"
         choices.append(
             {
                 "index": i,
-                "message": {"role": "assistant", "content": res.text},
+                "message": message,
                 "logprobs": _chat_logprobs(ctx, res.logprobs) if body.logprobs else None,
                 "finish_reason": reason,
                 "matched_stop": matched,

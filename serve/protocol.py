@@ -285,13 +285,53 @@ class CompletionRequest(_Sampling):
     REFUSED = {**_SGLANG_REFUSED, "suffix": None}
 
 
+# OpenAI's limit on the tools of one request.
+MAX_TOOLS = 128
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class FunctionCall(Body):
+    name: FunctionName
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Body):
+    """An assistant message's earlier call, in the conversation history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+    index: int | None = None  # present when a client echoes streamed calls back
+
+
 class ChatMessage(Body):
     role: Literal["system", "user", "assistant", "tool", "developer", "function"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
-    REFUSED = {"tool_call_id": None, "tool_calls": None}
+
+class FunctionDefinition(Body):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class Tool(Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ChosenFunction(Body):
+    name: FunctionName
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: ChosenFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -301,12 +341,13 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None
-    # Only "none" (or "auto", which without tools means none) is implemented.
-    tool_choice: Any = None
-    # Accepted and ignored: no effect without tools or a reasoning parser, or metadata.
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # No effect without tools or a reasoning parser (serve/chat_output.py).
     parallel_tool_calls: bool = True
     separate_reasoning: bool = True
     stream_reasoning: bool = True
+    # Accepted and ignored: metadata.
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
@@ -315,7 +356,6 @@ class ChatCompletionRequest(_Sampling):
 
     REFUSED = {
         **_SGLANG_REFUSED,
-        "tools": None,
         "functions": None,
         "function_call": None,
         "reasoning_effort": None,
@@ -335,16 +375,16 @@ class ChatCompletionRequest(_Sampling):
         "store": False,
     }
 
-    def unsupported(self, where: str = "") -> list[str]:
-        out = super().unsupported(where)
-        if self.tool_choice not in (None, "none", "auto"):
-            out.append("tool_choice")
-        return out
-
     @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+    def _options_need_what_they_act_on(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: only allowed with logprobs: true")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice: only allowed with tools")
+        names = [t.function.name for t in self.tools or []]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"tools: function {twice[0]!r} is defined twice")
         return self
 
     @property

@@ -116,3 +116,12 @@ def join(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         text=a.text + b.text,
         logprobs=a.logprobs + b.logprobs,
     )
+
+
+def held_back(text: str, marker: str) -> int:
+    """How many characters at the end of `text` could begin `marker`: a stream holds them
+    until the next piece says whether the marker follows."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0

@@ -133,6 +133,17 @@ def test_support_status() -> None:
     assert cli("--load-format", "dummy").load_format == "dummy"
     with pytest.raises(ArgError, match="--load-format npcache: is not implemented"):
         cli("--load-format", "npcache")
+    # Structured output, tools and reasoning (issue 25): what is built runs, the rest is
+    # refused by name.
+    args = cli("--tool-call-parser", "qwen25", "--reasoning-parser", "deepseek-r1")
+    assert (args.tool_call_parser, args.reasoning_parser) == ("qwen25", "deepseek-r1")
+    for flag, value in (
+        ("--tool-call-parser", "glm45"),
+        ("--reasoning-parser", "gpt-oss"),
+        ("--grammar-backend", "outlines"),
+    ):
+        with pytest.raises(ArgError, match=f"{flag} {value}: is not implemented in kiln yet"):
+            cli(flag, value)
 
 
 def test_deprecated_flags_print_the_advice(caplog) -> None:

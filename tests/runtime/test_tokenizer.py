@@ -30,16 +30,44 @@ CONVERSATIONS: list[list[dict[str, Any]]] = [
         {"role": "assistant", "content": "4", "reasoning_content": "add them"},
         {"role": "user", "content": "And 3+3? <s>"},
     ],
+    [  # a tool round trip, as kiln passes it (serve/context.py)
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 °C"},
+    ],
+]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather now, «quoted»",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
 ]
 # Exercises what transformers gives templates: its tojson, namespace, dict, loop controls,
-# the {% generation %} tag, special-token variables and extra keyword arguments.
+# the {% generation %} tag, special-token variables, extra keyword arguments, tools and calls.
 RICH_TEMPLATE = (
     "{% set ns = namespace(n=0) %}{{ bos_token }}"
     "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
     "{% set ns.n = ns.n + 1 %}[{{ m.role }}]{{ m.content }}"
     "{% if m.thinking %}({{ m.thinking }}|{{ m.reasoning_content }}){% endif %}"
     "{% if m.role == 'assistant' %}{% generation %}{{ eos_token }}{% endgeneration %}{% endif %}"
-    "{% endfor %}{{ ns.n }} {{ dict(a=1, b='é') | tojson }} {{ flavour | default('plain') }}"
+    "{% for c in m.tool_calls or [] %}{{ c.function.name }}{{ c.function.arguments | tojson }}"
+    "{% endfor %}{% endfor %}{{ ns.n }} {{ dict(a=1, b='é') | tojson }}"
+    " {{ flavour | default('plain') }}"
+    "{% if tools %}{{ tools | tojson(indent=2) }}{% endif %}"
     "{% if add_generation_prompt %}[assistant]{% endif %}"
 )
 
@@ -72,6 +100,9 @@ def assert_same(tok: FastTokenizer, folder: Path, ids_to_check: list[int]) -> No
                 assert tok.apply_chat_template(
                     convo, flavour="spicy", **kw
                 ) == ref.apply_chat_template(convo, flavour="spicy", **kw)
+                assert tok.apply_chat_template(convo, tools=TOOLS, **kw) == (
+                    ref.apply_chat_template(convo, tools=TOOLS, **kw)
+                )
 
 
 def edited(src: Path, dst: Path, config: dict[str, Any] | None = None, **backend: Any) -> Path:

@@ -419,7 +419,10 @@ def test_logit_bias_and_unsupported_fields(server, client, engine) -> None:
         assert r.status_code == 400 and __import__("re").search(field, r.json()["message"])
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
     for extra, field in (
-        ({"tools": [{"type": "function"}]}, "tools"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}]},
+            "tools: this server reads no tool calls (start it with --tool-call-parser",
+        ),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema.schema"),
     ):
         r = server.post("/v1/chat/completions", json={**chat, **extra})

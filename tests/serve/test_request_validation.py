@@ -93,12 +93,25 @@ def test_continuous_usage_stats_puts_the_usage_in_every_chunk(server) -> None:
                     {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function"}]},
                 ]
             },
-            "messages[1].tool_calls: not supported",
+            "messages.1.tool_calls.0.function",
         ),
         (
             "/v1/chat/completions",
-            {"messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]},
-            "messages[0].tool_call_id: not supported",
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {
+                                "id": "c1",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": "{}", "x": 1},
+                            }
+                        ],
+                    }
+                ]
+            },
+            "messages.0.tool_calls.0.function.x",
         ),
         ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs: only allowed with"),
         (

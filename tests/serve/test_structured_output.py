@@ -234,13 +234,18 @@ CITY = {
 }
 
 
-def test_the_real_models_json_always_validates(real_artefact, launch) -> None:
-    """SmolLM2 asked for a city as JSON: every output parses and validates, over seeds and
-    temperatures (the model alone often writes prose around it, or none)."""
+@pytest.fixture(scope="module")
+def real_client(real_artefact, launch) -> openai.OpenAI:
     from kiln.example import fetch
 
     server = launch(real_artefact(fetch("smollm2")), "--api-key", API_KEY)
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+
+
+def test_the_real_models_json_always_validates(real_client) -> None:
+    """SmolLM2 asked for a city as JSON: every output parses and validates, over seeds and
+    temperatures (the model alone often writes prose around it, or none)."""
+    client = real_client
     ask = [{"role": "user", "content": "Give me the capital of France as JSON."}]
     names = []
     for temperature in (0.0, 0.8, 1.2):
@@ -258,3 +263,53 @@ def test_the_real_models_json_always_validates(real_artefact, launch) -> None:
             jsonschema.validate(data, CITY)
             names.append(data["name"])
     assert "Paris" in names[0]  # greedy: the right answer, in the asked-for shape
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city now",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_a_tool_round_trip_with_the_real_model(real_client) -> None:
+    """SmolLM2 knows no tool format: tool_choice required makes its answer a call of the
+    tool all the same; the tool's reply in the history, it answers in words."""
+    model = "SmolLM2-135M-Instruct.Q4_1"
+    ask = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    first = real_client.chat.completions.create(
+        model=model,
+        messages=ask,
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=60,
+        temperature=0,
+    ).choices[0]
+    assert first.finish_reason == "tool_calls", first
+    (call,) = first.message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and "Paris" in args["city"]
+    history = [
+        *ask,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 18 degrees Celsius."},
+    ]
+    answer = real_client.chat.completions.create(
+        model=model,
+        messages=history,
+        tools=[WEATHER_TOOL],
+        tool_choice="none",
+        max_tokens=40,
+        temperature=0,
+    ).choices[0]
+    assert answer.message.tool_calls is None
+    assert len(answer.message.content.split()) >= 3, answer.message.content

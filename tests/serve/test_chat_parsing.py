@@ -1,0 +1,154 @@
+"""Reading a chat answer back (issue 25): tool calls in each --tool-call-parser format and
+reasoning in each --reasoning-parser format, split the same however the text is streamed;
+text that is not calls stays content; a pythonic call is read, never run."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from kiln.serve.chat_output import ChatPlan
+from kiln.serve.reasoning import PARSERS, ReasoningSplit
+from kiln.serve.tool_calls import FORCED, FORMATS, ToolStream, forced_schema
+
+NAMES = frozenset({"get_weather", "add"})
+WEATHER = ("get_weather", {"city": "Paris", "unit": "°C"})
+ADD = ("add", {"a": 1, "b": [2, 3.5], "c": None})
+CALLS = {
+    "qwen25": (
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+        '"unit": "°C"}}\n</tool_call>\n<tool_call>{"name":"add","arguments":{"a":1,"b":[2,3.5],'
+        '"c":null}}</tool_call>',
+        "Let me look.\n",
+    ),
+    "llama3": (
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "°C"}};'
+        ' {"name": "add", "parameters": {"a": 1, "b": [2, 3.5], "c": null}}',
+        "",
+    ),
+    "mistral": (
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}, '
+        '{"name": "add", "arguments": {"a": 1, "b": [2, 3.5], "c": null}}]',
+        "",
+    ),
+    "pythonic": ('[get_weather(city="Paris", unit="°C"), add(a=1, b=[2, 3.5], c=None)]', ""),
+}
+
+
+def read(fmt, text: str, step: int, first_only: bool = False) -> tuple[str, list]:
+    stream = ToolStream(fmt, NAMES, first_only)
+    content = "".join(stream.feed(text[i : i + step]) for i in range(0, len(text), step))
+    rest, calls = stream.finish()
+    return content + rest, calls
+
+
+@pytest.mark.parametrize("parser", sorted(CALLS))
+@pytest.mark.parametrize("step", [1, 2, 7, 10_000])
+def test_each_format_gives_its_calls_however_streamed(parser: str, step: int) -> None:
+    text, before = CALLS[parser]
+    assert read(FORMATS[parser], text, step) == (before, [WEATHER, ADD])
+    assert read(FORMATS[parser], text, step, first_only=True) == (before, [WEATHER])
+
+
+@pytest.mark.parametrize(
+    "parser, text",
+    [
+        ("qwen25", 'a <tool_call>{"name": "get_weather", "arguments": {"city": '),  # cut short
+        ("qwen25", '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'),  # not a tool
+        ("qwen25", '<tool_call>{"name": "add"}</tool_call> and then some prose'),
+        ("llama3", '{"name": "add", "parameters": [1, 2]}'),  # arguments not an object
+        ("llama3", "{not json at all"),
+        ("mistral", "[TOOL_CALLS] nothing"),
+        ("pythonic", "[__import__('os').system('touch /tmp/pwned')]"),  # read, never run
+        ("pythonic", "[add(1, 2)]"),  # positional arguments
+        ("pythonic", "[add(a=open('/etc/passwd').read())]"),
+        ("pythonic", "[this is prose in brackets]"),
+    ],
+)
+def test_what_is_not_a_call_stays_content(parser: str, text: str) -> None:
+    for step in (1, 5, 10_000):
+        assert read(FORMATS[parser], text, step) == (text, [])
+
+
+def test_plain_text_is_content_and_streams_at_once() -> None:
+    stream = ToolStream(FORMATS["qwen25"], NAMES, False)
+    assert stream.feed("Hello <tool") == "Hello "  # what may begin a marker waits
+    assert stream.feed("box> there") == "<toolbox> there"
+    assert stream.finish() == ("", [])
+
+
+def test_forced_calls_match_their_schema() -> None:
+    tools = [
+        {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}},
+        {"type": "function", "function": {"name": "get_weather"}},
+    ]
+    schema = forced_schema(tools, at_most_one=False)
+    good = [{"name": "add", "parameters": {"a": 1}}, {"name": "get_weather", "parameters": {}}]
+    jsonschema.validate(good, schema)
+    for bad in ([], [{"name": "rm", "parameters": {}}], [{"name": "add"}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(good, forced_schema(tools, at_most_one=True))
+    assert read(FORCED, json.dumps(good), 3) == ("", [("add", {"a": 1}), ("get_weather", {})])
+
+
+@pytest.mark.parametrize(
+    "parser, prompt, text, reasoning, content",
+    [
+        (
+            "qwen3",
+            "<|im_start|>assistant\n",
+            "<think>\nStep one.\n</think>\n\nParis.",
+            "Step one.\n",
+            "Paris.",
+        ),
+        ("qwen3", "", "Paris, no thinking.", "", "Paris, no thinking."),
+        ("qwen3", "", "  <thin", "", "<thin"),  # looked like a start; it was not
+        ("qwen3", "assistant\n<think>\n", "Forced.</think>Done", "Forced.", "Done"),
+        ("qwen3", "", "<think>never closed", "never closed", ""),
+        ("deepseek-r1", "<think>\n", "Hmm.</think>\n42", "Hmm.", "42"),
+        ("deepseek-r1", "", "<think>Own tag.</think>42", "Own tag.", "42"),
+        ("deepseek-r1", "", "All reasoning, cut short", "All reasoning, cut short", ""),
+        ("qwen3-thinking", "", "x</think>y", "x", "y"),
+    ],
+)
+def test_reasoning_splits_the_same_however_streamed(
+    parser: str, prompt: str, text: str, reasoning: str, content: str
+) -> None:
+    for step in (1, 2, 3, 10_000):
+        split = ReasoningSplit(PARSERS[parser], prompt)
+        pieces = []
+        for i in range(0, len(text), step):
+            pieces += split.feed(text[i : i + step])
+        pieces += split.finish()
+        got = {k: "".join(t for kind, t in pieces if kind == k) for k in ("reasoning", "content")}
+        assert got == {"reasoning": reasoning, "content": content}, step
+
+
+def test_a_message_is_its_stream_joined() -> None:
+    """Reasoning, then content, then a call: the non-streamed message and the deltas agree,
+    and held reasoning (stream_reasoning: false) comes in one delta before the answer."""
+    text = "<think>plan</think>Sure.<tool_call>" + '{"name": "add", "arguments": {"a": 1}}'
+    for stream_reasoning in (True, False):
+        plan = ChatPlan(
+            tool_format=FORMATS["qwen25"],
+            names=NAMES,
+            reasoning=PARSERS["qwen3"],
+            stream_reasoning=stream_reasoning,
+        )
+        message, has_calls = plan.message("", text)
+        assert has_calls and message["content"] == "Sure."
+        assert message["reasoning_content"] == "plan"
+        call = message["tool_calls"][0]
+        assert call["function"] == {"name": "add", "arguments": '{"a": 1}'}
+        assert call["id"].startswith("call_") and call["type"] == "function"
+        stream = plan.stream("")
+        deltas = [d for ch in text for d in stream.feed(ch)] + stream.finish()
+        reasoning = [d["reasoning_content"] for d in deltas if "reasoning_content" in d]
+        assert "".join(reasoning) == "plan"
+        assert len(reasoning) == (4 if stream_reasoning else 1)
+        assert "".join(d.get("content", "") for d in deltas) == "Sure."
+        assert deltas[0] == {"reasoning_content": "p" if stream_reasoning else "plan"}
