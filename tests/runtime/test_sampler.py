@@ -188,3 +188,40 @@ def test_every_accepted_parameter_samples_a_token(params, logits, output, suppre
     assert (
         lp is not None and torch.isfinite(torch.tensor([lp.logprob, *(v for _, v in lp.top)])).all()
     )
+
+
+@pytest.mark.parametrize("vocab", [64, 100, 49152])
+def test_a_grammar_mask_reaches_its_own_rows_only(vocab: int) -> None:
+    """Constrained rows anywhere in the batch (not only first) get their own mask, the others
+    none; xgrammar's own kernel, given a full-batch mask, is the reference."""
+    import xgrammar
+
+    from kiln.runtime.grammar import apply_bitmask
+
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=gen)
+    rows = [1, 4, 2]
+    mask = xgrammar.allocate_token_bitmask(len(rows), vocab)
+    mask.copy_(torch.randint(-(2**31), 2**31 - 1, mask.shape, generator=gen, dtype=torch.int32))
+    got = logits.clone()
+    apply_bitmask(got, mask, rows)
+    full = xgrammar.allocate_token_bitmask(5, vocab)
+    full[rows] = mask
+    want = logits.clone()
+    xgrammar.apply_token_bitmask_inplace(want, full, vocab_size=vocab, indices=rows)
+    assert torch.equal(got, want)
+    assert torch.equal(got[[0, 3]], logits[[0, 3]])  # unconstrained rows untouched
+    assert torch.isinf(got[rows]).any()
+
+
+def test_draws_follow_the_distribution_and_never_pick_a_zero() -> None:
+    from kiln.runtime.sampler import _draw
+
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.0, 0.3, 0.0])
+    gen = torch.Generator().manual_seed(7)
+    counts = torch.bincount(torch.tensor([_draw(probs, gen) for _ in range(20_000)]), minlength=6)
+    assert counts[[1, 3, 5]].sum() == 0
+    assert torch.allclose(counts.float() / 20_000, probs, atol=0.012), counts
+    # The same seed draws the same tokens.
+    a, b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert [_draw(probs, a) for _ in range(50)] == [_draw(probs, b) for _ in range(50)]

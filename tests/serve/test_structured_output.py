@@ -71,6 +71,28 @@ def test_json_schema_outputs_always_validate(client, temperature: float) -> None
         jsonschema.validate(json.loads(choice.message.content), SMALL)
 
 
+def test_constrained_and_plain_requests_share_batches(server) -> None:
+    """Constrained requests anywhere in a batch (not only its first rows), among plain
+    ones: each gets its own mask, the plain ones none, and every answer is right."""
+    plain = {"model": "default", "messages": CHAT, "max_tokens": 24, "temperature": 0}
+    constrained = {**plain, "max_tokens": 96, "response_format": response_format(SMALL)}
+    bodies = [plain, constrained, plain, constrained, constrained, plain]
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=120) as c:
+            return await asyncio.gather(*(c.post("/v1/chat/completions", json=b) for b in bodies))
+
+    replies = asyncio.run(run())
+    alone = server.post("/v1/chat/completions", json=plain).json()
+    for body, r in zip(bodies, replies, strict=True):
+        assert r.status_code == 200, r.text
+        message = r.json()["choices"][0]["message"]["content"]
+        if body is constrained:
+            jsonschema.validate(json.loads(message), SMALL)
+        else:  # greedy, as if it ran alone: no other row's mask reached it
+            assert message == alone["choices"][0]["message"]["content"]
+
+
 def test_json_object_gives_an_object(client) -> None:
     schema = {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"]}
     # json_object: any JSON object. A schema the same call cannot give (it is one field of
