@@ -64,7 +64,7 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
             graph, constants = trace(build(cfg))
             graph.context_length = cfg.max_position_embeddings
             for spec in graph.weights.values():
-                if "load" in spec.source:
+                if "load" in spec.source or "shift" in spec.source:
                     spec.dtype = dtype
             ranks.append((*run_passes(graph, options.for_rank(rank), PIPELINE), constants))
         graph, pass_log, _ = ranks[0]
@@ -144,6 +144,8 @@ def _materialise(
     if "concat" in src:
         parts = [_materialise(s, reader, constants) for s in src["concat"]]
         return torch.cat(parts, dim=src["dim"])
+    if "shift" in src:  # a checkpoint weight plus a constant (Gemma's 1 + w norms)
+        return _materialise(src["shift"], reader, constants) + src["by"]
     if "slice" in src:  # a tensor-parallel rank's part (passes/shard.py)
         whole = _materialise(src["slice"], reader, constants)
         return whole.narrow(src["dim"], src["start"], src["stop"] - src["start"])

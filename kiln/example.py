@@ -97,6 +97,15 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3": {"model_type": "qwen3", "head_dim": 24},
     # Mixture of experts: 4 experts, 2 a token; Qwen3-MoE's first layer dense.
     "mixtral": {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2},
+    # Gemma 3's text model: a sliding layer (its own rope base) then a global one, a query
+    # scale that is not head_dim's, GELU-tanh, 1 + w norms around attention and MLP.
+    "gemma3": {
+        "model_type": "gemma3_text",
+        "head_dim": 24,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "query_pre_attn_scalar": 32,
+    },
     "qwen3_moe": {
         "model_type": "qwen3_moe",
         "head_dim": 24,

@@ -17,7 +17,12 @@ _FAMILIES: dict[str, dict[str, bool]] = {
     "qwen3": {"qkv_bias": False, "qk_norm": True},
     "mixtral": {"qkv_bias": False, "qk_norm": False},
     "qwen3_moe": {"qkv_bias": False, "qk_norm": True},
+    # Gemma 3's text model: GELU-tanh MLP, norms that scale by 1 + w around attention and
+    # MLP both, embeddings times sqrt(hidden), its own rope for the sliding layers.
+    "gemma3_text": {"qkv_bias": False, "qk_norm": True},
 }
+# hidden_act / hidden_activation -> kiln's activation op.
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
 
@@ -92,6 +97,16 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     sparse_layers: tuple[bool, ...] = ()
+    # Gemma: the MLP's activation op, a constant norms add to their weight (they scale by
+    # 1 + w), norms after attention and MLP as well as before ("sandwich"), the embeddings'
+    # factor, the attention's scale (query_pre_attn_scalar ** -0.5), and the rope of the
+    # sliding-window layers when it differs from the global one.
+    hidden_act: str = "silu"
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    embed_scale: float = 1.0
+    query_scale: float | None = None
+    local_rope: RopeConfig | None = None
 
     @classmethod
     def from_hf(cls, path: str | Path) -> ModelConfig:
@@ -114,9 +129,11 @@ class ModelConfig:
                 f"model_type {model_type!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelConfigError(f"hidden_act {act!r} is not supported (only silu)")
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        if act not in _ACTIVATIONS:
+            raise ModelConfigError(
+                f"hidden_act {act!r} is not supported (supported: {', '.join(_ACTIVATIONS)})"
+            )
         if cfg.get("mlp_bias"):
             raise ModelConfigError("mlp_bias=true is not supported yet")
         family = _FAMILIES[model_type]
@@ -139,8 +156,8 @@ class ModelConfig:
             head_dim=int(head_dim),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            rope=RopeConfig.from_hf(cfg),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rope=RopeConfig.from_hf(_global_rope(model_type, cfg)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "gemma3_text")),
             qkv_bias=qkv_bias,
             qk_norm=family["qk_norm"],
             sliding_windows=_sliding_windows(cfg, num_layers),
@@ -148,6 +165,8 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             **_moe(model_type, cfg, num_layers),
+            hidden_act=_ACTIVATIONS[act],
+            **_gemma(model_type, cfg, hidden),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -160,6 +179,8 @@ class ModelConfig:
         d["sliding_windows"] = tuple(d["sliding_windows"])
         d["eos_token_ids"] = tuple(d["eos_token_ids"])
         d["sparse_layers"] = tuple(d.get("sparse_layers", ()))
+        if d.get("local_rope") is not None:
+            d["local_rope"] = RopeConfig(**d["local_rope"])
         return cls(**d)
 
     @property
@@ -172,7 +193,12 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        return 1.0 / math.sqrt(self.head_dim)
+        return self.query_scale or 1.0 / math.sqrt(self.head_dim)
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        """The rope of layer `layer`: the sliding layers' own where the model has one."""
+        local = self.local_rope is not None and self.sliding_windows[layer] is not None
+        return self.local_rope if local and self.local_rope is not None else self.rope
 
 
 def _moe(model_type: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -203,9 +229,45 @@ def _moe(model_type: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any
     return {}
 
 
+def _global_rope(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config's rope fields for the full-attention layers: Gemma 3 writes one rope per
+    layer type in `rope_parameters` (transformers >= 5)."""
+    params = cfg.get("rope_parameters") or {}
+    if model_type == "gemma3_text" and "full_attention" in params:
+        return {"rope_parameters": params["full_attention"]}
+    return cfg
+
+
+def _gemma(model_type: str, cfg: dict[str, Any], hidden: int) -> dict[str, Any]:
+    if model_type != "gemma3_text":
+        return {}
+    if cfg.get("attn_logit_softcapping") or cfg.get("final_logit_softcapping"):
+        raise ModelConfigError("Gemma soft-capping is not supported yet")
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelConfigError("use_bidirectional_attention=true is not supported")
+    params = cfg.get("rope_parameters") or {}
+    local = params.get("sliding_attention") or {
+        "rope_theta": cfg.get("rope_local_base_freq", 10000.0)
+    }
+    return {
+        "norm_offset": 1.0,
+        "sandwich_norms": True,
+        "embed_scale": math.sqrt(hidden),
+        "query_scale": float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+        "local_rope": RopeConfig.from_hf({"rope_parameters": local}),
+    }
+
+
 def _sliding_windows(cfg: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
     window = cfg.get("sliding_window")
     layer_types = cfg.get("layer_types")
+    pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
+    if not layer_types and cfg.get("model_type") == "gemma3_text" and pattern:
+        # Older Gemma 3 files: every pattern-th layer is global, the others slide.
+        layer_types = [
+            "full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention"
+            for i in range(num_layers)
+        ]
     if layer_types:
         if len(layer_types) != num_layers:
             raise ModelConfigError(

@@ -1,5 +1,5 @@
-"""The decoder-only transformer behind Llama 2/3, Mistral, Qwen2, Qwen3, and the mixtures of
-experts Mixtral and Qwen3-MoE.
+"""The decoder-only transformer behind Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 3, and the
+mixtures of experts Mixtral and Qwen3-MoE.
 
 Written for one device and traced, never run eagerly: build it on the meta device and
 hand it to `kiln.core.trace.trace`. Parameter names match the Hugging Face
@@ -24,6 +24,13 @@ def _weight(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+def _norm(cfg: ModelConfig, x: Value, norm: nn.RMSNorm, group: int = 0) -> Value:
+    """RMSNorm with the checkpoint's weight, plus the model's offset (Gemma's 1 + w)."""
+    w = cast(nn.Parameter, norm.weight)
+    weight = ops.shifted(w, cfg.norm_offset) if cfg.norm_offset else w
+    return ops.rmsnorm(x, weight, eps=cfg.rms_norm_eps, group=group)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -43,8 +50,8 @@ class Attention(nn.Module):
         k = ops.linear(x, self.k_proj.weight, self.k_proj.bias)
         v = ops.linear(x, self.v_proj.weight, self.v_proj.bias)
         if cfg.qk_norm:
-            q = ops.rmsnorm(q, self.q_norm.weight, eps=cfg.rms_norm_eps, group=cfg.head_dim)
-            k = ops.rmsnorm(k, self.k_norm.weight, eps=cfg.rms_norm_eps, group=cfg.head_dim)
+            q = _norm(cfg, q, self.q_norm, group=cfg.head_dim)
+            k = _norm(cfg, k, self.k_norm, group=cfg.head_dim)
         q = ops.rope(q, cos_sin, head_dim=cfg.head_dim)
         k = ops.rope(k, cos_sin, head_dim=cfg.head_dim)
         o = ops.attention(
@@ -64,12 +71,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.act = ops.OPS[cfg.hidden_act]
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Value) -> Value:
-        gate = ops.silu(ops.linear(x, self.gate_proj.weight))
+        gate = self.act(ops.linear(x, self.gate_proj.weight))
         return ops.linear(ops.mul(gate, ops.linear(x, self.up_proj.weight)), self.down_proj.weight)
 
 
@@ -110,21 +118,30 @@ class SparseMoE(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.eps = cfg.rms_norm_eps
+        self.cfg = cfg
         self.self_attn = Attention(cfg, layer)
         sparse = bool(cfg.sparse_layers) and cfg.sparse_layers[layer]
         # The checkpoints' names: Mixtral's block_sparse_moe, everyone else's mlp.
         self.ffn_name = "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp"
         setattr(self, self.ffn_name, SparseMoE(cfg) if sparse else MLP(cfg))
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size)
+        # Without sandwich norms this is the MLP's input norm (Llama's name); with them it
+        # normalises the attention's output, and the MLP has a norm before and after.
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size)
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = nn.RMSNorm(cfg.hidden_size)
+            self.post_feedforward_layernorm = nn.RMSNorm(cfg.hidden_size)
 
     def forward(self, h: Value, cos_sin: Value) -> Value:
-        h = ops.add(
-            h, self.self_attn(ops.rmsnorm(h, self.input_layernorm.weight, eps=self.eps), cos_sin)
-        )
+        cfg = self.cfg
         ffn = getattr(self, self.ffn_name)
-        return ops.add(h, ffn(ops.rmsnorm(h, self.post_attention_layernorm.weight, eps=self.eps)))
+        attn = self.self_attn(_norm(cfg, h, self.input_layernorm), cos_sin)
+        if not cfg.sandwich_norms:
+            h = ops.add(h, attn)
+            return ops.add(h, ffn(_norm(cfg, h, self.post_attention_layernorm)))
+        h = ops.add(h, _norm(cfg, attn, self.post_attention_layernorm))
+        out = ffn(_norm(cfg, h, self.pre_feedforward_layernorm))
+        return ops.add(h, _norm(cfg, out, self.post_feedforward_layernorm))
 
 
 class Backbone(nn.Module):
@@ -154,12 +171,18 @@ class CausalLM(nn.Module):
         cfg = self.cfg
         freqs = ops.constant("rope.inv_freq", inv_freq(cfg.rope, cfg.head_dim))
         cos_sin = ops.rope_cos_sin(positions, freqs)
+        local = cos_sin
+        if cfg.local_rope is not None:  # the sliding-window layers' own rope (Gemma 3)
+            local_freqs = ops.constant(
+                "rope.local_inv_freq", inv_freq(cfg.local_rope, cfg.head_dim)
+            )
+            local = ops.rope_cos_sin(positions, local_freqs)
         h = ops.embedding(input_ids, self.model.embed_tokens.weight, role="embedding")
-        for layer in self.model.layers:
-            h = layer(h, cos_sin)
-        h = ops.rmsnorm(
-            ops.index_select(h, logits_indices), self.model.norm.weight, eps=cfg.rms_norm_eps
-        )
+        if cfg.embed_scale != 1.0:
+            h = ops.scale(h, factor=cfg.embed_scale)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, local if cfg.layer_rope(i) is cfg.local_rope else cos_sin)
+        h = _norm(cfg, ops.index_select(h, logits_indices), self.model.norm)
         return ops.linear(h, self.lm_head_weight, role="lm_head")
 
 

@@ -50,6 +50,7 @@ class WeightSpec:
     """Shape and dtype of a weight, and how the compiler materialises it (`source`).
 
     `source` is a small recipe tree: {"load": hf_name}, {"concat": [recipes], "dim": 0},
+    {"shift": recipe, "by": x} (the recipe's tensor plus x),
     {"constant": key} for tensors computed by the model definition (e.g. rope frequencies).
     `shape` is the logical shape; `layout` how the artefact stores it: "rows" (as is) or
     "panels{L}x{G}" (a kiln_cpu linear's weight, see kernels/native.py `stored_shape`).

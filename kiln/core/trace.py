@@ -59,6 +59,16 @@ class Tracer:
             )
         raise IRError(f"cannot trace a {type(x).__name__} as an op argument")
 
+    def shifted(self, weight: torch.nn.Parameter, by: float) -> Value:
+        """A checkpoint weight plus `by`, added once at compile time (Gemma's norms scale
+        by 1 + w): the artefact stores the sum under the weight's own name."""
+        name = self._param_names.get(id(weight))
+        if name is None:
+            raise IRError("a parameter that does not belong to the traced module")
+        shape = tuple(weight.shape)
+        source = {"shift": {"load": name, "shape": list(shape)}, "by": by}
+        return Value(self._param(name, shape, _dtype_name(weight.dtype), source))
+
     def constant(self, name: str, value: torch.Tensor) -> Value:
         """A tensor computed by the model definition, stored in the artefact as a weight."""
         self.constants[name] = value

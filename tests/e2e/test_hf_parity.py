@@ -30,6 +30,15 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     # not (norm_topk_prob false) and keeps a dense MLP in layer 0 (mlp_only_layers).
     "mixtral-moe": ("mixtral", {}),
     "qwen3-moe-dense-first-layer": ("qwen3_moe", {}),
+    "gemma3-sliding-and-global": ("gemma3", {}),
+    "gemma3-untied-three-layers": (
+        "gemma3",
+        {
+            "tie_word_embeddings": False,
+            "num_layers": 3,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        },
+    ),
 }
 
 

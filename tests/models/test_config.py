@@ -138,3 +138,51 @@ def test_moe_configs_read_as_each_family_means_them() -> None:
     assert m.sparse_layers[:6] == (False, True, False, True, False, True)
     assert ModelConfig.from_manifest(m.to_dict()) == m
     assert ModelConfig.from_dict(LLAMA32).sparse_layers == ()
+
+
+# The published Gemma 3 270M text config, in its first (transformers 4) form: one rope
+# theta per attention kind as rope_theta / rope_local_base_freq, layer kinds from
+# sliding_window_pattern, tie_word_embeddings left to the class default (true).
+GEMMA3_270M = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "hidden_size": 640,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 18,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "vocab_size": 262144,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 256,
+    "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0,
+    "rope_scaling": None,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-06,
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+}
+
+
+def test_gemma3_reads_as_transformers_reads_it() -> None:
+    from transformers import Gemma3TextConfig
+
+    cfg = ModelConfig.from_dict(GEMMA3_270M)
+    hf = Gemma3TextConfig(**{k: v for k, v in GEMMA3_270M.items() if k != "architectures"})
+    windows = tuple(512 if t == "sliding_attention" else None for t in hf.layer_types)
+    assert cfg.sliding_windows == windows and windows.count(None) == 3
+    assert cfg.tie_word_embeddings and cfg.hidden_act == "gelu_tanh" and cfg.qk_norm
+    assert cfg.rope.theta == 1e6 and cfg.local_rope == RopeConfig(10000.0)
+    assert cfg.layer_rope(0) is cfg.local_rope and cfg.layer_rope(5) is cfg.rope
+    assert cfg.attention_scale == 256**-0.5 and cfg.embed_scale == 640**0.5
+    assert cfg.norm_offset == 1.0 and cfg.sandwich_norms
+    # The transformers 5 form of the same config reads the same.
+    new = {**hf.to_dict(), "architectures": ["Gemma3ForCausalLM"]}
+    new["bos_token_id"] = new["eos_token_id"] = None  # the class fills in defaults
+    assert ModelConfig.from_dict(new) == cfg
+    # What kiln does not run yet is named.
+    with pytest.raises(ModelConfigError, match="soft-capping"):
+        ModelConfig.from_dict({**GEMMA3_270M, "final_logit_softcapping": 30.0})

@@ -30,6 +30,8 @@ FAMILIES = {
     # each expert split across the ranks, the router whole
     "mixtral": {"num_kv_heads": 4},
     "qwen3_moe": {"num_kv_heads": 4},
+    # GELU-tanh MLP split like SiLU's; the 1 + w norms and the embedding scale whole
+    "gemma3": {},
 }
 
 

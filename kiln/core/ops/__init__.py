@@ -21,7 +21,16 @@ from kiln.core.ops import rope as _rope
 from kiln.core.ops import structure as _structure
 from kiln.core.ops.attention import ATTENTION_OPS, attention, rope_attention
 from kiln.core.ops.collective import all_gather, all_reduce
-from kiln.core.ops.elementwise import add, index_select, mul, silu, silu_and_mul, split
+from kiln.core.ops.elementwise import (
+    add,
+    gelu_tanh,
+    index_select,
+    mul,
+    scale,
+    silu,
+    silu_and_mul,
+    split,
+)
 from kiln.core.ops.linear import PROLOGUES, embedding, linear
 from kiln.core.ops.moe import moe
 from kiln.core.ops.norm import add_rmsnorm, rmsnorm
@@ -52,6 +61,11 @@ OPS: dict[str, OpDef] = {
 ELEMENTWISE = frozenset(d.name for d in _elementwise.ELEMENTWISE)
 
 
+def shifted(weight: torch.nn.Parameter, by: float) -> Value:
+    """A checkpoint weight plus a constant, folded in at compile time."""
+    return active_tracer().shifted(weight, by)
+
+
 def constant(name: str, value: torch.Tensor) -> Value:
     """A tensor the model definition computes (rope frequencies), stored as a weight."""
     return active_tracer().constant(name, value)
@@ -70,6 +84,7 @@ __all__ = [
     "attention",
     "constant",
     "embedding",
+    "gelu_tanh",
     "index_select",
     "linear",
     "moe",
@@ -79,6 +94,8 @@ __all__ = [
     "rope_attention",
     "rope_cos_sin",
     "rope_qkv",
+    "scale",
+    "shifted",
     "silu",
     "silu_and_mul",
     "split",

@@ -50,6 +50,24 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x)
 
 
+@op("x", rule=_unary)
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU with the tanh approximation (Gemma's `gelu_pytorch_tanh`)."""
+    return F.gelu(x, approximate="tanh")
+
+
+@dataclass(frozen=True, slots=True)
+class Factor(Attrs):
+    factor: float
+
+
+@op("x", Factor, rule=_unary)
+def scale(x: torch.Tensor, *, a: Factor) -> torch.Tensor:
+    """x times a constant, rounded to x's dtype first as transformers does (Gemma's
+    embeddings times sqrt(hidden size))."""
+    return x * torch.tensor(a.factor, dtype=x.dtype)
+
+
 def _halves(check: Check, a: dict[str, Any], ins: list[Any]) -> Any:
     x = check.float_tensor(ins[0])
     if not isinstance(x.features, int) or x.features % 2:
@@ -88,5 +106,5 @@ def index_select(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 # Ops whose output feature j depends on input feature j alone (split inputs stay split).
-ELEMENTWISE = (add, mul, silu, silu_and_mul)
-OPS = (add, mul, silu, silu_and_mul, split, index_select)
+ELEMENTWISE = (add, mul, silu, gelu_tanh, scale, silu_and_mul)
+OPS = (add, mul, silu, gelu_tanh, scale, silu_and_mul, split, index_select)
