@@ -28,7 +28,16 @@ from kiln.compiler.ckpt_files import CheckpointError, find_gguf
 __all__ = ["ARCHITECTURES", "GGUFFile", "find_gguf"]
 
 # GGUF architectures kiln builds, and the Hugging Face model_type each becomes.
-ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHITECTURES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3": "gemma3_text",
+}
+# llama.cpp's converter stores Gemma's norm weights as 1 + w (its norm multiplies by the
+# weight); transformers' Gemma norms take w and add the 1 themselves, as kiln's do.
+_NORMS_PLUS_ONE = ("gemma3",)
 # llama.cpp's converter interleaves the rotary halves of q/k for these (its rope is the
 # GPT-J pairing); kiln's models rotate halves as transformers does, so the rows go back.
 _PERMUTED_QK = ("llama", "mistral")
@@ -65,6 +74,14 @@ _LAYER = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Gemma's sandwich norms: llama.cpp's ffn_norm is its pre-MLP norm, and the norms after
+# attention and MLP have names of their own.
+_GEMMA_LAYER = {
+    **_LAYER,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
@@ -113,7 +130,7 @@ class GGUFFile:
         """Hugging Face name -> the gguf package's tensor record."""
         out = {}
         for t in self._reader.tensors:
-            name = _hf_name(t.name)
+            name = _hf_name(t.name, self.arch)
             if name is None:
                 raise CheckpointError(f"{self.path.name}: unknown tensor {t.name!r}")
             out[name] = t
@@ -155,6 +172,17 @@ class GGUFFile:
             cfg["sliding_window"] = int(window)
         if self.arch == "qwen2":
             cfg["attention_bias"] = True
+        if self.arch == "gemma3":
+            # What the file does not say, as llama.cpp and transformers both assume it for
+            # Gemma 3: a global layer every sixth, the local rope base 10000, and a query
+            # scale of head_dim (the 27B model's differs; llama.cpp special-cases it).
+            cfg["hidden_activation"] = "gelu_pytorch_tanh"
+            cfg["hidden_act"] = "gelu_pytorch_tanh"
+            cfg["sliding_window_pattern"] = 6
+            cfg["rope_local_base_freq"] = 10000.0
+            cfg["query_pre_attn_scalar"] = cfg["head_dim"]
+            if cfg["num_hidden_layers"] == 62:
+                cfg["query_pre_attn_scalar"] = hidden // heads
         return cfg
 
     # -- tensors --------------------------------------------------------------------------
@@ -172,6 +200,8 @@ class GGUFFile:
         t = self._record(name)
         shape = self.shape(name)
         data = dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32, copy=False)
+        if self.arch in _NORMS_PLUS_ONE and name.endswith("norm.weight"):
+            data = data - 1.0
         return self._unpermute(name, data)
 
     def raw(self, name: str) -> np.ndarray:
@@ -203,8 +233,12 @@ class GGUFFile:
 
     # -- tokenizer ------------------------------------------------------------------------
     def write_tokenizer(self, dst: Path) -> None:
-        """tokenizer.json + tokenizer_config.json for a byte-level BPE vocabulary."""
+        """tokenizer.json + tokenizer_config.json for a byte-level BPE vocabulary (written
+        here) or a SentencePiece one (converted by transformers' own GGUF reader)."""
         model = self.field("tokenizer.ggml.model")
+        if model == "llama":
+            self._write_sentencepiece_tokenizer(dst)
+            return
         if model != "gpt2":
             raise CheckpointError(
                 f"{self.path.name}: tokenizer model {model!r} is not supported yet (kiln reads "
@@ -325,19 +359,41 @@ class GGUFFile:
         (dst / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
         (dst / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
 
+    def _write_sentencepiece_tokenizer(self, dst: Path) -> None:
+        """A SentencePiece vocabulary with scores (tokenizer.ggml.model = llama: Gemma,
+        Llama 2) as transformers converts it: its byte-fallback BPE, special tokens and
+        normaliser are what transformers, the oracle, tokenizes with (~20 s for Gemma 3's
+        262,144 tokens)."""
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+        except (ValueError, KeyError, OSError) as e:
+            raise CheckpointError(
+                f"{self.path.name}: its SentencePiece vocabulary does not convert ({e}); pass "
+                "the original model's tokenizer folder with --tokenizer-path"
+            ) from None
+        dst.mkdir(parents=True, exist_ok=True)
+        tok.save_pretrained(str(dst))
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            if not (dst / name).is_file():
+                raise CheckpointError(f"{self.path.name}: transformers wrote no {name}")
+
 
 _ARCH_CLASS = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str) -> str | None:
     if gguf_name in _GLOBAL:
         return _GLOBAL[gguf_name]
+    layer = _GEMMA_LAYER if arch == "gemma3" else _LAYER
     m = _BLOCK.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _LAYER:
+    if m is None or m.group(2) not in layer:
         return None
-    return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+    return f"model.layers.{m.group(1)}.{layer[m.group(2)]}"

