@@ -59,6 +59,13 @@ class CheckpointReader:
             for f in self.files:
                 for name in self._names(f):
                     self._where[name] = f
+        # A multimodal checkpoint's language model (Gemma3ForConditionalGeneration): its
+        # weights under the names the text model reads; the vision tower is not read.
+        self._key: dict[str, str] = {}  # name the model reads -> name in the file
+        for key in list(self._where):
+            alias = _text_model_name(key)
+            if alias is not None and alias not in self._where:
+                self._where[alias], self._key[alias] = self._where[key], key
         # A GPTQ / AWQ checkpoint: each packed linear P.qweight (+ qzeros, scales, g_idx)
         # stands for the weight P.weight the model reads.
         self.int4: Int4Config | None = None
@@ -209,14 +216,16 @@ class CheckpointReader:
         if f is None:
             raise CheckpointError(f"checkpoint {self.path} has no tensor {name!r}")
         h = self._handle(f)
-        return h.get_tensor(name) if self.load_format == "safetensors" else h[name]
+        key = self._key.get(name, name)
+        return h.get_tensor(key) if self.load_format == "safetensors" else h[key]
 
     def _dtype(self, name: str) -> str:
         f = self._where[name]
         h = self._handle(f)
+        key = self._key.get(name, name)
         if self.load_format == "safetensors":
-            return str(h.get_slice(name).get_dtype())
-        return "F8_E4M3" if h[name].dtype == torch.float8_e4m3fn else str(h[name].dtype)
+            return str(h.get_slice(key).get_dtype())
+        return "F8_E4M3" if h[key].dtype == torch.float8_e4m3fn else str(h[key].dtype)
 
     def _shape(self, name: str) -> tuple[int, ...]:
         if name in self._int4:
@@ -226,9 +235,10 @@ class CheckpointReader:
         if f is None:
             raise CheckpointError(f"checkpoint {self.path} has no tensor {name!r}")
         h = self._handle(f)
+        key = self._key.get(name, name)
         if self.load_format == "safetensors":
-            return tuple(h.get_slice(name).get_shape())
-        return tuple(h[name].shape)
+            return tuple(h.get_slice(key).get_shape())
+        return tuple(h[key].shape)
 
     def close(self) -> None:
         self._stack.close()
@@ -260,3 +270,16 @@ def _dummy(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         base = 1.0 if name.endswith("norm.weight") else 0.0
         return base + 0.02 * torch.randn(shape, generator=g)
     return 0.02 * torch.randn(shape, generator=g)
+
+
+# Where multimodal checkpoints keep their language model: transformers 4's layout, then 5's.
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."))
+_TEXT_HEADS = ("language_model.lm_head.weight",)
+
+
+def _text_model_name(key: str) -> str | None:
+    """The text model's name of a multimodal checkpoint's tensor, or None."""
+    for prefix, becomes in _TEXT_PREFIXES:
+        if key.startswith(prefix):
+            return becomes + key[len(prefix) :]
+    return "lm_head.weight" if key in _TEXT_HEADS else None

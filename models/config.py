@@ -123,6 +123,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        cfg = _text_part(cfg)
         model_type = cfg.get("model_type", "")
         if model_type not in _FAMILIES:
             raise ModelConfigError(
@@ -227,6 +228,22 @@ def _moe(model_type: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any
             ),
         }
     return {}
+
+
+def _text_part(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal checkpoint's language model config (Gemma3ForConditionalGeneration:
+    model_type gemma3 with a text_config); kiln runs the text part, and the compiler reads
+    its weights under the text model's names (compiler/checkpoint.py)."""
+    text = cfg.get("text_config")
+    if cfg.get("model_type") != "gemma3" or not isinstance(text, dict):
+        return cfg
+    tied = text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", True))
+    return {
+        **text,
+        "model_type": "gemma3_text",
+        "architectures": cfg.get("architectures") or ["Gemma3ForConditionalGeneration"],
+        "tie_word_embeddings": tied,
+    }
 
 
 def _global_rope(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -109,3 +109,65 @@ def test_text_prompts_through_the_tokenizer(checkpoint, artefact) -> None:
         assert out["meta_info"]["prompt_tokens"] == len(ids)
         assert out["meta_info"]["completion_tokens"] == 8
         assert out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_the_text_part_of_a_gemma3_multimodal_checkpoint(tmp_path) -> None:
+    """Gemma3ForConditionalGeneration (a vision tower beside the language model, whose
+    weights sit under language_model.model.*): kiln compiles and runs the text part, and
+    text-only prompts continue as transformers' whole model continues them."""
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3TextConfig,
+        SiglipVisionConfig,
+    )
+
+    from kiln.args import ServerArgs
+    from kiln.compiler.compile import compile_model
+    from kiln.example import _randomise_norms, train_tokenizer
+
+    tokenizer = train_tokenizer()
+    text = Gemma3TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=256,
+        initializer_range=0.2,
+    )
+    vision = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    config = Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+        boi_token_index=len(tokenizer) - 3,
+        eoi_token_index=len(tokenizer) - 2,
+        image_token_index=len(tokenizer) - 1,
+    )
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).float().eval()
+    _randomise_norms(model, 0)
+    ckpt = tmp_path / "gemma3-mm"
+    model.save_pretrained(ckpt)
+    tokenizer.save_pretrained(ckpt)
+    art = tmp_path / "art"
+    compile_model(ServerArgs(model_path=str(ckpt), dtype="float32"), art)
+    engine = Engine(art, max_total_tokens=1024)
+    outs = engine.generate(
+        input_ids=PROMPTS,
+        sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
+    )
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out["output_ids"] == hf_greedy(model, prompt), f"prompt of {len(prompt)} tokens"
