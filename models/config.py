@@ -39,6 +39,12 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    # YaRN: the ramp between extrapolated and interpolated frequencies, and the factor the
+    # rotary tables are multiplied by.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> RopeConfig:
@@ -51,18 +57,51 @@ class RopeConfig:
         if theta is None:
             theta = 10000.0
         rope_type = merged.get("rope_type", merged.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3"):
+        if rope_type not in ROPE_TYPES:
             raise ModelConfigError(
-                f"rope type {rope_type!r} is not supported yet (supported: default, linear, llama3)"
+                f"rope type {rope_type!r} is not supported yet (supported: {', '.join(ROPE_TYPES)})"
             )
+        original = merged.get("original_max_position_embeddings")
+        factor = merged.get("factor")
+        extra: dict[str, Any] = {}
+        if rope_type == "yarn":
+            # As transformers reads YaRN: the pretraining context defaults to the config's,
+            # the factor to the ratio of the two, the attention factor to its mscale rule.
+            original = int(original or cfg.get("max_position_embeddings") or 2048)
+            if factor is None:
+                factor = (cfg.get("max_position_embeddings") or original) / original
+            extra = {
+                "beta_fast": float(merged.get("beta_fast") or 32.0),
+                "beta_slow": float(merged.get("beta_slow") or 1.0),
+                "truncate": bool(merged.get("truncate", True)),
+                "attention_factor": _yarn_attention_factor(merged, float(factor)),
+            }
         return cls(
             theta=float(theta),
             rope_type=rope_type,
-            factor=float(merged.get("factor", 1.0)),
+            factor=float(factor if factor is not None else 1.0),
             low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
             high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=merged.get("original_max_position_embeddings"),
+            original_max_position_embeddings=original,
+            **extra,
         )
+
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _yarn_attention_factor(params: dict[str, Any], factor: float) -> float:
+    given = params.get("attention_factor")
+    if given is not None:
+        return float(given)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+    if m and m_all:
+        return mscale(factor, float(m)) / mscale(factor, float(m_all))
+    return mscale(factor)
 
 
 @dataclass(frozen=True)

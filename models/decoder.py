@@ -170,13 +170,13 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: Value, positions: Value, logits_indices: Value) -> Value:
         cfg = self.cfg
         freqs = ops.constant("rope.inv_freq", inv_freq(cfg.rope, cfg.head_dim))
-        cos_sin = ops.rope_cos_sin(positions, freqs)
+        cos_sin = ops.rope_cos_sin(positions, freqs, scale=cfg.rope.attention_factor)
         local = cos_sin
         if cfg.local_rope is not None:  # the sliding-window layers' own rope (Gemma 3)
             local_freqs = ops.constant(
                 "rope.local_inv_freq", inv_freq(cfg.local_rope, cfg.head_dim)
             )
-            local = ops.rope_cos_sin(positions, local_freqs)
+            local = ops.rope_cos_sin(positions, local_freqs, scale=cfg.local_rope.attention_factor)
         h = ops.embedding(input_ids, self.model.embed_tokens.weight, role="embedding")
         if cfg.embed_scale != 1.0:
             h = ops.scale(h, factor=cfg.embed_scale)

@@ -17,7 +17,30 @@ def inv_freq(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
         return freq / rope.factor
     if rope.rope_type == "llama3":
         return _llama3(freq, rope)
+    if rope.rope_type == "yarn":
+        return _yarn(rope, rotary_dim)
     return freq
+
+
+def _yarn(rope: RopeConfig, dim: int) -> torch.Tensor:
+    # YaRN: high-frequency pairs kept (extrapolated), low ones divided by `factor`
+    # (interpolated), a linear ramp between the pairs that turn beta_fast and beta_slow
+    # times over the pretraining context. The tables are also scaled (attention_factor).
+    ctx = rope.original_max_position_embeddings or 2048
+
+    def pair(rotations: float) -> float:
+        return dim * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = pair(rope.beta_fast), pair(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no ramp of width 0
+    pos = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (the pair's own frequency), 0: interpolate
+    return (1.0 / (rope.factor * pos)) * (1 - keep) + (1.0 / pos) * keep
 
 
 def _llama3(freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:

@@ -30,6 +30,18 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     # not (norm_topk_prob false) and keeps a dense MLP in layer 0 (mlp_only_layers).
     "mixtral-moe": ("mixtral", {}),
     "qwen3-moe-dense-first-layer": ("qwen3_moe", {}),
+    # YaRN over a pretraining context of 32: prompt and continuation reach past it.
+    "qwen2-yarn": (
+        "qwen2",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "rope_theta": 10000.0,
+            }
+        },
+    ),
     "gemma3-sliding-and-global": ("gemma3", {}),
     "gemma3-untied-three-layers": (
         "gemma3",

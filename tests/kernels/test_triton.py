@@ -12,6 +12,7 @@ import pytest
 import torch
 from kernel_calls import with_attrs
 
+from kiln.core.ops.rope import Tables
 from kiln.kernels import catalog
 from kiln.runtime.step import StepContext, StepInputs
 
@@ -62,7 +63,8 @@ def test_rope_qkv_on_a_fused_projection(head_dim: int) -> None:
     sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
     qkv = randn(tokens, sum(sizes))
     inv_freq = 1.0 / (10000 ** (arange(0, head_dim, 2).float() / head_dim))
-    cos_sin = catalog.get("rope_cos_sin", "torch_native").fn(arange(3, 9), inv_freq)
+    tables = catalog.get("rope_cos_sin", "torch_native").fn
+    cos_sin = tables(arange(3, 9), inv_freq, a=Tables())
     tri, ref = both("rope_qkv")
     got_all, want_all = tri(qkv, cos_sin, head_dim, sizes), ref(qkv, cos_sin, head_dim, sizes)
     for got, want in zip(got_all, want_all, strict=True):

@@ -95,7 +95,8 @@ def test_sliding_windows_per_family() -> None:
     [
         ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
         ({"model_type": "llama", "hidden_act": "gelu"}, "hidden_act 'gelu'"),
-        ({"model_type": "llama", "rope_scaling": {"rope_type": "yarn"}}, "rope type 'yarn'"),
+        ({"model_type": "llama", "rope_scaling": {"rope_type": "dynamic"}}, "rope type 'dynamic'"),
+        ({"model_type": "llama", "rope_scaling": {"rope_type": "longrope"}}, "'longrope' is not"),
     ],
 )
 def test_unsupported_configs_say_why(bad, message) -> None:
@@ -186,3 +187,39 @@ def test_gemma3_reads_as_transformers_reads_it() -> None:
     # What kiln does not run yet is named.
     with pytest.raises(ModelConfigError, match="soft-capping"):
         ModelConfig.from_dict({**GEMMA3_270M, "final_logit_softcapping": 30.0})
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        # Qwen2.5's long-context form
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+        # DeepSeek's: the attention factor from mscale / mscale_all_dim
+        {
+            "rope_type": "yarn",
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.707,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+    ],
+)
+def test_yarn_frequencies_and_attention_factor_match_transformers(params) -> None:
+    from transformers import Qwen2Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf = Qwen2Config(
+        hidden_size=256,
+        num_attention_heads=4,
+        num_hidden_layers=1,
+        intermediate_size=64,
+        vocab_size=10,
+        max_position_embeddings=131072,
+        rope_parameters={**params, "rope_theta": 1e6},
+    )
+    ref, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    cfg = ModelConfig.from_dict(hf.to_dict())
+    torch.testing.assert_close(inv_freq(cfg.rope, 64), ref.float(), rtol=1e-6, atol=0)
+    assert cfg.rope.attention_factor == pytest.approx(attention_factor) and attention_factor > 1

@@ -17,8 +17,6 @@ from serve_helpers import API_KEY
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kiln import Engine
-from kiln.args import ServerArgs
-from kiln.compiler.compile import compile_model
 from kiln.example import fetch
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
@@ -31,10 +29,8 @@ def gemma3() -> Path:
 
 
 @pytest.fixture(scope="module")
-def gemma3_art(gemma3: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    art = tmp_path_factory.mktemp("gemma3") / "art"
-    compile_model(ServerArgs(model_path=str(gemma3)), art)
-    return art
+def gemma3_art(gemma3: Path, real_artefact) -> Path:
+    return real_artefact(gemma3)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,11 @@ class Rope(Attrs):
 
 
 @dataclass(frozen=True, slots=True)
+class Tables(Attrs):
+    scale: float = 1.0  # cos and sin times this (YaRN's attention factor)
+
+
+@dataclass(frozen=True, slots=True)
 class RopeQKV(Attrs):
     head_dim: int
     sizes: list[int]  # q, k and v features of the fused projection's rows
@@ -58,12 +63,16 @@ def _rope_qkv(check: Check, a: dict[str, Any], ins: list[Any]) -> Any:
     return tuple(TensorType(p, qkv.dtype) for p in parts)
 
 
-@op("positions, inv_freq", rule=_tables)
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, ...]:
+@op("positions, inv_freq", Tables, rule=_tables)
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, *, a: Tables
+) -> tuple[torch.Tensor, ...]:
     """Per-step rotary tables, [tokens, 1, rotary_dim]: cos for both halves, and sin signed
     so that rope is one multiply-add with the halves swapped (see `rope`)."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     cos, sin = freqs.cos(), freqs.sin()
+    if a.scale != 1.0:
+        cos, sin = cos * a.scale, sin * a.scale
     return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
 
 
