@@ -139,6 +139,15 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "layer_types": ["sliding_attention", "full_attention"],
         "query_pre_attn_scalar": 32,
     },
+    # Gemma 2: soft caps small enough to bite on random weights (its defaults are 50 / 30).
+    "gemma2": {
+        "model_type": "gemma2",
+        "head_dim": 24,
+        "sliding_window": 16,
+        "query_pre_attn_scalar": 32,
+        "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 3.0,
+    },
     "qwen3_moe": {
         "model_type": "qwen3_moe",
         "head_dim": 24,

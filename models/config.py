@@ -20,7 +20,11 @@ _FAMILIES: dict[str, dict[str, bool]] = {
     # Gemma 3's text model: GELU-tanh MLP, norms that scale by 1 + w around attention and
     # MLP both, embeddings times sqrt(hidden), its own rope for the sliding layers.
     "gemma3_text": {"qkv_bias": False, "qk_norm": True},
+    # Gemma 2: as Gemma 3 without q/k norms or a local rope, with soft-capped attention
+    # scores and final logits.
+    "gemma2": {"qkv_bias": False, "qk_norm": False},
 }
+_GEMMAS = ("gemma2", "gemma3_text")
 # hidden_act / hidden_activation -> kiln's activation op.
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -146,6 +150,9 @@ class ModelConfig:
     embed_scale: float = 1.0
     query_scale: float | None = None
     local_rope: RopeConfig | None = None
+    # Gemma 2: attention scores and final logits held inside (-cap, cap); 0: no cap.
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
 
     @classmethod
     def from_hf(cls, path: str | Path) -> ModelConfig:
@@ -197,7 +204,7 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             rope=RopeConfig.from_hf(_global_rope(model_type, cfg)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type == "gemma3_text")),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in _GEMMAS)),
             qkv_bias=qkv_bias,
             qk_norm=family["qk_norm"],
             sliding_windows=_sliding_windows(cfg, num_layers),
@@ -295,31 +302,35 @@ def _global_rope(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _gemma(model_type: str, cfg: dict[str, Any], hidden: int) -> dict[str, Any]:
-    if model_type != "gemma3_text":
+    if model_type not in _GEMMAS:
         return {}
-    if cfg.get("attn_logit_softcapping") or cfg.get("final_logit_softcapping"):
-        raise ModelConfigError("Gemma soft-capping is not supported yet")
     if cfg.get("use_bidirectional_attention"):
         raise ModelConfigError("use_bidirectional_attention=true is not supported")
-    params = cfg.get("rope_parameters") or {}
-    local = params.get("sliding_attention") or {
-        "rope_theta": cfg.get("rope_local_base_freq", 10000.0)
-    }
-    return {
+    out = {
         "norm_offset": 1.0,
         "sandwich_norms": True,
         "embed_scale": math.sqrt(hidden),
         "query_scale": float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
-        "local_rope": RopeConfig.from_hf({"rope_parameters": local}),
+        "attn_softcap": float(cfg.get("attn_logit_softcapping") or 0.0),
+        "final_softcap": float(cfg.get("final_logit_softcapping") or 0.0),
     }
+    if model_type == "gemma3_text":
+        params = cfg.get("rope_parameters") or {}
+        local = params.get("sliding_attention") or {
+            "rope_theta": cfg.get("rope_local_base_freq", 10000.0)
+        }
+        out["local_rope"] = RopeConfig.from_hf({"rope_parameters": local})
+    return out
 
 
 def _sliding_windows(cfg: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
     window = cfg.get("sliding_window")
     layer_types = cfg.get("layer_types")
     pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
-    if not layer_types and cfg.get("model_type") == "gemma3_text" and pattern:
-        # Older Gemma 3 files: every pattern-th layer is global, the others slide.
+    if not layer_types and cfg.get("model_type") == "gemma2":
+        pattern = 2  # transformers' Gemma 2: sliding and global layers alternate
+    if not layer_types and cfg.get("model_type") in _GEMMAS and pattern:
+        # Older Gemma files: every pattern-th layer is global, the others slide.
         layer_types = [
             "full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention"
             for i in range(num_layers)

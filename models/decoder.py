@@ -1,5 +1,5 @@
-"""The decoder-only transformer behind Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 3, and the
-mixtures of experts Mixtral and Qwen3-MoE.
+"""The decoder-only transformer behind Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2 and 3, and
+the mixtures of experts Mixtral and Qwen3-MoE.
 
 Written for one device and traced, never run eagerly: build it on the meta device and
 hand it to `kiln.core.trace.trace`. Parameter names match the Hugging Face
@@ -64,6 +64,7 @@ class Attention(nn.Module):
             head_dim=cfg.head_dim,
             scale=cfg.attention_scale,
             sliding_window=cfg.sliding_windows[self.layer],
+            softcap=cfg.attn_softcap,
         )
         return ops.linear(o, self.o_proj.weight)
 
@@ -183,7 +184,8 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             h = layer(h, local if cfg.layer_rope(i) is cfg.local_rope else cos_sin)
         h = _norm(cfg, ops.index_select(h, logits_indices), self.model.norm)
-        return ops.linear(h, self.lm_head_weight, role="lm_head")
+        logits = ops.linear(h, self.lm_head_weight, role="lm_head")
+        return ops.softcap(logits, cap=cfg.final_softcap) if cfg.final_softcap else logits
 
 
 def build(cfg: ModelConfig) -> CausalLM:

@@ -42,6 +42,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             }
         },
     ),
+    "gemma2-soft-capped": ("gemma2", {}),
     "gemma3-sliding-and-global": ("gemma3", {}),
     "gemma3-untied-three-layers": (
         "gemma3",
@@ -183,3 +184,30 @@ def test_the_text_part_of_a_gemma3_multimodal_checkpoint(tmp_path) -> None:
     )
     for prompt, out in zip(PROMPTS, outs, strict=True):
         assert out["output_ids"] == hf_greedy(model, prompt), f"prompt of {len(prompt)} tokens"
+
+
+def test_soft_capped_attention_runs_only_where_it_is_computed(checkpoint, tmp_path) -> None:
+    """Gemma 2's capped scores: the reference kernel runs every attention node, on a CPU
+    target (where kiln's C kernels, which do not cap, run Gemma 3's) and on a CUDA one
+    (where the Triton kernels run the rest of the graph)."""
+    import json
+
+    from kiln.args import ServerArgs
+    from kiln.compiler.compile import compile_model
+    from kiln.core.artefact import graph_file
+
+    def backends(family: str, **flags: str) -> dict[str, set[str]]:
+        art = tmp_path / f"{family}-{len(flags)}"
+        args = ServerArgs(model_path=str(checkpoint(family)), dtype="float32", **flags)
+        compile_model(args, art)
+        out: dict[str, set[str]] = {}
+        for n in json.loads((art / graph_file(0)).read_text())["nodes"]:
+            if "backend" in n.get("meta", {}):
+                op = "attend" if n["op"] in ("attention", "rope_attention") else n["op"]
+                out.setdefault(op, set()).add(n["meta"]["backend"])
+        return out
+
+    assert backends("gemma3")["attend"] == {"kiln_cpu"}
+    assert backends("gemma2")["attend"] == {"torch_native"}
+    cuda = backends("gemma2", device="cuda", target_isa="sm_90")
+    assert cuda["attend"] == {"torch_native"} and cuda["rmsnorm"] == {"triton"}

@@ -184,9 +184,11 @@ def test_gemma3_reads_as_transformers_reads_it() -> None:
     new = {**hf.to_dict(), "architectures": ["Gemma3ForCausalLM"]}
     new["bos_token_id"] = new["eos_token_id"] = None  # the class fills in defaults
     assert ModelConfig.from_dict(new) == cfg
+    capped = ModelConfig.from_dict({**GEMMA3_270M, "final_logit_softcapping": 30.0})
+    assert capped.final_softcap == 30.0 and cfg.final_softcap == cfg.attn_softcap == 0.0
     # What kiln does not run yet is named.
-    with pytest.raises(ModelConfigError, match="soft-capping"):
-        ModelConfig.from_dict({**GEMMA3_270M, "final_logit_softcapping": 30.0})
+    with pytest.raises(ModelConfigError, match="use_bidirectional_attention"):
+        ModelConfig.from_dict({**GEMMA3_270M, "use_bidirectional_attention": True})
 
 
 @pytest.mark.parametrize(
@@ -223,3 +225,31 @@ def test_yarn_frequencies_and_attention_factor_match_transformers(params) -> Non
     cfg = ModelConfig.from_dict(hf.to_dict())
     torch.testing.assert_close(inv_freq(cfg.rope, 64), ref.float(), rtol=1e-6, atol=0)
     assert cfg.rope.attention_factor == pytest.approx(attention_factor) and attention_factor > 1
+
+
+def test_gemma2_reads_as_transformers_reads_it() -> None:
+    from transformers import Gemma2Config
+
+    published = {  # Gemma 2 2B's config, in its first form (no layer_types)
+        "model_type": "gemma2",
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "vocab_size": 256000,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "rope_theta": 10000.0,
+    }
+    cfg = ModelConfig.from_dict(published)
+    hf = Gemma2Config(**{k: v for k, v in published.items() if k != "model_type"})
+    assert cfg.sliding_windows == tuple(
+        4096 if t == "sliding_attention" else None for t in hf.layer_types
+    )
+    assert (cfg.attn_softcap, cfg.final_softcap) == (50.0, 30.0)
+    assert not cfg.qk_norm and cfg.local_rope is None and cfg.tie_word_embeddings

@@ -32,6 +32,7 @@ FAMILIES = {
     "qwen3_moe": {"num_kv_heads": 4},
     # GELU-tanh MLP split like SiLU's; the 1 + w norms and the embedding scale whole
     "gemma3": {},
+    "gemma2": {},
 }
 
 

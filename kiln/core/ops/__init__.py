@@ -29,6 +29,7 @@ from kiln.core.ops.elementwise import (
     scale,
     silu,
     silu_and_mul,
+    softcap,
     split,
 )
 from kiln.core.ops.linear import PROLOGUES, embedding, linear
@@ -98,5 +99,6 @@ __all__ = [
     "shifted",
     "silu",
     "silu_and_mul",
+    "softcap",
     "split",
 ]

@@ -144,6 +144,8 @@ class Attention(Attrs):
     sliding_window: int | None
     # An fp8 KV pool stores K/V / kv_scale (passes/kv_cache.py); 1.0 otherwise.
     kv_scale: float = 1.0
+    # Gemma 2: scores become softcap * tanh(scores / softcap) before the softmax; 0: none.
+    softcap: float = 0.0
 
 
 def _heads(check: Check, a: dict[str, Any]) -> tuple[int, int, int]:
@@ -277,17 +279,40 @@ def attend_one(
             from_pool(c[a.layer].index_select(1, s.kv_slots), q.dtype, a.kv_scale).unsqueeze(0)
             for c in (ctx.k_cache, ctx.v_cache)
         )
-    gqa = heads != kv
     if s.kv_len == s.q_len and window is None:
-        o = F.scaled_dot_product_attention(
-            qs, ks, vs, is_causal=True, scale=a.scale, enable_gqa=gqa
-        )
+        o = _sdpa(qs, ks, vs, a, causal=True)
     else:
-        mask = _causal_mask(s.q_len, s.kv_len, window)
-        o = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=mask, scale=a.scale, enable_gqa=gqa
-        )
+        o = _sdpa(qs, ks, vs, a, mask=_causal_mask(s.q_len, s.kv_len, window))
     return o[0].transpose(0, 1).reshape(s.q_len, heads * d)
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: Attention,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Softmax attention of [..., heads, rows, d] queries over [..., kv_heads, keys, d]
+    (`mask`: True where a key is visible): torch's SDPA, or, with a soft cap, the scores
+    capped before the mask and softmax as transformers' Gemma 2 does (fp32 softmax)."""
+    gqa = q.shape[-3] != k.shape[-3]
+    if not a.softcap:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=a.scale, enable_gqa=gqa
+        )
+    if gqa:
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
+    scores = (q @ k.transpose(-1, -2)) * a.scale
+    scores = torch.tanh(scores / a.softcap) * a.softcap
+    if causal:
+        rows, keys = scores.shape[-2:]
+        mask = torch.ones(rows, keys, dtype=torch.bool).tril(keys - rows)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
 def _decode(
@@ -307,8 +332,7 @@ def _decode(
     vs = v_cache.view(kv, -1, block).index_select(1, ctx.kv_index)
     ks, vs = (from_pool(t, q.dtype, a.kv_scale).view(kv, b, -1, d) for t in (ks, vs))
     qg = q.view(b, kv, group, d).transpose(0, 1)
-    mask = ctx.decode_mask(a.sliding_window)
-    o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=mask, scale=a.scale)
+    o = _sdpa(qg, ks, vs, a, mask=ctx.decode_mask(a.sliding_window))
     return o.transpose(0, 1).reshape(b, a.num_heads * d)
 
 

@@ -61,6 +61,17 @@ class Factor(Attrs):
     factor: float
 
 
+@dataclass(frozen=True, slots=True)
+class Cap(Attrs):
+    cap: float
+
+
+@op("x", Cap, rule=_unary)
+def softcap(x: torch.Tensor, *, a: Cap) -> torch.Tensor:
+    """cap * tanh(x / cap): values held inside (-cap, cap) (Gemma 2's final logits)."""
+    return torch.tanh(x / a.cap) * a.cap
+
+
 @op("x", Factor, rule=_unary)
 def scale(x: torch.Tensor, *, a: Factor) -> torch.Tensor:
     """x times a constant, rounded to x's dtype first as transformers does (Gemma's
@@ -106,5 +117,5 @@ def index_select(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 # Ops whose output feature j depends on input feature j alone (split inputs stay split).
-ELEMENTWISE = (add, mul, silu, gelu_tanh, scale, silu_and_mul)
-OPS = (add, mul, silu, gelu_tanh, scale, silu_and_mul, split, index_select)
+ELEMENTWISE = (add, mul, silu, gelu_tanh, scale, softcap, silu_and_mul)
+OPS = (add, mul, silu, gelu_tanh, scale, softcap, silu_and_mul, split, index_select)
