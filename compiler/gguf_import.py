@@ -33,11 +33,12 @@ ARCHITECTURES = {
     "mistral": "mistral",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "gemma2": "gemma2",
     "gemma3": "gemma3_text",
 }
 # llama.cpp's converter stores Gemma's norm weights as 1 + w (its norm multiplies by the
 # weight); transformers' Gemma norms take w and add the 1 themselves, as kiln's do.
-_NORMS_PLUS_ONE = ("gemma3",)
+_NORMS_PLUS_ONE = ("gemma2", "gemma3")
 # llama.cpp's converter interleaves the rotary halves of q/k for these (its rope is the
 # GPT-J pairing); kiln's models rotate halves as transformers does, so the rows go back.
 _PERMUTED_QK = ("llama", "mistral")
@@ -84,6 +85,8 @@ _GEMMA_LAYER = {
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+# Layer counts of the 27B Gemmas, whose query scale is hidden / heads, not head_dim.
+_GEMMA_27B_LAYERS = {"gemma2": (46,), "gemma3": (62,)}
 
 # Token types of the GGUF vocabulary (gguf.TokenType).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -172,17 +175,23 @@ class GGUFFile:
             cfg["sliding_window"] = int(window)
         if self.arch == "qwen2":
             cfg["attention_bias"] = True
-        if self.arch == "gemma3":
-            # What the file does not say, as llama.cpp and transformers both assume it for
-            # Gemma 3: a global layer every sixth, the local rope base 10000, and a query
-            # scale of head_dim (the 27B model's differs; llama.cpp special-cases it).
+        if self.arch in _NORMS_PLUS_ONE:  # Gemma 2 and 3
+            # What the file does not say, as llama.cpp assumes it: GELU-tanh, and a query
+            # scale of head_dim (the 27B models' differs; llama.cpp special-cases them).
             cfg["hidden_activation"] = "gelu_pytorch_tanh"
             cfg["hidden_act"] = "gelu_pytorch_tanh"
+            cfg["query_pre_attn_scalar"] = cfg["head_dim"]
+            if cfg["num_hidden_layers"] in _GEMMA_27B_LAYERS[self.arch]:
+                cfg["query_pre_attn_scalar"] = hidden // heads
+        if self.arch == "gemma3":
+            # A global layer every sixth, the local rope base 10000 (llama.cpp's constants).
             cfg["sliding_window_pattern"] = 6
             cfg["rope_local_base_freq"] = 10000.0
-            cfg["query_pre_attn_scalar"] = cfg["head_dim"]
-            if cfg["num_hidden_layers"] == 62:
-                cfg["query_pre_attn_scalar"] = hidden // heads
+        if self.arch == "gemma2":
+            # Sliding and global layers alternate; the caps are in the file (llama.cpp's
+            # converter writes them), else Gemma 2's published 50 and 30.
+            cfg["attn_logit_softcapping"] = float(self.arch_field("attn_logit_softcapping", 50.0))
+            cfg["final_logit_softcapping"] = float(self.arch_field("final_logit_softcapping", 30.0))
         return cfg
 
     # -- tensors --------------------------------------------------------------------------
@@ -385,6 +394,7 @@ _ARCH_CLASS = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
 }
 
@@ -392,7 +402,7 @@ _ARCH_CLASS = {
 def _hf_name(gguf_name: str, arch: str) -> str | None:
     if gguf_name in _GLOBAL:
         return _GLOBAL[gguf_name]
-    layer = _GEMMA_LAYER if arch == "gemma3" else _LAYER
+    layer = _GEMMA_LAYER if arch in _NORMS_PLUS_ONE else _LAYER
     m = _BLOCK.fullmatch(gguf_name)
     if m is None or m.group(2) not in layer:
         return None

@@ -35,11 +35,23 @@ _LAYER = {
 }
 
 
-def gguf_name(hf: str) -> str:
+# Gemma's sandwich norms, as llama.cpp names them.
+_GEMMA_LAYER = {
+    **_LAYER,
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+# model_type -> GGUF architecture where they differ.
+_ARCH = {"gemma3_text": "gemma3"}
+
+
+def gguf_name(hf: str, gemma: bool = False) -> str:
     if hf in _NAMES:
         return _NAMES[hf]
     parts = hf.split(".")
-    return f"blk.{parts[2]}.{_LAYER['.'.join(parts[3:])]}"
+    layer = _GEMMA_LAYER if gemma else _LAYER
+    return f"blk.{parts[2]}.{layer['.'.join(parts[3:])]}"
 
 
 def _interleave(w: np.ndarray, heads: int) -> np.ndarray:
@@ -53,7 +65,8 @@ def write_gguf(ckpt: Path, out: Path, qtype: str = "F32", *, pre: str = "gpt2") 
     cfg = json.loads((ckpt / "config.json").read_text())
     tok = json.loads((ckpt / "tokenizer.json").read_text())
     tok_cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
-    arch = cfg["model_type"]
+    arch = _ARCH.get(cfg["model_type"], cfg["model_type"])
+    gemma = arch in ("gemma2", "gemma3")
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     w = GGUFWriter(str(out), arch)
@@ -72,6 +85,9 @@ def write_gguf(ckpt: Path, out: Path, qtype: str = "F32", *, pre: str = "gpt2") 
     w.add_vocab_size(cfg["vocab_size"])
     if cfg.get("sliding_window"):
         w.add_sliding_window(cfg["sliding_window"])
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
 
     vocab = tok["model"]["vocab"]
     tokens = [""] * len(vocab)
@@ -100,11 +116,13 @@ def write_gguf(ckpt: Path, out: Path, qtype: str = "F32", *, pre: str = "gpt2") 
         t = t.astype(np.float32)
         if arch in ("llama", "mistral") and ("q_proj" in name or "k_proj" in name):
             t = _interleave(t, heads if "q_proj" in name else kv_heads)
+        if gemma and name.endswith("norm.weight"):
+            t = t + 1.0  # llama.cpp stores Gemma's norms as 1 + w
         if t.ndim == 2 and qt != GGMLQuantizationType.F32:
             data = quantize(t, qt)
-            w.add_tensor(gguf_name(name), data, raw_shape=data.shape, raw_dtype=qt)
+            w.add_tensor(gguf_name(name, gemma), data, raw_shape=data.shape, raw_dtype=qt)
         else:
-            w.add_tensor(gguf_name(name), t)
+            w.add_tensor(gguf_name(name, gemma), t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

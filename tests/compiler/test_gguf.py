@@ -28,6 +28,14 @@ from kiln.compiler.key import compile_key
 PROMPTS = [[1, 5, 9, 33], list(range(3, 43)), [7, 8]]
 TEXTS = ["The kiln turns clay into stone.", "Hello, world!\n\n  twice  ", "<|user|>hi</s>"]
 
+_GEMMA = {
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "num_heads": 2,
+    "num_kv_heads": 1,
+    "layer_types": None,
+    "tie_word_embeddings": True,  # as published (transformers' GGUF loader assumes it)
+}
 CASES = {
     "llama-f32": ("llama", "F32", {}),
     "llama-q8_0": ("llama", "Q8_0", {}),
@@ -36,6 +44,15 @@ CASES = {
     "qwen2-f16-bias": ("qwen2", "F16", {}),
     # transformers' GGUF loader leaves Qwen3's head_dim at its default of 128.
     "qwen3-bf16-qk-norm": ("qwen3", "BF16", {"head_dim": 128, "hidden_size": 256, "num_heads": 2}),
+    # Gemma: the file holds no query scale, so llama.cpp's (head_dim) and transformers'
+    # (its default 256) agree only where head_dim is 256; nor Gemma 3's layer kinds (every
+    # sixth global: both of these layers slide) or Gemma 2's caps (transformers: 50 / 30).
+    "gemma3-q8_0": ("gemma3", "Q8_0", _GEMMA),
+    "gemma2-f32": (
+        "gemma2",
+        "F32",
+        {**_GEMMA, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+    ),
 }
 
 
