@@ -36,9 +36,11 @@ class KernelError(RuntimeError):
 
 
 def _native(
-    op: str, phases: tuple[str, ...] = ("decode", "prefill")
+    op: str, phases: tuple[str, ...] = ("decode", "prefill"), unsupported: tuple[str, ...] = ()
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    return register(op, backend="kiln_cpu", devices=("cpu",), native=True, phases=phases)
+    return register(
+        op, "kiln_cpu", devices=("cpu",), native=True, phases=phases, unsupported=unsupported
+    )
 
 
 @_native("packed_linear")
@@ -272,7 +274,7 @@ def rope_qkv(
     return qk[:, :nq], qk[:, nq:], qkv[:, nq + nk :]
 
 
-@_native("attention", phases=("decode",))
+@_native("attention", phases=("decode",), unsupported=("softcap",))
 def attention(
     ctx: AttentionBatch,
     q: torch.Tensor,
@@ -314,7 +316,7 @@ def attention(
     return _decode(lib, ctx, q, a)
 
 
-@_native("rope_attention", phases=("decode",))
+@_native("rope_attention", phases=("decode",), unsupported=("softcap",))
 def rope_attention(
     ctx: AttentionBatch,
     qkv: torch.Tensor,

@@ -43,6 +43,13 @@ class Kernel:
     # and "prefill" (every other step: prefills, extends, mixed chunks). A kernel covers
     # what it says and nothing else; select_backends records one kernel per phase.
     phases: tuple[str, ...] = ("decode", "prefill")
+    # Optional attributes of the op this kernel does not compute (attention's `softcap`):
+    # it is no kernel of a node that sets one (select_backends; checked again at load).
+    unsupported: tuple[str, ...] = ()
+
+    def refuses(self, attrs: dict[str, Any]) -> str | None:
+        """The attribute of `attrs` this kernel does not compute, if any."""
+        return next((name for name in self.unsupported if attrs.get(name)), None)
 
     @property
     def needs_ctx(self) -> bool:
@@ -63,6 +70,7 @@ def register(
     devices: tuple[str, ...] = ("cpu", "cuda"),
     native: bool = False,
     phases: tuple[str, ...] = ("decode", "prefill"),
+    unsupported: tuple[str, ...] = (),
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register the decorated function as `backend`'s kernel of `op`."""
     if backend not in BACKENDS or backend == "torch_native":
@@ -76,7 +84,7 @@ def register(
         if problem is not None:
             raise TypeError(f"{backend} kernel of {op} ({fn.__qualname__}) {problem}")
         _KERNELS.setdefault(op, {})[backend] = Kernel(
-            definition, backend, fn, devices, native, phases
+            definition, backend, fn, devices, native, phases, unsupported
         )
         return fn
 
@@ -91,12 +99,15 @@ def get(op: str, backend: str) -> Kernel:
         raise KeyError(f"no {backend!r} kernel for op {op!r} (registered: {have})") from None
 
 
-def available(op: str, device: str, phase: str = "decode") -> list[str]:
-    """Backends that implement `op` on `device` for `phase`, the reference first."""
+def available(
+    op: str, device: str, phase: str = "decode", attrs: dict[str, Any] | None = None
+) -> list[str]:
+    """Backends that implement `op` on `device` for `phase` (and, given a node's `attrs`,
+    compute all of them), the reference first."""
     return [
         k.backend
         for k in _KERNELS.get(op, {}).values()
-        if device in k.devices and phase in k.phases
+        if device in k.devices and phase in k.phases and not k.refuses(attrs or {})
     ]
 
 

@@ -44,8 +44,8 @@ def _pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
 
-def _triton(op: str) -> Any:
-    return register(op, backend="triton", devices=("cuda",))
+def _triton(op: str, unsupported: tuple[str, ...] = ()) -> Any:
+    return register(op, backend="triton", devices=("cuda",), unsupported=unsupported)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -116,7 +116,7 @@ def rope_qkv(
     return qk[:, :nq], qk[:, nq:], qkv[:, nq + nk :]
 
 
-@_triton("attention")
+@_triton("attention", unsupported=("softcap",))
 def attention(
     ctx: AttentionBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, a: Attention
 ) -> torch.Tensor:
@@ -141,7 +141,7 @@ def attention(
     return out
 
 
-@_triton("rope_attention")
+@_triton("rope_attention", unsupported=("softcap",))
 def rope_attention(
     ctx: AttentionBatch, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], *, a: Attention
 ) -> torch.Tensor:

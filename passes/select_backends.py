@@ -48,18 +48,10 @@ def select_backends(graph: Graph, ctx: CompileOptions) -> PassResult:
 def _pick(n: Node, ctx: CompileOptions, phase: str, flag: str | None) -> str:
     """The backend of `n` for `phase`: the flag's (--prefill- / --decode-attention-backend,
     else --attention-backend, for ops that attend), else kiln's choice."""
-    have = catalog.available(n.op, ctx.device, phase)
+    have = catalog.available(n.op, ctx.device, phase, n.attrs)
     if not have:
         raise ValueError(f"%{n.name}: no kernel for op {n.op!r} on {ctx.device}")
     wanted = flag or (ctx.attention_backend if n.op in ATTENTION_OPS else None)
-    if n.op in ATTENTION_OPS and n.attrs.get("softcap"):
-        # Soft-capped scores (Gemma 2): only the reference kernel computes them.
-        if wanted not in (None, "torch_native"):
-            raise ValueError(
-                f"%{n.name}: backend {wanted!r} does not soft-cap attention scores "
-                "(this model's attn_logit_softcapping); use torch_native"
-            )
-        have = [b for b in have if b == "torch_native"]
     if wanted is not None and wanted not in have:
         raise ValueError(
             f"%{n.name}: backend {wanted!r} has no {phase} {n.op} kernel on {ctx.device} "

@@ -197,6 +197,12 @@ def _load_graph(root: Path, manifest: dict[str, Any], name: str = fmt.GRAPH) -> 
                     f"{where}: %{n.name} asks the {backend} kernel of {n.op} to run {phase} "
                     "steps, which it does not"
                 )
+            refused = kernel.refuses(n.attrs)
+            if refused is not None:
+                raise fmt.ArtefactError(
+                    f"{where}: %{n.name} asks the {backend} kernel of {n.op} for "
+                    f"{refused}={n.attrs[refused]!r}, which it does not compute"
+                )
     return graph
 
 

@@ -276,8 +276,7 @@ class Engine:
             )
         constraint = params.constraint
         if constraint is not None and self.grammars is None:  # compiled by attach_grammar
-            why = "no tokenizer" if self.tokenizer is None else "--grammar-backend none"
-            raise RequestError(f"{constraint.kind}: grammar-constrained decoding is off ({why})")
+            raise self._grammars_off(constraint.kind)
         gen = None
         if params.sampling_seed is not None:
             # Modulo 2**64: any seed the parameters accept, plus the index, is a valid state.
@@ -311,8 +310,12 @@ class Engine:
         if constraint is None or req.grammar is not None:
             return
         if self.grammars is None:
-            raise RequestError(f"{constraint.kind}: grammar-constrained decoding is off")
+            raise self._grammars_off(constraint.kind)
         req.grammar = self.grammars.matcher(self.grammars.compile(constraint))
+
+    def _grammars_off(self, kind: str) -> RequestError:
+        why = "no tokenizer" if self.tokenizer is None else "--grammar-backend none"
+        return RequestError(f"{kind}: grammar-constrained decoding is off ({why})")
 
     def add_request(self, req: Request) -> None:
         if req.rid in self._live:

@@ -3,8 +3,8 @@
 A request may carry one constraint: a JSON schema (`json_schema`, OpenAI's
 `response_format`), a regular expression (`regex`), an EBNF grammar (`ebnf`) or an xgrammar
 structural tag (`structural_tag`). `Grammars.compile` turns it into a compiled grammar once
-(a bounded cache keyed by the constraint, on the tokenizer threads: never on the event loop
-or the engine thread), and each request gets its own `GrammarMatcher`. Every step the
+(a bounded cache keyed by the constraint, on the server's grammar threads: never on the
+event loop or the engine thread), and each request gets its own `GrammarMatcher`. Every step the
 engine fills the bitmask of the constrained rows only (`token_bitmask`), the sampler masks
 their logits before penalties and filters, and each sampled token advances its matcher;
 a matcher that reaches the end of its grammar ends the request as a stop. Rows without a
@@ -30,7 +30,6 @@ import torch
 
 # What a request may constrain its output with (SGLang's sampling parameter names).
 KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
-BACKENDS = ("xgrammar", "none")
 # Grammars kept compiled: a client cannot grow the cache without bound.
 CACHE_SIZE = 256
 _NEG_INF = np.float32(-np.inf)

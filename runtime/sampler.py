@@ -52,10 +52,11 @@ def sample(
             _penalise(logits[i], r)
             _finite(logits[i])
         if r.suppress:
-            kept = logits[i, list(r.suppress)].clone()
-            logits[i, list(r.suppress)] = float("-inf")
-            if r.grammar is not None and not torch.isfinite(logits[i]).any():
-                logits[i, list(r.suppress)] = kept  # the grammar can only end here
+            ids = list(r.suppress)
+            kept = logits[i, ids].clone() if r.grammar is not None else None
+            logits[i, ids] = float("-inf")
+            if kept is not None and not torch.isfinite(logits[i]).any():
+                logits[i, ids] = kept  # the grammar can only end here
     tokens = logits.argmax(dim=-1).tolist()
     for i, r in enumerate(rows):
         if not r.params.greedy:

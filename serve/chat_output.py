@@ -156,9 +156,11 @@ def plan_chat(
             first_only=first_only,
             sampling=sampling,
         )
-    if body.constraint():
-        given = ", ".join(body.constraint())
-        raise ApiError(400, f"tool_choice {_show(choice)} and {given}: give one constraint")
+    given = body.constraint()
+    if given:
+        raise ApiError(
+            400, f"tool_choice {_show(choice)} and {', '.join(given)}: give one constraint"
+        )
     chosen = tools
     if choice != "required":
         name = choice.function.name

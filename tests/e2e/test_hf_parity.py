@@ -207,6 +207,11 @@ def test_soft_capped_attention_runs_only_where_it_is_computed(checkpoint, tmp_pa
                 out.setdefault(op, set()).add(n["meta"]["backend"])
         return out
 
+    from kiln.kernels import catalog
+
+    capped = {"softcap": 2.0}
+    assert catalog.get("attention", "kiln_cpu").refuses(capped) == "softcap"
+    assert catalog.available("attention", "cpu", "decode", capped) == ["torch_native"]
     assert backends("gemma3")["attend"] == {"kiln_cpu"}
     assert backends("gemma2")["attend"] == {"torch_native"}
     cuda = backends("gemma2", device="cuda", target_isa="sm_90")

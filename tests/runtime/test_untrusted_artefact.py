@@ -216,6 +216,11 @@ GRAPH_DEFECTS = [
         "attention q features is 96, expected 960",
     ),
     (
+        "softcap on a kernel that does not cap",
+        lambda g: (_first(g, "attention")["attrs"].update(softcap=2.0), g)[1],
+        "asks the kiln_cpu kernel of attention for softcap=2.0, which it does not compute",
+    ),
+    (
         "group",
         lambda g: (_first(g, "rmsnorm")["attrs"].update(group=7), g)[1],
         "rmsnorm group 7 does not divide 96",
