@@ -29,6 +29,7 @@ from kiln.core.target import Target
 from kiln.core.trace import trace
 from kiln.kernels import native
 from kiln.models import ModelConfig, build
+from kiln.models.rope import inv_freq, rotary_order
 from kiln.passes import PIPELINE, run_passes
 from kiln.version import __version__
 
@@ -64,7 +65,7 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
             graph, constants = trace(build(cfg))
             graph.context_length = cfg.max_position_embeddings
             for spec in graph.weights.values():
-                if "load" in spec.source or "shift" in spec.source:
+                if "constant" not in spec.source:  # a checkpoint tensor, however cut
                     spec.dtype = dtype
             ranks.append((*run_passes(graph, options.for_rank(rank), PIPELINE), constants))
         graph, pass_log, _ = ranks[0]
@@ -146,10 +147,21 @@ def _materialise(
         return torch.cat(parts, dim=src["dim"])
     if "shift" in src:  # a checkpoint weight plus a constant (Gemma's 1 + w norms)
         return _materialise(src["shift"], reader, constants) + src["by"]
-    if "slice" in src:  # a tensor-parallel rank's part (passes/shard.py)
+    if "slice" in src:  # a rank's part (passes/shard.py), a fused weight's (Phi-3)
         whole = _materialise(src["slice"], reader, constants)
         return whole.narrow(src["dim"], src["start"], src["stop"] - src["start"])
+    if "rotary_order" in src:  # a partial rotary's q or k rows (kiln.models.rope)
+        return _materialise(src["rotary_order"], reader, constants)[_rotary_rows(src)]
     raise ValueError(f"unknown weight recipe {src}")
+
+
+def _rotary_rows(src: dict[str, Any]) -> torch.Tensor:
+    """Row order of a {"rotary_order"} recipe: each head's rows in rotary_order."""
+    head, rotary = src["head_dim"], src["rotary_dim"]
+    inner = src["rotary_order"]
+    rows = (inner["stop"] - inner["start"]) if "slice" in inner else inner["shape"][0]
+    order = rotary_order(head, rotary)
+    return (torch.arange(0, rows, head)[:, None] + order[None, :]).reshape(-1)
 
 
 def _quantized(
@@ -180,6 +192,10 @@ def _quantized(
         elif group:  # whole groups (the pass checked); a per-row scale stays the row's
             scales = scales.narrow(1, lo // group, (hi - lo) // group)
         return (codes, scales) if base == fmt else with_int8_activations(codes, scales, fmt)
+    if "rotary_order" in inner:  # whole rows move: their codes and scales with them
+        codes, scales = _quantized({**src, "quantize": inner["rotary_order"]}, reader, constants)
+        rows = _rotary_rows(inner)
+        return codes[rows], scales[rows]
     if "load" in inner:
         return reader.quantized(inner["load"], fmt, group)
     return quantize(_materialise(inner, reader, constants), fmt, group)
@@ -237,6 +253,25 @@ def _eos_ids(cfg: ModelConfig, tok_dir: Path) -> list[int]:
     return ids
 
 
+def _long_rope(cfg: ModelConfig, graph: Graph) -> list[dict[str, Any]]:
+    """LongRoPE's long-context table for each rope table written with the short one."""
+    out = []
+    tables = (("rope.inv_freq", cfg.rope), ("rope.local_inv_freq", cfg.local_rope))
+    for name, rope in tables:
+        if rope is None or rope.rope_type != "longrope" or name not in graph.weights:
+            continue
+        assert rope.original_max_position_embeddings is not None
+        freq = inv_freq(rope, cfg.rotary, cfg.head_dim, long=True)
+        out.append(
+            {
+                "weight": name,
+                "context_above": rope.original_max_position_embeddings,
+                "inv_freq": freq.tolist(),
+            }
+        )
+    return out
+
+
 def _manifest(
     args: ServerArgs,
     cfg: ModelConfig,
@@ -270,6 +305,7 @@ def _manifest(
             "bos_token_id": cfg.bos_token_id,
             "eos_token_ids": _eos_ids(cfg, root / fmt.TOKENIZER_DIR),
             "served_model_name": _model_name(args.model_path),
+            "long_rope": _long_rope(cfg, graph),
         },
         # As given (serving compares what it is given with these); the key's are resolved.
         "compile_args": _recorded_args(args),

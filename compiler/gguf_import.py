@@ -35,6 +35,7 @@ ARCHITECTURES = {
     "qwen3": "qwen3",
     "gemma2": "gemma2",
     "gemma3": "gemma3_text",
+    "phi3": "phi3",
 }
 # llama.cpp's converter stores Gemma's norm weights as 1 + w (its norm multiplies by the
 # weight); transformers' Gemma norms take w and add the 1 themselves, as kiln's do.
@@ -84,6 +85,14 @@ _GEMMA_LAYER = {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+# Phi-3: q/k/v fused as transformers' checkpoints have them, gate and up fused under ffn_up.
+_PHI3_LAYER = {
+    **_LAYER,
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
+# LongRoPE's factors, stored as tensors (read into the config, not weights).
+_ROPE_FACTORS = {"rope_factors_short.weight": "short_factor", "rope_factors_long.weight": "long_factor"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 # Layer counts of the 27B Gemmas, whose query scale is hidden / heads, not head_dim.
 _GEMMA_27B_LAYERS = {"gemma2": (46,), "gemma3": (62,)}
@@ -133,6 +142,8 @@ class GGUFFile:
         """Hugging Face name -> the gguf package's tensor record."""
         out = {}
         for t in self._reader.tensors:
+            if t.name in _ROPE_FACTORS:
+                continue
             name = _hf_name(t.name, self.arch)
             if name is None:
                 raise CheckpointError(f"{self.path.name}: unknown tensor {t.name!r}")
@@ -187,12 +198,41 @@ class GGUFFile:
             # A global layer every sixth, the local rope base 10000 (llama.cpp's constants).
             cfg["sliding_window_pattern"] = 6
             cfg["rope_local_base_freq"] = 10000.0
+        if self.arch == "phi3":
+            cfg.update(self._phi3_rope(cfg["head_dim"]))
         if self.arch == "gemma2":
             # Sliding and global layers alternate; the caps are in the file (llama.cpp's
             # converter writes them), else Gemma 2's published 50 and 30.
             cfg["attn_logit_softcapping"] = float(self.arch_field("attn_logit_softcapping", 50.0))
             cfg["final_logit_softcapping"] = float(self.arch_field("final_logit_softcapping", 30.0))
         return cfg
+
+    def _phi3_rope(self, head_dim: int) -> dict[str, Any]:
+        """Phi-3's partial rotary (rope.dimension_count) and LongRoPE: the factor tensors
+        and the pretraining context llama.cpp's converter writes."""
+        out: dict[str, Any] = {}
+        rotary = int(self.arch_field("rope.dimension_count", head_dim))
+        if rotary != head_dim:
+            out["partial_rotary_factor"] = rotary / head_dim
+        factors = {
+            key: [float(x) for x in np.asarray(t.data, dtype=np.float32).reshape(-1)]
+            for t in self._reader.tensors
+            if (key := _ROPE_FACTORS.get(t.name))
+        }
+        if factors:
+            original = self.arch_field("rope.scaling.original_context_length")
+            if original is None:
+                raise CheckpointError(
+                    f"{self.path.name}: LongRoPE factors without "
+                    "phi3.rope.scaling.original_context_length"
+                )
+            scaling = {"rope_type": "longrope", **factors}
+            scaling["original_max_position_embeddings"] = int(original)
+            attn = self.arch_field("rope.scaling.attn_factor")
+            if attn is not None:
+                scaling["attention_factor"] = float(attn)
+            out["rope_scaling"] = scaling
+        return out
 
     # -- tensors --------------------------------------------------------------------------
     def shape(self, name: str) -> tuple[int, ...]:
@@ -396,13 +436,14 @@ _ARCH_CLASS = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 
 def _hf_name(gguf_name: str, arch: str) -> str | None:
     if gguf_name in _GLOBAL:
         return _GLOBAL[gguf_name]
-    layer = _GEMMA_LAYER if arch in _NORMS_PLUS_ONE else _LAYER
+    layer = _GEMMA_LAYER if arch in _NORMS_PLUS_ONE else _PHI3_LAYER if arch == "phi3" else _LAYER
     m = _BLOCK.fullmatch(gguf_name)
     if m is None or m.group(2) not in layer:
         return None

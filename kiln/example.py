@@ -148,6 +148,19 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "attn_logit_softcapping": 2.0,
         "final_logit_softcapping": 3.0,
     },
+    # Phi-4-mini's shape of Phi-3: fused qkv_proj and gate_up_proj, rope over half of each
+    # head, LongRoPE from a pretraining context of 32 (factors chosen to differ per pair).
+    "phi3": {
+        "model_type": "phi3",
+        "pad_token_id": None,
+        "partial_rotary_factor": 0.5,
+        "original_max_position_embeddings": 32,
+        "rope_scaling": {
+            "rope_type": "longrope",
+            "short_factor": [1.0, 1.1, 1.3, 1.7, 2.3, 3.1],
+            "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0],
+        },
+    },
     "qwen3_moe": {
         "model_type": "qwen3_moe",
         "head_dim": 24,

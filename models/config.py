@@ -23,6 +23,9 @@ _FAMILIES: dict[str, dict[str, bool]] = {
     # Gemma 2: as Gemma 3 without q/k norms or a local rope, with soft-capped attention
     # scores and final logits.
     "gemma2": {"qkv_bias": False, "qk_norm": False},
+    # Phi-3, 3.5 and Phi-4-mini: Llama's layer with q/k/v and gate/up each one tensor in
+    # the checkpoint, LongRoPE, and (Phi-4-mini) rope over part of each head.
+    "phi3": {"qkv_bias": False, "qk_norm": False},
 }
 _GEMMAS = ("gemma2", "gemma3_text")
 # hidden_act / hidden_activation -> kiln's activation op.
@@ -49,6 +52,10 @@ class RopeConfig:
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: float = 1.0
+    # LongRoPE (Phi-3): a divisor per frequency for contexts up to the pretraining one
+    # (short) and beyond it (long).
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> RopeConfig:
@@ -61,6 +68,7 @@ class RopeConfig:
         if theta is None:
             theta = 10000.0
         rope_type = merged.get("rope_type", merged.get("type", "default"))
+        rope_type = {"su": "longrope"}.get(rope_type, rope_type)  # Phi-3's first name for it
         if rope_type not in ROPE_TYPES:
             raise ModelConfigError(
                 f"rope type {rope_type!r} is not supported yet (supported: {', '.join(ROPE_TYPES)})"
@@ -80,6 +88,19 @@ class RopeConfig:
                 "truncate": bool(merged.get("truncate", True)),
                 "attention_factor": _yarn_attention_factor(merged, float(factor)),
             }
+        if rope_type == "longrope":
+            original = int(original or cfg.get("original_max_position_embeddings") or 0)
+            if not original:
+                raise ModelConfigError("longrope needs original_max_position_embeddings")
+            if factor is None:
+                factor = (cfg.get("max_position_embeddings") or original) / original
+            if not merged.get("short_factor") or not merged.get("long_factor"):
+                raise ModelConfigError("longrope needs short_factor and long_factor")
+            extra = {
+                "short_factor": tuple(float(f) for f in merged["short_factor"]),
+                "long_factor": tuple(float(f) for f in merged["long_factor"]),
+                "attention_factor": _longrope_attention_factor(merged, float(factor), original),
+            }
         return cls(
             theta=float(theta),
             rope_type=rope_type,
@@ -91,7 +112,14 @@ class RopeConfig:
         )
 
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+
+
+def _longrope_attention_factor(params: dict[str, Any], factor: float, original: int) -> float:
+    given = params.get("attention_factor")
+    if given is not None:
+        return float(given)
+    return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def _yarn_attention_factor(params: dict[str, Any], factor: float) -> float:
@@ -153,6 +181,10 @@ class ModelConfig:
     # Gemma 2: attention scores and final logits held inside (-cap, cap); 0: no cap.
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
+    # Phi-3: q/k/v and gate/up stored fused (qkv_proj, gate_up_proj); rope over the first
+    # rotary_dim features of each head (Phi-4-mini: 3/4 of them), the rest passed through.
+    fused_projections: bool = False
+    rotary_dim: int = 0
 
     @classmethod
     def from_hf(cls, path: str | Path) -> ModelConfig:
@@ -191,7 +223,7 @@ class ModelConfig:
         qkv_bias = family["qkv_bias"] or bool(cfg.get("attention_bias", False))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        return cls(
+        out = cls(
             model_type=model_type,
             architecture=(cfg.get("architectures") or [""])[0],
             vocab_size=int(cfg["vocab_size"]),
@@ -214,7 +246,17 @@ class ModelConfig:
             **_moe(model_type, cfg, num_layers),
             hidden_act=_ACTIVATIONS[act],
             **_gemma(model_type, cfg, hidden),
+            fused_projections=model_type == "phi3",
+            rotary_dim=_rotary_dim(cfg, int(head_dim)),
         )
+        pairs = out.rotary // 2
+        factors = (len(out.rope.short_factor), len(out.rope.long_factor))
+        if out.rope.rope_type == "longrope" and factors != (pairs, pairs):
+            raise ModelConfigError(
+                f"longrope has {factors[0]} short and {factors[1]} long factors for "
+                f"{pairs} rotary pairs"
+            )
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -222,12 +264,12 @@ class ModelConfig:
     @classmethod
     def from_manifest(cls, d: dict[str, Any]) -> ModelConfig:
         d = dict(d)
-        d["rope"] = RopeConfig(**d["rope"])
         d["sliding_windows"] = tuple(d["sliding_windows"])
         d["eos_token_ids"] = tuple(d["eos_token_ids"])
         d["sparse_layers"] = tuple(d.get("sparse_layers", ()))
+        d["rope"] = _rope_from_manifest(d["rope"])
         if d.get("local_rope") is not None:
-            d["local_rope"] = RopeConfig(**d["local_rope"])
+            d["local_rope"] = _rope_from_manifest(d["local_rope"])
         return cls(**d)
 
     @property
@@ -242,10 +284,38 @@ class ModelConfig:
     def attention_scale(self) -> float:
         return self.query_scale or 1.0 / math.sqrt(self.head_dim)
 
+    @property
+    def rotary(self) -> int:
+        """Features of each head that rope turns (the first ones)."""
+        return self.rotary_dim or self.head_dim
+
     def layer_rope(self, layer: int) -> RopeConfig:
         """The rope of layer `layer`: the sliding layers' own where the model has one."""
         local = self.local_rope is not None and self.sliding_windows[layer] is not None
         return self.local_rope if local and self.local_rope is not None else self.rope
+
+
+def _rope_from_manifest(d: dict[str, Any]) -> RopeConfig:
+    d = dict(d)
+    for k in ("short_factor", "long_factor"):
+        d[k] = tuple(d.get(k, ()))
+    return RopeConfig(**d)
+
+
+def _rotary_dim(cfg: dict[str, Any], head_dim: int) -> int:
+    """0 (the whole head) or the rotated features' count: partial_rotary_factor, top level
+    (transformers < 5) or in rope_parameters."""
+    params = cfg.get("rope_parameters") or {}
+    part = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if part is None or float(part) == 1.0:
+        return 0
+    dim = int(head_dim * float(part))
+    if not 0 < dim < head_dim or dim % 2:
+        raise ModelConfigError(
+            f"partial_rotary_factor {part} gives {dim} rotary features of a {head_dim}-wide "
+            "head; kiln needs an even count below it"
+        )
+    return dim
 
 
 def _moe(model_type: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""The decoder-only transformer behind Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2 and 3, and
-the mixtures of experts Mixtral and Qwen3-MoE.
+"""The decoder-only transformer behind Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2 and 3,
+Phi-3 and Phi-4-mini, and the mixtures of experts Mixtral and Qwen3-MoE.
 
 Written for one device and traced, never run eagerly: build it on the meta device and
 hand it to `kiln.core.trace.trace`. Parameter names match the Hugging Face
@@ -36,19 +36,42 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         h = cfg.hidden_size
-        self.q_proj = nn.Linear(h, cfg.q_size, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(h, cfg.kv_size, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(h, cfg.kv_size, bias=cfg.qkv_bias)
+        if cfg.fused_projections:  # Phi-3: one [q; k; v] tensor in the checkpoint
+            self.qkv_proj = nn.Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=False)
+        else:
+            self.q_proj = nn.Linear(h, cfg.q_size, bias=cfg.qkv_bias)
+            self.k_proj = nn.Linear(h, cfg.kv_size, bias=cfg.qkv_bias)
+            self.v_proj = nn.Linear(h, cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, h, bias=False)
         if cfg.qk_norm:
             self.q_norm = nn.RMSNorm(cfg.head_dim)
             self.k_norm = nn.RMSNorm(cfg.head_dim)
 
+    def projections(self) -> list[tuple[Value | torch.Tensor, torch.Tensor | None]]:
+        """(weight, bias) of q, k and v. A partial rotary's q and k rows are reordered so
+        that rope turns the whole head (kiln.models.rope.rotary_order)."""
+        cfg = self.cfg
+        rotary = (cfg.head_dim, cfg.rotary_dim) if cfg.rotary_dim else (0, 0)
+        if cfg.fused_projections:
+            nq, nkv = cfg.q_size, cfg.kv_size
+            w = self.qkv_proj.weight
+            return [
+                (ops.rows(w, "q_proj", 0, nq, rotary), None),
+                (ops.rows(w, "k_proj", nq, nq + nkv, rotary), None),
+                (ops.rows(w, "v_proj", nq + nkv, nq + 2 * nkv), None),
+            ]
+        mods = (self.q_proj, self.k_proj, self.v_proj)
+        if rotary == (0, 0):
+            return [(m.weight, m.bias) for m in mods]
+        if cfg.qkv_bias:
+            raise ValueError("a partial rotary with q/k/v biases is not supported")
+        wq, wk, wv = (m.weight for m in mods)
+        return [(ops.rows(wq, "q_proj", rotary=rotary), None),
+                (ops.rows(wk, "k_proj", rotary=rotary), None), (wv, None)]  # fmt: skip
+
     def forward(self, x: Value, cos_sin: Value) -> Value:
         cfg = self.cfg
-        q = ops.linear(x, self.q_proj.weight, self.q_proj.bias)
-        k = ops.linear(x, self.k_proj.weight, self.k_proj.bias)
-        v = ops.linear(x, self.v_proj.weight, self.v_proj.bias)
+        q, k, v = (ops.linear(x, w, b) for w, b in self.projections())
         if cfg.qk_norm:
             q = _norm(cfg, q, self.q_norm, group=cfg.head_dim)
             k = _norm(cfg, k, self.k_norm, group=cfg.head_dim)
@@ -73,13 +96,24 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.act = ops.OPS[cfg.hidden_act]
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        h, width = cfg.hidden_size, cfg.intermediate_size
+        self.fused = cfg.fused_projections
+        if self.fused:  # Phi-3: one [gate; up] tensor in the checkpoint
+            self.gate_up_proj = nn.Linear(h, 2 * width, bias=False)
+        else:
+            self.gate_proj = nn.Linear(h, width, bias=False)
+            self.up_proj = nn.Linear(h, width, bias=False)
+        self.down_proj = nn.Linear(width, h, bias=False)
 
     def forward(self, x: Value) -> Value:
-        gate = self.act(ops.linear(x, self.gate_proj.weight))
-        return ops.linear(ops.mul(gate, ops.linear(x, self.up_proj.weight)), self.down_proj.weight)
+        if self.fused:
+            w, width = self.gate_up_proj.weight, self.down_proj.weight.shape[1]
+            gate_w: Value | torch.Tensor = ops.rows(w, "gate_proj", 0, width)
+            up_w: Value | torch.Tensor = ops.rows(w, "up_proj", width, 2 * width)
+        else:
+            gate_w, up_w = self.gate_proj.weight, self.up_proj.weight
+        gate = self.act(ops.linear(x, gate_w))
+        return ops.linear(ops.mul(gate, ops.linear(x, up_w)), self.down_proj.weight)
 
 
 _MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -170,14 +204,19 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: Value, positions: Value, logits_indices: Value) -> Value:
         cfg = self.cfg
-        freqs = ops.constant("rope.inv_freq", inv_freq(cfg.rope, cfg.head_dim))
-        cos_sin = ops.rope_cos_sin(positions, freqs, scale=cfg.rope.attention_factor)
+        freqs = ops.constant("rope.inv_freq", inv_freq(cfg.rope, cfg.rotary, cfg.head_dim))
+        pairs = cfg.rotary_dim // 2  # 0 (all) unless a partial rotary
+        cos_sin = ops.rope_cos_sin(
+            positions, freqs, scale=cfg.rope.attention_factor, scaled_pairs=pairs
+        )
         local = cos_sin
         if cfg.local_rope is not None:  # the sliding-window layers' own rope (Gemma 3)
             local_freqs = ops.constant(
-                "rope.local_inv_freq", inv_freq(cfg.local_rope, cfg.head_dim)
+                "rope.local_inv_freq", inv_freq(cfg.local_rope, cfg.rotary, cfg.head_dim)
             )
-            local = ops.rope_cos_sin(positions, local_freqs, scale=cfg.local_rope.attention_factor)
+            local = ops.rope_cos_sin(
+                positions, local_freqs, scale=cfg.local_rope.attention_factor, scaled_pairs=pairs
+            )
         h = ops.embedding(input_ids, self.model.embed_tokens.weight, role="embedding")
         if cfg.embed_scale != 1.0:
             h = ops.scale(h, factor=cfg.embed_scale)

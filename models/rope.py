@@ -9,10 +9,36 @@ import torch
 from kiln.models.config import RopeConfig
 
 
-def inv_freq(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
-    """Per-pair inverse frequencies (float32, shape [rotary_dim // 2])."""
+def inv_freq(
+    rope: RopeConfig, rotary_dim: int, head_dim: int | None = None, long: bool = False
+) -> torch.Tensor:
+    """Per-pair inverse frequencies (float32, shape [head_dim // 2]): the rotated pairs',
+    then zeros for a partial rotary's pairs that pass through unturned (the head's features
+    are in `rotary_order`). LongRoPE's long factors with `long`."""
+    freq = _inv_freq(rope, rotary_dim, long)
+    pad = (head_dim or rotary_dim) // 2 - freq.numel()
+    return torch.cat((freq, torch.zeros(pad))) if pad else freq
+
+
+def rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The order of a head's features under which rope over the first `rotary_dim` of them
+    (rotate-half pairs i, i + rotary_dim/2) is rope over the whole head (pairs i,
+    i + head_dim/2) with the pass-through pairs at frequency 0: [rotated first half,
+    passed first half, rotated second half, passed second half]. q and k rows are stored in
+    this order; their dot products, hence attention, do not change."""
+    r, p = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    spans = ((0, r), (2 * r, 2 * r + p), (r, 2 * r), (2 * r + p, head_dim))
+    return torch.cat([torch.arange(lo, hi) for lo, hi in spans])
+
+
+def _inv_freq(rope: RopeConfig, rotary_dim: int, long: bool) -> torch.Tensor:
     exps = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
     freq = 1.0 / (rope.theta**exps)
+    if rope.rope_type == "longrope":
+        ext = torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float32)
+        if ext.numel() != freq.numel():
+            raise ValueError(f"longrope has {ext.numel()} factors for {freq.numel()} pairs")
+        return 1.0 / (ext * rope.theta**exps)
     if rope.rope_type == "linear":
         return freq / rope.factor
     if rope.rope_type == "llama3":

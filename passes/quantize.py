@@ -111,12 +111,14 @@ def _rest(readers: list[Node]) -> list[Node]:
 
 
 def _loads(source: dict[str, Any]) -> list[str] | None:
-    """The checkpoint tensors a recipe reads, if it only loads, concatenates rows and
-    takes a tensor-parallel rank's slice (passes/shard.py)."""
+    """The checkpoint tensors a recipe reads, if it only loads, concatenates, cuts and
+    reorders rows (a tensor-parallel rank's slice, Phi-3's fused weights)."""
     if "load" in source:
         return [source["load"]]
     if "slice" in source:
         return _loads(source["slice"])
+    if "rotary_order" in source:
+        return _loads(source["rotary_order"])
     if "concat" in source and source.get("dim") == 0:
         parts = [_loads(s) for s in source["concat"]]
         return None if any(p is None for p in parts) else [x for p in parts for x in p or []]

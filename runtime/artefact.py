@@ -50,6 +50,7 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     served_model_name: str
     tp_size: int = 1
+    long_rope: tuple[dict[str, Any], ...] = ()  # kiln.core.artefact.LongRope
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -63,6 +64,7 @@ class ModelSpec:
 def model_spec(manifest: dict[str, Any]) -> ModelSpec:
     rt = dict(manifest["runtime"])
     rt["eos_token_ids"] = tuple(rt["eos_token_ids"])
+    rt["long_rope"] = tuple(rt.get("long_rope", ()))
     return ModelSpec(**rt)
 
 

@@ -568,6 +568,7 @@ class Engine:
             self.args.dist_timeout,
             nnodes,
             self.placement,
+            self.context_length,
         )
 
 

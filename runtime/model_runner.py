@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln.core.artefact import ArtefactError
 from kiln.runtime.artefact import Artefact
 from kiln.runtime.capture import (
     CompiledDecode,
@@ -33,6 +34,7 @@ class ModelRunner:
         spec = art.spec
         self.spec = spec
         self.device = art.device
+        _pick_rope_tables(art, context_length or spec.context_length)
         self.executor = Executor(art.graph, art.weights, art.lib)
         self.pool = PagePool(max(1, max_total_tokens // spec.page_size), spec.page_size)
         # One page past the pool's: the scratch page padding rows write to (runtime/step.py).
@@ -122,3 +124,17 @@ class ModelRunner:
         if self._recorder is None:
             self._recorder = cuda_recorder(self.kv.k.device)
         return self._recorder
+
+
+def _pick_rope_tables(art: Artefact, context_length: int) -> None:
+    """LongRoPE: serving past the pretraining context takes the long factors' table in
+    place of the short one the graph was written with (the manifest's `long_rope`)."""
+    for entry in art.spec.long_rope:
+        if context_length <= entry["context_above"]:
+            continue
+        name = entry["weight"]
+        old = art.weights.get(name)
+        new = torch.tensor(entry["inv_freq"], dtype=torch.float32)
+        if old is None or old.shape != new.shape:
+            raise ArtefactError(f"long_rope: {name} is not a rope table of {new.numel()}")
+        art.weights[name] = new.to(old.device)

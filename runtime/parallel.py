@@ -24,7 +24,8 @@ step's collective finds its connection broken.
 The backend is gloo on CPU (NCCL would serve CUDA targets; not run on hardware yet). The
 rendezvous is a TCP store on `--dist-init-addr` (host:port), or a free loopback port on
 one node. Right after it, rank 0 broadcasts the KV pool's size, which every rank's pool
-must share (page numbers in a step address all pools alike).
+must share (page numbers in a step address all pools alike), and the context length (which
+picks LongRoPE's table).
 """
 
 from __future__ import annotations
@@ -216,6 +217,7 @@ class TPGroup:
         timeout_s: int | None = None,
         nnodes: int = 1,
         placement: Placement | None = None,
+        context_length: int = 0,
     ) -> None:
         if dist.is_initialized():
             raise RuntimeError(
@@ -232,7 +234,8 @@ class TPGroup:
         self.procs = _spawn(artefact, local, size, method, threads, int(timeout.total_seconds()))
         try:
             init_group(backend, method, 0, size, timeout.total_seconds())
-            dist.broadcast(torch.tensor([max_total_tokens], device=self.device), src=0)
+            sizes = torch.tensor([max_total_tokens, context_length], device=self.device)
+            dist.broadcast(sizes, src=0)
             remote = [r for r in range(1, size) if r not in local]
             self.heartbeats = Heartbeats(rendezvous_store(method, 30), remote) if remote else None
         except BaseException:

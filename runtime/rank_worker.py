@@ -40,11 +40,11 @@ def _worker(args: argparse.Namespace) -> int:
         daemon=True,
     )
     beats.start()
-    kv_tokens = torch.zeros(1, dtype=torch.long, device=device)
-    dist.broadcast(kv_tokens, src=0)
+    sizes = torch.zeros(2, dtype=torch.long, device=device)  # KV pool tokens, context length
+    dist.broadcast(sizes, src=0)
     # This node's `kiln serve` (rank 0, or `follow`) checked every file's checksum.
     art = Artefact.open(args.artefact, verify=False, rank=args.rank, device=device)
-    runner = ModelRunner(art, int(kv_tokens))
+    runner = ModelRunner(art, int(sizes[0]), int(sizes[1]) or None)
     runner.warm_up()
     with torch.inference_mode():
         while (step := receive(device)) is not None:

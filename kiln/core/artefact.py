@@ -183,6 +183,16 @@ class NativeLib(_Strict):
     group_panels: int = Field(ge=1, le=8)
 
 
+class LongRope(_Strict):
+    """LongRoPE (Phi-3): the rope table weight `weight` holds the short factors' frequencies;
+    serving with a context longer than `context_above` puts `inv_freq` (the long factors')
+    in its place, as vLLM and llama.cpp choose by the configured context."""
+
+    weight: str = Field(pattern=r"^[A-Za-z0-9_.]{1,64}$")
+    context_above: int = Field(gt=0, le=MAX_CONTEXT)
+    inv_freq: list[float] = Field(max_length=MAX_HEAD_DIM)
+
+
 class RuntimeSpec(_Strict):
     """What the runtime needs to know about the model (the manifest's `runtime`). Each
     number is bounded here and then checked against the graph (runtime/artefact.py)."""
@@ -200,6 +210,7 @@ class RuntimeSpec(_Strict):
     bos_token_id: int | None = Field(ge=0, le=MAX_VOCAB)
     eos_token_ids: list[Annotated[int, Field(ge=0, le=MAX_VOCAB)]] = Field(max_length=MAX_STOP_IDS)
     served_model_name: str = Field(min_length=1, max_length=MAX_NAME)
+    long_rope: list[LongRope] = Field(default=[], max_length=2)
 
 
 class Manifest(_Strict):

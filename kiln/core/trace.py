@@ -69,6 +69,27 @@ class Tracer:
         source = {"shift": {"load": name, "shape": list(shape)}, "by": by}
         return Value(self._param(name, shape, _dtype_name(weight.dtype), source))
 
+    def rows(
+        self, weight: torch.Tensor, part: str, start: int, stop: int, rotary: tuple[int, int]
+    ) -> Value:
+        """Rows [start, stop) of a fused checkpoint weight (Phi-3's qkv_proj, gate_up_proj),
+        cut at compile time and named as module `part` would name its own weight. With
+        `rotary` (head_dim, rotary_dim) != (0, 0), each head's rows are put in
+        kiln.models.rope.rotary_order."""
+        name = self._param_names.get(id(weight))
+        if name is None:
+            raise IRError("a parameter that does not belong to the traced module")
+        full = list(weight.shape)
+        source: dict[str, Any] = {"load": name, "shape": full}
+        if (start, stop) != (0, full[0]):
+            source = {"slice": source, "dim": 0, "start": start, "stop": stop}
+        if rotary != (0, 0):
+            source = {"rotary_order": source, "head_dim": rotary[0], "rotary_dim": rotary[1]}
+        modules = name.split(".")
+        modules[-2] = part
+        shape = (stop - start, *full[1:])
+        return Value(self._param(".".join(modules), shape, _dtype_name(weight.dtype), source))
+
     def constant(self, name: str, value: torch.Tensor) -> Value:
         """A tensor computed by the model definition, stored in the artefact as a weight."""
         self.constants[name] = value

@@ -42,6 +42,12 @@ _GEMMA_LAYER = {
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
+# Phi-3's fused tensors.
+_PHI3_LAYER = {
+    **_LAYER,
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
+}
 # model_type -> GGUF architecture where they differ.
 _ARCH = {"gemma3_text": "gemma3"}
 
@@ -50,7 +56,7 @@ def gguf_name(hf: str, gemma: bool = False) -> str:
     if hf in _NAMES:
         return _NAMES[hf]
     parts = hf.split(".")
-    layer = _GEMMA_LAYER if gemma else _LAYER
+    layer = _GEMMA_LAYER if gemma else _PHI3_LAYER
     return f"blk.{parts[2]}.{layer['.'.join(parts[3:])]}"
 
 
@@ -81,7 +87,13 @@ def write_gguf(ckpt: Path, out: Path, qtype: str = "F32", *, pre: str = "gpt2") 
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4)
     w.add_rope_freq_base(float(theta))
-    w.add_rope_dimension_count(head_dim)
+    params = cfg.get("rope_parameters") or {}
+    w.add_rope_dimension_count(int(head_dim * params.get("partial_rotary_factor", 1.0)))
+    if params.get("rope_type") == "longrope":  # as llama.cpp's converter writes LongRoPE
+        w.add_rope_scaling_orig_ctx_len(params["original_max_position_embeddings"])
+        for kind in ("short", "long"):
+            factors = np.asarray(params[f"{kind}_factor"], dtype=np.float32)
+            w.add_tensor(f"rope_factors_{kind}.weight", factors)
     w.add_vocab_size(cfg["vocab_size"])
     if cfg.get("sliding_window"):
         w.add_sliding_window(cfg["sliding_window"])
@@ -105,6 +117,8 @@ def write_gguf(ckpt: Path, out: Path, qtype: str = "F32", *, pre: str = "gpt2") 
     w.add_token_merges(merges)
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
+    if arch == "phi3":  # else transformers' loader takes Phi-3's 32000, past this vocabulary
+        w.add_pad_token_id(0)
     w.add_add_bos_token(tok.get("post_processor") is not None)
     jinja = ckpt / "chat_template.jinja"
     template = jinja.read_text() if jinja.is_file() else tok_cfg.get("chat_template")

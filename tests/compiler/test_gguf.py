@@ -48,6 +48,9 @@ CASES = {
     # (its default 256) agree only where head_dim is 256; nor Gemma 3's layer kinds (every
     # sixth global: both of these layers slide) or Gemma 2's caps (transformers: 50 / 30).
     "gemma3-q8_0": ("gemma3", "Q8_0", _GEMMA),
+    # transformers' GGUF loader reads neither a partial rotary nor LongRoPE: Phi-3-mini-4k's
+    # shape (fused tensors, whole-head rope) against it; the rest against the checkpoint.
+    "phi3-q8_0-fused": ("phi3", "Q8_0", {"rope_scaling": None, "partial_rotary_factor": 1.0}),
     "gemma2-f32": (
         "gemma2",
         "F32",
@@ -92,6 +95,22 @@ def test_gguf_compiles_to_transformers_greedy_ids_and_logits(
         with torch.no_grad():
             ref_logits = hf(torch.tensor([seq])).logits[0]
         torch.testing.assert_close(kiln_all_logits(engine, seq), ref_logits, atol=1e-4, rtol=0)
+
+
+def test_phi3_gguf_with_longrope_and_partial_rotary_runs_as_its_checkpoint(
+    checkpoint: Callable[..., Path], artefact: Callable[..., Path], tmp_path: Path
+) -> None:
+    """LongRoPE's factor tensors and the rotary width come back from llama.cpp's keys: the
+    GGUF file (F32) compiles to what the checkpoint it was written from compiles to."""
+    path = write_gguf(checkpoint("phi3"), tmp_path / "phi3.gguf", "F32")
+    art = tmp_path / "art"
+    compile_model(ServerArgs(model_path=str(path)), art)
+    seq = list(range(3, 43))
+    for context in (None, 32):
+        extra = {} if context is None else {"context_length": context}
+        got = Engine(art, max_total_tokens=1024, **extra).prompt_logits(seq[:24])
+        ref = Engine(artefact("phi3"), max_total_tokens=1024, **extra).prompt_logits(seq[:24])
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
 def test_gguf_tokenizer_matches_transformers_conversion(

@@ -68,6 +68,30 @@ def test_scheme_matches_transformers_on_the_same_quantized_weights(
         torch.testing.assert_close(kiln_all_logits(engine, seq), ref_logits, atol=1e-4, rtol=0)
 
 
+def test_phi3_fused_and_reordered_rows_quantize_with_their_scales(
+    checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Phi-3's q/k/v are cut from one tensor and q/k rows reordered for the partial rotary:
+    group-quantized, each row must keep its own codes and scales through the cut and the
+    reorder (transformers quantizes the fused tensors row by row alike)."""
+    ckpt = checkpoint("phi3", rope_scaling=None, **SHAPE)
+    art = tmp_path / "art"
+    compile_model(ServerArgs(model_path=str(ckpt), torchao_config="int4wo-32"), art)
+    graph = json.loads((art / "graph.json").read_text())
+    assert sum(n["op"] == "quant_linear" for n in graph["nodes"]) == 4 * 2
+    engine = Engine(art, max_total_tokens=1024)
+    hf = quantized_reference(ckpt, "uint4", 32)
+    params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    for prompt, out in zip(
+        PROMPTS, engine.generate(input_ids=PROMPTS, sampling_params=params), strict=True
+    ):
+        assert out["output_ids"] == hf_greedy(hf, prompt, 16)
+        seq = prompt + out["output_ids"]
+        with torch.no_grad():
+            ref_logits = hf(torch.tensor([seq])).logits[0]
+        torch.testing.assert_close(kiln_all_logits(engine, seq), ref_logits, atol=1e-4, rtol=0)
+
+
 def test_w8a8_int8_compiles_to_int8_dot_products(
     checkpoint: Callable[..., Path], tmp_path: Path
 ) -> None:

@@ -43,6 +43,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "gemma2-soft-capped": ("gemma2", {}),
+    # Phi-3's fused q/k/v and gate/up tensors, rope over half of each head (Phi-4-mini's
+    # partial rotary); LongRoPE has its own test below.
+    "phi3-fused-partial-rotary": ("phi3", {"rope_scaling": None}),
     "gemma3-sliding-and-global": ("gemma3", {}),
     "gemma3-untied-three-layers": (
         "gemma3",
@@ -86,6 +89,33 @@ def test_greedy_ids_and_logits_match_transformers(case: str, checkpoint, artefac
             ref = hf(torch.tensor([seq])).logits[0]
         got = kiln_all_logits(engine, seq)
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+
+
+def test_phi3_longrope_takes_the_table_its_context_length_asks_for(checkpoint, artefact) -> None:
+    """LongRoPE (pretraining context 32 in the example): served with a context up to 32 the
+    short factors turn every position, as transformers does for sequences up to 32 tokens;
+    with the model's own context (256) the long ones, as transformers does for longer."""
+    hf = hf_model(checkpoint("phi3"))
+    cases = {  # context length -> prompts (with 16 new tokens, within it)
+        32: [[1, 5, 9, 33], list(range(3, 13))],
+        None: [list(range(3, 43)), [1, *range(100, 140)]],
+    }
+    params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    tail = {}
+    for context, prompts in cases.items():
+        extra = {} if context is None else {"context_length": context}
+        engine = Engine(artefact("phi3"), max_total_tokens=1024, **extra)
+        for prompt, out in zip(
+            prompts, engine.generate(input_ids=prompts, sampling_params=params), strict=True
+        ):
+            seq = prompt + out["output_ids"]
+            with torch.no_grad():
+                ref = hf(torch.tensor([seq])).logits[0]
+            assert out["output_ids"] == hf_greedy(hf, prompt)[:16], (context, len(prompt))
+            torch.testing.assert_close(kiln_all_logits(engine, seq), ref, atol=1e-4, rtol=0)
+        tail[context] = kiln_all_logits(engine, cases[32][1])[-1]
+    # The two tables really differ on the same tokens.
+    assert (tail[32] - tail[None]).abs().max() > 1e-2
 
 
 def test_mistral_window_changes_the_result(checkpoint) -> None:

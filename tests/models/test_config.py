@@ -96,7 +96,16 @@ def test_sliding_windows_per_family() -> None:
         ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
         ({"model_type": "llama", "hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"model_type": "llama", "rope_scaling": {"rope_type": "dynamic"}}, "rope type 'dynamic'"),
-        ({"model_type": "llama", "rope_scaling": {"rope_type": "longrope"}}, "'longrope' is not"),
+        ({"model_type": "llama", "rope_scaling": {"rope_type": "longrope"}}, "longrope needs"),
+        (
+            {
+                "model_type": "phi3",
+                "original_max_position_embeddings": 8,
+                "rope_scaling": {"type": "su", "short_factor": [1.0], "long_factor": [2.0]},
+            },
+            "1 short and 1 long factors for 2 rotary pairs",
+        ),
+        ({"model_type": "phi3", "partial_rotary_factor": 0.3}, "partial_rotary_factor 0.3"),
     ],
 )
 def test_unsupported_configs_say_why(bad, message) -> None:
@@ -253,3 +262,48 @@ def test_gemma2_reads_as_transformers_reads_it() -> None:
     )
     assert (cfg.attn_softcap, cfg.final_softcap) == (50.0, 30.0)
     assert not cfg.qk_norm and cfg.local_rope is None and cfg.tie_word_embeddings
+
+
+def _phi(**kw: object) -> dict:
+    pairs = int(kw.pop("pairs", 48))  # type: ignore[call-overload]
+    return {
+        "model_type": "phi3",
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 200064,
+        "max_position_embeddings": 131072,
+        "original_max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "rope_scaling": {
+            "type": "longrope",
+            "short_factor": [1.0 + 0.05 * i for i in range(pairs)],
+            "long_factor": [1.0 + 0.5 * i for i in range(pairs)],
+        },
+        **kw,
+    }
+
+
+@pytest.mark.parametrize(
+    "published",
+    [
+        _phi(),  # Phi-3.5-mini's shape: LongRoPE over whole heads of 96
+        _phi(partial_rotary_factor=0.75, pairs=36, tie_word_embeddings=True),  # Phi-4-mini's
+    ],
+)
+def test_phi3_longrope_reads_as_transformers_reads_it(published) -> None:
+    from transformers import Phi3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = ModelConfig.from_dict(published)
+    hf = Phi3Config(**{k: v for k, v in published.items() if k != "model_type"})
+    assert cfg.fused_projections and cfg.rope.rope_type == "longrope"
+    assert cfg.rotary == int(96 * published.get("partial_rotary_factor", 1.0))
+    for long, seq_len in ((False, None), (True, 4097)):
+        ref, factor = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu", seq_len=seq_len)
+        got = inv_freq(cfg.rope, cfg.rotary, cfg.head_dim, long=long)
+        torch.testing.assert_close(got[: cfg.rotary // 2], ref.float(), rtol=1e-6, atol=0)
+        assert not got[cfg.rotary // 2 :].any()  # the passed-through pairs do not turn
+        assert cfg.rope.attention_factor == pytest.approx(factor) and factor > 1

@@ -33,6 +33,8 @@ FAMILIES = {
     # GELU-tanh MLP split like SiLU's; the 1 + w norms and the embedding scale whole
     "gemma3": {},
     "gemma2": {},
+    # q/k/v and gate/up cut from one fused tensor each; partial rotary rows per head
+    "phi3": {"rope_scaling": None},
 }
 
 

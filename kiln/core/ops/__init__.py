@@ -67,6 +67,19 @@ def shifted(weight: torch.nn.Parameter, by: float) -> Value:
     return active_tracer().shifted(weight, by)
 
 
+def rows(
+    weight: torch.Tensor,
+    part: str,
+    start: int = 0,
+    stop: int | None = None,
+    rotary: tuple[int, int] = (0, 0),
+) -> Value:
+    """Rows of a checkpoint weight as module `part`'s own weight, cut (and for a partial
+    rotary's q and k, reordered per head) at compile time."""
+    end = weight.shape[0] if stop is None else stop
+    return active_tracer().rows(weight, part, start, end, rotary)
+
+
 def constant(name: str, value: torch.Tensor) -> Value:
     """A tensor the model definition computes (rope frequencies), stored as a weight."""
     return active_tracer().constant(name, value)

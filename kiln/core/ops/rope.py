@@ -21,7 +21,10 @@ class Rope(Attrs):
 
 @dataclass(frozen=True, slots=True)
 class Tables(Attrs):
-    scale: float = 1.0  # cos and sin times this (YaRN's attention factor)
+    scale: float = 1.0  # cos and sin times this (YaRN's and LongRoPE's attention factor)
+    # The pairs `scale` applies to (0: all): a partial rotary's pass-through pairs are
+    # frequency 0 and unscaled (kiln.models.rope.rotary_order).
+    scaled_pairs: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +36,8 @@ class RopeQKV(Attrs):
 def _tables(check: Check, a: dict[str, Any], ins: list[Any]) -> Any:
     check.ids(ins[0], "positions")
     half = check.weight(1, 1)[0]
+    if not 0 <= a.get("scaled_pairs", 0) <= half:
+        raise check.fail(f"scaled_pairs {a['scaled_pairs']} of a {half}-pair table")
     return TensorType(2 * half, "float32", "rope")
 
 
@@ -72,7 +77,10 @@ def rope_cos_sin(
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     cos, sin = freqs.cos(), freqs.sin()
     if a.scale != 1.0:
-        cos, sin = cos * a.scale, sin * a.scale
+        factor = torch.full_like(inv_freq, a.scale)
+        if a.scaled_pairs:
+            factor[a.scaled_pairs :] = 1.0
+        cos, sin = cos * factor, sin * factor
     return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
 
 
