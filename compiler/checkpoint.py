@@ -20,7 +20,13 @@ from kiln.compiler.int4_ckpt import (
     shape_of,
     unpack,
 )
-from kiln.core.quant import GGUF_FORMATS, dequantize, from_gguf_blocks, quantize
+from kiln.core.quant import (
+    GGUF_FORMATS,
+    dequantize,
+    dequantize_mxfp4,
+    from_gguf_blocks,
+    quantize,
+)
 
 if TYPE_CHECKING:
     from kiln.compiler.gguf_import import GGUFFile
@@ -76,6 +82,13 @@ class CheckpointReader:
                 self.int4 = Int4Config.of_checkpoint(path)
             except Int4CheckpointError as e:
                 raise CheckpointError(str(e)) from None
+        # GPT-OSS's MXFP4 experts: P_blocks and P_scales stand for the [experts, in, out]
+        # tensor P the model reads, dequantized at compile time.
+        self.mxfp4 = {
+            name[: -len("_blocks")]
+            for name in self._where
+            if name.endswith("_blocks") and name[: -len("_blocks")] + "_scales" in self._where
+        }
         if self.int4 is not None:
             for name in self._where:
                 if name.endswith(".qweight"):
@@ -100,7 +113,9 @@ class CheckpointReader:
         return h
 
     def names(self) -> list[str]:
-        return sorted(self.gguf.tensors if self.gguf is not None else [*self._where, *self._int4])
+        if self.gguf is not None:
+            return sorted(self.gguf.tensors)
+        return sorted([*self._where, *self._int4, *self.mxfp4])
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if self.load_format == "dummy":
@@ -114,8 +129,12 @@ class CheckpointReader:
                     f"tensor {name!r} has shape {tuple(t.shape)}, the model expects {tuple(shape)}"
                 )
             return t
-        # A GPTQ / AWQ weight is read as floats too.
-        t = self._int4_weight(name).dequantize() if name in self._int4 else self._raw(name)
+        # A GPTQ / AWQ weight is read as floats too, an MXFP4 one as well.
+        if name in self.mxfp4:
+            blocks, scales = self._raw(name + "_blocks"), self._raw(name + "_scales")
+            t = dequantize_mxfp4(blocks, scales).transpose(-1, -2)
+        else:
+            t = self._int4_weight(name).dequantize() if name in self._int4 else self._raw(name)
         if t.dtype == torch.float8_e4m3fn:  # an fp8 checkpoint's weight, read as floats
             codes, scales = self._fp8(name)
             t = dequantize(codes, scales, "fp8_e4m3")

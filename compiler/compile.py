@@ -150,9 +150,31 @@ def _materialise(
     if "slice" in src:  # a rank's part (passes/shard.py), a fused weight's (Phi-3)
         whole = _materialise(src["slice"], reader, constants)
         return whole.narrow(src["dim"], src["start"], src["stop"] - src["start"])
+    if "zeros" in src:  # a bias only rank 0 adds (passes/shard.py)
+        return torch.zeros(src["zeros"])
+    if "expert" in src:  # one expert's part of a stacked expert tensor (GPT-OSS)
+        key = json.dumps(src["expert"], sort_keys=True)
+        if key not in _STACKED:  # read (and dequantized) once for all its experts
+            _STACKED.clear()
+            _STACKED[key] = _materialise(src["expert"], reader, constants)
+        return _expert_part(_STACKED[key], src)
     if "rotary_order" in src:  # a partial rotary's q or k rows (kiln.models.rope)
         return _materialise(src["rotary_order"], reader, constants)[_rotary_rows(src)]
     raise ValueError(f"unknown weight recipe {src}")
+
+
+_STACKED: dict[str, torch.Tensor] = {}  # the stacked expert tensor last read
+
+
+def _expert_part(whole: torch.Tensor, src: dict[str, Any]) -> torch.Tensor:
+    """Expert `index` of a [experts, ...] tensor; of its last dimension every `step`-th
+    element from `start` (GPT-OSS interleaves gate and up); transposed if asked (GPT-OSS
+    stores [in, out])."""
+    t = whole[src["index"]]
+    start, step = src.get("take") or (0, 1)
+    if (start, step) != (0, 1):
+        t = t[..., start::step]
+    return t.transpose(0, 1) if src.get("transpose") else t
 
 
 def _rotary_rows(src: dict[str, Any]) -> torch.Tensor:
@@ -227,6 +249,7 @@ def _write_weights(
                 f"weight {name}: built shape {tuple(t.shape)}, graph wants {spec.shape}"
             )
         tensors[name] = t if spec.layout == "rows" else pack_panels(t, spec.layout)
+    _STACKED.clear()
     path.parent.mkdir(parents=True, exist_ok=True)
     # One metadata entry: safetensors writes a header's entries in hash order, which changes
     # from process to process, and the same inputs must give the same bytes.

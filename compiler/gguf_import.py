@@ -92,7 +92,10 @@ _PHI3_LAYER = {
     "ffn_up.weight": "mlp.gate_up_proj.weight",
 }
 # LongRoPE's factors, stored as tensors (read into the config, not weights).
-_ROPE_FACTORS = {"rope_factors_short.weight": "short_factor", "rope_factors_long.weight": "long_factor"}
+_ROPE_FACTORS = {
+    "rope_factors_short.weight": "short_factor",
+    "rope_factors_long.weight": "long_factor",
+}
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 # Layer counts of the 27B Gemmas, whose query scale is hidden / heads, not head_dim.
 _GEMMA_27B_LAYERS = {"gemma2": (46,), "gemma3": (62,)}

@@ -254,6 +254,16 @@ def _weight_scheme(
                 "/".join(sorted(set(unrun))),
             )
         return Quantization(stored=stored, flag="--quantization gguf")
+    if reader.mxfp4:
+        log.warning(
+            "%d MXFP4 tensors (GPT-OSS experts) are dequantized at compile time: kiln has no "
+            "MXFP4 kernel yet",
+            len(reader.mxfp4),
+        )
+        if args.quantization == "mxfp4":  # SGLang's name for what the checkpoint is
+            return None
+    if args.quantization == "mxfp4":
+        raise ArgError("--quantization mxfp4: the checkpoint has no MXFP4 tensors")
     stored_method = (
         reader.int4.method if reader.int4 else "fp8" if reader.fp8_block() is not None else None
     )

@@ -274,13 +274,13 @@ def rope_qkv(
     return qk[:, :nq], qk[:, nq:], qkv[:, nq + nk :]
 
 
-@_native("attention", phases=("decode",), unsupported=("softcap",))
+@_native("attention", phases=("decode",), unsupported=("softcap", "sinks"))
 def attention(
     ctx: AttentionBatch,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    *,
+    *sinks: torch.Tensor,  # never given: it refuses sinks (`unsupported`)
     a: Attention,
     lib: ctypes.CDLL,
 ) -> torch.Tensor:
@@ -316,7 +316,7 @@ def attention(
     return _decode(lib, ctx, q, a)
 
 
-@_native("rope_attention", phases=("decode",), unsupported=("softcap",))
+@_native("rope_attention", phases=("decode",), unsupported=("softcap", "sinks"))
 def rope_attention(
     ctx: AttentionBatch,
     qkv: torch.Tensor,

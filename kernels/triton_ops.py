@@ -116,9 +116,14 @@ def rope_qkv(
     return qk[:, :nq], qk[:, nq:], qkv[:, nq + nk :]
 
 
-@_triton("attention", unsupported=("softcap",))
+@_triton("attention", unsupported=("softcap", "sinks"))
 def attention(
-    ctx: AttentionBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, a: Attention
+    ctx: AttentionBatch,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *sinks: torch.Tensor,  # never given: it refuses sinks (`unsupported`)
+    a: Attention,
 ) -> torch.Tensor:
     layer, num_heads, num_kv_heads, head_dim = a.layer, a.num_heads, a.num_kv_heads, a.head_dim
     scale, sliding_window, kv_scale = a.scale, a.sliding_window, a.kv_scale
@@ -141,7 +146,7 @@ def attention(
     return out
 
 
-@_triton("rope_attention", unsupported=("softcap",))
+@_triton("rope_attention", unsupported=("softcap", "sinks"))
 def rope_attention(
     ctx: AttentionBatch, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, ...], *, a: Attention
 ) -> torch.Tensor:

@@ -161,6 +161,26 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0],
         },
     },
+    # GPT-OSS: 4 experts, 2 a token, a sliding layer then a full one, YaRN as published
+    # (truncate false) over a short pretraining context, a SwiGLU limit low enough to bite.
+    "gpt_oss": {
+        "model_type": "gpt_oss",
+        "head_dim": 24,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "swiglu_limit": 1.0,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 10000.0,
+        },
+    },
     "qwen3_moe": {
         "model_type": "qwen3_moe",
         "head_dim": 24,

@@ -26,6 +26,10 @@ _FAMILIES: dict[str, dict[str, bool]] = {
     # Phi-3, 3.5 and Phi-4-mini: Llama's layer with q/k/v and gate/up each one tensor in
     # the checkpoint, LongRoPE, and (Phi-4-mini) rope over part of each head.
     "phi3": {"qkv_bias": False, "qk_norm": False},
+    # GPT-OSS: biases on every attention projection, a learned sink logit per head,
+    # alternating sliding and full layers, and a mixture of experts with a biased router
+    # and biased experts, their SwiGLU clamped, stored stacked per layer.
+    "gpt_oss": {"qkv_bias": True, "qk_norm": False},
 }
 _GEMMAS = ("gemma2", "gemma3_text")
 # hidden_act / hidden_activation -> kiln's activation op.
@@ -185,6 +189,16 @@ class ModelConfig:
     # rotary_dim features of each head (Phi-4-mini: 3/4 of them), the rest passed through.
     fused_projections: bool = False
     rotary_dim: int = 0
+    # A bias on o_proj too (transformers' attention_bias: Llama's, Qwen3's, GPT-OSS's).
+    o_bias: bool = False
+    # GPT-OSS: per-head attention sinks; the router's bias, the experts' biases and their
+    # clamped SwiGLU (limit, alpha); experts stored stacked ([experts, in, out] tensors).
+    attn_sinks: bool = False
+    router_bias: bool = False
+    expert_biases: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 0.0
+    stacked_experts: bool = False
 
     @classmethod
     def from_hf(cls, path: str | Path) -> ModelConfig:
@@ -248,6 +262,8 @@ class ModelConfig:
             **_gemma(model_type, cfg, hidden),
             fused_projections=model_type == "phi3",
             rotary_dim=_rotary_dim(cfg, int(head_dim)),
+            o_bias=bool(cfg.get("attention_bias", False)),
+            **_gpt_oss(model_type, cfg),
         )
         pairs = out.rotary // 2
         factors = (len(out.rope.short_factor), len(out.rope.long_factor))
@@ -329,6 +345,18 @@ def _moe(model_type: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any
             "norm_topk_prob": True,  # Mixtral always rescales its top-k weights
             "sparse_layers": (True,) * num_layers,
         }
+    if model_type == "gpt_oss":
+        # Top-k of the router's logits, softmax over those k: the renormalised top-k of the
+        # softmax over all.
+        return {
+            "num_experts": int(cfg["num_local_experts"]),
+            "num_experts_per_tok": int(
+                cfg.get("num_experts_per_tok") or cfg.get("experts_per_token") or 4
+            ),
+            "moe_intermediate_size": int(cfg["intermediate_size"]),
+            "norm_topk_prob": True,
+            "sparse_layers": (True,) * num_layers,
+        }
     if model_type == "qwen3_moe":
         # Qwen's own files write num_experts; transformers >= 5 writes num_local_experts.
         experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
@@ -344,6 +372,19 @@ def _moe(model_type: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any
             ),
         }
     return {}
+
+
+def _gpt_oss(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    if model_type != "gpt_oss":
+        return {}
+    return {
+        "attn_sinks": True,
+        "router_bias": True,
+        "expert_biases": True,
+        "swiglu_limit": float(cfg.get("swiglu_limit", 7.0)),
+        "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)),
+        "stacked_experts": True,
+    }
 
 
 def _text_part(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -397,9 +438,9 @@ def _sliding_windows(cfg: dict[str, Any], num_layers: int) -> tuple[int | None, 
     window = cfg.get("sliding_window")
     layer_types = cfg.get("layer_types")
     pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
-    if not layer_types and cfg.get("model_type") == "gemma2":
-        pattern = 2  # transformers' Gemma 2: sliding and global layers alternate
-    if not layer_types and cfg.get("model_type") in _GEMMAS and pattern:
+    if not layer_types and cfg.get("model_type") in ("gemma2", "gpt_oss"):
+        pattern = 2  # transformers' Gemma 2 and GPT-OSS: sliding and full layers alternate
+    if not layer_types and cfg.get("model_type") in (*_GEMMAS, "gpt_oss") and pattern:
         # Older Gemma files: every pattern-th layer is global, the others slide.
         layer_types = [
             "full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention"

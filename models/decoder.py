@@ -42,7 +42,9 @@ class Attention(nn.Module):
             self.q_proj = nn.Linear(h, cfg.q_size, bias=cfg.qkv_bias)
             self.k_proj = nn.Linear(h, cfg.kv_size, bias=cfg.qkv_bias)
             self.v_proj = nn.Linear(h, cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.q_size, h, bias=False)
+        self.o_proj = nn.Linear(cfg.q_size, h, bias=cfg.o_bias)
+        if cfg.attn_sinks:
+            self.sinks = _weight(cfg.num_heads)
         if cfg.qk_norm:
             self.q_norm = nn.RMSNorm(cfg.head_dim)
             self.k_norm = nn.RMSNorm(cfg.head_dim)
@@ -81,6 +83,7 @@ class Attention(nn.Module):
             q,
             k,
             v,
+            self.sinks if cfg.attn_sinks else None,
             layer=self.layer,
             num_heads=cfg.num_heads,
             num_kv_heads=cfg.num_kv_heads,
@@ -88,8 +91,9 @@ class Attention(nn.Module):
             scale=cfg.attention_scale,
             sliding_window=cfg.sliding_windows[self.layer],
             softcap=cfg.attn_softcap,
+            sinks=int(cfg.attn_sinks),
         )
-        return ops.linear(o, self.o_proj.weight)
+        return ops.linear(o, self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -150,6 +154,62 @@ class SparseMoE(nn.Module):
         return ops.moe(x, self.gate.weight, experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
 
 
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.weight = _weight(cfg.num_experts, cfg.hidden_size)
+        self.bias = _weight(cfg.num_experts)
+
+
+class StackedExperts(nn.Module):
+    """GPT-OSS's experts, one tensor each across them: gate and up interleaved by column
+    in gate_up_proj [experts, hidden, 2 * width], down_proj [experts, width, hidden], and
+    their biases."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        e, h, width = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = _weight(e, h, 2 * width)
+        self.gate_up_proj_bias = _weight(e, 2 * width)
+        self.down_proj = _weight(e, width, h)
+        self.down_proj_bias = _weight(e, h)
+
+    def expert(self, e: int) -> tuple[Value, ...]:
+        """(gate, up, down, gate bias, up bias, down bias) of expert e, in kiln's layout."""
+        gu, gub = self.gate_up_proj, self.gate_up_proj_bias
+        return (
+            ops.expert_part(gu, "gate", e, (0, 2), transpose=True),
+            ops.expert_part(gu, "up", e, (1, 2), transpose=True),
+            ops.expert_part(self.down_proj, "down", e, transpose=True),
+            ops.expert_part(gub, "gate", e, (0, 2)),
+            ops.expert_part(gub, "up", e, (1, 2)),
+            ops.expert_part(self.down_proj_bias, "down", e),
+        )
+
+
+class StackedMoE(nn.Module):
+    """GPT-OSS's MLP: `router` (weight and bias) over `experts` (StackedExperts)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.router = Router(cfg)
+        self.experts = StackedExperts(cfg)
+
+    def forward(self, x: Value) -> Value:
+        cfg = self.cfg
+        experts = cast(StackedExperts, self.experts)
+        return ops.moe(
+            x,
+            self.router.weight,
+            [experts.expert(e) for e in range(cfg.num_experts)],
+            cfg.num_experts_per_tok,
+            cfg.norm_topk_prob,
+            router_bias=self.router.bias,
+            swiglu=(cfg.swiglu_limit, cfg.swiglu_alpha),
+        )
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -158,7 +218,8 @@ class DecoderLayer(nn.Module):
         sparse = bool(cfg.sparse_layers) and cfg.sparse_layers[layer]
         # The checkpoints' names: Mixtral's block_sparse_moe, everyone else's mlp.
         self.ffn_name = "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp"
-        setattr(self, self.ffn_name, SparseMoE(cfg) if sparse else MLP(cfg))
+        moe = StackedMoE(cfg) if cfg.stacked_experts else SparseMoE(cfg)
+        setattr(self, self.ffn_name, moe if sparse else MLP(cfg))
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size)
         # Without sandwich norms this is the MLP's input norm (Llama's name); with them it
         # normalises the attention's output, and the MLP has a norm before and after.

@@ -20,7 +20,7 @@ def _projection(node: Node) -> Node:
 def fuse_qkv(graph: Graph, ctx: CompileOptions) -> PassResult:
     changed = False
     for attn in [n for n in graph.nodes if n.op == "attention"]:
-        linears = [_projection(a) for a in attn.args]
+        linears = [_projection(a) for a in attn.args[:3]]
         if len({id(n) for n in linears}) == 3 and fusable(graph, linears):
             fuse_linears(graph, linears, "qkv_proj")
             changed = True

@@ -2,7 +2,7 @@
 
 Megatron's layout, decided per node from the graph alone (roles recorded at trace time,
 op definitions, the dataflow; never checkpoint names):
-- attention: rank r keeps heads [r H/T, (r+1) H/T) of q and the KV heads they read
+- attention: rank r keeps heads [r H/T, (r+1) H/T) of q (and their sinks) and the KV heads they read
   (KV/T of them, or the one they share when KV < T: replicated, as SGLang does); q/k/v
   projections are cut by rows (column-parallel), o_proj by columns (row-parallel), and an
   `all_reduce` sums the ranks' partial outputs;
@@ -91,8 +91,11 @@ def _attention(
     """Heads [lo, hi) of q and the KV heads they read; o_proj by columns. Returns the
     linears it split."""
     heads, kv, d = attn.attrs["num_heads"], attn.attrs["num_kv_heads"], attn.attrs["head_dim"]
-    q, k, v = (_projection(a) for a in attn.args)
+    q, k, v = (_projection(a) for a in attn.args[:3])
     lo, hi = _part(heads, size, rank, attn)
+    if attn.attrs.get("sinks"):  # one per query head: this rank's heads'
+        sinks = attn.args[3]
+        attn.args = [*attn.args[:3], _sliced(graph, sinks, 0, lo, hi, sinks.attrs["name"])]
     if kv % size == 0:
         kv_lo, kv_hi = rank * kv // size, (rank + 1) * kv // size
     else:  # fewer KV heads than ranks: each rank keeps the one its q heads read
@@ -138,7 +141,7 @@ def _mlps(graph: Graph, done: set[int]) -> list[tuple[Node, list[Node]]]:
 
 def _out_features(graph: Graph, node: Node) -> int:
     """A linear's output features; a moe's expert width (its first gate's rows)."""
-    spec = graph.weight_of(node.args[2] if node.op == "moe" else node.args[1])
+    spec = graph.weight_of(node.args[_moe_head(node)] if node.op == "moe" else node.args[1])
     assert spec is not None
     return spec.shape[0]
 
@@ -190,19 +193,38 @@ def _reduce_after(graph: Graph, users: dict[Node, list[Node]], node: Node, size:
         u.args = [reduced if a is node else a for a in u.args]
 
 
+def _moe_head(moe: Node) -> int:
+    """Inputs before the experts': x, the router, and its bias where it has one."""
+    return 3 if moe.attrs.get("router_bias") else 2
+
+
 def _moe(graph: Graph, users: dict[Node, list[Node]], moe: Node, size: int, rank: int) -> None:
-    """Each expert's MLP split as a dense one is; the router stays whole."""
-    x, router, *weights = moe.args
+    """Each expert's MLP split as a dense one is (gate and up biases by rows, the down
+    bias on rank 0 only); the router stays whole."""
+    head = _moe_head(moe)
+    per = 6 if moe.attrs.get("expert_biases") else 3
+    weights = moe.args[head:]
     lo, hi = _part(_out_features(graph, moe), size, rank, moe)
-    args = [x, router]
-    for gate, up, down in zip(weights[0::3], weights[1::3], weights[2::3], strict=True):
-        args += [
-            _sliced(graph, gate, 0, lo, hi, gate.attrs["name"]),
-            _sliced(graph, up, 0, lo, hi, up.attrs["name"]),
-            _sliced(graph, down, 1, lo, hi, down.attrs["name"]),
-        ]
+    args = moe.args[:head]
+    for i in range(0, len(weights), per):
+        gate, up, down, *biases = weights[i : i + per]
+        cut = [(gate, 0), (up, 0), (down, 1)] + [(b, 0) for b in biases[:2]]
+        args += [_sliced(graph, w, dim, lo, hi, w.attrs["name"]) for w, dim in cut]
+        if biases:
+            # A bias on the other ranks' sums would be counted T times: rank 0's, zeros else.
+            down_bias = biases[2]
+            args.append(down_bias if rank == 0 else _zeros_like(graph, down_bias))
     moe.args = args
     _reduce_after(graph, users, moe, size)
+
+
+def _zeros_like(graph: Graph, param: Node) -> Node:
+    """A param of `param`'s shape holding zeros (the {"zeros": shape} recipe)."""
+    spec = graph.weight_of(param)
+    assert spec is not None
+    name = f"{param.attrs['name']}.zero"
+    graph.weights[name] = WeightSpec(spec.shape, spec.dtype, {"zeros": list(spec.shape)})
+    return graph.param(name, before=param)
 
 
 def _expert_parallel(
@@ -210,7 +232,8 @@ def _expert_parallel(
 ) -> None:
     """Experts [lo, hi) whole on this rank; the router stays whole."""
     lo, hi = _part(moe.attrs["num_experts"], size, rank, moe)
-    moe.args = [*moe.args[:2], *moe.args[2 + 3 * lo : 2 + 3 * hi]]
+    head, per = _moe_head(moe), 6 if moe.attrs.get("expert_biases") else 3
+    moe.args = [*moe.args[:head], *moe.args[head + per * lo : head + per * hi]]
     moe.attrs["first_expert"] = lo
     _reduce_after(graph, users, moe, size)
 

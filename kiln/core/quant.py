@@ -193,6 +193,27 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / sx).clamp(-127, 127), sx
 
 
+# OCP MXFP4: 4-bit e2m1 codes (sign, 2 exponent bits, 1 mantissa bit) by value.
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 as GPT-OSS checkpoints store it: `blocks` uint8 [..., groups, 16] (two codes a
+    byte, the low nibble first: 32 values a group) and `scales` uint8 [..., groups], each a
+    power of two (e8m0: 2 ** (s - 127)); -> float32 [..., groups * 32]."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"mxfp4: blocks {blocks.dtype} and scales {scales.dtype}, not uint8")
+    if tuple(blocks.shape[:-1]) != tuple(scales.shape) or blocks.shape[-1] != 16:
+        raise ValueError(
+            f"mxfp4: blocks {tuple(blocks.shape)} against scales {tuple(scales.shape)}"
+        )
+    lut = torch.tensor(_E2M1, dtype=torch.float32)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).long()  # [..., groups, 16, 2]
+    values = lut[codes].flatten(-2)  # [..., groups, 32]
+    values = torch.ldexp(values, scales.to(torch.int32)[..., None] - 127)
+    return values.flatten(-2)
+
+
 def dequantize(q: torch.Tensor, s: torch.Tensor, fmt: str) -> torch.Tensor:
     """(codes [N, K], scales [N, G, planes]) -> float32 [N, K] (w8a8_int8: its weights)."""
     n, k = q.shape

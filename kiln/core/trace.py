@@ -90,6 +90,35 @@ class Tracer:
         shape = (stop - start, *full[1:])
         return Value(self._param(".".join(modules), shape, _dtype_name(weight.dtype), source))
 
+    def expert_part(
+        self,
+        weight: torch.Tensor,
+        part: str,
+        index: int,
+        take: tuple[int, int] = (0, 1),
+        transpose: bool = False,
+    ) -> Value:
+        """Expert `index` of a stacked [experts, ...] checkpoint tensor, as weight
+        `<tensor>.<index>.<part>`: of
+        its last dimension every take[1]-th element from take[0], transposed if asked
+        (GPT-OSS's experts), cut at compile time."""
+        whole = self._param_names.get(id(weight))
+        if whole is None:
+            raise IRError("a parameter that does not belong to the traced module")
+        full = list(weight.shape)
+        shape = full[1:]
+        shape[-1] = len(range(take[0], shape[-1], take[1]))
+        if transpose:
+            shape = [shape[1], shape[0], *shape[2:]]
+        source = {
+            "expert": {"load": whole, "shape": full},
+            "index": index,
+            "take": list(take),
+            "transpose": transpose,
+        }
+        name = f"{whole}.{index}.{part}"
+        return Value(self._param(name, tuple(shape), _dtype_name(weight.dtype), source))
+
     def constant(self, name: str, value: torch.Tensor) -> Value:
         """A tensor computed by the model definition, stored in the artefact as a weight."""
         self.constants[name] = value

@@ -46,6 +46,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     # Phi-3's fused q/k/v and gate/up tensors, rope over half of each head (Phi-4-mini's
     # partial rotary); LongRoPE has its own test below.
     "phi3-fused-partial-rotary": ("phi3", {"rope_scaling": None}),
+    # GPT-OSS: sinks, biases everywhere, sliding then full, clamped SwiGLU experts
+    # stored stacked, YaRN without truncation.
+    "gpt-oss-sinks-clamped-experts": ("gpt_oss", {}),
     "gemma3-sliding-and-global": ("gemma3", {}),
     "gemma3-untied-three-layers": (
         "gemma3",

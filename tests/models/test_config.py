@@ -307,3 +307,47 @@ def test_phi3_longrope_reads_as_transformers_reads_it(published) -> None:
         torch.testing.assert_close(got[: cfg.rotary // 2], ref.float(), rtol=1e-6, atol=0)
         assert not got[cfg.rotary // 2 :].any()  # the passed-through pairs do not turn
         assert cfg.rope.attention_factor == pytest.approx(factor) and factor > 1
+
+
+def test_gpt_oss_reads_as_transformers_reads_it() -> None:
+    from transformers import GptOssConfig
+
+    published = {  # gpt-oss-20b's config.json, less what kiln does not read
+        "model_type": "gpt_oss",
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 201088,
+        "num_local_experts": 32,
+        "experts_per_token": 4,
+        "num_experts_per_tok": 4,
+        "sliding_window": 128,
+        "swiglu_limit": 7.0,
+        "attention_bias": True,
+        "max_position_embeddings": 131072,
+        "initial_context_length": 4096,
+        "rope_theta": 150000,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        "tie_word_embeddings": False,
+        "quantization_config": {"quant_method": "mxfp4"},
+    }
+    cfg = ModelConfig.from_dict(published)
+    hf = GptOssConfig(**{k: v for k, v in published.items() if k != "model_type"})
+    assert cfg.sliding_windows == tuple(
+        128 if t == "sliding_attention" else None for t in hf.layer_types
+    )
+    assert cfg.sliding_windows[:2] == (128, None)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (32, 4, 2880)
+    assert cfg.qkv_bias and cfg.o_bias and cfg.attn_sinks and cfg.router_bias
+    assert (cfg.swiglu_limit, cfg.swiglu_alpha) == (7.0, 1.702)
+    assert cfg.rope.rope_type == "yarn" and not cfg.rope.truncate

@@ -35,6 +35,8 @@ FAMILIES = {
     "gemma2": {},
     # q/k/v and gate/up cut from one fused tensor each; partial rotary rows per head
     "phi3": {"rope_scaling": None},
+    # sinks by query head; each expert's biases: gate/up by rows, down on rank 0 only
+    "gpt_oss": {},
 }
 
 
@@ -72,7 +74,7 @@ def test_tp2_gives_tp1_and_transformers_greedy_ids(
         assert o["output_ids"] == hf_greedy(hf, prompt, 32)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
 def test_ep2_holds_whole_experts_and_gives_tp1s_ids(
     family: str, checkpoint: Callable[..., Path], artefact: Callable[..., Path], tmp_path: Path
 ) -> None:
@@ -85,7 +87,9 @@ def test_ep2_holds_whole_experts_and_gives_tp1s_ids(
     for rank in (0, 1):
         nodes = json.loads((art / graph_file(rank)).read_text())["nodes"]
         [moe, *_] = [n for n in nodes if n["op"] == "moe"]
-        assert moe["attrs"]["first_expert"] == 2 * rank and len(moe["args"]) == 2 + 3 * 2
+        a = moe["attrs"]
+        head, per = 2 + a["router_bias"], 6 if a["expert_biases"] else 3  # GPT-OSS's biases
+        assert a["first_expert"] == 2 * rank and len(moe["args"]) == head + per * 2
     ref_out, ref_logits, out, logits = _tp1_and_tp2(artefact(family, **kw), art)
     assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ref_out]
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)

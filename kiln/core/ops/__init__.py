@@ -80,6 +80,17 @@ def rows(
     return active_tracer().rows(weight, part, start, end, rotary)
 
 
+def expert_part(
+    weight: torch.Tensor,
+    part: str,
+    index: int,
+    take: tuple[int, int] = (0, 1),
+    transpose: bool = False,
+) -> Value:
+    """One expert's part of a stacked expert tensor, cut at compile time."""
+    return active_tracer().expert_part(weight, part, index, take, transpose)
+
+
 def constant(name: str, value: torch.Tensor) -> Value:
     """A tensor the model definition computes (rope frequencies), stored as a weight."""
     return active_tracer().constant(name, value)

@@ -146,6 +146,10 @@ class Attention(Attrs):
     kv_scale: float = 1.0
     # Gemma 2: scores become softcap * tanh(scores / softcap) before the softmax; 0: none.
     softcap: float = 0.0
+    # GPT-OSS: 1 when a fourth input holds a learned logit per query head (its "sink"),
+    # which joins each row's softmax and takes its share of the weight, attending to
+    # nothing.
+    sinks: int = 0
 
 
 def _heads(check: Check, a: dict[str, Any]) -> tuple[int, int, int]:
@@ -162,7 +166,13 @@ def _heads(check: Check, a: dict[str, Any]) -> tuple[int, int, int]:
 
 def _attention(check: Check, a: dict[str, Any], ins: list[Any]) -> Any:
     heads, kv, d = _heads(check, a)
-    q, k, v = (check.float_tensor(t, n) for t, n in zip(ins, "qkv", strict=True))
+    if len(ins) != 3 + bool(a.get("sinks")):
+        raise check.fail(
+            f"attention takes q, k, v and sinks={a.get('sinks', 0)}: {len(ins)} inputs"
+        )
+    if a.get("sinks"):
+        check.expect("sinks", check.weight(3, 1), (heads,))
+    q, k, v = (check.float_tensor(t, n) for t, n in zip(ins[:3], "qkv", strict=True))
     check.expect("q features", q.features, heads * d)
     check.expect("k features", k.features, kv * d)
     check.expect("v features", v.features, kv * d)
@@ -202,17 +212,23 @@ def _causal_mask(q_len: int, kv_len: int, window: int | None) -> torch.Tensor:
     return mask
 
 
-@op("q, k, v", Attention, rule=_attention, needs_ctx=True)
+@op("q, k, v, *sinks", Attention, rule=_attention, needs_ctx=True)
 def attention(
-    ctx: AttentionBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, a: Attention
+    ctx: AttentionBatch,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *sinks: torch.Tensor,
+    a: Attention,
 ) -> torch.Tensor:
     """Paged attention of a step's rows over the layer's pool, their K/V written first."""
     layer = a.layer
     k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
     write_kv(ctx, layer, k, v, a.num_kv_heads, a.head_dim, a.kv_scale)
+    sink = sinks[0] if sinks else None
     if ctx.decode:
-        return _decode(ctx, q, k_cache, v_cache, a)
-    outs = [attend_one(ctx, s, q, k, v, a) for s in ctx.seqs]
+        return _decode(ctx, q, k_cache, v_cache, a, sink)
+    outs = [attend_one(ctx, s, q, k, v, a, sink) for s in ctx.seqs]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
@@ -264,6 +280,7 @@ def attend_one(
     k: torch.Tensor,
     v: torch.Tensor,
     a: Attention,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention output rows [q_len, heads * head_dim] of one sequence of a prefill or
     mixed batch (its K/V already written): SDPA on its fresh K/V when nothing was cached
@@ -279,10 +296,11 @@ def attend_one(
             from_pool(c[a.layer].index_select(1, s.kv_slots), q.dtype, a.kv_scale).unsqueeze(0)
             for c in (ctx.k_cache, ctx.v_cache)
         )
+    sink = None if sinks is None else sinks.view(1, heads, 1, 1)
     if s.kv_len == s.q_len and window is None:
-        o = _sdpa(qs, ks, vs, a, causal=True)
+        o = _sdpa(qs, ks, vs, a, causal=True, sinks=sink)
     else:
-        o = _sdpa(qs, ks, vs, a, mask=_causal_mask(s.q_len, s.kv_len, window))
+        o = _sdpa(qs, ks, vs, a, mask=_causal_mask(s.q_len, s.kv_len, window), sinks=sink)
     return o[0].transpose(0, 1).reshape(s.q_len, heads * d)
 
 
@@ -293,12 +311,15 @@ def _sdpa(
     a: Attention,
     mask: torch.Tensor | None = None,
     causal: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention of [..., heads, rows, d] queries over [..., kv_heads, keys, d]
     (`mask`: True where a key is visible): torch's SDPA, or, with a soft cap, the scores
-    capped before the mask and softmax as transformers' Gemma 2 does (fp32 softmax)."""
+    capped before the mask and softmax as transformers' Gemma 2 does (fp32 softmax), or
+    with sinks (broadcast against the scores), each row's softmax over its keys and its
+    head's sink, the sink's share dropped."""
     gqa = q.shape[-3] != k.shape[-3]
-    if not a.softcap:
+    if not a.softcap and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=a.scale, enable_gqa=gqa
         )
@@ -306,13 +327,18 @@ def _sdpa(
         group = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
     scores = (q @ k.transpose(-1, -2)) * a.scale
-    scores = torch.tanh(scores / a.softcap) * a.softcap
+    if a.softcap:
+        scores = torch.tanh(scores / a.softcap) * a.softcap
     if causal:
         rows, keys = scores.shape[-2:]
         mask = torch.ones(rows, keys, dtype=torch.bool).tril(keys - rows)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+    if sinks is None:
+        return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat((scores.float(), sink), -1), dim=-1)[..., :-1]
+    return probs.to(q.dtype) @ v
 
 
 def _decode(
@@ -321,6 +347,7 @@ def _decode(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     a: Attention,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # One new token per sequence: the query heads sharing a KV head become query *rows*
     # of that head ([kv_heads, batch, group, d]), so no K/V is repeated for GQA.
@@ -332,7 +359,8 @@ def _decode(
     vs = v_cache.view(kv, -1, block).index_select(1, ctx.kv_index)
     ks, vs = (from_pool(t, q.dtype, a.kv_scale).view(kv, b, -1, d) for t in (ks, vs))
     qg = q.view(b, kv, group, d).transpose(0, 1)
-    o = _sdpa(qg, ks, vs, a, mask=ctx.decode_mask(a.sliding_window))
+    sink = None if sinks is None else sinks.view(kv, 1, group, 1)
+    o = _sdpa(qg, ks, vs, a, mask=ctx.decode_mask(a.sliding_window), sinks=sink)
     return o.transpose(0, 1).reshape(b, a.num_heads * d)
 
 
