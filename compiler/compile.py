@@ -158,9 +158,37 @@ def _materialise(
             _STACKED.clear()
             _STACKED[key] = _materialise(src["expert"], reader, constants)
         return _expert_part(_STACKED[key], src)
+    if "head_parts" in src:  # DeepSeek's q and latent projections (models/decoder.py)
+        return _materialise(src["head_parts"], reader, constants)[_head_part_rows(src)]
+    if "mla_absorb" in src:  # kv_b_proj's key or value half, per head (passes/absorb_mla.py)
+        return _absorbed(_materialise(src["mla_absorb"], reader, constants), src)
     if "rotary_order" in src:  # a partial rotary's q or k rows (kiln.models.rope)
         return _materialise(src["rotary_order"], reader, constants)[_rotary_rows(src)]
     raise ValueError(f"unknown weight recipe {src}")
+
+
+def _head_part_rows(src: dict[str, Any]) -> torch.Tensor:
+    """Row order of a {"head_parts"} recipe."""
+    heads, parts = src["heads"], src["parts"]
+    width = sum(parts)
+    out, start = [], 0
+    for i, n in enumerate(parts):
+        within = torch.arange(start, start + n)
+        if src["deinterleave"] and i == len(parts) - 1:
+            within = torch.cat((within[0::2], within[1::2]))
+        out.append((torch.arange(heads)[:, None] * width + within[None, :]).reshape(-1))
+        start += n
+    return torch.cat(out)
+
+
+def _absorbed(kv_b: torch.Tensor, src: dict[str, Any]) -> torch.Tensor:
+    """kv_b_proj [heads * (nope + v), latent] -> the key half as [heads, latent, nope]
+    (q_latent = q_nope W_uk) or the value half as [heads, v, latent]."""
+    heads, nope = src["heads"], src["nope"]
+    w = kv_b.view(heads, -1, kv_b.shape[-1])
+    if src["part"] == "k":
+        return w[:, :nope].transpose(1, 2).contiguous()
+    return w[:, nope:].contiguous()
 
 
 _STACKED: dict[str, torch.Tensor] = {}  # the stacked expert tensor last read
@@ -319,7 +347,9 @@ def _manifest(
                 n.attrs["num_kv_heads"] for n in graph.nodes if n.op in ATTENTION_OPS
             ),
             "tp_size": args.tp_size,
-            "head_dim": cfg.head_dim,
+            # The pooled width: a latent attention pools latent + rope features in K alone.
+            "head_dim": next(n.attrs["head_dim"] for n in graph.nodes if n.op in ATTENTION_OPS),
+            "v_head_dim": 0 if cfg.kv_lora_rank else None,
             "vocab_size": cfg.vocab_size,
             "context_length": cfg.max_position_embeddings,
             "dtype": dtype,

@@ -187,8 +187,6 @@ class GGUFFile:
         window = self.arch_field("attention.sliding_window")
         if window:
             cfg["sliding_window"] = int(window)
-        if self.arch == "qwen2":
-            cfg["attention_bias"] = True
         if self.arch in _NORMS_PLUS_ONE:  # Gemma 2 and 3
             # What the file does not say, as llama.cpp assumes it: GELU-tanh, and a query
             # scale of head_dim (the 27B models' differs; llama.cpp special-cases them).
@@ -229,7 +227,7 @@ class GGUFFile:
                     f"{self.path.name}: LongRoPE factors without "
                     "phi3.rope.scaling.original_context_length"
                 )
-            scaling = {"rope_type": "longrope", **factors}
+            scaling: dict[str, Any] = {"rope_type": "longrope", **factors}
             scaling["original_max_position_embeddings"] = int(original)
             attn = self.arch_field("rope.scaling.attn_factor")
             if attn is not None:

@@ -181,6 +181,46 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "rope_theta": 10000.0,
         },
     },
+    # DeepSeek V3: latent attention (q through its own low rank, rope pairs interleaved),
+    # 8 experts in 4 groups, 2 groups then 2 experts a token by sigmoid scores with a
+    # correction bias, a shared expert, the first layer dense.
+    "deepseek_v3": {
+        "model_type": "deepseek_v3",
+        "num_key_value_heads": 4,  # transformers' MLA repeats no KV heads
+        "q_lora_rank": 48,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 12,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_group": 4,
+        "topk_group": 2,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": 64,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5,
+    },
+    # DeepSeek V2-Lite's shape: q straight from hidden, softmax routing (greedy), experts
+    # weighed as they score.
+    "deepseek_v2": {
+        "model_type": "deepseek_v2",
+        "num_key_value_heads": 4,
+        "q_lora_rank": None,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 12,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 2,
+        "moe_intermediate_size": 48,
+        "first_k_dense_replace": 1,
+        "topk_method": "group_limited_greedy",
+        "n_group": 4,
+        "topk_group": 2,
+        "routed_scaling_factor": 1.5,
+    },
     "qwen3_moe": {
         "model_type": "qwen3_moe",
         "head_dim": 24,
@@ -247,20 +287,20 @@ def make_checkpoint(
     tokenizer = train_tokenizer()
     fam = dict(FAMILIES[family])
     model_type = fam.pop("model_type")
-    config = AutoConfig.for_model(
-        model_type,
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        initializer_range=init_std,
-        tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        **{"max_position_embeddings": 256, **fam, **overrides},
-    )
+    shape = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "initializer_range": init_std,
+        "tie_word_embeddings": tie_word_embeddings,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "max_position_embeddings": 256,
+    }
+    config = AutoConfig.for_model(model_type, **{**shape, **fam, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomise_norms(model, seed)

@@ -30,7 +30,12 @@ _FAMILIES: dict[str, dict[str, bool]] = {
     # alternating sliding and full layers, and a mixture of experts with a biased router
     # and biased experts, their SwiGLU clamped, stored stacked per layer.
     "gpt_oss": {"qkv_bias": True, "qk_norm": False},
+    # DeepSeek V2 and V3: multi-head latent attention (kiln/core/ops/mla.py), and a
+    # mixture of experts with shared experts, grouped top-k routing and dense first layers.
+    "deepseek_v2": {"qkv_bias": False, "qk_norm": False},
+    "deepseek_v3": {"qkv_bias": False, "qk_norm": False},
 }
+_DEEPSEEKS = ("deepseek_v2", "deepseek_v3")
 _GEMMAS = ("gemma2", "gemma3_text")
 # hidden_act / hidden_activation -> kiln's activation op.
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -199,6 +204,27 @@ class ModelConfig:
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 0.0
     stacked_experts: bool = False
+    # DeepSeek's multi-head latent attention (kv_lora_rank > 0): q straight from hidden
+    # (q_lora_rank 0) or through its own low-rank projection and norm; the latent's width;
+    # each head's key split into a part without rope and a rope part, and its value width;
+    # rope's pairs stored interleaved (kiln stores them as halves, models/decoder.py).
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    mla_scale: float = 0.0
+    # DeepSeek's routing: router scores by softmax (V2) or sigmoid (V3, with a bias that
+    # only picks experts); top-k within the topk_group best of n_group groups, each group
+    # scored by its best expert (V2) or its two best (V3); the weights times
+    # routed_scaling_factor; a shared MLP of n_shared_experts experts' width beside.
+    moe_scoring: str = "softmax"
+    n_group: int = 0
+    topk_group: int = 0
+    routed_scaling_factor: float = 1.0
+    score_correction_bias: bool = False
+    n_shared_experts: int = 0
 
     @classmethod
     def from_hf(cls, path: str | Path) -> ModelConfig:
@@ -234,6 +260,8 @@ class ModelConfig:
         num_layers = int(cfg["num_hidden_layers"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // num_heads
+        if model_type in _DEEPSEEKS:  # the rope tables' width: the rope part of a head
+            head_dim = cfg["qk_rope_head_dim"]
         qkv_bias = family["qkv_bias"] or bool(cfg.get("attention_bias", False))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -262,8 +290,10 @@ class ModelConfig:
             **_gemma(model_type, cfg, hidden),
             fused_projections=model_type == "phi3",
             rotary_dim=_rotary_dim(cfg, int(head_dim)),
-            o_bias=bool(cfg.get("attention_bias", False)),
+            # Qwen2's o_proj has no bias whatever attention_bias says (its q/k/v always do).
+            o_bias=bool(cfg.get("attention_bias", False)) and model_type != "qwen2",
             **_gpt_oss(model_type, cfg),
+            **_deepseek(model_type, cfg, _global_rope(model_type, cfg)),
         )
         pairs = out.rotary // 2
         factors = (len(out.rope.short_factor), len(out.rope.long_factor))
@@ -345,6 +375,21 @@ def _moe(model_type: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any
             "norm_topk_prob": True,  # Mixtral always rescales its top-k weights
             "sparse_layers": (True,) * num_layers,
         }
+    if model_type in _DEEPSEEKS:
+        routed = int(cfg.get("n_routed_experts") or 0)
+        first_sparse = int(cfg.get("first_k_dense_replace", 0))
+        freq = int(cfg.get("moe_layer_freq", 1) or 1)
+        return {
+            "num_experts": routed,
+            "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 1)),
+            "moe_intermediate_size": int(cfg.get("moe_intermediate_size", 0)),
+            # transformers' V2 router never rescales (whatever norm_topk_prob says); V3's
+            # does when asked.
+            "norm_topk_prob": model_type == "deepseek_v3" and bool(cfg.get("norm_topk_prob")),
+            "sparse_layers": tuple(
+                routed > 0 and i >= first_sparse and i % freq == 0 for i in range(num_layers)
+            ),
+        }
     if model_type == "gpt_oss":
         # Top-k of the router's logits, softmax over those k: the renormalised top-k of the
         # softmax over all.
@@ -372,6 +417,43 @@ def _moe(model_type: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any
             ),
         }
     return {}
+
+
+def _deepseek(model_type: str, cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    if model_type not in _DEEPSEEKS:
+        return {}
+    if cfg.get("attention_bias"):
+        raise ModelConfigError("attention_bias=true is not supported for DeepSeek")
+    nope, rope_dim = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
+    scale = (nope + rope_dim) ** -0.5
+    params = {**(rope.get("rope_scaling") or {}), **(rope.get("rope_parameters") or {})}
+    if params.get("rope_type", params.get("type", "default")) != "default":
+        # DeepSeek's YaRN also sharpens the softmax by mscale(factor, mscale_all_dim)^2.
+        m_all = float(params.get("mscale_all_dim") or 0.0)
+        factor = float(params.get("factor") or 1.0)
+        if m_all and factor > 1:
+            scale *= (0.1 * m_all * math.log(factor) + 1.0) ** 2
+    v3 = model_type == "deepseek_v3"
+    method = cfg.get("topk_method", "noaux_tc" if v3 else "greedy")
+    grouped = method in ("group_limited_greedy", "noaux_tc")
+    if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise ModelConfigError(f"topk_method {method!r} is not supported")
+    return {
+        "q_lora_rank": int(cfg.get("q_lora_rank") or 0),
+        "kv_lora_rank": int(cfg["kv_lora_rank"]),
+        "qk_nope_head_dim": nope,
+        "qk_rope_head_dim": rope_dim,
+        "v_head_dim": int(cfg["v_head_dim"]),
+        # V2's rope is complex multiplication over (even, odd) pairs; V3 says which.
+        "rope_interleave": bool(cfg.get("rope_interleave", True)) if v3 else True,
+        "mla_scale": scale,
+        "moe_scoring": "sigmoid" if v3 else "softmax",
+        "n_group": int(cfg.get("n_group") or 1) if grouped else 0,
+        "topk_group": int(cfg.get("topk_group") or 1) if grouped else 0,
+        "routed_scaling_factor": float(cfg.get("routed_scaling_factor") or 1.0),
+        "score_correction_bias": v3,
+        "n_shared_experts": int(cfg.get("n_shared_experts") or 0),
+    }
 
 
 def _gpt_oss(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """The decoder-only transformer behind Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2 and 3,
-Phi-3 and Phi-4-mini, and the mixtures of experts Mixtral and Qwen3-MoE.
+Phi-3 and Phi-4-mini, and the mixtures of experts Mixtral, Qwen3-MoE, GPT-OSS and
+DeepSeek V2 / V3 (with multi-head latent attention).
 
 Written for one device and traced, never run eagerly: build it on the meta device and
 hand it to `kiln.core.trace.trace`. Parameter names match the Hugging Face
@@ -96,11 +97,71 @@ class Attention(nn.Module):
         return ops.linear(o, self.o_proj.weight, self.o_proj.bias)
 
 
+class LatentAttention(nn.Module):
+    """DeepSeek's multi-head latent attention, as its checkpoints name it. Each layer's KV
+    pool holds the normed latent and the turned rope part of the key per token
+    (kiln/core/ops/mla.py); passes/absorb_mla.py folds kv_b_proj into the query and the
+    output. q and the latent projection's rows are stored reordered: q as [every head's
+    part without rope | every head's rope part], and rope pairs that the checkpoint
+    interleaves (x0, x1), (x2, x3)... as halves, so that kiln's rotate-half rope turns
+    them (both q and k alike: their dot products do not change)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        h, heads = cfg.hidden_size, cfg.num_heads
+        q_width = heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = nn.RMSNorm(cfg.q_lora_rank)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, q_width, bias=False)
+        else:
+            self.q_proj = nn.Linear(h, q_width, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = nn.RMSNorm(cfg.kv_lora_rank)
+        kv_width = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, kv_width, bias=False)
+        self.o_proj = nn.Linear(heads * cfg.v_head_dim, h, bias=False)
+
+    def forward(self, x: Value, cos_sin: Value) -> Value:
+        cfg = self.cfg
+        heads, nope, rope = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        latent_dim = cfg.kv_lora_rank
+        if cfg.q_lora_rank:
+            x_q = _norm(cfg, ops.linear(x, self.q_a_proj.weight), self.q_a_layernorm)
+            w_q = self.q_b_proj.weight
+        else:
+            x_q, w_q = x, self.q_proj.weight
+        q = ops.linear(x_q, ops.head_parts(w_q, heads, (nope, rope), cfg.rope_interleave))
+        q_nope, q_rope = ops.split(q, sizes=[heads * nope, heads * rope])
+        w_kv = ops.head_parts(
+            self.kv_a_proj_with_mqa.weight, 1, (latent_dim, rope), cfg.rope_interleave
+        )
+        latent, k_rope = ops.split(ops.linear(x, w_kv), sizes=[latent_dim, rope])
+        o = ops.mla_attention(
+            q_nope,
+            ops.rope(q_rope, cos_sin, head_dim=rope),
+            _norm(cfg, latent, self.kv_a_layernorm),
+            ops.rope(k_rope, cos_sin, head_dim=rope),
+            self.kv_b_proj.weight,
+            layer=self.layer,
+            num_heads=heads,
+            num_kv_heads=1,
+            head_dim=latent_dim + rope,
+            scale=cfg.mla_scale,
+            latent_dim=latent_dim,
+            rope_dim=rope,
+            nope_dim=nope,
+            v_dim=cfg.v_head_dim,
+        )
+        return ops.linear(o, self.o_proj.weight)
+
+
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, width: int | None = None) -> None:
         super().__init__()
         self.act = ops.OPS[cfg.hidden_act]
-        h, width = cfg.hidden_size, cfg.intermediate_size
+        h, width = cfg.hidden_size, width or cfg.intermediate_size
         self.fused = cfg.fused_projections
         if self.fused:  # Phi-3: one [gate; up] tensor in the checkpoint
             self.gate_up_proj = nn.Linear(h, 2 * width, bias=False)
@@ -139,19 +200,46 @@ class Expert(nn.Module):
         return gate, up, down
 
 
+class DeepSeekRouter(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.weight = _weight(cfg.num_experts, cfg.hidden_size)
+        if cfg.score_correction_bias:  # V3: picks experts, weighs nothing
+            self.e_score_correction_bias = _weight(cfg.num_experts)
+
+
 class SparseMoE(nn.Module):
-    """A router (`gate`) over `experts`; each token runs its top-k (ops.moe)."""
+    """A router (`gate`) over `experts`; each token runs its top-k (ops.moe). DeepSeek's
+    also has `shared_experts`, an MLP every token runs, added."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        if cfg.model_type in ("deepseek_v2", "deepseek_v3"):
+            self.gate: nn.Module = DeepSeekRouter(cfg)
+        else:
+            self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(Expert(cfg) for _ in range(cfg.num_experts))
+        if cfg.n_shared_experts:
+            self.shared_experts = MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts)
 
     def forward(self, x: Value) -> Value:
         experts = [cast(Expert, e).weights() for e in self.experts]
         cfg = self.cfg
-        return ops.moe(x, self.gate.weight, experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        routed = ops.moe(
+            x,
+            self.gate.weight,
+            experts,
+            cfg.num_experts_per_tok,
+            cfg.norm_topk_prob,
+            correction_bias=getattr(self.gate, "e_score_correction_bias", None),
+            scoring=cfg.moe_scoring,
+            groups=(cfg.n_group, cfg.topk_group),
+            routed_scaling=cfg.routed_scaling_factor,
+        )
+        if not cfg.n_shared_experts:
+            return routed
+        return ops.add(routed, self.shared_experts(x))
 
 
 class Router(nn.Module):
@@ -214,12 +302,16 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.cfg = cfg
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn: nn.Module = (
+            LatentAttention(cfg, layer) if cfg.kv_lora_rank else Attention(cfg, layer)
+        )
         sparse = bool(cfg.sparse_layers) and cfg.sparse_layers[layer]
         # The checkpoints' names: Mixtral's block_sparse_moe, everyone else's mlp.
         self.ffn_name = "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp"
-        moe = StackedMoE(cfg) if cfg.stacked_experts else SparseMoE(cfg)
-        setattr(self, self.ffn_name, moe if sparse else MLP(cfg))
+        ffn: nn.Module = MLP(cfg)
+        if sparse:
+            ffn = StackedMoE(cfg) if cfg.stacked_experts else SparseMoE(cfg)
+        setattr(self, self.ffn_name, ffn)
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size)
         # Without sandwich norms this is the MLP's input norm (Llama's name); with them it
         # normalises the attention's output, and the MLP has a norm before and after.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kiln.passes.absorb_mla import absorb_mla
 from kiln.passes.base import PassError, run_passes
 from kiln.passes.capture_plan import capture_plan
 from kiln.passes.dce import dce
@@ -28,6 +29,7 @@ PIPELINE: list[Pass] = [
     fuse_add_rmsnorm,
     fuse_rope,
     fuse_rope_attention,
+    absorb_mla,
     dce,
     quantize,
     kv_cache,
@@ -44,6 +46,7 @@ __all__ = [
     "Pass",
     "PassError",
     "PassResult",
+    "absorb_mla",
     "capture_plan",
     "compiler_pass",
     "dce",

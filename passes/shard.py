@@ -194,8 +194,8 @@ def _reduce_after(graph: Graph, users: dict[Node, list[Node]], node: Node, size:
 
 
 def _moe_head(moe: Node) -> int:
-    """Inputs before the experts': x, the router, and its bias where it has one."""
-    return 3 if moe.attrs.get("router_bias") else 2
+    """Inputs before the experts': x, the router, and its biases where it has them."""
+    return 2 + bool(moe.attrs.get("router_bias")) + bool(moe.attrs.get("correction_bias"))
 
 
 def _moe(graph: Graph, users: dict[Node, list[Node]], moe: Node, size: int, rank: int) -> None:

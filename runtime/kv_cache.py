@@ -85,20 +85,28 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: str = "cpu",
+        v_head_dim: int | None = None,
     ) -> None:
         shape = (num_layers, num_kv_heads, num_slots, head_dim)
+        v_dim = head_dim if v_head_dim is None else v_head_dim
         # Zero-filled, not uninitialised: padded decode reads slot 0 under a mask, and
         # NaN * 0 is NaN.
         self.k, k_map = _zeros(shape, dtype, device)
-        self.v, v_map = _zeros(shape, dtype, device)
+        self.v, v_map = _zeros((*shape[:3], v_dim), dtype, device)
+        # v_map is None for an empty V pool (latent attention keeps all it needs in K).
         self._maps = [m for m in (k_map, v_map) if m is not None]
-        self.nbytes = 2 * self.k.numel() * self.k.element_size()
+        self.nbytes = (self.k.numel() + self.v.numel()) * self.k.element_size()
 
     @staticmethod
     def bytes_per_token(
-        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        v_head_dim: int | None = None,
     ) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+        v_dim = head_dim if v_head_dim is None else v_head_dim
+        return num_layers * num_kv_heads * (head_dim + v_dim) * dtype.itemsize
 
     def release(
         self, pages: list[int], page_size: int, budget_s: float = math.inf
@@ -145,7 +153,7 @@ def _runs(pages: list[int]) -> list[tuple[int, int]]:
 def _zeros(
     shape: tuple[int, ...], dtype: torch.dtype, device: str
 ) -> tuple[torch.Tensor, mmap.mmap | None]:
-    if device != "cpu":
+    if device != "cpu" or 0 in shape:
         return torch.zeros(shape, dtype=dtype, device=device), None
     numel = 1
     for d in shape:

@@ -201,6 +201,8 @@ class RuntimeSpec(_Strict):
     num_kv_heads: int = Field(gt=0, le=MAX_HEADS)  # per tensor-parallel rank
     tp_size: int = Field(default=1, gt=0, le=MAX_RANKS)
     head_dim: int = Field(gt=0, le=MAX_HEAD_DIM)
+    # The V pool's width when it differs from K's: 0 for latent attention (kiln/core/ops/mla.py).
+    v_head_dim: int | None = Field(default=None, ge=0, le=MAX_HEAD_DIM)
     vocab_size: int = Field(gt=0, le=MAX_VOCAB)
     context_length: int = Field(gt=1, le=MAX_CONTEXT)
     dtype: Literal["float32", "float16", "bfloat16"]

@@ -90,6 +90,26 @@ class Tracer:
         shape = (stop - start, *full[1:])
         return Value(self._param(".".join(modules), shape, _dtype_name(weight.dtype), source))
 
+    def head_parts(
+        self, weight: torch.Tensor, heads: int, parts: tuple[int, ...], deinterleave: bool
+    ) -> Value:
+        """A checkpoint weight whose rows are per head [part 0 | part 1 | ...], stored as
+        [part 0 of every head | part 1 of every head | ...], the last part's rows taken
+        evens first, then odds, with `deinterleave` (DeepSeek's q and latent projections)."""
+        name = self._param_names.get(id(weight))
+        if name is None:
+            raise IRError("a parameter that does not belong to the traced module")
+        shape = list(weight.shape)
+        if shape[0] != heads * sum(parts):
+            raise IRError(f"{name}: {shape[0]} rows are not {heads} heads of {parts}")
+        source = {
+            "head_parts": {"load": name, "shape": shape},
+            "heads": heads,
+            "parts": list(parts),
+            "deinterleave": deinterleave,
+        }
+        return Value(self._param(name, tuple(shape), _dtype_name(weight.dtype), source))
+
     def expert_part(
         self,
         weight: torch.Tensor,

@@ -49,6 +49,11 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     # GPT-OSS: sinks, biases everywhere, sliding then full, clamped SwiGLU experts
     # stored stacked, YaRN without truncation.
     "gpt-oss-sinks-clamped-experts": ("gpt_oss", {}),
+    # DeepSeek: latent attention (its pool one latent + rope row a token, kv_b absorbed),
+    # V3's sigmoid routing over groups with a correction bias, V2-Lite's softmax one;
+    # shared experts and a dense first layer both.
+    "deepseek-v3-mla-grouped-sigmoid": ("deepseek_v3", {}),
+    "deepseek-v2-mla-grouped-softmax": ("deepseek_v2", {}),
     "gemma3-sliding-and-global": ("gemma3", {}),
     "gemma3-untied-three-layers": (
         "gemma3",

@@ -351,3 +351,76 @@ def test_gpt_oss_reads_as_transformers_reads_it() -> None:
     assert cfg.qkv_bias and cfg.o_bias and cfg.attn_sinks and cfg.router_bias
     assert (cfg.swiglu_limit, cfg.swiglu_alpha) == (7.0, 1.702)
     assert cfg.rope.rope_type == "yarn" and not cfg.rope.truncate
+
+
+def test_deepseek_v3_reads_as_transformers_reads_it() -> None:
+    from transformers import DeepseekV3Config
+
+    published = {  # DeepSeek-V3's config.json, less what kiln does not read
+        "model_type": "deepseek_v3",
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "n_group": 8,
+        "topk_group": 4,
+        "topk_method": "noaux_tc",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 3,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "vocab_size": 129280,
+        "max_position_embeddings": 163840,
+        "rope_theta": 10000,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 40,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 4096,
+        },
+    }
+    cfg = ModelConfig.from_dict(published)
+    hf = DeepseekV3Config(**{k: v for k, v in published.items() if k != "model_type"})
+    assert cfg.sparse_layers == tuple(i >= 3 for i in range(61))
+    assert (cfg.num_experts, cfg.n_group, cfg.topk_group, cfg.n_shared_experts) == (256, 8, 4, 1)
+    assert cfg.moe_scoring == "sigmoid" and cfg.score_correction_bias and cfg.norm_topk_prob
+    assert (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.head_dim) == (512, 64, 64)
+    # The softmax scale: transformers' attention's (yarn's mscale squared folded in).
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+    assert cfg.mla_scale == pytest.approx(yarn_apply_mscale(hf.rope_parameters, 192**-0.5))
+    assert cfg.mla_scale > 192**-0.5
+
+
+def test_deepseek_at_tp_2_is_refused_by_name() -> None:
+    from kiln.args import ArgError, ServerArgs
+    from kiln.compiler.options import tensor_parallel
+
+    cfg = ModelConfig.from_dict(
+        {
+            "model_type": "deepseek_v2",
+            "hidden_size": 64,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "vocab_size": 10,
+            "kv_lora_rank": 16,
+            "qk_nope_head_dim": 8,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 8,
+        }
+    )
+    with pytest.raises(ArgError, match="--tp-size 2: deepseek_v2's multi-head latent attention"):
+        tensor_parallel(ServerArgs(model_path="x", tp_size=2), cfg)

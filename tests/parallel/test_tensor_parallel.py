@@ -88,7 +88,8 @@ def test_ep2_holds_whole_experts_and_gives_tp1s_ids(
         nodes = json.loads((art / graph_file(rank)).read_text())["nodes"]
         [moe, *_] = [n for n in nodes if n["op"] == "moe"]
         a = moe["attrs"]
-        head, per = 2 + a["router_bias"], 6 if a["expert_biases"] else 3  # GPT-OSS's biases
+        head = 2 + a["router_bias"] + a["correction_bias"]  # GPT-OSS, DeepSeek V3
+        per = 6 if a["expert_biases"] else 3
         assert a["first_expert"] == 2 * rank and len(moe["args"]) == head + per * 2
     ref_out, ref_logits, out, logits = _tp1_and_tp2(artefact(family, **kw), art)
     assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ref_out]

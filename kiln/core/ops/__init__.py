@@ -15,11 +15,13 @@ from kiln.core.ops import attention as _attention
 from kiln.core.ops import collective as _collective
 from kiln.core.ops import elementwise as _elementwise
 from kiln.core.ops import linear as _linear
+from kiln.core.ops import mla as _mla
 from kiln.core.ops import moe as _moe
 from kiln.core.ops import norm as _norm
 from kiln.core.ops import rope as _rope
 from kiln.core.ops import structure as _structure
-from kiln.core.ops.attention import ATTENTION_OPS, attention, rope_attention
+from kiln.core.ops.attention import OPS as _POOL_ATTENTION
+from kiln.core.ops.attention import attention, rope_attention
 from kiln.core.ops.collective import all_gather, all_reduce
 from kiln.core.ops.elementwise import (
     add,
@@ -33,6 +35,7 @@ from kiln.core.ops.elementwise import (
     split,
 )
 from kiln.core.ops.linear import PROLOGUES, embedding, linear
+from kiln.core.ops.mla import head_linear, latent_attention, mla_attention
 from kiln.core.ops.moe import moe
 from kiln.core.ops.norm import add_rmsnorm, rmsnorm
 from kiln.core.ops.rope import rope, rope_cos_sin, rope_qkv
@@ -53,11 +56,14 @@ OPS: dict[str, OpDef] = {
         _rope,
         _attention,
         _linear,
+        _mla,
         _moe,
         _collective,
     )
     for d in (module.STRUCTURAL if module is _structure else module.OPS)
 }
+# The ops that attend over one layer's KV pool (their attributes have `Attention`'s fields).
+ATTENTION_OPS = tuple(d.name for d in (*_POOL_ATTENTION, _mla.mla_attention, _mla.latent_attention))
 # Ops whose output feature j depends on input feature j alone.
 ELEMENTWISE = frozenset(d.name for d in _elementwise.ELEMENTWISE)
 
@@ -78,6 +84,13 @@ def rows(
     rotary's q and k, reordered per head) at compile time."""
     end = weight.shape[0] if stop is None else stop
     return active_tracer().rows(weight, part, start, end, rotary)
+
+
+def head_parts(
+    weight: torch.Tensor, heads: int, parts: tuple[int, ...], deinterleave: bool = False
+) -> Value:
+    """A weight's rows regrouped by part across heads, cut at compile time."""
+    return active_tracer().head_parts(weight, heads, parts, deinterleave)
 
 
 def expert_part(
@@ -110,8 +123,11 @@ __all__ = [
     "constant",
     "embedding",
     "gelu_tanh",
+    "head_linear",
     "index_select",
+    "latent_attention",
     "linear",
+    "mla_attention",
     "moe",
     "mul",
     "rmsnorm",

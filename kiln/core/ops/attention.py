@@ -373,6 +373,5 @@ def rope_attention(
     return rope_then_attend(rope_qkv.kernel, attention.kernel, ctx, qkv, cos_sin, a)
 
 
-# The ops that attend over one layer's KV pool (their attributes are `Attention`).
+# The ops that attend over one layer's K and V pools (their attributes are `Attention`).
 OPS = (attention, rope_attention)
-ATTENTION_OPS = tuple(d.name for d in OPS)
