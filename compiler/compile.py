@@ -169,14 +169,15 @@ def _materialise(
 
 def _head_part_rows(src: dict[str, Any]) -> torch.Tensor:
     """Row order of a {"head_parts"} recipe."""
-    heads, parts = src["heads"], src["parts"]
+    parts = src["parts"]
     width = sum(parts)
+    lo, hi = src.get("head_range") or (0, src["heads"])  # a tensor-parallel rank's heads
     out, start = [], 0
     for i, n in enumerate(parts):
         within = torch.arange(start, start + n)
         if src["deinterleave"] and i == len(parts) - 1:
             within = torch.cat((within[0::2], within[1::2]))
-        out.append((torch.arange(heads)[:, None] * width + within[None, :]).reshape(-1))
+        out.append((torch.arange(lo, hi)[:, None] * width + within[None, :]).reshape(-1))
         start += n
     return torch.cat(out)
 

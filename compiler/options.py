@@ -71,11 +71,6 @@ def tensor_parallel(args: ServerArgs, cfg: ModelConfig) -> TensorParallel:
         )
     if size == 1:
         return TensorParallel()
-    if cfg.kv_lora_rank:
-        raise ArgError(
-            f"--tp-size {size}: {cfg.model_type}'s multi-head latent attention is not split "
-            "across ranks yet (kiln runs it at --tp-size 1)"
-        )
     kv = cfg.num_kv_heads
     whole = [("num_attention_heads", cfg.num_heads), ("vocab_size", cfg.vocab_size)]
     if not all(cfg.sparse_layers) or not cfg.sparse_layers:

@@ -48,6 +48,8 @@ def shard(graph: Graph, ctx: CompileOptions) -> PassResult:
     done: set[int] = set()  # the linears a rule has split
     for attn in [n for n in graph.nodes if n.op == "attention"]:
         done |= _attention(graph, users, attn, size, rank)
+    for mla in [n for n in graph.nodes if n.op == "mla_attention"]:
+        done |= _latent_attention(graph, users, mla, size, rank)
     for down, inputs in _mlps(graph, done):
         lo, hi = _part(_out_features(graph, inputs[0]), size, rank, inputs[0])
         for linear in inputs:
@@ -113,6 +115,45 @@ def _attention(
         raise IRError(f"%{attn.name}: attention's output must feed one linear (its o_proj)")
     _row_parallel(graph, users, outs[0], lo * d, hi * d, size, rank)
     return {id(q), id(k), id(v), id(outs[0])}
+
+
+def _latent_attention(
+    graph: Graph, users: dict[Node, list[Node]], mla: Node, size: int, rank: int
+) -> set[int]:
+    """Multi-head latent attention: heads [lo, hi) of q (both its parts: the projection's
+    rows are grouped by part, kiln/core/trace.py head_parts) and of kv_b; the latent, its
+    projection and q's low-rank one whole on every rank (each rank pools every token's
+    latent, as SGLang's ranks do); o_proj by columns. Returns the linears it handled."""
+    q_nope, _, latent, _, kv_b = mla.args
+    a = mla.attrs
+    heads, nope, rope, v = a["num_heads"], a["nope_dim"], a["rope_dim"], a["v_dim"]
+    lo, hi = _part(heads, size, rank, mla)
+    q_split = _split_of(q_nope, mla)
+    q_linear = q_split.args[0]
+    weight = graph.weight_of(q_linear.args[1])
+    if q_linear.op != "linear" or weight is None or "head_parts" not in weight.source:
+        raise IRError(f"%{mla.name}: its queries do not come from a per-head projection")
+    weight.source = {**weight.source, "head_range": [lo, hi]}
+    weight.shape = ((hi - lo) * (nope + rope), *weight.shape[1:])
+    q_split.attrs["sizes"] = [(hi - lo) * nope, (hi - lo) * rope]
+    whole = {id(q_linear), id(_split_of(_projection(latent), mla).args[0])}
+    if q_linear.args[0].op in _PER_HEAD:  # q's low-rank projection, before its norm
+        whole.add(id(_projection(q_linear.args[0])))
+    per_head = nope + v
+    mla.args[4] = _sliced(graph, kv_b, 0, lo * per_head, hi * per_head, kv_b.attrs["name"])
+    a["num_heads"] = hi - lo
+    outs = users[mla]
+    if len(outs) != 1 or outs[0].op != "linear":
+        raise IRError(f"%{mla.name}: latent attention's output must feed one linear (o_proj)")
+    _row_parallel(graph, users, outs[0], lo * v, hi * v, size, rank)
+    return whole | {id(outs[0])}
+
+
+def _split_of(value: Node, mla: Node) -> Node:
+    """The split whose output `value` (a getitem of it) is."""
+    if value.op != "getitem" or value.args[0].op != "split":
+        raise IRError(f"%{mla.name}: %{value.name} is not a part of a split projection")
+    return value.args[0]
 
 
 def _mlps(graph: Graph, done: set[int]) -> list[tuple[Node, list[Node]]]:

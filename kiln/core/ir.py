@@ -51,7 +51,11 @@ class WeightSpec:
 
     `source` is a small recipe tree: {"load": hf_name}, {"concat": [recipes], "dim": 0},
     {"shift": recipe, "by": x} (the recipe's tensor plus x),
-    {"constant": key} for tensors computed by the model definition (e.g. rope frequencies).
+    {"constant": key} for tensors computed by the model definition (e.g. rope frequencies),
+    {"slice": recipe, "dim", "start", "stop"} (a rank's part, a fused weight's rows),
+    {"rotary_order": recipe, ...} and {"head_parts": recipe, ...} (rows reordered per head),
+    {"expert": recipe, "index", ...} (one expert of a stacked tensor), {"mla_absorb": recipe,
+    ...} (kv_b's halves per head), {"zeros": shape}; compiler/compile.py makes each.
     `shape` is the logical shape; `layout` how the artefact stores it: "rows" (as is) or
     "panels{L}x{G}" (a kiln_cpu linear's weight, see kernels/native.py `stored_shape`).
     """

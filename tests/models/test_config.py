@@ -402,25 +402,3 @@ def test_deepseek_v3_reads_as_transformers_reads_it() -> None:
 
     assert cfg.mla_scale == pytest.approx(yarn_apply_mscale(hf.rope_parameters, 192**-0.5))
     assert cfg.mla_scale > 192**-0.5
-
-
-def test_deepseek_at_tp_2_is_refused_by_name() -> None:
-    from kiln.args import ArgError, ServerArgs
-    from kiln.compiler.options import tensor_parallel
-
-    cfg = ModelConfig.from_dict(
-        {
-            "model_type": "deepseek_v2",
-            "hidden_size": 64,
-            "intermediate_size": 64,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 4,
-            "vocab_size": 10,
-            "kv_lora_rank": 16,
-            "qk_nope_head_dim": 8,
-            "qk_rope_head_dim": 8,
-            "v_head_dim": 8,
-        }
-    )
-    with pytest.raises(ArgError, match="--tp-size 2: deepseek_v2's multi-head latent attention"):
-        tensor_parallel(ServerArgs(model_path="x", tp_size=2), cfg)

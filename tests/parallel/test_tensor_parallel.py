@@ -37,6 +37,9 @@ FAMILIES = {
     "phi3": {"rope_scaling": None},
     # sinks by query head; each expert's biases: gate/up by rows, down on rank 0 only
     "gpt_oss": {},
+    # latent attention by heads (q's two parts, kv_b), the latent whole on every rank
+    "deepseek_v3": {},
+    "deepseek_v2": {},
 }
 
 
@@ -74,12 +77,12 @@ def test_tp2_gives_tp1_and_transformers_greedy_ids(
         assert o["output_ids"] == hf_greedy(hf, prompt, 32)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3"])
 def test_ep2_holds_whole_experts_and_gives_tp1s_ids(
     family: str, checkpoint: Callable[..., Path], artefact: Callable[..., Path], tmp_path: Path
 ) -> None:
-    """--ep-size 2: each rank holds two of the four experts whole (the router whole), adds
-    its experts' share of each token, and an all-reduce sums the ranks."""
+    """--ep-size 2: each rank holds half of the experts whole (the router whole), adds its
+    experts' share of each token, and an all-reduce sums the ranks."""
     kw = FAMILIES[family]
     art = tmp_path / "ep2"
     ckpt = checkpoint(family, **kw)
@@ -90,7 +93,8 @@ def test_ep2_holds_whole_experts_and_gives_tp1s_ids(
         a = moe["attrs"]
         head = 2 + a["router_bias"] + a["correction_bias"]  # GPT-OSS, DeepSeek V3
         per = 6 if a["expert_biases"] else 3
-        assert a["first_expert"] == 2 * rank and len(moe["args"]) == head + per * 2
+        local = a["num_experts"] // 2
+        assert a["first_expert"] == local * rank and len(moe["args"]) == head + per * local
     ref_out, ref_logits, out, logits = _tp1_and_tp2(artefact(family, **kw), art)
     assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ref_out]
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
