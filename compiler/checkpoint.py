@@ -121,7 +121,7 @@ class CheckpointReader:
         if self.load_format == "dummy":
             return _dummy(name, shape)
         if self.gguf is not None:
-            if name not in self.gguf.tensors:
+            if not self.gguf.has(name):
                 raise CheckpointError(f"{self.gguf.path.name} has no tensor for {name!r}")
             t = torch.from_numpy(self.gguf.get(name).copy())
             if tuple(t.shape) != tuple(shape):

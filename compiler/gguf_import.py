@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,8 @@ ARCHITECTURES = {
     "gemma2": "gemma2",
     "gemma3": "gemma3_text",
     "phi3": "phi3",
+    "gpt-oss": "gpt_oss",
+    "deepseek2": "deepseek2",  # deepseek_v2 or deepseek_v3, by its gating function
 }
 # llama.cpp's converter stores Gemma's norm weights as 1 + w (its norm multiplies by the
 # weight); transformers' Gemma norms take w and add the 1 themselves, as kiln's do.
@@ -91,6 +94,43 @@ _PHI3_LAYER = {
     "attn_qkv.weight": "self_attn.qkv_proj.weight",
     "ffn_up.weight": "mlp.gate_up_proj.weight",
 }
+# GPT-OSS: norms under llama.cpp's names, sinks, a biased router, and the experts stacked
+# with gate and up apart ([experts, out, in]); the stacked tensors' names here are kiln's
+# own, the model reads what `GGUFFile.derived` makes of them.
+_GPT_OSS_LAYER = {
+    **_LAYER,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_sinks.weight": "self_attn.sinks",
+    "ffn_gate_inp.weight": "mlp.router.weight",
+    "ffn_gate_inp.bias": "mlp.router.bias",
+    **{
+        f"ffn_{p}_exps.{k}": f"mlp.experts.{p}_exps.{k}"
+        for p in ("gate", "up", "down")
+        for k in ("weight", "bias")
+    },
+}
+# DeepSeek V2 / V3: latent attention's projections, kv_b stored as its absorbed halves
+# (attn_k_b [heads, latent, nope], attn_v_b [heads, v, latent]), the router and V3's
+# correction bias, shared experts, and the routed ones stacked.
+_DEEPSEEK_LAYER = {
+    **_LAYER,
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_k_b.weight": "self_attn.k_b_proj.weight",
+    "attn_v_b.weight": "self_attn.v_b_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    **{
+        f"ffn_{p}_shexp.weight": f"mlp.shared_experts.{p}_proj.weight"
+        for p in ("gate", "up", "down")
+    },
+    **{f"ffn_{p}_exps.weight": f"mlp.experts.{p}_exps" for p in ("gate", "up", "down")},
+}
+_LAYERS = {"gpt-oss": _GPT_OSS_LAYER, "deepseek2": _DEEPSEEK_LAYER, "phi3": None}
 # LongRoPE's factors, stored as tensors (read into the config, not weights).
 _ROPE_FACTORS = {
     "rope_factors_short.weight": "short_factor",
@@ -182,6 +222,8 @@ class GGUFFile:
         if scaling == "linear":
             factor = float(self.arch_field("rope.scaling.factor", 1.0))
             cfg["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+        elif scaling == "yarn":
+            cfg["rope_scaling"] = self._yarn()
         elif scaling not in (None, "none"):
             raise CheckpointError(f"{self.path.name}: rope scaling {scaling!r} is not supported")
         window = self.arch_field("attention.sliding_window")
@@ -201,12 +243,91 @@ class GGUFFile:
             cfg["rope_local_base_freq"] = 10000.0
         if self.arch == "phi3":
             cfg.update(self._phi3_rope(cfg["head_dim"]))
+        if self.arch == "gpt-oss":
+            cfg.update(self._gpt_oss())
+        if self.arch == "deepseek2":
+            cfg.update(self._deepseek())
         if self.arch == "gemma2":
             # Sliding and global layers alternate; the caps are in the file (llama.cpp's
             # converter writes them), else Gemma 2's published 50 and 30.
             cfg["attn_logit_softcapping"] = float(self.arch_field("attn_logit_softcapping", 50.0))
             cfg["final_logit_softcapping"] = float(self.arch_field("final_logit_softcapping", 30.0))
         return cfg
+
+    def _yarn(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "rope_type": "yarn",
+            "factor": float(self.arch_field("rope.scaling.factor", 1.0)),
+            "original_max_position_embeddings": int(
+                self.arch_field("rope.scaling.original_context_length", 4096)
+            ),
+            "beta_fast": float(self.arch_field("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(self.arch_field("rope.scaling.yarn_beta_slow", 1.0)),
+        }
+        if self.arch == "gpt-oss":
+            out["truncate"] = False  # as its own definition does (transformers' config)
+        log_mul = self.arch_field("rope.scaling.yarn_log_multiplier")
+        if self.arch == "deepseek2" and log_mul:
+            # llama.cpp's converter writes 0.1 * mscale_all_dim here for DeepSeek.
+            m_all = float(log_mul) / 0.1
+            out.update(mscale=m_all, mscale_all_dim=m_all)
+        return out
+
+    def _gpt_oss(self) -> dict[str, Any]:
+        """What llama.cpp's gpt-oss keys say; its SwiGLU alpha and limit are constants there."""
+        return {
+            "num_local_experts": int(self.arch_field("expert_count")),
+            "num_experts_per_tok": int(self.arch_field("expert_used_count")),
+            "intermediate_size": int(
+                self.arch_field(
+                    "expert_feed_forward_length", self.arch_field("feed_forward_length")
+                )
+            ),
+            "sliding_window": int(self.arch_field("attention.sliding_window", 128)),
+            "attention_bias": True,
+            "swiglu_limit": 7.0,
+        }
+
+    def _deepseek(self) -> dict[str, Any]:
+        """DeepSeek V2 / V3 from llama.cpp's deepseek2 keys: latent attention's widths (its
+        key_length is the pooled one; the per-head ones are the _mla keys), the experts,
+        and V3 by its sigmoid gating (expert_gating_func 2)."""
+        rope = int(self.arch_field("rope.dimension_count"))
+        latent = int(self.arch_field("attention.kv_lora_rank"))
+        # V3 scores by sigmoid (expert_gating_func 2, written where the config names its
+        # scoring_func) and has a correction bias (exp_probs_b); V2 neither.
+        v3 = int(self.arch_field("expert_gating_func", 1)) == 2 or any(
+            n.endswith("e_score_correction_bias") for n in self.tensors
+        )
+        groups = int(self.arch_field("expert_group_count", 0) or 0)
+        out: dict[str, Any] = {
+            "model_type": "deepseek_v3" if v3 else "deepseek_v2",
+            "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+            "q_lora_rank": self.arch_field("attention.q_lora_rank"),
+            "kv_lora_rank": latent,
+            "qk_rope_head_dim": rope,
+            "qk_nope_head_dim": int(self.arch_field("attention.key_length_mla")) - rope,
+            "v_head_dim": int(self.arch_field("attention.value_length_mla")),
+            "head_dim": rope,
+            "num_key_value_heads": int(self.arch_field("attention.head_count")),
+            "n_routed_experts": int(self.arch_field("expert_count", 0)),
+            "num_experts_per_tok": int(self.arch_field("expert_used_count", 1)),
+            "moe_intermediate_size": int(self.arch_field("expert_feed_forward_length", 0)),
+            "n_shared_experts": int(self.arch_field("expert_shared_count", 0)),
+            "first_k_dense_replace": int(self.arch_field("leading_dense_block_count", 0)),
+            "routed_scaling_factor": float(self.arch_field("expert_weights_scale", 1.0)),
+            "norm_topk_prob": bool(self.arch_field("expert_weights_norm", False)),
+            "rope_interleave": True,  # llama.cpp turns DeepSeek's pairs as stored
+        }
+        if groups > 1:
+            out.update(
+                n_group=groups,
+                topk_group=int(self.arch_field("expert_group_used_count", groups)),
+                topk_method="noaux_tc" if v3 else "group_limited_greedy",
+            )
+        else:
+            out.update(n_group=1, topk_group=1, topk_method="noaux_tc" if v3 else "greedy")
+        return out
 
     def _phi3_rope(self, head_dim: int) -> dict[str, Any]:
         """Phi-3's partial rotary (rope.dimension_count) and LongRoPE: the factor tensors
@@ -236,17 +357,103 @@ class GGUFFile:
         return out
 
     # -- tensors --------------------------------------------------------------------------
+    @cached_property
+    def derived(self) -> dict[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]]:
+        """Tensors the model definitions read that llama.cpp stores in another form:
+        Hugging Face name -> (shape, how to make it from the stored ones)."""
+        out: dict[str, tuple[tuple[int, ...], Callable[[], np.ndarray]]] = {}
+        for i in range(int(self.arch_field("block_count", 0))):
+            layer = f"model.layers.{i}"
+            stacked = f"{layer}.mlp.experts.gate_exps" + (
+                ".weight" if self.arch == "gpt-oss" else ""
+            )
+            if self.arch == "gpt-oss" and stacked in self.tensors:
+                out.update(self._gpt_oss_experts(layer))
+            if self.arch == "deepseek2" and stacked in self.tensors:
+                out.update(self._deepseek_experts(layer))
+            if self.arch == "deepseek2" and f"{layer}.self_attn.k_b_proj.weight" in self.tensors:
+                out.update(self._kv_b(layer))
+        return out
+
+    def _gpt_oss_experts(self, layer: str) -> dict[str, Any]:
+        """transformers' stacked GPT-OSS experts: gate_up_proj [experts, hidden, 2 * width]
+        with gate and up interleaved by column, its bias alike, down_proj [experts, width,
+        hidden]."""
+        p = f"{layer}.mlp.experts."
+
+        def interleaved(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+            out = np.empty((*gate.shape[:-1], 2 * gate.shape[-1]), dtype=np.float32)
+            out[..., 0::2], out[..., 1::2] = gate, up
+            return out
+
+        e, width, hidden = self._stored_shape(p + "gate_exps.weight")
+        return {
+            p + "gate_up_proj": (
+                (e, hidden, 2 * width),
+                lambda: interleaved(
+                    self.get(p + "gate_exps.weight").transpose(0, 2, 1),
+                    self.get(p + "up_exps.weight").transpose(0, 2, 1),
+                ),
+            ),
+            p + "gate_up_proj_bias": (
+                (e, 2 * width),
+                lambda: interleaved(self.get(p + "gate_exps.bias"), self.get(p + "up_exps.bias")),
+            ),
+            p + "down_proj": (
+                (e, width, hidden),
+                lambda: np.ascontiguousarray(self.get(p + "down_exps.weight").transpose(0, 2, 1)),
+            ),
+            p + "down_proj_bias": ((e, hidden), lambda: self.get(p + "down_exps.bias")),
+        }
+
+    def _deepseek_experts(self, layer: str) -> dict[str, Any]:
+        """Each routed expert's own gate, up and down, cut from the stacked tensors."""
+        out: dict[str, Any] = {}
+        for part in ("gate", "up", "down"):
+            stacked = f"{layer}.mlp.experts.{part}_exps"
+            e, *shape = self._stored_shape(stacked)
+            for i in range(e):
+                out[f"{layer}.mlp.experts.{i}.{part}_proj.weight"] = (
+                    tuple(shape),
+                    lambda s=stacked, i=i: self.get(s)[i],
+                )
+        return out
+
+    def _kv_b(self, layer: str) -> dict[str, Any]:
+        """kv_b_proj [heads * (nope + v), latent] from its halves as llama.cpp stores them."""
+        k_b, v_b = f"{layer}.self_attn.k_b_proj.weight", f"{layer}.self_attn.v_b_proj.weight"
+        heads, latent, nope = self._stored_shape(k_b)
+        v = self._stored_shape(v_b)[1]
+
+        def make() -> np.ndarray:
+            halves = (self.get(k_b).transpose(0, 2, 1), self.get(v_b))
+            return np.concatenate(halves, axis=1).reshape(heads * (nope + v), latent)
+
+        return {f"{layer}.self_attn.kv_b_proj.weight": ((heads * (nope + v), latent), make)}
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors or name in self.derived
+
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.derived:
+            return self.derived[name][0]
+        return self._stored_shape(name)
+
+    def _stored_shape(self, name: str) -> tuple[int, ...]:
         t = self._record(name)
         return tuple(int(d) for d in reversed(t.shape.tolist()))
 
     def qtype(self, name: str) -> str:
+        if name in self.derived:
+            return "F32"  # made from dequantized tensors
         return str(self._record(name).tensor_type.name)
 
     def get(self, name: str) -> np.ndarray:
         """The tensor as float32 in transformers' layout (dequantized, q/k rows restored)."""
         from gguf.quants import dequantize
 
+        if name in self.derived:
+            return self.derived[name][1]()
         t = self._record(name)
         shape = self.shape(name)
         data = dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32, copy=False)
@@ -438,13 +645,17 @@ _ARCH_CLASS = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
+    "deepseek2": "DeepseekV2ForCausalLM",
 }
 
 
 def _hf_name(gguf_name: str, arch: str) -> str | None:
     if gguf_name in _GLOBAL:
         return _GLOBAL[gguf_name]
-    layer = _GEMMA_LAYER if arch in _NORMS_PLUS_ONE else _PHI3_LAYER if arch == "phi3" else _LAYER
+    layer = _GEMMA_LAYER if arch in _NORMS_PLUS_ONE else _LAYERS.get(arch) or _LAYER
+    if arch == "phi3":
+        layer = _PHI3_LAYER
     m = _BLOCK.fullmatch(gguf_name)
     if m is None or m.group(2) not in layer:
         return None

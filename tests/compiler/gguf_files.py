@@ -49,7 +49,12 @@ _PHI3_LAYER = {
     "mlp.gate_up_proj.weight": "ffn_up.weight",
 }
 # model_type -> GGUF architecture where they differ.
-_ARCH = {"gemma3_text": "gemma3"}
+_ARCH = {
+    "gemma3_text": "gemma3",
+    "gpt_oss": "gpt-oss",
+    "deepseek_v2": "deepseek2",
+    "deepseek_v3": "deepseek2",
+}
 
 
 def gguf_name(hf: str, gemma: bool = False) -> str:
@@ -81,9 +86,10 @@ def write_gguf(ckpt: Path, out: Path, qtype: str = "F32", *, pre: str = "gpt2") 
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
+    if arch != "deepseek2":  # its own: latent attention's widths (_write_moe_family)
+        w.add_head_count_kv(kv_heads)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4)
     w.add_rope_freq_base(float(theta))
@@ -125,8 +131,16 @@ def write_gguf(ckpt: Path, out: Path, qtype: str = "F32", *, pre: str = "gpt2") 
     if template:
         w.add_chat_template(template)
 
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    if arch in ("gpt-oss", "deepseek2"):
+        _write_moe_family(w, cfg, arch, tensors, GGMLQuantizationType[qtype])
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return out
     qt = GGMLQuantizationType[qtype]
-    for name, t in load_file(str(ckpt / "model.safetensors")).items():
+    for name, t in tensors.items():
         t = t.astype(np.float32)
         if arch in ("llama", "mistral") and ("q_proj" in name or "k_proj" in name):
             t = _interleave(t, heads if "q_proj" in name else kv_heads)
@@ -142,3 +156,91 @@ def write_gguf(ckpt: Path, out: Path, qtype: str = "F32", *, pre: str = "gpt2") 
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _write_moe_family(w: GGUFWriter, cfg: dict, arch: str, tensors: dict, qt: object) -> None:
+    """GPT-OSS and DeepSeek V2 / V3 as llama.cpp's converter writes them: its keys, its
+    tensor names (the gguf package's own map), experts stacked with gate and up apart,
+    DeepSeek's kv_b as its absorbed halves."""
+    import gguf
+
+    layers = cfg["num_hidden_layers"]
+    names = gguf.get_tensor_name_map(
+        gguf.MODEL_ARCH.GPT_OSS if arch == "gpt-oss" else gguf.MODEL_ARCH.DEEPSEEK2, layers
+    )
+    params = cfg.get("rope_parameters") or {}
+    if params.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(params["factor"])
+        w.add_rope_scaling_orig_ctx_len(params["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(params["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(params["beta_slow"])
+    out: dict[str, np.ndarray] = {}
+    if arch == "gpt-oss":
+        w.add_expert_count(cfg["num_local_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
+        for name, t in tensors.items():
+            if name.endswith("experts.gate_up_proj"):
+                base = name.removesuffix("gate_up_proj")
+                t = t.transpose(0, 2, 1)  # [experts, 2 * width, hidden]
+                out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = t[:, ::2], t[:, 1::2]
+            elif name.endswith("experts.gate_up_proj_bias"):
+                base = name.removesuffix("gate_up_proj_bias")
+                out[base + "gate_proj.bias"], out[base + "up_proj.bias"] = t[:, ::2], t[:, 1::2]
+            elif name.endswith("experts.down_proj"):
+                out[name + ".weight"] = t.transpose(0, 2, 1)
+            elif name.endswith("experts.down_proj_bias"):
+                out[name.replace("down_proj_bias", "down_proj.bias")] = t
+            elif name.endswith("sinks"):
+                out[name + ".weight"] = t
+            else:
+                out[name] = t
+    else:
+        nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+        latent, heads = cfg["kv_lora_rank"], cfg["num_attention_heads"]
+        w.add_head_count_kv(1)  # llama.cpp runs MLA as one KV head
+        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+        if cfg.get("q_lora_rank"):
+            w.add_q_lora_rank(cfg["q_lora_rank"])
+        w.add_kv_lora_rank(latent)
+        w.add_key_length(latent + rope)
+        w.add_value_length(latent)
+        w.add_key_length_mla(nope + rope)
+        w.add_value_length_mla(v)
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_count(cfg["n_routed_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_shared_count(cfg["n_shared_experts"])
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        if cfg["model_type"] == "deepseek_v3" and cfg.get("norm_topk_prob"):
+            w.add_expert_weights_norm(True)
+        w.add_expert_group_count(cfg["n_group"])
+        w.add_expert_group_used_count(cfg["topk_group"])
+        experts: dict[str, list] = {}
+        for name, t in tensors.items():
+            parts = name.split(".")
+            if "experts" in parts and "shared_experts" not in parts:
+                key = ".".join([*parts[:5], parts[6], "weight"])  # ...mlp.experts.gate_proj.weight
+                experts.setdefault(key, []).append((int(parts[5]), t))
+            elif name.endswith("kv_b_proj.weight"):
+                kv_b = t.reshape(heads, nope + v, latent)
+                out[name.replace("kv_b", "k_b")] = kv_b[:, :nope].transpose(0, 2, 1)
+                out[name.replace("kv_b", "v_b")] = kv_b[:, nope:]
+            elif name.endswith("e_score_correction_bias"):
+                out[name.replace("e_score_correction_bias", "e_score_correction.bias")] = t
+            else:
+                out[name] = t
+        for key, rows in experts.items():
+            out[key] = np.stack([t for _, t in sorted(rows, key=lambda r: r[0])])
+    for name, t in out.items():
+        t = np.ascontiguousarray(t.astype(np.float32))
+        base, suffix = name.rsplit(".", 1) if name.endswith((".weight", ".bias")) else (name, "")
+        mapped = names.get_name(base)
+        assert mapped is not None, name
+        gname = f"{mapped}.{suffix}" if suffix else mapped
+        if t.ndim >= 2 and qt != GGMLQuantizationType.F32 and t.shape[-1] % 32 == 0:
+            data = quantize(t, qt)
+            w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=qt)
+        else:
+            w.add_tensor(gname, t)
