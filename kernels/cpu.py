@@ -274,13 +274,13 @@ def rope_qkv(
     return qk[:, :nq], qk[:, nq:], qkv[:, nq + nk :]
 
 
-@_native("attention", phases=("decode",), unsupported=("softcap", "sinks"))
+@_native("attention", phases=("decode",))
 def attention(
     ctx: AttentionBatch,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    *sinks: torch.Tensor,  # never given: it refuses sinks (`unsupported`)
+    *sinks: torch.Tensor,
     a: Attention,
     lib: ctypes.CDLL,
 ) -> torch.Tensor:
@@ -313,10 +313,11 @@ def attention(
             kv,
             d,
         )
-    return _decode(lib, ctx, q, a)
+    return _decode(lib, ctx, q, a, sinks[0] if sinks else None)
 
 
-@_native("rope_attention", phases=("decode",), unsupported=("softcap", "sinks"))
+# Sinks never reach it: passes/fuse_rope.py leaves an attention with sinks unfused.
+@_native("rope_attention", phases=("decode",), unsupported=("sinks",))
 def rope_attention(
     ctx: AttentionBatch,
     qkv: torch.Tensor,
@@ -352,6 +353,8 @@ def rope_attention(
         ctx.page_size,
         a.sliding_window or 0,
         a.scale,
+        a.softcap,
+        None,
         _threads(),
     )
     if rc != 0:
@@ -359,11 +362,23 @@ def rope_attention(
     return out
 
 
-def _decode(lib: ctypes.CDLL, ctx: AttentionBatch, q: torch.Tensor, a: Attention) -> torch.Tensor:
+def _decode(
+    lib: ctypes.CDLL,
+    ctx: AttentionBatch,
+    q: torch.Tensor,
+    a: Attention,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One new token per row of q, each attending to its sequence in `ctx`'s page table."""
     pool = ctx.k_cache  # [layers, kv_heads, slots, head_dim]; _paged_pool finds the layer
     rows, head_dim = q.shape[0], pool.shape[3]
     out = torch.empty(rows, a.num_heads * head_dim)
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
+        if sinks.shape != (a.num_heads,):
+            raise KernelError(
+                f"kiln_cpu attention: {tuple(sinks.shape)} sinks, {a.num_heads} heads"
+            )
     rc = lib.kiln_decode_attention(
         q.data_ptr(),
         q.stride(0),
@@ -378,6 +393,8 @@ def _decode(lib: ctypes.CDLL, ctx: AttentionBatch, q: torch.Tensor, a: Attention
         a.scale,
         _KV_FORMATS[pool.dtype],
         a.kv_scale,
+        a.softcap,
+        None if sinks is None else sinks.data_ptr(),
         _threads(),
     )
     if rc == -2:

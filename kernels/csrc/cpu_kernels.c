@@ -258,18 +258,25 @@ static inline __attribute__((always_inline)) void weigh_values(const float *p, c
     }
 }
 
-/* s[i] = exp(s[i] - max(s)) in place; returns 1 / sum, folded into the output later. */
-static float softmax_unnormalised(float *s, int64_t n) {
-    float m = -INFINITY;
+/* s[i] = exp(s[i] - max(s)) in place; returns 1 / sum, folded into the output later. With
+ * a sink (GPT-OSS: a learned logit per head that attends to nothing) the sum also counts
+ * exp(sink - max), so the keys share what the sink leaves; sink = -INFINITY: none. */
+static float softmax_unnormalised(float *s, int64_t n, float sink) {
+    float m = sink;
 #pragma omp simd reduction(max : m)
     for (int64_t i = 0; i < n; i++) m = s[i] > m ? s[i] : m;
-    float sum = 0.0f;
+    float sum = sink == -INFINITY ? 0.0f : kexp(sink - m);
 #pragma omp simd reduction(+ : sum)
     for (int64_t i = 0; i < n; i++) {
         s[i] = kexp(s[i] - m);
         sum += s[i];
     }
     return 1.0f / sum;
+}
+
+/* Gemma 2's soft cap: s = cap * tanh(s / cap), in place. */
+static void soft_cap(float *s, int64_t n, float cap) {
+    for (int64_t i = 0; i < n; i++) s[i] = cap * tanhf(s[i] / cap);
 }
 
 /* Decode attention straight from the paged pool: one new token per sequence, read
@@ -279,12 +286,14 @@ static float softmax_unnormalised(float *s, int64_t n) {
  * seen when j >= kv_len - window (window <= 0: no window). dim must be a multiple of 8.
  * out: [batch, heads * dim]. Returns -1 if scratch memory could not be had, else 0.
  * An fp8 pool holds value / kv_scale: kv_scale is folded into the scaled query and into
- * the softmax's normaliser, not applied per element. */
+ * the softmax's normaliser, not applied per element. softcap > 0 caps the scores (Gemma 2);
+ * sinks, if not NULL, holds one logit per query head (GPT-OSS). */
 static inline __attribute__((always_inline)) int decode_attention(
     const float *q, int64_t q_stride, const void *k_cache, const void *v_cache, int64_t slots,
     const int64_t *page_table, int64_t max_pages, const int64_t *kv_lens, float *out,
     int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim, int64_t page_size,
-    int64_t window, float scale, int fmt, float kv_scale, int threads) {
+    int64_t window, float scale, int fmt, float kv_scale, float softcap, const float *sinks,
+    int threads) {
     const int64_t group = heads / kv_heads;
     int64_t longest = 1;
     for (int64_t b = 0; b < batch; b++) longest = kv_lens[b] > longest ? kv_lens[b] : longest;
@@ -322,7 +331,9 @@ static inline __attribute__((always_inline)) int decode_attention(
 #pragma omp simd
                     for (int64_t i = 0; i < dim; i++) qs[i] = src[i] * (scale * kv_scale);
                     score_keys(qs, kb, offs, n, dim, scores, fmt);
-                    const float inv = softmax_unnormalised(scores, n) * kv_scale;
+                    if (softcap > 0.0f) soft_cap(scores, n, softcap);
+                    const float sink = sinks ? sinks[h] : -INFINITY;
+                    const float inv = softmax_unnormalised(scores, n, sink) * kv_scale;
                     weigh_values(scores, vb, offs, n, dim, inv, out + (b * heads + h) * dim,
                                  fmt);
                 }
@@ -342,10 +353,11 @@ int kiln_decode_attention(const float *q, int64_t q_stride, const void *k_cache,
                           int64_t max_pages, const int64_t *kv_lens, float *out, int64_t batch,
                           int64_t heads, int64_t kv_heads, int64_t dim, int64_t page_size,
                           int64_t window, float scale, int kv_format, float kv_scale,
-                          int threads) {
+                          float softcap, const float *sinks, int threads) {
 #define DECODE_ATTENTION(F)                                                                   \
     decode_attention(q, q_stride, k_cache, v_cache, slots, page_table, max_pages, kv_lens, out, \
-                     batch, heads, kv_heads, dim, page_size, window, scale, F, kv_scale, threads)
+                     batch, heads, kv_heads, dim, page_size, window, scale, F, kv_scale,       \
+                     softcap, sinks, threads)
     switch (kv_format) {
     case KV_F32: return DECODE_ATTENTION(KV_F32);
     case KV_E4M3: return DECODE_ATTENTION(KV_E4M3);
@@ -368,7 +380,7 @@ int kiln_rope_decode_attention_f32(const float *qkv, int64_t qkv_stride, const f
                                    const int64_t *kv_lens, float *out, int64_t batch,
                                    int64_t heads, int64_t kv_heads, int64_t dim,
                                    int64_t page_size, int64_t window, float scale,
-                                   int threads) {
+                                   float softcap, const float *sinks, int threads) {
     float *q = malloc((size_t)(batch * heads * dim) * sizeof(float));
     if (!q) return -1;
     for (int64_t t = 0; t < batch; t++) {
@@ -384,7 +396,8 @@ int kiln_rope_decode_attention_f32(const float *qkv, int64_t qkv_stride, const f
     }
     const int rc = decode_attention(q, heads * dim, k_cache, v_cache, slots, page_table,
                                     max_pages, kv_lens, out, batch, heads, kv_heads, dim,
-                                    page_size, window, scale, KV_F32, 1.0f, threads);
+                                    page_size, window, scale, KV_F32, 1.0f, softcap, sinks,
+                                    threads);
     free(q);
     return rc;
 }
@@ -444,7 +457,7 @@ int64_t kiln_linear_lanes(void) { return LANES; }
 
 /* The exported functions' signatures, as kernels/native.py declares them: bumped with any
  * change, so a library built from another kiln's source is refused, not misread. */
-int64_t kiln_abi_version(void) { return 3; }
+int64_t kiln_abi_version(void) { return 4; }
 int64_t kiln_linear_group_panels(void) { return GROUP_PANELS; }
 
 /* One narrow tile: `rows` rows (xt: [k][TILE_ROWS]) against one panel. Always inlined with

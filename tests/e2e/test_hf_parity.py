@@ -225,9 +225,9 @@ def test_the_text_part_of_a_gemma3_multimodal_checkpoint(tmp_path) -> None:
 
 
 def test_soft_capped_attention_runs_only_where_it_is_computed(checkpoint, tmp_path) -> None:
-    """Gemma 2's capped scores: the reference kernel runs every attention node, on a CPU
-    target (where kiln's C kernels, which do not cap, run Gemma 3's) and on a CUDA one
-    (where the Triton kernels run the rest of the graph)."""
+    """Gemma 2's capped scores and GPT-OSS's sinks: kiln's C decode kernel computes both
+    (CPU target); the Triton kernels compute neither, so a CUDA target runs the reference
+    kernel for those attention nodes and Triton's for the rest of the graph."""
     import json
 
     from kiln.args import ServerArgs
@@ -247,10 +247,10 @@ def test_soft_capped_attention_runs_only_where_it_is_computed(checkpoint, tmp_pa
 
     from kiln.kernels import catalog
 
-    capped = {"softcap": 2.0}
-    assert catalog.get("attention", "kiln_cpu").refuses(capped) == "softcap"
-    assert catalog.available("attention", "cpu", "decode", capped) == ["torch_native"]
-    assert backends("gemma3")["attend"] == {"kiln_cpu"}
-    assert backends("gemma2")["attend"] == {"torch_native"}
+    for attrs, name in (({"softcap": 2.0}, "softcap"), ({"sinks": 1}, "sinks")):
+        assert catalog.get("attention", "triton").refuses(attrs) == name
+        assert catalog.get("attention", "kiln_cpu").refuses(attrs) is None
+    assert backends("gemma2")["attend"] == {"kiln_cpu"}
+    assert backends("gpt_oss")["attend"] == {"kiln_cpu"}
     cuda = backends("gemma2", device="cuda", target_isa="sm_90")
     assert cuda["attend"] == {"torch_native"} and cuda["rmsnorm"] == {"triton"}

@@ -529,3 +529,41 @@ def test_rope_attention_is_rope_qkv_then_attention(backend: str, pool: torch.dty
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         for mine, theirs in zip(pools, copies, strict=True):
             torch.testing.assert_close(mine.float(), theirs.float(), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("backend", NATIVE)
+@pytest.mark.parametrize("capped, sunk", [(True, False), (False, True), (True, True)])
+def test_native_decode_attention_caps_scores_and_counts_sinks(backend, capped, sunk) -> None:
+    """Gemma 2's soft cap and GPT-OSS's per-head sinks in kiln's C decode kernel: against
+    the reference on a decode step over scattered pages, windowed and not."""
+    from kiln.core.ops.attention import Attention
+
+    torch.manual_seed(3)
+    heads, kv_heads, d, page = 4, 2, 16, 4
+    lens = [7, 13, 1]
+    for window in (None, 5):
+        pools = [torch.zeros(1, kv_heads, 16 * page, d) for _ in range(4)]
+        order = torch.randperm(16)
+        pages = [order[4 * i : 4 * i + 4] for i in range(len(lens))]
+        slots = [(p[:, None] * page + torch.arange(page)).reshape(-1) for p in pages]
+        for pool in pools:
+            pool.normal_()  # cached keys and values, the same in every pool
+            pool.copy_(pools[0])
+        spans = [
+            SeqSpan(i, 1, n, s[:n], p)
+            for i, (n, s, p) in enumerate(zip(lens, slots, pages, strict=True))
+        ]
+        q, kn, vn = (torch.randn(len(lens), h * d) * 3 for h in (heads, kv_heads, kv_heads))
+        attrs = Attention(
+            0, heads, kv_heads, d, d**-0.5, window, softcap=1.5 if capped else 0.0, sinks=int(sunk)
+        )
+        sinks = (torch.randn(heads) * 2,) if sunk else ()
+        outs = []
+        for name, (kc, vc) in (("torch_native", pools[:2]), (backend, pools[2:])):
+            batch = AttentionBatch.build(kc, vc, spans, page_size=page)
+            assert batch.decode
+            kernel = catalog.get("attention", name.split("/")[0])
+            level = name.partition("/")[2]
+            fn = functools.partial(kernel.fn, lib=library(level)) if level else kernel.fn
+            outs.append(fn(batch, q, kn, vn, *sinks, a=attrs))
+        torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)

@@ -69,6 +69,13 @@ def _first(graph: dict, op: str) -> dict:
     return next(n for n in graph["nodes"] if n["op"] in ops)
 
 
+def _triton_attention(graph: dict) -> dict:
+    """The first attention node, its decode kernel named as Triton's (which caps nothing)."""
+    node = _first(graph, "attention")
+    node["meta"]["backend"] = "triton"
+    return node
+
+
 def _rename_node(graph: dict, old: str, new: str) -> dict:
     for n in graph["nodes"]:
         if n["name"] == old:
@@ -217,8 +224,13 @@ GRAPH_DEFECTS = [
     ),
     (
         "softcap on a kernel that does not cap",
-        lambda g: (_first(g, "attention")["attrs"].update(softcap=2.0), g)[1],
-        "asks the kiln_cpu kernel of attention for softcap=2.0, which it does not compute",
+        lambda g: (_triton_attention(g)["attrs"].update(softcap=2.0), g)[1],
+        "asks the triton kernel of attention for softcap=2.0, which it does not compute",
+    ),
+    (
+        "sinks without their input",
+        lambda g: (_first(g, "attention")["attrs"].update(sinks=1), g)[1],
+        "attention takes q, k, v and sinks=1: 3 inputs",
     ),
     (
         "group",
