@@ -28,7 +28,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 # manifest lists only files kiln writes.
 # 5: ops are defined in kiln/core/ops (kernels take attribute objects), and an op that
 # attends records a decode kernel (meta.backend) and a prefill kernel (meta.prefill_backend).
-FORMAT_VERSION = 5
+# 6: new attributes (rope_cos_sin's scaled_pairs, attention's sinks, moe's routing and
+# biases), the latent attention ops, and the manifest's long_rope and v_head_dim; the C
+# library's decode attention takes a soft cap and sinks (ABI 4).
+FORMAT_VERSION = 6
 MANIFEST = "manifest.json"
 GRAPH = "graph.json"
 WEIGHTS = "weights/rank0.safetensors"

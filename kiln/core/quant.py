@@ -61,7 +61,14 @@ FORMATS: dict[str, QuantFormat] = {
     f.name: f
     for f in (
         QuantFormat(
-            "int8", "int8", "q8", 1, "qlinear", 0, int8_activations="int8_a8", gguf=(("Q8_0", 32),)
+            "int8",
+            "int8",
+            "q8",
+            1,
+            "qlinear",
+            0,
+            int8_activations="int8_a8",
+            gguf=(("Q8_0", 32), ("Q5_0", 32), ("Q6_K", 16)),
         ),
         QuantFormat(
             "uint4",
@@ -73,7 +80,7 @@ FORMATS: dict[str, QuantFormat] = {
             group_step=2,
             has_min=True,
             int8_activations="uint4_a8",
-            gguf=(("Q4_0", 32), ("Q4_1", 32)),
+            gguf=(("Q4_0", 32), ("Q4_1", 32), ("Q4_K", 32)),
         ),
         QuantFormat("fp8_e4m3", "uint8", "q8", 1, "qlinear", 2, fp8=True),
         QuantFormat("w8a8_int8", "int8", "a8", 2, "a8", base="int8"),
@@ -228,17 +235,34 @@ def dequantize(q: torch.Tensor, s: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def from_gguf_blocks(raw: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """GGUF rows of Q8_0 / Q4_0 / Q4_1 blocks (uint8 [N, bytes]) -> (codes [N, K], scales
-    [N, K / 32, planes]) that `dequantize` turns into exactly what llama.cpp computes.
+    """GGUF rows of blocks (uint8 [N, bytes]) -> (codes [N, K], scales [N, groups, planes])
+    that `dequantize` turns into exactly, bit for bit, what the `gguf` package (and
+    llama.cpp) decode them to. Every scale below is a product exact in float32 (a float16
+    times an integer of at most 8 bits), and the decode's order of operations is kept.
 
     Blocks of 32 weights: Q8_0 = f16 d, 32 x int8; Q4_0 = f16 d, 16 bytes of nibbles
     (weight j in the low nibble of byte j, weight j + 16 in the high one), w = d (q - 8);
-    Q4_1 = f16 d, f16 m, the same nibbles, w = d q + m."""
+    Q4_1 = f16 d, f16 m, the same nibbles, w = d q + m; Q5_0 = f16 d, 32 high bits, the
+    nibbles, w = d (q - 16) (as int8, group 32).
+    Super-blocks of 256: Q4_K = f16 d, f16 dmin, 12 bytes of eight 6-bit scales and mins,
+    128 bytes of nibbles (each 64 weights: 32 low nibbles, then the same bytes' high ones),
+    w = (d sc) q - (dmin m) (as uint4, group 32, min -(dmin m)); Q6_K = 128 bytes of low
+    nibbles, 64 of high bit pairs, 16 int8 scales, f16 d, w = (d sc) (q - 32) (as int8,
+    group 16)."""
+    if qtype in _K_QUANTS:
+        return _from_k_quant(np.ascontiguousarray(raw).reshape(n, k // 256, -1), qtype, n, k)
     blocks = k // 32
     rows = np.ascontiguousarray(raw).reshape(n, blocks, -1)
     d = rows[..., 0:2].copy().view(np.float16).astype(np.float32)  # [N, B, 1]
     if qtype == "Q8_0":
         codes = rows[..., 2:34].copy().view(np.int8)
+        return codes.reshape(n, k), d
+    if qtype == "Q5_0":
+        high = rows[..., 2:6].copy().view(np.uint32)  # [N, B, 1]: bit j is weight j's fifth
+        bits = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        nib = rows[..., 6:22]
+        low = np.concatenate([nib & 0x0F, nib >> 4], axis=-1)
+        codes = ((low | (bits << 4)).astype(np.int16) - 16).astype(np.int8)
         return codes.reshape(n, k), d
     start = 2 if qtype == "Q4_0" else 4
     nib = rows[..., start : start + 16]
@@ -250,3 +274,38 @@ def from_gguf_blocks(raw: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.nd
     else:
         raise QuantError(f"GGUF type {qtype} has no kiln format")
     return codes.reshape(n, k), np.concatenate([d, m], axis=-1)
+
+
+_K_QUANTS = ("Q4_K", "Q6_K")
+
+
+def _from_k_quant(rows: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Super-blocks [N, K / 256, bytes] of Q4_K or Q6_K -> codes and scales."""
+    sb = rows.shape[1]
+    if qtype == "Q4_K":
+        d = rows[..., 0:2].copy().view(np.float16).astype(np.float32)  # [N, SB, 1]
+        dmin = rows[..., 2:4].copy().view(np.float16).astype(np.float32)
+        packed = rows[..., 4:16].reshape(n, sb, 3, 4)
+        lo, hi, both = packed[:, :, 0], packed[:, :, 1], packed[:, :, 2]
+        sc = np.concatenate([lo & 0x3F, (both & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
+        mn = np.concatenate([hi & 0x3F, (both >> 4) | ((hi >> 2) & 0x30)], axis=-1)
+        scale = d * sc.astype(np.float32)  # [N, SB, 8], exact
+        mins = -(dmin * mn.astype(np.float32))
+        qs = rows[..., 16:144].reshape(n, sb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(
+            1, 1, 1, 2, 1
+        )
+        codes = (qs & 0x0F).astype(np.uint8).reshape(n, k)
+        planes = np.stack([scale, mins], axis=-1).reshape(n, sb * 8, 2)
+        return codes, planes
+    shifted = rows[..., 0:128].reshape(n, sb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(
+        1, 1, 1, 2, 1
+    )
+    low = (shifted & 0x0F).reshape(n, sb, 2, 4, 32)  # [.., half, quarter, 32]
+    pairs = rows[..., 128:192].reshape(n, sb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(
+        1, 1, 1, 4, 1
+    )
+    high = pairs & 0x03  # [.., half, quarter, 32]
+    signed = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, k)
+    sc = rows[..., 192:208].copy().view(np.int8).astype(np.float32)  # [N, SB, 16]
+    d = rows[..., 208:210].copy().view(np.float16).astype(np.float32)
+    return signed, (d * sc).reshape(n, sb * 16, 1)

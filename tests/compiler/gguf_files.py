@@ -57,6 +57,27 @@ _ARCH = {
 }
 
 
+# Block types the gguf package decodes but cannot make: written as random blocks (codes
+# and sub-block scales at random, the float16 scales small enough for a sane model).
+_RANDOM_BLOCKS = {"Q4_K": ((0, 2), 1e-3), "Q6_K": ((208,), 1e-4), "Q5_0": ((0,), 1e-2)}
+
+
+def random_blocks(shape: tuple[int, ...], qtype: str, seed: int) -> np.ndarray:
+    """uint8 [rows, bytes] of valid `qtype` blocks for a [rows, k] tensor."""
+    from gguf import GGML_QUANT_SIZES
+
+    rng = np.random.default_rng(seed)
+    qt = GGMLQuantizationType[qtype]
+    block, size = GGML_QUANT_SIZES[qt]
+    rows, k = shape
+    raw = rng.integers(0, 256, (rows, k // block, size), dtype=np.uint8)
+    offsets, scale = _RANDOM_BLOCKS[qtype]
+    for at in offsets:  # each a float16 scale (Q4_K: d and dmin)
+        d = rng.uniform(0.2, 1.0, (rows, k // block)) * scale
+        raw[..., at : at + 2] = d.astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
 def gguf_name(hf: str, gemma: bool = False) -> str:
     if hf in _NAMES:
         return _NAMES[hf]
@@ -146,7 +167,10 @@ def write_gguf(ckpt: Path, out: Path, qtype: str = "F32", *, pre: str = "gpt2") 
             t = _interleave(t, heads if "q_proj" in name else kv_heads)
         if gemma and name.endswith("norm.weight"):
             t = t + 1.0  # llama.cpp stores Gemma's norms as 1 + w
-        if t.ndim == 2 and qt != GGMLQuantizationType.F32:
+        if t.ndim == 2 and qtype in _RANDOM_BLOCKS:
+            data = random_blocks(t.shape, qtype, seed=len(name) * 7919 + t.shape[0])
+            w.add_tensor(gguf_name(name, gemma), data, raw_shape=data.shape, raw_dtype=qt)
+        elif t.ndim == 2 and qt != GGMLQuantizationType.F32:
             data = quantize(t, qt)
             w.add_tensor(gguf_name(name, gemma), data, raw_shape=data.shape, raw_dtype=qt)
         else:

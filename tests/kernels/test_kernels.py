@@ -185,7 +185,14 @@ def test_w8a8_linear_sums_int8_activations_exactly(backend: str, rows: int) -> N
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-6)
 
 
-GA8_CASES = [("uint4_a8", 32), ("uint4_a8", 48), ("uint4_a8", 96), ("int8_a8", 32), ("int8_a8", 12)]
+GA8_CASES = [
+    ("uint4_a8", 32),
+    ("uint4_a8", 48),
+    ("uint4_a8", 96),
+    ("int8_a8", 32),
+    ("int8_a8", 16),  # GGUF Q6_K's groups
+    ("int8_a8", 12),
+]
 
 
 @BOTH
