@@ -26,6 +26,7 @@ from kiln.core.quant import (
     dequantize_mxfp4,
     from_gguf_blocks,
     quantize,
+    widen,
 )
 
 if TYPE_CHECKING:
@@ -206,9 +207,12 @@ class CheckpointReader:
     def quantized(self, name: str, fmt: str, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes, scales) of checkpoint tensor `name` in `fmt` (kiln/core/quant.py): tensors
         stored in that format (`stored_formats`) as they are, anything else quantized."""
-        if self.gguf is not None and GGUF_FORMATS.get(self.gguf.qtype(name)) == (fmt, group):
+        stored = GGUF_FORMATS.get(self.gguf.qtype(name)) if self.gguf is not None else None
+        exact = stored is not None and stored[0] in (fmt, *(("int8",) if fmt == "int8m" else ()))
+        if self.gguf is not None and stored is not None and exact and stored[1] == group:
             n, k = self.gguf.shape(name)
             codes, scales = from_gguf_blocks(self.gguf.raw(name), self.gguf.qtype(name), n, k)
+            codes, scales = widen(codes, scales, stored[0], fmt)
             return torch.from_numpy(codes), torch.from_numpy(scales)
         if self.gguf is None and self.stored_formats().get(name) == (fmt, group):
             return self._int4_weight(name).kiln_uint4() if self.int4 else self._fp8(name)

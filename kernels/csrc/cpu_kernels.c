@@ -457,7 +457,7 @@ int64_t kiln_linear_lanes(void) { return LANES; }
 
 /* The exported functions' signatures, as kernels/native.py declares them: bumped with any
  * change, so a library built from another kiln's source is refused, not misread. */
-int64_t kiln_abi_version(void) { return 4; }
+int64_t kiln_abi_version(void) { return 5; }
 int64_t kiln_linear_group_panels(void) { return GROUP_PANELS; }
 
 /* One narrow tile: `rows` rows (xt: [k][TILE_ROWS]) against one panel. Always inlined with
@@ -605,10 +605,12 @@ int kiln_embedding_packed_f32(const int64_t *ids, int64_t tokens, const float *p
  *   QFMT_UINT4:    q [N_pad / L][K / 2][L] uint8,   w = q * s + min       (k even in the low
  *                  nibble, k odd in the high one; s, min: [N_pad/L][K/g][2][L], s then min)
  *   QFMT_FP8_E4M3: q [N_pad / L][K][L] fp8 e4m3,    w = q * s
+ *   QFMT_INT8M:    q [N_pad / L][K][L] int8,        w = q * s + min       (s, min as UINT4's;
+ *                  GGUF Q5_K / Q5_1 blocks, their 5-bit codes in a byte)
  * The weights are dequantized in registers, one vector of L columns per k, and then meet
  * every row of the tile (the narrow tile of the fp32 linear above): at batch 1 the weight
  * stream is the cost, and it is 4x (8-bit) or 8x (4-bit) shorter than fp32's. */
-enum { QFMT_INT8 = 0, QFMT_UINT4 = 1, QFMT_FP8_E4M3 = 2 };
+enum { QFMT_INT8 = 0, QFMT_UINT4 = 1, QFMT_FP8_E4M3 = 2, QFMT_INT8M = 5 };
 #ifdef __AVX512F__
 #define QPANELS 4 /* decode: 4 panels x up to 3 rows, two accumulators each */
 #define QROWS 3
@@ -694,6 +696,21 @@ static inline __attribute__((always_inline)) void qtile(
                     for (int r = 0; r < rows; r++) acc[p * rows + r] += x0[r] * w0 + x1[r] * w1;
                 }
             }
+        } else if (fmt == QFMT_INT8M) {
+            vlf s[QPANELS > 1 ? QPANELS : 1], mn[QPANELS > 1 ? QPANELS : 1];
+            for (int p = 0; p < np; p++) {
+                s[p] = *(const vlf *)(sc + p * sstride + g * 2 * LANES);
+                mn[p] = *(const vlf *)(sc + p * sstride + (g * 2 + 1) * LANES);
+            }
+            for (int64_t kk = k0; kk < k0 + group; kk++) {
+                const float *xk = xt + kk * xrows;
+                for (int p = 0; p < np; p++) {
+                    const uint8_t *q = panel + p * pstride + kk * LANES;
+                    __builtin_prefetch(q + PREFETCH_BYTES);
+                    const vlf w = to_float(widen_i8(q)) * s[p] + mn[p];
+                    for (int r = 0; r < rows; r++) acc[p * rows + r] += xk[r] * w;
+                }
+            }
         } else {
             vlf s[QPANELS > 1 ? QPANELS : 1];
             for (int p = 0; p < np; p++) s[p] = *(const vlf *)(sc + p * sstride + g * LANES);
@@ -752,13 +769,22 @@ static inline __attribute__((always_inline)) void qtile_decode(
                 for (int p = 0; p < QPANELS; p++) {
                     const uint8_t *q = panel + p * pstride + kk * LANES;
                     __builtin_prefetch(q + PREFETCH_BYTES);
-                    const vlf w = fmt == QFMT_INT8 ? to_float(widen_i8(q)) : fp8_e4m3_to_f32(q);
+                    const vlf w = fmt == QFMT_FP8_E4M3 ? fp8_e4m3_to_f32(q) : to_float(widen_i8(q));
                     for (int r = 0; r < rows; r++) ga[p * rows + r] += xk[r] * w;
                 }
             }
-            for (int p = 0; p < QPANELS; p++) {
-                const vlf sv = *(const vlf *)(sc + p * sstride + g * LANES);
-                for (int r = 0; r < rows; r++) acc[p * rows + r] += ga[p * rows + r] * sv;
+            if (fmt == QFMT_INT8M) {
+                for (int p = 0; p < QPANELS; p++) {
+                    const vlf sv = *(const vlf *)(sc + p * sstride + g * 2 * LANES);
+                    const vlf mv = *(const vlf *)(sc + p * sstride + (g * 2 + 1) * LANES);
+                    for (int r = 0; r < rows; r++)
+                        acc[p * rows + r] += ga[p * rows + r] * sv + xs[g * xrows + r] * mv;
+                }
+            } else {
+                for (int p = 0; p < QPANELS; p++) {
+                    const vlf sv = *(const vlf *)(sc + p * sstride + g * LANES);
+                    for (int r = 0; r < rows; r++) acc[p * rows + r] += ga[p * rows + r] * sv;
+                }
             }
         }
     }
@@ -809,8 +835,8 @@ static void qtile_rows(const float *xt, const float *xs, int64_t xrows, int64_t 
 static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const void *q,
                        const float *scales, int fmt, int64_t group, int64_t n, const float *bias,
                        float *out, int threads) {
-    if (fmt < QFMT_INT8 || fmt > QFMT_FP8_E4M3 || group <= 0 || k % group ||
-        (fmt == QFMT_UINT4 && group % 2))
+    if (((fmt < QFMT_INT8 || fmt > QFMT_FP8_E4M3) && fmt != QFMT_INT8M) || group <= 0 ||
+        k % group || (fmt == QFMT_UINT4 && group % 2))
         return -2;
     const int np = m <= QROWS ? QPANELS : 1;
     const int64_t xrows = np > 1 ? QROWS : TILE_ROWS;
@@ -818,7 +844,7 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
     const int64_t items = (panels + np - 1) / np;
     const int64_t tiles = (m + xrows - 1) / xrows;
     const int64_t pstride = fmt == QFMT_UINT4 ? k / 2 * LANES : k * LANES;
-    const int64_t sstride = (k / group) * LANES * (fmt == QFMT_UINT4 ? 2 : 1);
+    const int64_t sstride = (k / group) * LANES * (fmt == QFMT_UINT4 || fmt == QFMT_INT8M ? 2 : 1);
     const int64_t groups = k / group;
     /* x transposed into tiles, then (decode tiles) each group's sum of x per row */
     float *xt = malloc((size_t)(tiles * (k + groups) * xrows) * sizeof(float));
@@ -889,7 +915,8 @@ enum { QFMT_UINT4_A8 = 3, QFMT_INT8_A8 = 4 };
 
 int kiln_qembedding_f32(const int64_t *ids, int64_t tokens, const void *q, const float *scales,
                         int fmt, int64_t group, int64_t vocab, int64_t h, float *out) {
-    if (fmt < QFMT_INT8 || fmt > QFMT_INT8_A8 || group <= 0 || h % group) return -2;
+    if (((fmt < QFMT_INT8 || fmt > QFMT_INT8_A8) && fmt != QFMT_INT8M) || group <= 0 || h % group)
+        return -2;
     const int nibbles = fmt == QFMT_UINT4 || fmt == QFMT_UINT4_A8;
     const int64_t panel_bytes = nibbles ? h / 2 * LANES : h * LANES;
     const int64_t per = fmt == QFMT_INT8 || fmt == QFMT_FP8_E4M3 ? 1 : 2;
@@ -910,8 +937,8 @@ int kiln_qembedding_f32(const int64_t *ids, int64_t tokens, const void *q, const
             } else if (fmt == QFMT_UINT4_A8) {
                 const uint8_t byte = panel[((j / 8) * LANES + c) * 4 + j % 4];
                 v = (float)((j % 8) < 4 ? byte & 0xF : byte >> 4) * s + mn;
-            } else if (fmt == QFMT_INT8) {
-                v = (float)((const int8_t *)panel)[j * LANES + c] * s;
+            } else if (fmt == QFMT_INT8 || fmt == QFMT_INT8M) {
+                v = (float)((const int8_t *)panel)[j * LANES + c] * s + mn;
             } else if (fmt == QFMT_INT8_A8) {
                 v = (float)((const int8_t *)panel)[((j / 4) * LANES + c) * 4 + j % 4] * s;
             } else {

@@ -9,6 +9,8 @@ group of `group` consecutive inputs, float32 scales and codes:
 - uint4:    w = q * s + m,       q in [0, 15]          (scale and min; GGUF Q4_1 is group 32,
                                                          Q4_0 is s = d, m = -8 d)
 - fp8_e4m3: w = fp8(q) * s                              (one scale per row by default)
+- int8m:    w = q * s + m,       q in [-128, 127]      (scale and min; GGUF Q5_1 and Q5_K,
+                                                         their 5-bit codes in a byte)
 - w8a8_int8: w = q * s, one scale per row, q in [-127, 127]; the kernel also quantizes
   the activations per token (SGLang's w8a8_int8) and sums in int32. Its second plane is
   128 * sum_k q, the correction for the kernel's unsigned activation bytes.
@@ -83,6 +85,17 @@ FORMATS: dict[str, QuantFormat] = {
             gguf=(("Q4_0", 32), ("Q4_1", 32), ("Q4_K", 32)),
         ),
         QuantFormat("fp8_e4m3", "uint8", "q8", 1, "qlinear", 2, fp8=True),
+        # 8-bit codes with a scale and a min: GGUF's 5-bit blocks with a min (Q5_1, Q5_K).
+        QuantFormat(
+            "int8m",
+            "int8",
+            "q8",
+            2,
+            "qlinear",
+            5,
+            has_min=True,
+            gguf=(("Q5_1", 32), ("Q5_K", 32)),
+        ),
         QuantFormat("w8a8_int8", "int8", "a8", 2, "a8", base="int8"),
         QuantFormat(
             "uint4_a8", "uint8", "a4", 2, "ga8", 3, 0, group_step=8, has_min=True, base="uint4"
@@ -90,6 +103,22 @@ FORMATS: dict[str, QuantFormat] = {
         QuantFormat("int8_a8", "int8", "a8", 2, "ga8", 4, 1, group_step=4, base="int8"),
     )
 }
+# Formats that int8m holds exactly (a min of 0): where a fused weight's parts are stored
+# as int8 and int8m, they run as int8m (`widen`).
+WIDENS = ("int8", "int8m")
+
+
+def widen(
+    codes: np.ndarray, scales: np.ndarray, stored: str, fmt: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """Codes and scales stored as `stored`, as format `fmt` that holds them exactly."""
+    if stored == fmt:
+        return codes, scales
+    if (stored, fmt) != ("int8", "int8m"):
+        raise QuantError(f"{stored} does not widen to {fmt}")
+    return codes, np.concatenate([scales, np.zeros_like(scales)], axis=-1)
+
+
 # GGUF block types kiln runs as they are: type -> (format, group).
 GGUF_FORMATS = {t: (f.name, group) for f in FORMATS.values() for t, group in f.gguf}
 FP8_E4M3_MAX = 448.0
@@ -131,6 +160,13 @@ def quantize(w: torch.Tensor, fmt: str, group: int) -> tuple[torch.Tensor, torch
         s = torch.where(s > 0, s, torch.ones_like(s))
         q, s, lo = _refine_uint4(g, s, lo)
         return q.to(torch.uint8).reshape(n, k), torch.cat([s, lo], dim=-1)
+    if fmt == "int8m":
+        lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+        s = (hi - lo) / 255.0
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        m = lo + 128.0 * s
+        q = torch.round((g - m) / s).clamp(-128, 127).to(torch.int8)
+        return q.reshape(n, k), torch.cat([s, m], dim=-1)
     if fmt == "fp8_e4m3":
         s = g.abs().amax(-1, keepdim=True) / FP8_E4M3_MAX
         s = torch.where(s > 0, s, torch.ones_like(s))
@@ -243,12 +279,14 @@ def from_gguf_blocks(raw: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.nd
     Blocks of 32 weights: Q8_0 = f16 d, 32 x int8; Q4_0 = f16 d, 16 bytes of nibbles
     (weight j in the low nibble of byte j, weight j + 16 in the high one), w = d (q - 8);
     Q4_1 = f16 d, f16 m, the same nibbles, w = d q + m; Q5_0 = f16 d, 32 high bits, the
-    nibbles, w = d (q - 16) (as int8, group 32).
+    nibbles, w = d (q - 16) (as int8, group 32); Q5_1 = f16 d, f16 m, the high bits, the
+    nibbles, w = d q + m (as int8m, group 32).
     Super-blocks of 256: Q4_K = f16 d, f16 dmin, 12 bytes of eight 6-bit scales and mins,
     128 bytes of nibbles (each 64 weights: 32 low nibbles, then the same bytes' high ones),
-    w = (d sc) q - (dmin m) (as uint4, group 32, min -(dmin m)); Q6_K = 128 bytes of low
-    nibbles, 64 of high bit pairs, 16 int8 scales, f16 d, w = (d sc) (q - 32) (as int8,
-    group 16)."""
+    w = (d sc) q - (dmin m) (as uint4, group 32, min -(dmin m)); Q5_K = the same with 32
+    bytes of fifth bits before the nibbles (bit j for sub-block j; as int8m); Q6_K = 128
+    bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, f16 d, w = (d sc) (q - 32)
+    (as int8, group 16)."""
     if qtype in _K_QUANTS:
         return _from_k_quant(np.ascontiguousarray(raw).reshape(n, k // 256, -1), qtype, n, k)
     blocks = k // 32
@@ -257,13 +295,16 @@ def from_gguf_blocks(raw: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.nd
     if qtype == "Q8_0":
         codes = rows[..., 2:34].copy().view(np.int8)
         return codes.reshape(n, k), d
-    if qtype == "Q5_0":
-        high = rows[..., 2:6].copy().view(np.uint32)  # [N, B, 1]: bit j is weight j's fifth
+    if qtype in ("Q5_0", "Q5_1"):
+        at = 2 if qtype == "Q5_0" else 4  # Q5_1: f16 m after d
+        high = rows[..., at : at + 4].copy().view(np.uint32)  # [N, B, 1]: bit j is weight j's
         bits = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
-        nib = rows[..., 6:22]
-        low = np.concatenate([nib & 0x0F, nib >> 4], axis=-1)
-        codes = ((low | (bits << 4)).astype(np.int16) - 16).astype(np.int8)
-        return codes.reshape(n, k), d
+        nib = rows[..., at + 4 : at + 20]
+        five = np.concatenate([nib & 0x0F, nib >> 4], axis=-1) | (bits << 4)
+        if qtype == "Q5_0":
+            return (five.astype(np.int16) - 16).astype(np.int8).reshape(n, k), d
+        m = rows[..., 2:4].copy().view(np.float16).astype(np.float32)
+        return five.astype(np.int8).reshape(n, k), np.concatenate([d, m], axis=-1)
     start = 2 if qtype == "Q4_0" else 4
     nib = rows[..., start : start + 16]
     codes = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).astype(np.uint8)
@@ -276,13 +317,13 @@ def from_gguf_blocks(raw: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.nd
     return codes.reshape(n, k), np.concatenate([d, m], axis=-1)
 
 
-_K_QUANTS = ("Q4_K", "Q6_K")
+_K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
 
 def _from_k_quant(rows: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Super-blocks [N, K / 256, bytes] of Q4_K or Q6_K -> codes and scales."""
     sb = rows.shape[1]
-    if qtype == "Q4_K":
+    if qtype in ("Q4_K", "Q5_K"):
         d = rows[..., 0:2].copy().view(np.float16).astype(np.float32)  # [N, SB, 1]
         dmin = rows[..., 2:4].copy().view(np.float16).astype(np.float32)
         packed = rows[..., 4:16].reshape(n, sb, 3, 4)
@@ -291,12 +332,19 @@ def _from_k_quant(rows: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.ndar
         mn = np.concatenate([hi & 0x3F, (both >> 4) | ((hi >> 2) & 0x30)], axis=-1)
         scale = d * sc.astype(np.float32)  # [N, SB, 8], exact
         mins = -(dmin * mn.astype(np.float32))
-        qs = rows[..., 16:144].reshape(n, sb, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(
-            1, 1, 1, 2, 1
-        )
-        codes = (qs & 0x0F).astype(np.uint8).reshape(n, k)
         planes = np.stack([scale, mins], axis=-1).reshape(n, sb * 8, 2)
-        return codes, planes
+        at = 16 if qtype == "Q4_K" else 48  # Q5_K: 32 bytes of fifth bits first
+        qs = rows[..., at : at + 128].reshape(n, sb, 4, 1, 32) >> np.array(
+            [0, 4], np.uint8
+        ).reshape(1, 1, 1, 2, 1)
+        codes = (qs & 0x0F).astype(np.uint8).reshape(n, sb, 8, 32)
+        if qtype == "Q4_K":
+            return codes.reshape(n, k), planes
+        # Sub-block j's fifth bits: bit j of the 32 bytes, weight by weight.
+        fifth = rows[..., 16:48].reshape(n, sb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(
+            1, 1, 8, 1
+        )
+        return (codes | ((fifth & 1) << 4)).astype(np.int8).reshape(n, k), planes
     shifted = rows[..., 0:128].reshape(n, sb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(
         1, 1, 1, 2, 1
     )

@@ -59,7 +59,13 @@ _ARCH = {
 
 # Block types the gguf package decodes but cannot make: written as random blocks (codes
 # and sub-block scales at random, the float16 scales small enough for a sane model).
-_RANDOM_BLOCKS = {"Q4_K": ((0, 2), 1e-3), "Q6_K": ((208,), 1e-4), "Q5_0": ((0,), 1e-2)}
+_RANDOM_BLOCKS = {
+    "Q4_K": ((0, 2), 1e-3),
+    "Q5_K": ((0, 2), 5e-4),
+    "Q6_K": ((208,), 1e-4),
+    "Q5_0": ((0,), 1e-2),
+    "Q5_1": ((0, 2), 1e-2),
+}
 
 
 def random_blocks(shape: tuple[int, ...], qtype: str, seed: int) -> np.ndarray:
@@ -92,8 +98,16 @@ def _interleave(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, n // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(ckpt: Path, out: Path, qtype: str = "F32", *, pre: str = "gpt2") -> Path:
-    """`ckpt`'s weights with every 2-D matrix stored as `qtype`, norms and biases F32."""
+def write_gguf(
+    ckpt: Path,
+    out: Path,
+    qtype: str = "F32",
+    *,
+    pre: str = "gpt2",
+    overrides: dict[str, str] | None = None,
+) -> Path:
+    """`ckpt`'s weights with every 2-D matrix stored as `qtype` (or as overrides[part] for a
+    name containing `part`, llama.cpp's mixes), norms and biases F32."""
     cfg = json.loads((ckpt / "config.json").read_text())
     tok = json.loads((ckpt / "tokenizer.json").read_text())
     tok_cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
@@ -160,15 +174,16 @@ def write_gguf(ckpt: Path, out: Path, qtype: str = "F32", *, pre: str = "gpt2") 
         w.write_tensors_to_file()
         w.close()
         return out
-    qt = GGMLQuantizationType[qtype]
     for name, t in tensors.items():
+        kind = next((q for part, q in (overrides or {}).items() if part in name), qtype)
+        qt = GGMLQuantizationType[kind]
         t = t.astype(np.float32)
         if arch in ("llama", "mistral") and ("q_proj" in name or "k_proj" in name):
             t = _interleave(t, heads if "q_proj" in name else kv_heads)
         if gemma and name.endswith("norm.weight"):
             t = t + 1.0  # llama.cpp stores Gemma's norms as 1 + w
-        if t.ndim == 2 and qtype in _RANDOM_BLOCKS:
-            data = random_blocks(t.shape, qtype, seed=len(name) * 7919 + t.shape[0])
+        if t.ndim == 2 and kind in _RANDOM_BLOCKS:
+            data = random_blocks(t.shape, kind, seed=len(name) * 7919 + t.shape[0])
             w.add_tensor(gguf_name(name, gemma), data, raw_shape=data.shape, raw_dtype=qt)
         elif t.ndim == 2 and qt != GGMLQuantizationType.F32:
             data = quantize(t, qt)

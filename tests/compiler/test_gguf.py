@@ -42,6 +42,8 @@ CASES = {
     "llama-f32": ("llama", "F32", {}),
     "llama-q4_k": ("llama", "Q4_K", _K),
     "llama-q6_k": ("llama", "Q6_K", _K),
+    "llama-q5_k": ("llama", "Q5_K", _K),
+    "llama-q5_1": ("llama", "Q5_1", {}),
     "qwen2-q5_0": ("qwen2", "Q5_0", {}),
     "llama-q8_0": ("llama", "Q8_0", {}),
     "llama-q4_0-tied": ("llama", "Q4_0", {"tie_word_embeddings": True}),
@@ -182,6 +184,8 @@ def test_gguf_blocks_run_as_stored_unless_a_float_dtype_is_asked(
         "qwen2-q5_0": ("int8", 32),
         "llama-q4_k": ("uint4", 32),
         "llama-q6_k": ("int8", 16),
+        "llama-q5_k": ("int8m", 32),
+        "llama-q5_1": ("int8m", 32),
     }
     for case, (fmt, group) in expect.items():
         compile_model(ServerArgs(model_path=str(gguf_file(case))), tmp_path / case)
@@ -244,7 +248,7 @@ def test_moe_families_as_llama_cpp_writes_them_run_as_their_checkpoints(
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q8_0", "Q4_1"])
 def test_block_decoding_equals_the_gguf_packages_bit_for_bit(qtype: str) -> None:
     """kiln's codes and scales of random blocks decode (kiln.core.quant.dequantize, every
     kernel's reference) to the gguf package's floats, bit for bit."""
@@ -269,3 +273,24 @@ def test_block_decoding_equals_the_gguf_packages_bit_for_bit(qtype: str) -> None
     assert scales.shape[1] == k // group
     got = dequantize(torch.from_numpy(codes), torch.from_numpy(scales), fmt).numpy()
     assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+
+
+def test_a_q5_1_and_q8_0_mix_fuses_into_one_quantized_projection(
+    checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """llama.cpp's Q5_K_M keeps v (and the lm_head) in Q8_0 beside Q5_1 q and k: the fused
+    q/k/v runs as int8m, the Q8_0 rows exactly (a min of 0), not as floats."""
+    path = write_gguf(
+        checkpoint("llama"), tmp_path / "mix.gguf", "Q5_1", overrides={"v_proj": "Q8_0"}
+    )
+    art = tmp_path / "art"
+    compile_model(ServerArgs(model_path=str(path)), art)
+    nodes = json.loads((art / "graph.json").read_text())["nodes"]
+    assert not any(n["op"] in ("linear", "packed_linear") for n in nodes)
+    assert {n["attrs"]["format"] for n in nodes if n["op"] == "quant_linear"} == {"int8m"}
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    seq = PROMPTS[1]
+    with torch.no_grad():
+        ref = hf(torch.tensor([seq])).logits[0]
+    got = Engine(art, max_total_tokens=1024).prompt_logits(seq)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)

@@ -133,7 +133,14 @@ def _stored(w: torch.Tensor, fmt: str, group: int, backend: str) -> tuple[torch.
     return q, s, codes, pack_qpanels(s, f"spanels{lanes}")
 
 
-QUANT_CASES = [("int8", 32), ("int8", 96), ("uint4", 32), ("uint4", 48), ("fp8_e4m3", 96)]
+QUANT_CASES = [
+    ("int8", 32),
+    ("int8", 96),
+    ("uint4", 32),
+    ("uint4", 48),
+    ("fp8_e4m3", 96),
+    ("int8m", 32),  # GGUF Q5_K / Q5_1
+]
 
 
 @BOTH
