@@ -113,6 +113,23 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
+# What the tiny DeepSeek V2 and V3 share: latent attention's widths and the experts.
+_DEEPSEEK: dict[str, Any] = {
+    "num_key_value_heads": 4,  # transformers' MLA repeats no KV heads
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 12,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 4,
+    "topk_group": 2,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 64,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.5,
+}
+
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": {"model_type": "llama"},
     "llama3": {
@@ -184,41 +201,16 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # DeepSeek V3: latent attention (q through its own low rank, rope pairs interleaved),
     # 8 experts in 4 groups, 2 groups then 2 experts a token by sigmoid scores with a
     # correction bias, a shared expert, the first layer dense.
-    "deepseek_v3": {
-        "model_type": "deepseek_v3",
-        "num_key_value_heads": 4,  # transformers' MLA repeats no KV heads
-        "q_lora_rank": 48,
-        "kv_lora_rank": 32,
-        "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8,
-        "v_head_dim": 12,
-        "n_routed_experts": 8,
-        "num_experts_per_tok": 2,
-        "n_group": 4,
-        "topk_group": 2,
-        "n_shared_experts": 1,
-        "moe_intermediate_size": 64,
-        "first_k_dense_replace": 1,
-        "routed_scaling_factor": 2.5,
-    },
-    # DeepSeek V2-Lite's shape: q straight from hidden, softmax routing (greedy), experts
-    # weighed as they score.
+    "deepseek_v3": {"model_type": "deepseek_v3", **_DEEPSEEK, "q_lora_rank": 48},
+    # DeepSeek V2-Lite's shape: q straight from hidden, softmax routing within groups,
+    # experts weighed as they score, two shared experts.
     "deepseek_v2": {
         "model_type": "deepseek_v2",
-        "num_key_value_heads": 4,
+        **_DEEPSEEK,
         "q_lora_rank": None,
-        "kv_lora_rank": 32,
-        "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8,
-        "v_head_dim": 12,
-        "n_routed_experts": 8,
-        "num_experts_per_tok": 2,
         "n_shared_experts": 2,
         "moe_intermediate_size": 48,
-        "first_k_dense_replace": 1,
         "topk_method": "group_limited_greedy",
-        "n_group": 4,
-        "topk_group": 2,
         "routed_scaling_factor": 1.5,
     },
     "qwen3_moe": {

@@ -21,6 +21,21 @@ def hf_greedy(hf: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[i
     return out[0, len(prompt) :].tolist()
 
 
+def assert_continues_as(
+    engine: Engine, hf: torch.nn.Module, prompts: list[list[int]], new_tokens: int = 16
+) -> None:
+    """kiln's greedy continuation of every prompt equals transformers', and its logits at
+    every position of prompt + continuation are within 1e-4 of transformers' (fp32)."""
+    params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out["output_ids"] == hf_greedy(hf, prompt, new_tokens), f"{len(prompt)} tokens"
+        seq = prompt + out["output_ids"]
+        with torch.no_grad():
+            ref = hf(torch.tensor([seq])).logits[0]  # type: ignore[operator]
+        torch.testing.assert_close(kiln_all_logits(engine, seq), ref, atol=1e-4, rtol=0)
+
+
 def round_linear_inputs(hf: torch.nn.Module, group: int | None, skip: tuple[str, ...] = ()) -> None:
     """Make transformers round every Linear's input (but `skip`'s) to int8 per group of
     `group` inputs (None: the whole row), as kiln's --quantize-activations int8 kernels do."""

@@ -679,13 +679,22 @@ static inline __attribute__((always_inline)) void qtile(
     const int64_t groups = k / group;
     for (int64_t g = 0; g < groups; g++) {
         const int64_t k0 = g * group;
-        if (fmt == QFMT_UINT4) {
+        if (fmt == QFMT_UINT4 || fmt == QFMT_INT8M) {
             vlf s[QPANELS > 1 ? QPANELS : 1], mn[QPANELS > 1 ? QPANELS : 1];
             for (int p = 0; p < np; p++) {
                 s[p] = *(const vlf *)(sc + p * sstride + g * 2 * LANES);
                 mn[p] = *(const vlf *)(sc + p * sstride + (g * 2 + 1) * LANES);
             }
-            for (int64_t kk = k0; kk < k0 + group; kk += 2) {
+            for (int64_t kk = k0; fmt == QFMT_INT8M && kk < k0 + group; kk++) {
+                const float *xk = xt + kk * xrows;
+                for (int p = 0; p < np; p++) {
+                    const uint8_t *q = panel + p * pstride + kk * LANES;
+                    __builtin_prefetch(q + PREFETCH_BYTES);
+                    const vlf w = to_float(widen_i8(q)) * s[p] + mn[p];
+                    for (int r = 0; r < rows; r++) acc[p * rows + r] += xk[r] * w;
+                }
+            }
+            for (int64_t kk = k0; fmt == QFMT_UINT4 && kk < k0 + group; kk += 2) {
                 const float *x0 = xt + kk * xrows, *x1 = x0 + xrows;
                 for (int p = 0; p < np; p++) {
                     const uint8_t *q = panel + p * pstride + (kk / 2) * LANES;
@@ -694,21 +703,6 @@ static inline __attribute__((always_inline)) void qtile(
                     const vlf w0 = to_float(u & 0xF) * s[p] + mn[p];
                     const vlf w1 = to_float(u >> 4) * s[p] + mn[p];
                     for (int r = 0; r < rows; r++) acc[p * rows + r] += x0[r] * w0 + x1[r] * w1;
-                }
-            }
-        } else if (fmt == QFMT_INT8M) {
-            vlf s[QPANELS > 1 ? QPANELS : 1], mn[QPANELS > 1 ? QPANELS : 1];
-            for (int p = 0; p < np; p++) {
-                s[p] = *(const vlf *)(sc + p * sstride + g * 2 * LANES);
-                mn[p] = *(const vlf *)(sc + p * sstride + (g * 2 + 1) * LANES);
-            }
-            for (int64_t kk = k0; kk < k0 + group; kk++) {
-                const float *xk = xt + kk * xrows;
-                for (int p = 0; p < np; p++) {
-                    const uint8_t *q = panel + p * pstride + kk * LANES;
-                    __builtin_prefetch(q + PREFETCH_BYTES);
-                    const vlf w = to_float(widen_i8(q)) * s[p] + mn[p];
-                    for (int r = 0; r < rows; r++) acc[p * rows + r] += xk[r] * w;
                 }
             }
         } else {

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from oracle import hf_greedy, kiln_all_logits
+from oracle import assert_continues_as
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
@@ -67,15 +67,5 @@ def test_gpt_oss_mxfp4_checkpoint_runs_as_transformers_on_its_weights(
 
     art = tmp_path / "art"
     compile_model(ServerArgs(model_path=str(packed), dtype="float32"), art)
-    engine = Engine(art, max_total_tokens=1024)
     hf = AutoModelForCausalLM.from_pretrained(floats, dtype=torch.float32).eval()
-    prompts = [[1, 5, 9, 33], list(range(3, 43))]
-    params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
-    for prompt, out in zip(
-        prompts, engine.generate(input_ids=prompts, sampling_params=params), strict=True
-    ):
-        assert out["output_ids"] == hf_greedy(hf, prompt, 16)
-        seq = prompt + out["output_ids"]
-        with torch.no_grad():
-            ref = hf(torch.tensor([seq])).logits[0]
-        torch.testing.assert_close(kiln_all_logits(engine, seq), ref, atol=1e-4, rtol=0)
+    assert_continues_as(Engine(art, max_total_tokens=1024), hf, [[1, 5, 9, 33], list(range(3, 43))])

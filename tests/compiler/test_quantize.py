@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from oracle import assert_rounds_like, hf_greedy, kiln_all_logits, round_linear_inputs
+from oracle import assert_continues_as, assert_rounds_like, round_linear_inputs
 from transformers import AutoModelForCausalLM
 
 from kiln import Engine
@@ -54,18 +54,8 @@ def test_scheme_matches_transformers_on_the_same_quantized_weights(
     assert len(quant) == 4 * 2 and all(n["attrs"]["format"] == fmt for n in quant)
     assert sum(n["op"] in ("linear", "packed_linear") for n in graph["nodes"]) == 1
 
-    engine = Engine(art, max_total_tokens=1024)
     hf = quantized_reference(ckpt, fmt, group)
-    outs = engine.generate(
-        input_ids=PROMPTS,
-        sampling_params={"temperature": 0, "max_new_tokens": 16, "ignore_eos": True},
-    )
-    for prompt, out in zip(PROMPTS, outs, strict=True):
-        assert out["output_ids"] == hf_greedy(hf, prompt, 16)
-        seq = prompt + out["output_ids"]
-        with torch.no_grad():
-            ref_logits = hf(torch.tensor([seq])).logits[0]
-        torch.testing.assert_close(kiln_all_logits(engine, seq), ref_logits, atol=1e-4, rtol=0)
+    assert_continues_as(Engine(art, max_total_tokens=1024), hf, PROMPTS)
 
 
 def test_phi3_fused_and_reordered_rows_quantize_with_their_scales(
@@ -79,17 +69,8 @@ def test_phi3_fused_and_reordered_rows_quantize_with_their_scales(
     compile_model(ServerArgs(model_path=str(ckpt), torchao_config="int4wo-32"), art)
     graph = json.loads((art / "graph.json").read_text())
     assert sum(n["op"] == "quant_linear" for n in graph["nodes"]) == 4 * 2
-    engine = Engine(art, max_total_tokens=1024)
     hf = quantized_reference(ckpt, "uint4", 32)
-    params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
-    for prompt, out in zip(
-        PROMPTS, engine.generate(input_ids=PROMPTS, sampling_params=params), strict=True
-    ):
-        assert out["output_ids"] == hf_greedy(hf, prompt, 16)
-        seq = prompt + out["output_ids"]
-        with torch.no_grad():
-            ref_logits = hf(torch.tensor([seq])).logits[0]
-        torch.testing.assert_close(kiln_all_logits(engine, seq), ref_logits, atol=1e-4, rtol=0)
+    assert_continues_as(Engine(art, max_total_tokens=1024), hf, PROMPTS)
 
 
 def test_w8a8_int8_compiles_to_int8_dot_products(

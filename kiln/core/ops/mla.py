@@ -70,31 +70,28 @@ def _widths(check: Check, a: dict[str, Any]) -> None:
         raise check.fail("latent attention has no window, soft cap or sinks")
 
 
-def _mla(check: Check, a: dict[str, Any], ins: list[Any]) -> Any:
+def _pooled_inputs(check: Check, a: dict[str, Any], ins: list[Any], q_dim: int) -> Any:
+    """Both latent attention ops' first four inputs: queries of q_dim a head, their rope
+    part, the latent and the key's rope part. Returns the queries' type."""
     _widths(check, a)
     h = a["num_heads"]
-    q_nope, q_rope, latent, k_rope = (
-        check.float_tensor(t, n) for t, n in zip(ins[:4], _NAMES, strict=True)
-    )
-    check.expect("q_nope features", q_nope.features, h * a["nope_dim"])
-    check.expect("q_rope features", q_rope.features, h * a["rope_dim"])
-    check.expect("latent features", latent.features, a["latent_dim"])
-    check.expect("k_rope features", k_rope.features, a["rope_dim"])
+    widths = (h * q_dim, h * a["rope_dim"], a["latent_dim"], a["rope_dim"])
+    types = [check.float_tensor(t, n) for t, n in zip(ins[:4], _NAMES, strict=True)]
+    for name, t, want in zip(_NAMES, types, widths, strict=True):
+        check.expect(f"{name} features", t.features, want)
+    return types[0]
+
+
+def _mla(check: Check, a: dict[str, Any], ins: list[Any]) -> Any:
+    q = _pooled_inputs(check, a, ins, a["nope_dim"])
+    h = a["num_heads"]
     check.expect("kv_b", check.weight(4, 2), (h * (a["nope_dim"] + a["v_dim"]), a["latent_dim"]))
-    return TensorType(h * a["v_dim"], q_nope.dtype)
+    return TensorType(h * a["v_dim"], q.dtype)
 
 
 def _latent(check: Check, a: dict[str, Any], ins: list[Any]) -> Any:
-    _widths(check, a)
-    h = a["num_heads"]
-    q_lat, q_rope, latent, k_rope = (
-        check.float_tensor(t, n) for t, n in zip(ins[:4], _NAMES, strict=True)
-    )
-    check.expect("q_latent features", q_lat.features, h * a["latent_dim"])
-    check.expect("q_rope features", q_rope.features, h * a["rope_dim"])
-    check.expect("latent features", latent.features, a["latent_dim"])
-    check.expect("k_rope features", k_rope.features, a["rope_dim"])
-    return TensorType(h * a["latent_dim"], q_lat.dtype)
+    q = _pooled_inputs(check, a, ins, a["latent_dim"])
+    return TensorType(a["num_heads"] * a["latent_dim"], q.dtype)
 
 
 def _head_linear(check: Check, a: dict[str, Any], ins: list[Any]) -> Any:
