@@ -751,12 +751,6 @@ static inline __attribute__((always_inline)) void qtile_decode(
                     for (int r = 0; r < rows; r++) ga[p * rows + r] += x0[r] * f0 + x1[r] * f1;
                 }
             }
-            for (int p = 0; p < QPANELS; p++) {
-                const vlf sv = *(const vlf *)(sc + p * sstride + g * 2 * LANES);
-                const vlf mv = *(const vlf *)(sc + p * sstride + (g * 2 + 1) * LANES);
-                for (int r = 0; r < rows; r++)
-                    acc[p * rows + r] += ga[p * rows + r] * sv + xs[g * xrows + r] * mv;
-            }
         } else {
             for (int64_t kk = k0; kk < k0 + group; kk++) {
                 const float *xk = xt + kk * xrows;
@@ -767,19 +761,15 @@ static inline __attribute__((always_inline)) void qtile_decode(
                     for (int r = 0; r < rows; r++) ga[p * rows + r] += xk[r] * w;
                 }
             }
-            if (fmt == QFMT_INT8M) {
-                for (int p = 0; p < QPANELS; p++) {
-                    const vlf sv = *(const vlf *)(sc + p * sstride + g * 2 * LANES);
-                    const vlf mv = *(const vlf *)(sc + p * sstride + (g * 2 + 1) * LANES);
-                    for (int r = 0; r < rows; r++)
-                        acc[p * rows + r] += ga[p * rows + r] * sv + xs[g * xrows + r] * mv;
-                }
-            } else {
-                for (int p = 0; p < QPANELS; p++) {
-                    const vlf sv = *(const vlf *)(sc + p * sstride + g * LANES);
-                    for (int r = 0; r < rows; r++) acc[p * rows + r] += ga[p * rows + r] * sv;
-                }
-            }
+        }
+        /* The group's scale, and its min times the group's sum of x where there is one. */
+        const int mins = fmt == QFMT_UINT4 || fmt == QFMT_INT8M;
+        for (int p = 0; p < QPANELS; p++) {
+            const float *gs = sc + p * sstride + g * (mins ? 2 : 1) * LANES;
+            const vlf sv = *(const vlf *)gs;
+            const vlf mv = mins ? *(const vlf *)(gs + LANES) : (vlf){0};
+            for (int r = 0; r < rows; r++)
+                acc[p * rows + r] += ga[p * rows + r] * sv + (mins ? xs[g * xrows + r] * mv : (vlf){0});
         }
     }
     for (int p = 0; p < QPANELS && p * LANES < cols; p++)
