@@ -27,6 +27,7 @@ from kiln.core.quant import (
     from_gguf_blocks,
     quantize,
     widen,
+    widest,
 )
 
 if TYPE_CHECKING:
@@ -208,7 +209,7 @@ class CheckpointReader:
         """(codes, scales) of checkpoint tensor `name` in `fmt` (kiln/core/quant.py): tensors
         stored in that format (`stored_formats`) as they are, anything else quantized."""
         stored = GGUF_FORMATS.get(self.gguf.qtype(name)) if self.gguf is not None else None
-        exact = stored is not None and stored[0] in (fmt, *(("int8",) if fmt == "int8m" else ()))
+        exact = stored is not None and (stored[0] == fmt or widest({stored[0], fmt}) == fmt)
         if self.gguf is not None and stored is not None and exact and stored[1] == group:
             n, k = self.gguf.shape(name)
             codes, scales = from_gguf_blocks(self.gguf.raw(name), self.gguf.qtype(name), n, k)

@@ -50,6 +50,8 @@ _PATH_ARGS = ("model_path", "tokenizer_path", "quantization_param_path")
 # The packages whose source decides what an artefact holds.
 _SOURCE_PACKAGES = (
     *("kiln", "kiln.args", "kiln.compiler", "kiln.kernels", "kiln.models", "kiln.passes"),
+    # The IR, the op definitions, the quantization maths and the weight layouts.
+    *("kiln.core", "kiln.core.ops"),
 )
 
 
@@ -172,19 +174,27 @@ def canonical_args(args: ServerArgs) -> dict[str, Any]:
 
 
 @functools.cache
-def source_sha256() -> str:
-    """kiln's own sources that decide what an artefact holds (a development build with
-    another pass or kernel rule is another compiler), found without importing them."""
-    h = hashlib.sha256()
+def source_files() -> list[tuple[str, Path]]:
+    """(package-relative name, path) of kiln's own sources that decide what an artefact
+    holds, found without importing them."""
+    out = []
     for pkg in _SOURCE_PACKAGES:
         spec = importlib.util.find_spec(pkg)
         assert spec is not None and spec.submodule_search_locations is not None
         root = Path(next(iter(spec.submodule_search_locations)))
         files = [p for p in root.glob("*") if p.suffix in (".py", ".c", ".h")]
         files += list((root / "csrc").glob("*.c")) if (root / "csrc").is_dir() else []
-        for f in sorted(files):
-            h.update(f"{pkg}/{f.relative_to(root)}".encode())
-            h.update(f.read_bytes())
+        out += [(f"{pkg}/{f.relative_to(root)}", f) for f in sorted(files)]
+    return out
+
+
+def source_sha256() -> str:
+    """The hash of `source_files` (a development build with another pass, op rule or
+    kernel is another compiler)."""
+    h = hashlib.sha256()
+    for name, f in source_files():
+        h.update(name.encode())
+        h.update(f.read_bytes())
     return h.hexdigest()
 
 

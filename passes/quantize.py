@@ -34,7 +34,7 @@ from typing import Any
 
 from kiln.core.ir import Graph, Node, WeightSpec
 from kiln.core.layout import panel_shape
-from kiln.core.quant import FORMATS, WIDENS
+from kiln.core.quant import FORMATS, widest
 from kiln.passes.options import CompileOptions, PassResult, Quantization, compiler_pass
 
 # Roles (recorded at trace time) whose weights a float checkpoint keeps float, as SGLang
@@ -134,12 +134,13 @@ def _format_for(
     if scheme.stored is not None:  # as the checkpoint stores them, where every part agrees
         stored = scheme.stored
         formats = {stored.get(x) for x in loads}
-        if len(formats) > 1 and all(f is not None and f[0] in WIDENS for f in formats):
-            # int8 parts beside int8m ones (GGUF Q8_0 v beside Q5_1 q/k) at one group size:
-            # all int8m, the int8 parts with a min of 0 (exactly what they were).
+        if len(formats) > 1 and all(f is not None for f in formats):
+            # Parts in several formats (GGUF Q8_0 v beside Q5_0 or Q5_1 q/k) at one group
+            # size: all in the one that holds each exactly (kiln.core.quant.widest).
             groups = {f[1] for f in formats if f is not None}
-            if len(groups) == 1:
-                return "int8m", groups.pop()
+            common = widest({f[0] for f in formats if f is not None})
+            if len(groups) == 1 and common is not None:
+                return common, groups.pop()
         found = formats.pop() if len(formats) == 1 else None
         return None if found is None else (found[0], found[1])
     if scheme.format is None or any(r.meta.get("role") in _FLOAT_ROLES for r in readers):

@@ -457,7 +457,7 @@ int64_t kiln_linear_lanes(void) { return LANES; }
 
 /* The exported functions' signatures, as kernels/native.py declares them: bumped with any
  * change, so a library built from another kiln's source is refused, not misread. */
-int64_t kiln_abi_version(void) { return 5; }
+int64_t kiln_abi_version(void) { return 6; }
 int64_t kiln_linear_group_panels(void) { return GROUP_PANELS; }
 
 /* One narrow tile: `rows` rows (xt: [k][TILE_ROWS]) against one panel. Always inlined with
@@ -605,12 +605,20 @@ int kiln_embedding_packed_f32(const int64_t *ids, int64_t tokens, const float *p
  *   QFMT_UINT4:    q [N_pad / L][K / 2][L] uint8,   w = q * s + min       (k even in the low
  *                  nibble, k odd in the high one; s, min: [N_pad/L][K/g][2][L], s then min)
  *   QFMT_FP8_E4M3: q [N_pad / L][K][L] fp8 e4m3,    w = q * s
- *   QFMT_INT8M:    q [N_pad / L][K][L] int8,        w = q * s + min       (s, min as UINT4's;
- *                  GGUF Q5_K / Q5_1 blocks, their 5-bit codes in a byte)
+ *   QFMT_INT8M:    q [N_pad / L][K][L] int8,        w = q * s + min       (s, min as UINT4's)
+ *   QFMT_INT5:     q [N_pad / L][K / 2 + K / 8][L]: UINT4's nibbles, then a byte of fifth
+ *                  bits per 8 k's (bit j for k = 8b + j), w = (q - 16) * s   (GGUF Q5_0)
+ *   QFMT_UINT5:    the same codes, w = q * s + min (s, min as UINT4's)  (GGUF Q5_1, Q5_K)
  * The weights are dequantized in registers, one vector of L columns per k, and then meet
  * every row of the tile (the narrow tile of the fp32 linear above): at batch 1 the weight
  * stream is the cost, and it is 4x (8-bit) or 8x (4-bit) shorter than fp32's. */
-enum { QFMT_INT8 = 0, QFMT_UINT4 = 1, QFMT_FP8_E4M3 = 2, QFMT_INT8M = 5 };
+enum { QFMT_INT8 = 0, QFMT_UINT4 = 1, QFMT_FP8_E4M3 = 2, QFMT_INT8M = 5, QFMT_INT5 = 6,
+       QFMT_UINT5 = 7 };
+
+/* Scale planes a format stores per group: a scale, or a scale and a min. */
+static inline int scale_planes(int fmt) {
+    return fmt == QFMT_UINT4 || fmt == QFMT_INT8M || fmt == QFMT_UINT5 ? 2 : 1;
+}
 #ifdef __AVX512F__
 #define QPANELS 4 /* decode: 4 panels x up to 3 rows, two accumulators each */
 #define QROWS 3
@@ -705,6 +713,29 @@ static inline __attribute__((always_inline)) void qtile(
                     for (int r = 0; r < rows; r++) acc[p * rows + r] += x0[r] * w0 + x1[r] * w1;
                 }
             }
+        } else if (fmt == QFMT_INT5 || fmt == QFMT_UINT5) {
+            vlf s[QPANELS > 1 ? QPANELS : 1], mn[QPANELS > 1 ? QPANELS : 1];
+            for (int p = 0; p < np; p++) {
+                const float *gs = sc + p * sstride + g * scale_planes(fmt) * LANES;
+                s[p] = *(const vlf *)gs;
+                mn[p] = fmt == QFMT_UINT5 ? *(const vlf *)(gs + LANES) : s[p] * -16.0f;
+            }
+            for (int64_t k8 = k0; k8 < k0 + group; k8 += 8) {
+                for (int p = 0; p < np; p++) {
+                    const uint8_t *q = panel + p * pstride + (k8 / 2) * LANES;
+                    __builtin_prefetch(q + PREFETCH_BYTES);
+                    const vli h = widen_u8(panel + p * pstride + (k / 2 + k8 / 8) * LANES) << 4;
+                    for (int j = 0; j < 4; j++) {
+                        const float *x0 = xt + (k8 + 2 * j) * xrows, *x1 = x0 + xrows;
+                        const vli u = widen_u8(q + j * LANES);
+                        const vlf w0 = to_float((u & 0xF) | ((h >> (2 * j)) & 16)) * s[p] + mn[p];
+                        const vlf w1 =
+                            to_float((u >> 4) | ((h >> (2 * j + 1)) & 16)) * s[p] + mn[p];
+                        for (int r = 0; r < rows; r++)
+                            acc[p * rows + r] += x0[r] * w0 + x1[r] * w1;
+                    }
+                }
+            }
         } else {
             vlf s[QPANELS > 1 ? QPANELS : 1];
             for (int p = 0; p < np; p++) s[p] = *(const vlf *)(sc + p * sstride + g * LANES);
@@ -751,6 +782,40 @@ static inline __attribute__((always_inline)) void qtile_decode(
                     for (int r = 0; r < rows; r++) ga[p * rows + r] += x0[r] * f0 + x1[r] * f1;
                 }
             }
+        } else if (fmt == QFMT_INT5 || fmt == QFMT_UINT5) {
+            /* Eight k's at a time: their fifth bits are one byte a lane, moved up to bit 4
+             * of each nibble's code pair by pair. */
+            for (int64_t k8 = k0; k8 < k0 + group; k8 += 8) {
+                for (int p = 0; p < QPANELS; p++) {
+                    const uint8_t *q = panel + p * pstride + (k8 / 2) * LANES;
+                    __builtin_prefetch(q + PREFETCH_BYTES);
+                    const uint8_t *hp = panel + p * pstride + (k / 2 + k8 / 8) * LANES;
+#if LANES == 16 && defined(__AVX512BW__) && defined(__AVX512VL__)
+                    /* each fifth bit as a lane mask, OR-ed into its code where set */
+                    const __m128i hb = _mm_loadu_si128((const __m128i *)hp);
+                    const __m512i sixteen = _mm512_set1_epi32(16);
+#else
+                    const vli h = widen_u8(hp) << 4;
+#endif
+                    for (int j = 0; j < 4; j++) {
+                        const float *x0 = xt + (k8 + 2 * j) * xrows, *x1 = x0 + xrows;
+                        const vli u = widen_u8(q + j * LANES);
+#if LANES == 16 && defined(__AVX512BW__) && defined(__AVX512VL__)
+                        const __mmask16 m0 = _mm_test_epi8_mask(hb, _mm_set1_epi8((char)(1 << (2 * j))));
+                        const __mmask16 m1 =
+                            _mm_test_epi8_mask(hb, _mm_set1_epi8((char)(1 << (2 * j + 1))));
+                        const __m512i lo = (__m512i)(u & 0xF), hi = (__m512i)(u >> 4);
+                        const vlf f0 = to_float((vli)_mm512_mask_or_epi32(lo, m0, lo, sixteen));
+                        const vlf f1 = to_float((vli)_mm512_mask_or_epi32(hi, m1, hi, sixteen));
+#else
+                        const vlf f0 = to_float((u & 0xF) | ((h >> (2 * j)) & 16));
+                        const vlf f1 = to_float((u >> 4) | ((h >> (2 * j + 1)) & 16));
+#endif
+                        for (int r = 0; r < rows; r++)
+                            ga[p * rows + r] += x0[r] * f0 + x1[r] * f1;
+                    }
+                }
+            }
         } else {
             for (int64_t kk = k0; kk < k0 + group; kk++) {
                 const float *xk = xt + kk * xrows;
@@ -763,11 +828,12 @@ static inline __attribute__((always_inline)) void qtile_decode(
             }
         }
         /* The group's scale, and its min times the group's sum of x where there is one. */
-        const int mins = fmt == QFMT_UINT4 || fmt == QFMT_INT8M;
+        const int planes = scale_planes(fmt), mins = planes == 2 || fmt == QFMT_INT5;
         for (int p = 0; p < QPANELS; p++) {
-            const float *gs = sc + p * sstride + g * (mins ? 2 : 1) * LANES;
+            const float *gs = sc + p * sstride + g * planes * LANES;
             const vlf sv = *(const vlf *)gs;
-            const vlf mv = mins ? *(const vlf *)(gs + LANES) : (vlf){0};
+            const vlf mv = planes == 2 ? *(const vlf *)(gs + LANES)
+                                       : (fmt == QFMT_INT5 ? sv * -16.0f : (vlf){0});
             for (int r = 0; r < rows; r++)
                 acc[p * rows + r] += ga[p * rows + r] * sv + (mins ? xs[g * xrows + r] * mv : (vlf){0});
         }
@@ -819,16 +885,17 @@ static void qtile_rows(const float *xt, const float *xs, int64_t xrows, int64_t 
 static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const void *q,
                        const float *scales, int fmt, int64_t group, int64_t n, const float *bias,
                        float *out, int threads) {
-    if (((fmt < QFMT_INT8 || fmt > QFMT_FP8_E4M3) && fmt != QFMT_INT8M) || group <= 0 ||
-        k % group || (fmt == QFMT_UINT4 && group % 2))
+    const int five = fmt == QFMT_INT5 || fmt == QFMT_UINT5;
+    if (((fmt < QFMT_INT8 || fmt > QFMT_FP8_E4M3) && fmt != QFMT_INT8M && !five) || group <= 0 ||
+        k % group || (fmt == QFMT_UINT4 && group % 2) || (five && group % 8))
         return -2;
     const int np = m <= QROWS ? QPANELS : 1;
     const int64_t xrows = np > 1 ? QROWS : TILE_ROWS;
     const int64_t panels = (n + LANES - 1) / LANES;
     const int64_t items = (panels + np - 1) / np;
     const int64_t tiles = (m + xrows - 1) / xrows;
-    const int64_t pstride = fmt == QFMT_UINT4 ? k / 2 * LANES : k * LANES;
-    const int64_t sstride = (k / group) * LANES * (fmt == QFMT_UINT4 || fmt == QFMT_INT8M ? 2 : 1);
+    const int64_t pstride = (fmt == QFMT_UINT4 ? k / 2 : five ? k / 2 + k / 8 : k) * LANES;
+    const int64_t sstride = (k / group) * LANES * scale_planes(fmt);
     const int64_t groups = k / group;
     /* x transposed into tiles, then (decode tiles) each group's sum of x per row */
     float *xt = malloc((size_t)(tiles * (k + groups) * xrows) * sizeof(float));
@@ -899,11 +966,14 @@ enum { QFMT_UINT4_A8 = 3, QFMT_INT8_A8 = 4 };
 
 int kiln_qembedding_f32(const int64_t *ids, int64_t tokens, const void *q, const float *scales,
                         int fmt, int64_t group, int64_t vocab, int64_t h, float *out) {
-    if (((fmt < QFMT_INT8 || fmt > QFMT_INT8_A8) && fmt != QFMT_INT8M) || group <= 0 || h % group)
+    const int five = fmt == QFMT_INT5 || fmt == QFMT_UINT5;
+    if (((fmt < QFMT_INT8 || fmt > QFMT_INT8_A8) && fmt != QFMT_INT8M && !five) || group <= 0 ||
+        h % group || (five && h % 8))
         return -2;
     const int nibbles = fmt == QFMT_UINT4 || fmt == QFMT_UINT4_A8;
-    const int64_t panel_bytes = nibbles ? h / 2 * LANES : h * LANES;
-    const int64_t per = fmt == QFMT_INT8 || fmt == QFMT_FP8_E4M3 ? 1 : 2;
+    const int64_t panel_bytes = (nibbles ? h / 2 : five ? h / 2 + h / 8 : h) * LANES;
+    const int64_t per =
+        fmt == QFMT_INT8 || fmt == QFMT_FP8_E4M3 || fmt == QFMT_INT5 ? 1 : 2;
     const int64_t panel_scales = (h / group) * LANES * per;
     for (int64_t t = 0; t < tokens; t++) {
         const int64_t id = ids[t];
@@ -921,6 +991,11 @@ int kiln_qembedding_f32(const int64_t *ids, int64_t tokens, const void *q, const
             } else if (fmt == QFMT_UINT4_A8) {
                 const uint8_t byte = panel[((j / 8) * LANES + c) * 4 + j % 4];
                 v = (float)((j % 8) < 4 ? byte & 0xF : byte >> 4) * s + mn;
+            } else if (five) {
+                const uint8_t byte = panel[(j / 2) * LANES + c];
+                const uint8_t bits = panel[(h / 2 + j / 8) * LANES + c];
+                const int q = ((j & 1) ? byte >> 4 : byte & 0xF) | (((bits >> (j % 8)) & 1) << 4);
+                v = fmt == QFMT_INT5 ? (float)(q - 16) * s : (float)q * s + mn;
             } else if (fmt == QFMT_INT8 || fmt == QFMT_INT8M) {
                 v = (float)((const int8_t *)panel)[j * LANES + c] * s + mn;
             } else if (fmt == QFMT_INT8_A8) {

@@ -9,6 +9,9 @@ the loader (no torch import: the loader checks shapes from the graph alone).
 - "q8panels{L}" / "q4panels{L}": a quantized linear's [N, K] codes for the same kernels,
   panels of L columns with N padded to whole panels: one byte per k ([N_pad / L][K][L],
   int8 or fp8 codes) or two k's per byte ([N_pad / L][K / 2][L], k even in the low nibble).
+- "q5panels{L}": 5-bit codes (0..31), the q4 nibble panels [N_pad / L][K / 2][L] then a
+  plane of their fifth bits [N_pad / L][K / 8][L], bit j of a lane's byte b for k = 8b + j;
+  one uint8 tensor [N_pad / L][K / 2 + K / 8][L].
 - "a8panels{L}": int8 codes for int8 dot products of 4 k's a lane (w8a8_int8, int8_a8),
   [N_pad / L][K / 4][L][4].
 - "a4panels{L}": 4-bit codes for the same dot products (uint4_a8), [N_pad / L][K / 8][L][4]
@@ -30,7 +33,7 @@ if TYPE_CHECKING:
 else:
     torch = lazy_module("torch")
 
-LAYOUT = re.compile(r"rows|panels(8|16)x([1-8])|(q8|q4|a8|a4|s)panels(8|16)")
+LAYOUT = re.compile(r"rows|panels(8|16)x([1-8])|(q8|q4|q5|a8|a4|s)panels(8|16)")
 
 
 def panel_shape(target: Target) -> tuple[int, int]:
@@ -84,6 +87,8 @@ def stored_shape(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
         return (tiles, shape[1], shape[2], lanes)
     if kind in ("a8", "a4"):
         return (tiles, shape[1] // (4 if kind == "a8" else 8), lanes, 4)
+    if kind == "q5":
+        return (tiles, shape[1] // 2 + shape[1] // 8, lanes)
     return (tiles, shape[1] // 2 if kind == "q4" else shape[1], lanes)
 
 
@@ -121,12 +126,19 @@ def pack_qpanels(t: torch.Tensor, layout: str) -> torch.Tensor:
     panels = tiles.transpose(1, 2).contiguous()  # [T, K, L]
     if kind == "q8":
         return panels
-    return (panels[:, 0::2] | (panels[:, 1::2] << 4)).contiguous()
+    low = panels & 0xF if kind == "q5" else panels
+    nibbles = low[:, 0::2] | (low[:, 1::2] << 4)
+    if kind == "q4":
+        return nibbles.contiguous()
+    fifth = ((panels >> 4) & 1).view(panels.shape[0], -1, 8, panels.shape[2])  # [T, K/8, 8, L]
+    weights = (1 << torch.arange(8, dtype=torch.uint8)).view(1, 1, 8, 1)
+    bits = (fifth * weights).sum(2, dtype=torch.uint8)
+    return torch.cat([nibbles, bits], dim=1).contiguous()
 
 
 def unpack_codes(codes: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
-    """Codes stored in layout `kind` (q8, q4, a8, a4) -> [rows, K], one code per element
-    (4-bit codes as 0..15), as `pack_qpanels` had them."""
+    """Codes stored in layout `kind` (q8, q4, q5, a8, a4) -> [rows, K], one code per element
+    (4- and 5-bit codes as 0..15 / 0..31), as `pack_qpanels` had them."""
     if kind == "a8":  # [T, K/4, L, 4] -> [T, K, L]
         codes = codes.permute(0, 1, 3, 2).reshape(codes.shape[0], -1, codes.shape[2])
     elif kind == "a4":  # [T, K/8, L, 4] bytes -> [T, K, L], 4 low nibbles first
@@ -136,6 +148,14 @@ def unpack_codes(codes: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
     elif kind == "q4":  # [T, K/2, L] bytes -> [T, K, L], k even from the low nibble
         tiles, _, lanes = codes.shape
         codes = torch.stack([codes & 0xF, codes >> 4], dim=2).reshape(tiles, -1, lanes)
+    elif kind == "q5":  # nibbles [T, K/2, L], then fifth bits [T, K/8, L]
+        tiles, stored, lanes = codes.shape
+        half = stored * 4 // 5  # K/2 of K/2 + K/8
+        nib, bits = codes[:, :half], codes[:, half:]
+        low = torch.stack([nib & 0xF, nib >> 4], dim=2).reshape(tiles, -1, lanes)
+        shifts = torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)
+        fifth = ((bits.unsqueeze(2) >> shifts) & 1).reshape(tiles, -1, lanes)
+        codes = low | (fifth << 4)
     tiles, _, lanes = codes.shape
     return codes.transpose(1, 2).reshape(tiles * lanes, -1)[:rows]
 

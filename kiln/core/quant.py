@@ -9,8 +9,10 @@ group of `group` consecutive inputs, float32 scales and codes:
 - uint4:    w = q * s + m,       q in [0, 15]          (scale and min; GGUF Q4_1 is group 32,
                                                          Q4_0 is s = d, m = -8 d)
 - fp8_e4m3: w = fp8(q) * s                              (one scale per row by default)
-- int8m:    w = q * s + m,       q in [-128, 127]      (scale and min; GGUF Q5_1 and Q5_K,
-                                                         their 5-bit codes in a byte)
+- int8m:    w = q * s + m,       q in [-128, 127]      (scale and min: int8 and 5-bit
+                                                         parts of one fused weight together)
+- int5:     w = (q - 16) * s,    q in [0, 31]          (GGUF Q5_0)
+- uint5:    w = q * s + m,       q in [0, 31]          (scale and min; GGUF Q5_1, Q5_K)
 - w8a8_int8: w = q * s, one scale per row, q in [-127, 127]; the kernel also quantizes
   the activations per token (SGLang's w8a8_int8) and sums in int32. Its second plane is
   128 * sum_k q, the correction for the kernel's unsigned activation bytes.
@@ -44,7 +46,7 @@ class QuantFormat:
 
     name: str
     code_dtype: Literal["int8", "uint8"]  # what the codes are stored as
-    layout: Literal["q8", "q4", "a8", "a4"]  # their panel kind (kiln/core/layout.py)
+    layout: Literal["q8", "q4", "q5", "a8", "a4"]  # their panel kind (kiln/core/layout.py)
     planes: int  # scale planes: 1 (scale) or 2 (scale and min, or scale and code sum)
     # kiln_cpu's entry point for its linears, and the format's numbers in the C source:
     # QFMT_* (qlinear and the quantized embedding) and GA8_* (the ga8 linear).
@@ -57,6 +59,7 @@ class QuantFormat:
     base: str | None = None  # an int8-activation format: the weight format it runs
     int8_activations: str | None = None  # this format under --quantize-activations int8
     gguf: tuple[tuple[str, int], ...] = ()  # GGUF block types kept as this: (type, group)
+    offset: int = 0  # codes are stored plus this (int5: 0..31 for -16..15)
 
 
 FORMATS: dict[str, QuantFormat] = {
@@ -70,7 +73,7 @@ FORMATS: dict[str, QuantFormat] = {
             "qlinear",
             0,
             int8_activations="int8_a8",
-            gguf=(("Q8_0", 32), ("Q5_0", 32), ("Q6_K", 16)),
+            gguf=(("Q8_0", 32), ("Q6_K", 16)),
         ),
         QuantFormat(
             "uint4",
@@ -85,14 +88,22 @@ FORMATS: dict[str, QuantFormat] = {
             gguf=(("Q4_0", 32), ("Q4_1", 32), ("Q4_K", 32)),
         ),
         QuantFormat("fp8_e4m3", "uint8", "q8", 1, "qlinear", 2, fp8=True),
-        # 8-bit codes with a scale and a min: GGUF's 5-bit blocks with a min (Q5_1, Q5_K).
+        # 8-bit codes with a scale and a min: what int8 and 5-bit parts of one fused
+        # weight run as together (`widen`).
+        QuantFormat("int8m", "int8", "q8", 2, "qlinear", 5, has_min=True),
+        # 5-bit codes (a nibble plane and a bit plane): GGUF's Q5_0, w = (q - 16) s, and its
+        # Q5_1 / Q5_K, w = q s + m.
         QuantFormat(
-            "int8m",
-            "int8",
-            "q8",
+            "int5", "uint8", "q5", 1, "qlinear", 6, group_step=8, offset=16, gguf=(("Q5_0", 32),)
+        ),
+        QuantFormat(
+            "uint5",
+            "uint8",
+            "q5",
             2,
             "qlinear",
-            5,
+            7,
+            group_step=8,
             has_min=True,
             gguf=(("Q5_1", 32), ("Q5_K", 32)),
         ),
@@ -103,9 +114,17 @@ FORMATS: dict[str, QuantFormat] = {
         QuantFormat("int8_a8", "int8", "a8", 2, "ga8", 4, 1, group_step=4, base="int8"),
     )
 }
-# Formats that int8m holds exactly (a min of 0): where a fused weight's parts are stored
-# as int8 and int8m, they run as int8m (`widen`).
-WIDENS = ("int8", "int8m")
+# Formats a wider one holds exactly: where a fused weight's parts are stored in several
+# of these at one group size, they all run as the narrowest that holds every part (int8
+# holds int5's codes minus 16; int8m holds all, an int8 or int5 part with a min of 0).
+WIDENS = ("int5", "int8", "uint5", "int8m")
+
+
+def widest(formats: set[str]) -> str | None:
+    """The format that holds every one of `formats` exactly, None if there is none."""
+    if not formats <= set(WIDENS):
+        return None
+    return "int8" if formats <= {"int5", "int8"} else "int8m"
 
 
 def widen(
@@ -114,9 +133,12 @@ def widen(
     """Codes and scales stored as `stored`, as format `fmt` that holds them exactly."""
     if stored == fmt:
         return codes, scales
-    if (stored, fmt) != ("int8", "int8m"):
+    if widest({stored, fmt}) != fmt:
         raise QuantError(f"{stored} does not widen to {fmt}")
-    return codes, np.concatenate([scales, np.zeros_like(scales)], axis=-1)
+    signed = (codes.astype(np.int16) - FORMATS[stored].offset).astype(np.int8)
+    if fmt == "int8" or FORMATS[stored].has_min:
+        return signed, scales
+    return signed, np.concatenate([scales, np.zeros_like(scales)], axis=-1)
 
 
 # GGUF block types kiln runs as they are: type -> (format, group).
@@ -160,6 +182,17 @@ def quantize(w: torch.Tensor, fmt: str, group: int) -> tuple[torch.Tensor, torch
         s = torch.where(s > 0, s, torch.ones_like(s))
         q, s, lo = _refine_uint4(g, s, lo)
         return q.to(torch.uint8).reshape(n, k), torch.cat([s, lo], dim=-1)
+    if fmt == "int5":
+        s = g.abs().amax(-1, keepdim=True) / 16.0
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        q = (torch.round(g / s).clamp(-16, 15) + 16).to(torch.uint8)
+        return q.reshape(n, k), s
+    if fmt == "uint5":
+        lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+        s = (hi - lo) / 31.0
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        q = torch.round((g - lo) / s).clamp(0, 31).to(torch.uint8)
+        return q.reshape(n, k), torch.cat([s, lo], dim=-1)
     if fmt == "int8m":
         lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
         s = (hi - lo) / 255.0
@@ -263,6 +296,8 @@ def dequantize(q: torch.Tensor, s: torch.Tensor, fmt: str) -> torch.Tensor:
     groups = s.shape[1]
     form = FORMATS[fmt]
     vals = q.view(torch.float8_e4m3fn).float() if form.fp8 else q.float()
+    if form.offset:
+        vals = vals - form.offset
     vals = vals.reshape(n, groups, k // groups)
     out = vals * s[..., :1]
     if form.has_min:
@@ -279,12 +314,12 @@ def from_gguf_blocks(raw: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.nd
     Blocks of 32 weights: Q8_0 = f16 d, 32 x int8; Q4_0 = f16 d, 16 bytes of nibbles
     (weight j in the low nibble of byte j, weight j + 16 in the high one), w = d (q - 8);
     Q4_1 = f16 d, f16 m, the same nibbles, w = d q + m; Q5_0 = f16 d, 32 high bits, the
-    nibbles, w = d (q - 16) (as int8, group 32); Q5_1 = f16 d, f16 m, the high bits, the
-    nibbles, w = d q + m (as int8m, group 32).
+    nibbles, w = d (q - 16) (as int5, group 32); Q5_1 = f16 d, f16 m, the high bits, the
+    nibbles, w = d q + m (as uint5, group 32).
     Super-blocks of 256: Q4_K = f16 d, f16 dmin, 12 bytes of eight 6-bit scales and mins,
     128 bytes of nibbles (each 64 weights: 32 low nibbles, then the same bytes' high ones),
     w = (d sc) q - (dmin m) (as uint4, group 32, min -(dmin m)); Q5_K = the same with 32
-    bytes of fifth bits before the nibbles (bit j for sub-block j; as int8m); Q6_K = 128
+    bytes of fifth bits before the nibbles (bit j for sub-block j; as uint5); Q6_K = 128
     bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, f16 d, w = (d sc) (q - 32)
     (as int8, group 16)."""
     if qtype in _K_QUANTS:
@@ -300,11 +335,11 @@ def from_gguf_blocks(raw: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.nd
         high = rows[..., at : at + 4].copy().view(np.uint32)  # [N, B, 1]: bit j is weight j's
         bits = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
         nib = rows[..., at + 4 : at + 20]
-        five = np.concatenate([nib & 0x0F, nib >> 4], axis=-1) | (bits << 4)
+        five = (np.concatenate([nib & 0x0F, nib >> 4], axis=-1) | (bits << 4)).reshape(n, k)
         if qtype == "Q5_0":
-            return (five.astype(np.int16) - 16).astype(np.int8).reshape(n, k), d
+            return five, d
         m = rows[..., 2:4].copy().view(np.float16).astype(np.float32)
-        return five.astype(np.int8).reshape(n, k), np.concatenate([d, m], axis=-1)
+        return five, np.concatenate([d, m], axis=-1)
     start = 2 if qtype == "Q4_0" else 4
     nib = rows[..., start : start + 16]
     codes = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).astype(np.uint8)
@@ -344,7 +379,7 @@ def _from_k_quant(rows: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.ndar
         fifth = rows[..., 16:48].reshape(n, sb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(
             1, 1, 8, 1
         )
-        return (codes | ((fifth & 1) << 4)).astype(np.int8).reshape(n, k), planes
+        return (codes | ((fifth & 1) << 4)).reshape(n, k), planes
     shifted = rows[..., 0:128].reshape(n, sb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(
         1, 1, 1, 2, 1
     )

@@ -244,3 +244,23 @@ def test_compiling_for_another_machine(checkpoint, tmp_path, level) -> None:
         )
     assert read_manifest(tmp_path / level)["target"]["isa"] == level
     assert outs[0]["output_ids"] == outs[1]["output_ids"]
+
+
+def test_every_kiln_module_a_compile_runs_is_in_the_key(checkpoint, tmp_path) -> None:
+    """A change to any source a compile runs (the op definitions and quantization maths in
+    kiln.core included) changes the key, so no stale artefact is ever a cache hit."""
+    script = f"""
+import sys
+from pathlib import Path
+from kiln.args import ServerArgs
+from kiln.compiler.compile import compile_model
+from kiln.compiler.key import source_files
+compile_model(ServerArgs(model_path={str(checkpoint("llama"))!r}), {str(tmp_path / "art")!r})
+hashed = {{f.resolve() for _, f in source_files()}}
+ran = {{m: Path(mod.__file__).resolve() for m, mod in list(sys.modules.items())
+        if m.startswith("kiln") and getattr(mod, "__file__", None)}}
+print(sorted(m for m, f in ran.items() if f not in hashed))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -173,19 +173,20 @@ def test_unsupported_gguf_files_are_refused_in_one_line(
 def test_gguf_blocks_run_as_stored_unless_a_float_dtype_is_asked(
     gguf_file: Callable[[str], Path], tmp_path: Path
 ) -> None:
-    """Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q4_K / Q6_K matrices compile to quantized linears (the
-    parity test above then shows the mapping is exact: Q5_0 as int8 codes q - 16, Q4_K as
-    uint4 with scale d sc and min -dmin m per 32, Q6_K as int8 with scale d sc per 16); the
-    tied table is quantized with them; F16 and --dtype float32 give float linears."""
+    """Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K matrices compile to quantized
+    linears (the parity test above then shows the mapping is exact: Q5_0 as int5, Q5_1 and
+    Q5_K as uint5, Q4_K as uint4 with scale d sc and min -dmin m per 32, Q6_K as int8 with
+    scale d sc per 16); the tied table is quantized with them; F16 and --dtype float32 give
+    float linears."""
     expect = {
         "llama-q8_0": ("int8", 32),
         "llama-q4_0-tied": ("uint4", 32),
         "llama-q4_1": ("uint4", 32),
-        "qwen2-q5_0": ("int8", 32),
+        "qwen2-q5_0": ("int5", 32),
         "llama-q4_k": ("uint4", 32),
         "llama-q6_k": ("int8", 16),
-        "llama-q5_k": ("int8m", 32),
-        "llama-q5_1": ("int8m", 32),
+        "llama-q5_k": ("uint5", 32),
+        "llama-q5_1": ("uint5", 32),
     }
     for case, (fmt, group) in expect.items():
         compile_model(ServerArgs(model_path=str(gguf_file(case))), tmp_path / case)
@@ -279,7 +280,8 @@ def test_a_q5_1_and_q8_0_mix_fuses_into_one_quantized_projection(
     checkpoint: Callable[..., Path], tmp_path: Path
 ) -> None:
     """llama.cpp's Q5_K_M keeps v (and the lm_head) in Q8_0 beside Q5_1 q and k: the fused
-    q/k/v runs as int8m, the Q8_0 rows exactly (a min of 0), not as floats."""
+    q/k/v runs as int8m, which holds both exactly (the Q8_0 rows with a min of 0), not as
+    floats; the other matrices stay uint5."""
     path = write_gguf(
         checkpoint("llama"), tmp_path / "mix.gguf", "Q5_1", overrides={"v_proj": "Q8_0"}
     )
@@ -287,7 +289,8 @@ def test_a_q5_1_and_q8_0_mix_fuses_into_one_quantized_projection(
     compile_model(ServerArgs(model_path=str(path)), art)
     nodes = json.loads((art / "graph.json").read_text())["nodes"]
     assert not any(n["op"] in ("linear", "packed_linear") for n in nodes)
-    assert {n["attrs"]["format"] for n in nodes if n["op"] == "quant_linear"} == {"int8m"}
+    formats = {n["attrs"]["format"] for n in nodes if n["op"] == "quant_linear"}
+    assert formats == {"int8m", "uint5"}
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     seq = PROMPTS[1]
     with torch.no_grad():

@@ -139,7 +139,10 @@ QUANT_CASES = [
     ("uint4", 32),
     ("uint4", 48),
     ("fp8_e4m3", 96),
-    ("int8m", 32),  # GGUF Q5_K / Q5_1
+    ("int8m", 32),
+    ("int5", 32),  # GGUF Q5_0
+    ("uint5", 32),  # GGUF Q5_1, Q5_K
+    ("uint5", 48),
 ]
 
 
