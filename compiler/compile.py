@@ -264,6 +264,8 @@ def _write_weights(
             if key not in done:
                 done[key] = _quantized(spec.source, reader, constants)
             t = done[key][0 if spec.source["part"] == "codes" else 1]
+            if spec.source["part"] == "scales":  # float16 where the format keeps halves
+                t = t.to(getattr(torch, spec.dtype))
             if tuple(t.shape) != spec.shape:
                 raise ValueError(
                     f"weight {name}: quantized {tuple(t.shape)}, graph wants {spec.shape}"

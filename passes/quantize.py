@@ -82,7 +82,7 @@ def quantize(graph: Graph, ctx: CompileOptions) -> PassResult:
         scales_name = f"{name}.scales"
         graph.weights[scales_name] = WeightSpec(
             (n, k // group, form.planes),
-            "float32",
+            form.scale_dtype,
             {**recipe, "part": "scales"},
             f"spanels{lanes}",
         )

@@ -457,7 +457,7 @@ int64_t kiln_linear_lanes(void) { return LANES; }
 
 /* The exported functions' signatures, as kernels/native.py declares them: bumped with any
  * change, so a library built from another kiln's source is refused, not misread. */
-int64_t kiln_abi_version(void) { return 6; }
+int64_t kiln_abi_version(void) { return 7; }
 int64_t kiln_linear_group_panels(void) { return GROUP_PANELS; }
 
 /* One narrow tile: `rows` rows (xt: [k][TILE_ROWS]) against one panel. Always inlined with
@@ -613,7 +613,51 @@ int kiln_embedding_packed_f32(const int64_t *ids, int64_t tokens, const float *p
  * every row of the tile (the narrow tile of the fp32 linear above): at batch 1 the weight
  * stream is the cost, and it is 4x (8-bit) or 8x (4-bit) shorter than fp32's. */
 enum { QFMT_INT8 = 0, QFMT_UINT4 = 1, QFMT_FP8_E4M3 = 2, QFMT_INT8M = 5, QFMT_INT5 = 6,
-       QFMT_UINT5 = 7 };
+       QFMT_UINT5 = 7, QFMT_INT8H = 8, QFMT_UINT4H = 9, QFMT_INT5H = 10 };
+
+/* The *H formats are their base format with float16 scales (and mins): GGUF's Q8_0, Q4_0 /
+ * Q4_1 and Q5_0 blocks as stored. */
+static inline int half_scales(int fmt) { return fmt >= QFMT_INT8H && fmt <= QFMT_INT5H; }
+static inline int base_format(int fmt) {
+    return fmt == QFMT_INT8H ? QFMT_INT8 : fmt == QFMT_UINT4H ? QFMT_UINT4
+                                         : fmt == QFMT_INT5H ? QFMT_INT5 : fmt;
+}
+
+/* An IEEE half as a float (subnormals included; scales are finite). */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    float f;
+    if (exp == 0) {
+        f = (float)man * 0x1p-24f; /* subnormal: man * 2^-24 */
+        uint32_t bits;
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+        memcpy(&f, &bits, sizeof f);
+        return f;
+    }
+    const uint32_t bits = sign | ((exp + 112) << 23) | (man << 13);
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* LANES scales from element `idx` of a scale array of floats, or of halves. */
+static inline vlf scale_vec(const void *sc, int64_t idx, int half) {
+    if (!half) return *(const vlf *)((const float *)sc + idx);
+    const uint16_t *h = (const uint16_t *)sc + idx;
+#if LANES == 16 && defined(__AVX512F__)
+    return (vlf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+#elif LANES == 8 && defined(__F16C__)
+    return (vlf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+#else
+    vlf v;
+    for (int i = 0; i < LANES; i++) v[i] = half_to_float(h[i]);
+    return v;
+#endif
+}
+
+static inline const void *scale_at(const void *sc, int64_t idx, int half) {
+    return half ? (const void *)((const uint16_t *)sc + idx) : (const void *)((const float *)sc + idx);
+}
 
 /* Scale planes a format stores per group: a scale, or a scale and a min. */
 static inline int scale_planes(int fmt) {
@@ -680,8 +724,8 @@ static inline vlf fp8_e4m3_to_f32(const uint8_t *p) {
  * TILE_ROWS rows, where the dequantized vector meets many rows. */
 static inline __attribute__((always_inline)) void qtile(
     const float *xt, int64_t xrows, int64_t k, const uint8_t *panel, int64_t pstride,
-    const float *sc, int64_t sstride, int fmt, int64_t group, const float *bias, float *out,
-    int64_t n, int64_t cols, const int rows, const int np) {
+    const void *sc, int64_t sstride, int fmt, int64_t group, const float *bias, float *out,
+    int64_t n, int64_t cols, const int rows, const int np, const int half) {
     vlf acc[TILE_ROWS > QPANELS * QROWS ? TILE_ROWS : QPANELS * QROWS];
     for (int i = 0; i < rows * np; i++) acc[i] = (vlf){0};
     const int64_t groups = k / group;
@@ -690,8 +734,8 @@ static inline __attribute__((always_inline)) void qtile(
         if (fmt == QFMT_UINT4 || fmt == QFMT_INT8M) {
             vlf s[QPANELS > 1 ? QPANELS : 1], mn[QPANELS > 1 ? QPANELS : 1];
             for (int p = 0; p < np; p++) {
-                s[p] = *(const vlf *)(sc + p * sstride + g * 2 * LANES);
-                mn[p] = *(const vlf *)(sc + p * sstride + (g * 2 + 1) * LANES);
+                s[p] = scale_vec(sc, p * sstride + g * 2 * LANES, half);
+                mn[p] = scale_vec(sc, p * sstride + (g * 2 + 1) * LANES, half);
             }
             for (int64_t kk = k0; fmt == QFMT_INT8M && kk < k0 + group; kk++) {
                 const float *xk = xt + kk * xrows;
@@ -716,9 +760,9 @@ static inline __attribute__((always_inline)) void qtile(
         } else if (fmt == QFMT_INT5 || fmt == QFMT_UINT5) {
             vlf s[QPANELS > 1 ? QPANELS : 1], mn[QPANELS > 1 ? QPANELS : 1];
             for (int p = 0; p < np; p++) {
-                const float *gs = sc + p * sstride + g * scale_planes(fmt) * LANES;
-                s[p] = *(const vlf *)gs;
-                mn[p] = fmt == QFMT_UINT5 ? *(const vlf *)(gs + LANES) : s[p] * -16.0f;
+                const int64_t gs = p * sstride + g * scale_planes(fmt) * LANES;
+                s[p] = scale_vec(sc, gs, half);
+                mn[p] = fmt == QFMT_UINT5 ? scale_vec(sc, gs + LANES, half) : s[p] * -16.0f;
             }
             for (int64_t k8 = k0; k8 < k0 + group; k8 += 8) {
                 for (int p = 0; p < np; p++) {
@@ -738,7 +782,7 @@ static inline __attribute__((always_inline)) void qtile(
             }
         } else {
             vlf s[QPANELS > 1 ? QPANELS : 1];
-            for (int p = 0; p < np; p++) s[p] = *(const vlf *)(sc + p * sstride + g * LANES);
+            for (int p = 0; p < np; p++) s[p] = scale_vec(sc, p * sstride + g * LANES, half);
             for (int64_t kk = k0; kk < k0 + group; kk++) {
                 const float *xk = xt + kk * xrows;
                 for (int p = 0; p < np; p++) {
@@ -763,8 +807,8 @@ static inline __attribute__((always_inline)) void qtile(
  * not the memory, bound the decode GEMV (10.7 GB/s cache-hot on one core before). */
 static inline __attribute__((always_inline)) void qtile_decode(
     const float *xt, const float *xs, int64_t xrows, int64_t k, const uint8_t *panel,
-    int64_t pstride, const float *sc, int64_t sstride, int fmt, int64_t group,
-    const float *bias, float *out, int64_t n, int64_t cols, const int rows) {
+    int64_t pstride, const void *sc, int64_t sstride, int fmt, int64_t group,
+    const float *bias, float *out, int64_t n, int64_t cols, const int rows, const int half) {
     vlf acc[QPANELS * QROWS], ga[QPANELS * QROWS];
     for (int i = 0; i < rows * QPANELS; i++) acc[i] = (vlf){0};
     const int64_t groups = k / group;
@@ -830,9 +874,9 @@ static inline __attribute__((always_inline)) void qtile_decode(
         /* The group's scale, and its min times the group's sum of x where there is one. */
         const int planes = scale_planes(fmt), mins = planes == 2 || fmt == QFMT_INT5;
         for (int p = 0; p < QPANELS; p++) {
-            const float *gs = sc + p * sstride + g * planes * LANES;
-            const vlf sv = *(const vlf *)gs;
-            const vlf mv = planes == 2 ? *(const vlf *)(gs + LANES)
+            const int64_t gs = p * sstride + g * planes * LANES;
+            const vlf sv = scale_vec(sc, gs, half);
+            const vlf mv = planes == 2 ? scale_vec(sc, gs + LANES, half)
                                        : (fmt == QFMT_INT5 ? sv * -16.0f : (vlf){0});
             for (int r = 0; r < rows; r++)
                 acc[p * rows + r] += ga[p * rows + r] * sv + (mins ? xs[g * xrows + r] * mv : (vlf){0});
@@ -846,17 +890,17 @@ static inline __attribute__((always_inline)) void qtile_decode(
 #define QWIDE_CASE(R) \
     case R: \
         qtile_decode(xt, xs, xrows, k, panel, pstride, sc, sstride, fmt, group, bias, out, \
-                     n, cols, R); \
+                     n, cols, R, half); \
         break;
 #define QTALL_CASE(R) \
-    case R: qtile(QTILE_ARGS, R, 1); break;
+    case R: qtile(QTILE_ARGS, R, 1, half); break;
 
 /* `np` > 1: up to QROWS rows over QPANELS panels; else up to TILE_ROWS rows, one panel. */
 static void qtile_rows(const float *xt, const float *xs, int64_t xrows, int64_t k,
                        const uint8_t *panel,
-                       int64_t pstride, const float *sc, int64_t sstride, int fmt,
+                       int64_t pstride, const void *sc, int64_t sstride, int fmt,
                        int64_t group, const float *bias, float *out, int64_t n, int64_t cols,
-                       int64_t rows, int np) {
+                       int64_t rows, int np, int half) {
     if (np > 1) {
         switch (rows) {
             QWIDE_CASE(1) QWIDE_CASE(2)
@@ -883,8 +927,10 @@ static void qtile_rows(const float *xt, const float *xs, int64_t xrows, int64_t 
  * several-panel tile, more rows the one-panel tile. Returns -1 if the transposed copy of x
  * could not be allocated, -2 for a format or group it does not know, else 0. */
 static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const void *q,
-                       const float *scales, int fmt, int64_t group, int64_t n, const float *bias,
+                       const void *scales, int fmt, int64_t group, int64_t n, const float *bias,
                        float *out, int threads) {
+    const int half = half_scales(fmt);
+    fmt = base_format(fmt);
     const int five = fmt == QFMT_INT5 || fmt == QFMT_UINT5;
     if (((fmt < QFMT_INT8 || fmt > QFMT_FP8_E4M3) && fmt != QFMT_INT8M && !five) || group <= 0 ||
         k % group || (fmt == QFMT_UINT4 && group % 2) || (five && group % 8))
@@ -931,7 +977,7 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
             const int64_t cols = n - col0 < span ? n - col0 : span;
             const int use = (int)((span / LANES) == np ? np : 1);
             const uint8_t *panel = (const uint8_t *)q + p0 * pstride;
-            const float *sc = scales + p0 * sstride;
+            const void *sc = scale_at(scales, p0 * sstride, half);
             const float *b = bias ? bias + col0 : NULL;
             for (int64_t t = 0; t < tiles; t++) {
                 const int64_t rows = m - t * xrows < xrows ? m - t * xrows : xrows;
@@ -939,16 +985,15 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
                 float *o = out + t * xrows * n + col0;
                 if (use == np) {
                     qtile_rows(xtt, xs + t * groups * xrows, xrows, k, panel, pstride, sc,
-                               sstride, fmt, group, b, o, n, cols, rows, np);
+                               sstride, fmt, group, b, o, n, cols, rows, np, half);
                 } else {
                     /* the last item, short of panels: one panel at a time */
                     for (int64_t p = 0; p < span / LANES; p++) {
                         const int64_t c0 = p * LANES;
                         const int64_t w = cols - c0 < LANES ? cols - c0 : LANES;
                         qtile_rows(xtt, NULL, xrows, k, panel + p * pstride, pstride,
-                                   sc + p * sstride,
-                                   sstride, fmt, group, b ? b + c0 : NULL, o + c0, n, w, rows,
-                                   1);
+                                   scale_at(sc, p * sstride, half), sstride, fmt, group,
+                                   b ? b + c0 : NULL, o + c0, n, w, rows, 1, half);
                     }
                 }
             }
@@ -964,8 +1009,10 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
  * format. */
 enum { QFMT_UINT4_A8 = 3, QFMT_INT8_A8 = 4 };
 
-int kiln_qembedding_f32(const int64_t *ids, int64_t tokens, const void *q, const float *scales,
+int kiln_qembedding_f32(const int64_t *ids, int64_t tokens, const void *q, const void *scales,
                         int fmt, int64_t group, int64_t vocab, int64_t h, float *out) {
+    const int half = half_scales(fmt);
+    fmt = base_format(fmt);
     const int five = fmt == QFMT_INT5 || fmt == QFMT_UINT5;
     if (((fmt < QFMT_INT8 || fmt > QFMT_INT8_A8) && fmt != QFMT_INT8M && !five) || group <= 0 ||
         h % group || (five && h % 8))
@@ -980,10 +1027,14 @@ int kiln_qembedding_f32(const int64_t *ids, int64_t tokens, const void *q, const
         if (id < 0 || id >= vocab) return -1;
         const int64_t c = id % LANES;
         const uint8_t *panel = (const uint8_t *)q + (id / LANES) * panel_bytes;
-        const float *sc = scales + (id / LANES) * panel_scales;
+        const int64_t sc = (id / LANES) * panel_scales;
         for (int64_t j = 0; j < h; j++) {
-            const float s = sc[(j / group) * per * LANES + c];
-            const float mn = per == 2 ? sc[((j / group) * 2 + 1) * LANES + c] : 0.0f;
+            const int64_t at = sc + (j / group) * per * LANES + c;
+            const float s = half ? half_to_float(((const uint16_t *)scales)[at])
+                                 : ((const float *)scales)[at];
+            const float mn = per == 1 ? 0.0f
+                             : half ? half_to_float(((const uint16_t *)scales)[at + LANES])
+                                    : ((const float *)scales)[at + LANES];
             float v;
             if (fmt == QFMT_UINT4) {
                 const uint8_t byte = panel[(j / 2) * LANES + c];
@@ -1407,7 +1458,7 @@ int kiln_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k,
 }
 
 int kiln_qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const void *q,
-                     const float *scales, int fmt, int64_t group, int64_t n, const float *bias,
+                     const void *scales, int fmt, int64_t group, int64_t n, const float *bias,
                      float *out, int prologue, int threads) {
     float *scratch;
     int rc = prologue_input(&x, &x_stride, m, k, prologue, threads, &scratch);

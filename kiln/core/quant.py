@@ -60,6 +60,11 @@ class QuantFormat:
     int8_activations: str | None = None  # this format under --quantize-activations int8
     gguf: tuple[tuple[str, int], ...] = ()  # GGUF block types kept as this: (type, group)
     offset: int = 0  # codes are stored plus this (int5: 0..31 for -16..15)
+    # float16: the scales (and mins) are stored as halves (GGUF blocks whose d and m are
+    # float16 already, kept exactly at their own size); `full` names the same format with
+    # float32 ones.
+    scale_dtype: Literal["float32", "float16"] = "float32"
+    full: str | None = None
 
 
 FORMATS: dict[str, QuantFormat] = {
@@ -73,7 +78,7 @@ FORMATS: dict[str, QuantFormat] = {
             "qlinear",
             0,
             int8_activations="int8_a8",
-            gguf=(("Q8_0", 32), ("Q6_K", 16)),
+            gguf=(("Q6_K", 16),),
         ),
         QuantFormat(
             "uint4",
@@ -85,7 +90,7 @@ FORMATS: dict[str, QuantFormat] = {
             group_step=2,
             has_min=True,
             int8_activations="uint4_a8",
-            gguf=(("Q4_0", 32), ("Q4_1", 32), ("Q4_K", 32)),
+            gguf=(("Q4_K", 32),),
         ),
         QuantFormat("fp8_e4m3", "uint8", "q8", 1, "qlinear", 2, fp8=True),
         # 8-bit codes with a scale and a min: what int8 and 5-bit parts of one fused
@@ -93,9 +98,7 @@ FORMATS: dict[str, QuantFormat] = {
         QuantFormat("int8m", "int8", "q8", 2, "qlinear", 5, has_min=True),
         # 5-bit codes (a nibble plane and a bit plane): GGUF's Q5_0, w = (q - 16) s, and its
         # Q5_1 / Q5_K, w = q s + m.
-        QuantFormat(
-            "int5", "uint8", "q5", 1, "qlinear", 6, group_step=8, offset=16, gguf=(("Q5_0", 32),)
-        ),
+        QuantFormat("int5", "uint8", "q5", 1, "qlinear", 6, group_step=8, offset=16),
         QuantFormat(
             "uint5",
             "uint8",
@@ -112,6 +115,46 @@ FORMATS: dict[str, QuantFormat] = {
             "uint4_a8", "uint8", "a4", 2, "ga8", 3, 0, group_step=8, has_min=True, base="uint4"
         ),
         QuantFormat("int8_a8", "int8", "a8", 2, "ga8", 4, 1, group_step=4, base="int8"),
+        # GGUF Q8_0, Q5_0 and Q4_0 / Q4_1 as stored: float16 scales (and mins).
+        QuantFormat(
+            "int8h",
+            "int8",
+            "q8",
+            1,
+            "qlinear",
+            8,
+            int8_activations="int8_a8",
+            gguf=(("Q8_0", 32),),
+            scale_dtype="float16",
+            full="int8",
+        ),
+        QuantFormat(
+            "int5h",
+            "uint8",
+            "q5",
+            1,
+            "qlinear",
+            10,
+            group_step=8,
+            offset=16,
+            gguf=(("Q5_0", 32),),
+            scale_dtype="float16",
+            full="int5",
+        ),
+        QuantFormat(
+            "uint4h",
+            "uint8",
+            "q4",
+            2,
+            "qlinear",
+            9,
+            group_step=2,
+            has_min=True,
+            int8_activations="uint4_a8",
+            gguf=(("Q4_0", 32), ("Q4_1", 32)),
+            scale_dtype="float16",
+            full="uint4",
+        ),
     )
 }
 # Formats a wider one holds exactly: where a fused weight's parts are stored in several
@@ -121,10 +164,18 @@ WIDENS = ("int5", "int8", "uint5", "int8m")
 
 
 def widest(formats: set[str]) -> str | None:
-    """The format that holds every one of `formats` exactly, None if there is none."""
-    if not formats <= set(WIDENS):
+    """The format that holds every one of `formats` exactly, None if there is none (a
+    float16-scale format is held by its float32-scale one, and int8h holds int5h)."""
+    if len(formats) == 1:
+        return next(iter(formats))
+    if formats <= {"int5h", "int8h"}:
+        return "int8h"
+    full = {FORMATS[f].full or f for f in formats}
+    if len(full) == 1:
+        return full.pop()
+    if not full <= set(WIDENS):
         return None
-    return "int8" if formats <= {"int5", "int8"} else "int8m"
+    return "int8" if full <= {"int5", "int8"} else "int8m"
 
 
 def widen(
@@ -135,8 +186,10 @@ def widen(
         return codes, scales
     if widest({stored, fmt}) != fmt:
         raise QuantError(f"{stored} does not widen to {fmt}")
+    if (FORMATS[stored].full or stored) == (FORMATS[fmt].full or fmt):
+        return codes, scales  # the same codes; scales are float32 in memory either way
     signed = (codes.astype(np.int16) - FORMATS[stored].offset).astype(np.int8)
-    if fmt == "int8" or FORMATS[stored].has_min:
+    if FORMATS[fmt].planes == 1 or FORMATS[stored].has_min:
         return signed, scales
     return signed, np.concatenate([scales, np.zeros_like(scales)], axis=-1)
 
@@ -165,6 +218,9 @@ def quantize(w: torch.Tensor, fmt: str, group: int) -> tuple[torch.Tensor, torch
     g = w.float().reshape(n, k // group, group)
     if form.base is not None and form.kernel == "ga8":
         return with_int8_activations(*quantize(w, form.base, group), fmt)
+    if form.full is not None:  # its codes for scales as float16 holds them
+        _, s = quantize(w, form.full, group)
+        return _codes_for(g, s.half().float(), form.full), s.half().float()
     if fmt == "w8a8_int8":
         if group != k:
             raise QuantError(f"w8a8_int8 has one scale per row, not a group of {group}")
@@ -206,6 +262,20 @@ def quantize(w: torch.Tensor, fmt: str, group: int) -> tuple[torch.Tensor, torch
         q = (g / s).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
         return q.view(torch.uint8).reshape(n, k), s
     raise QuantError(f"unknown quantization format {fmt!r} (known: {', '.join(FORMATS)})")
+
+
+def _codes_for(g: torch.Tensor, s: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Codes of groups `g` [N, G, group] for given scales (and mins) in format `fmt`."""
+    n = g.shape[0]
+    if fmt == "int8":
+        return torch.round(g / s).clamp(-127, 127).to(torch.int8).reshape(n, -1)
+    if fmt == "int5":
+        return (torch.round(g / s).clamp(-16, 15) + 16).to(torch.uint8).reshape(n, -1)
+    if fmt == "uint4":
+        return (
+            torch.round((g - s[..., 1:]) / s[..., :1]).clamp(0, 15).to(torch.uint8).reshape(n, -1)
+        )
+    raise QuantError(f"no half-scale form of {fmt}")
 
 
 def _refine_uint4(

@@ -174,15 +174,15 @@ def test_gguf_blocks_run_as_stored_unless_a_float_dtype_is_asked(
     gguf_file: Callable[[str], Path], tmp_path: Path
 ) -> None:
     """Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K matrices compile to quantized
-    linears (the parity test above then shows the mapping is exact: Q5_0 as int5, Q5_1 and
-    Q5_K as uint5, Q4_K as uint4 with scale d sc and min -dmin m per 32, Q6_K as int8 with
-    scale d sc per 16); the tied table is quantized with them; F16 and --dtype float32 give
-    float linears."""
+    linears (the parity test above then shows the mapping is exact: Q8_0, Q4_0 / Q4_1 and
+    Q5_0 with their float16 scales as stored, Q5_1 and Q5_K as uint5, Q4_K as uint4 with
+    scale d sc and min -dmin m per 32, Q6_K as int8 with scale d sc per 16); the tied table
+    is quantized with them; F16 and --dtype float32 give float linears."""
     expect = {
-        "llama-q8_0": ("int8", 32),
-        "llama-q4_0-tied": ("uint4", 32),
-        "llama-q4_1": ("uint4", 32),
-        "qwen2-q5_0": ("int5", 32),
+        "llama-q8_0": ("int8h", 32),
+        "llama-q4_0-tied": ("uint4h", 32),
+        "llama-q4_1": ("uint4h", 32),
+        "qwen2-q5_0": ("int5h", 32),
         "llama-q4_k": ("uint4", 32),
         "llama-q6_k": ("int8", 16),
         "llama-q5_k": ("uint5", 32),

@@ -113,8 +113,8 @@ def _quant(check: Check, a: dict[str, Any]) -> tuple[int, int]:
     want = f"{form.layout}panels"
     if not codes.layout.startswith(want) or codes.dtype != form.code_dtype:
         raise check.fail(f"{fmt} codes must be {form.code_dtype} {want}")
-    if not scales.layout.startswith("spanels") or scales.dtype != "float32":
-        raise check.fail("scales must be float32 spanels")
+    if not scales.layout.startswith("spanels") or scales.dtype != form.scale_dtype:
+        raise check.fail(f"{fmt} scales must be {form.scale_dtype} spanels")
     n, k = check.weight(1, 2)
     if k % group or group % form.group_step:
         raise check.fail(
