@@ -26,6 +26,7 @@ group of `group` consecutive inputs, float32 scales and codes:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -67,7 +68,7 @@ class QuantFormat:
     full: str | None = None
 
 
-FORMATS: dict[str, QuantFormat] = {
+_FULL: dict[str, QuantFormat] = {
     f.name: f
     for f in (
         QuantFormat(
@@ -115,47 +116,23 @@ FORMATS: dict[str, QuantFormat] = {
             "uint4_a8", "uint8", "a4", 2, "ga8", 3, 0, group_step=8, has_min=True, base="uint4"
         ),
         QuantFormat("int8_a8", "int8", "a8", 2, "ga8", 4, 1, group_step=4, base="int8"),
-        # GGUF Q8_0, Q5_0 and Q4_0 / Q4_1 as stored: float16 scales (and mins).
-        QuantFormat(
-            "int8h",
-            "int8",
-            "q8",
-            1,
-            "qlinear",
-            8,
-            int8_activations="int8_a8",
-            gguf=(("Q8_0", 32),),
-            scale_dtype="float16",
-            full="int8",
-        ),
-        QuantFormat(
-            "int5h",
-            "uint8",
-            "q5",
-            1,
-            "qlinear",
-            10,
-            group_step=8,
-            offset=16,
-            gguf=(("Q5_0", 32),),
-            scale_dtype="float16",
-            full="int5",
-        ),
-        QuantFormat(
-            "uint4h",
-            "uint8",
-            "q4",
-            2,
-            "qlinear",
-            9,
-            group_step=2,
-            has_min=True,
-            int8_activations="uint4_a8",
-            gguf=(("Q4_0", 32), ("Q4_1", 32)),
-            scale_dtype="float16",
-            full="uint4",
-        ),
     )
+}
+
+
+def _half_scales(full: str, qfmt: int, gguf: tuple[tuple[str, int], ...]) -> QuantFormat:
+    """`full` with float16 scales (and mins), named `full` + "h": GGUF blocks whose scales
+    are float16 already, kept at their own size."""
+    return dataclasses.replace(
+        _FULL[full], name=f"{full}h", qfmt=qfmt, gguf=gguf, scale_dtype="float16", full=full
+    )
+
+
+FORMATS: dict[str, QuantFormat] = {
+    **_FULL,
+    "int8h": _half_scales("int8", 8, (("Q8_0", 32),)),
+    "uint4h": _half_scales("uint4", 9, (("Q4_0", 32), ("Q4_1", 32))),
+    "int5h": _half_scales("int5", 10, (("Q5_0", 32),)),
 }
 # Formats a wider one holds exactly: where a fused weight's parts are stored in several
 # of these at one group size, they all run as the narrowest that holds every part (int8
