@@ -209,8 +209,8 @@ class CheckpointReader:
         """(codes, scales) of checkpoint tensor `name` in `fmt` (kiln/core/quant.py): tensors
         stored in that format (`stored_formats`) as they are, anything else quantized."""
         stored = GGUF_FORMATS.get(self.gguf.qtype(name)) if self.gguf is not None else None
-        exact = stored is not None and (stored[0] == fmt or widest({stored[0], fmt}) == fmt)
-        if self.gguf is not None and stored is not None and exact and stored[1] == group:
+        if stored is not None and stored[1] == group and widest({stored[0], fmt}) == fmt:
+            assert self.gguf is not None
             n, k = self.gguf.shape(name)
             codes, scales = from_gguf_blocks(self.gguf.raw(name), self.gguf.qtype(name), n, k)
             codes, scales = widen(codes, scales, stored[0], fmt)

@@ -415,9 +415,19 @@ class GGUFFile:
             for i in range(e):
                 out[f"{layer}.mlp.experts.{i}.{part}_proj.weight"] = (
                     tuple(shape),
-                    lambda s=stacked, i=i: self.get(s)[i],
+                    lambda s=stacked, i=i: self._expert(s, i),
                 )
         return out
+
+    def _expert(self, stacked: str, i: int) -> np.ndarray:
+        """Expert i of a stacked [experts, rows, cols] tensor: only its own blocks
+        dequantized (not the whole stack once per expert)."""
+        from gguf.quants import dequantize
+
+        t = self._record(stacked)
+        e, rows, cols = self._stored_shape(stacked)
+        part = np.asarray(t.data).reshape(e, -1)[i].reshape(rows, -1)
+        return dequantize(part, t.tensor_type).reshape(rows, cols).astype(np.float32, copy=False)
 
     def _kv_b(self, layer: str) -> dict[str, Any]:
         """kv_b_proj [heads * (nope + v), latent] from its halves as llama.cpp stores them."""

@@ -173,7 +173,6 @@ def canonical_args(args: ServerArgs) -> dict[str, Any]:
     }
 
 
-@functools.cache
 def source_files() -> list[tuple[str, Path]]:
     """(package-relative name, path) of kiln's own sources that decide what an artefact
     holds, found without importing them."""
@@ -188,6 +187,7 @@ def source_files() -> list[tuple[str, Path]]:
     return out
 
 
+@functools.cache
 def source_sha256() -> str:
     """The hash of `source_files` (a development build with another pass, op rule or
     kernel is another compiler)."""

@@ -200,11 +200,16 @@ class Expert(nn.Module):
         return gate, up, down
 
 
-class DeepSeekRouter(nn.Module):
+class Router(nn.Module):
+    """A mixture's router: `weight` [experts, hidden], with GPT-OSS a `bias` on its logits,
+    with DeepSeek V3 an `e_score_correction_bias` that picks experts and weighs nothing."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.weight = _weight(cfg.num_experts, cfg.hidden_size)
-        if cfg.score_correction_bias:  # V3: picks experts, weighs nothing
+        if cfg.router_bias:
+            self.bias = _weight(cfg.num_experts)
+        if cfg.score_correction_bias:
             self.e_score_correction_bias = _weight(cfg.num_experts)
 
 
@@ -215,10 +220,7 @@ class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        if cfg.model_type in ("deepseek_v2", "deepseek_v3"):
-            self.gate: nn.Module = DeepSeekRouter(cfg)
-        else:
-            self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = Router(cfg)
         self.experts = nn.ModuleList(Expert(cfg) for _ in range(cfg.num_experts))
         if cfg.n_shared_experts:
             self.shared_experts = MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts)
@@ -240,13 +242,6 @@ class SparseMoE(nn.Module):
         if not cfg.n_shared_experts:
             return routed
         return ops.add(routed, self.shared_experts(x))
-
-
-class Router(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.weight = _weight(cfg.num_experts, cfg.hidden_size)
-        self.bias = _weight(cfg.num_experts)
 
 
 class StackedExperts(nn.Module):

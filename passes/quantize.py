@@ -133,16 +133,14 @@ def _format_for(
         return None
     if scheme.stored is not None:  # as the checkpoint stores them, where every part agrees
         stored = scheme.stored
-        formats = {stored.get(x) for x in loads}
-        if len(formats) > 1 and all(f is not None for f in formats):
-            # Parts in several formats (GGUF Q8_0 v beside Q5_0 or Q5_1 q/k) at one group
-            # size: all in the one that holds each exactly (kiln.core.quant.widest).
-            groups = {f[1] for f in formats if f is not None}
-            common = widest({f[0] for f in formats if f is not None})
-            if len(groups) == 1 and common is not None:
-                return common, groups.pop()
-        found = formats.pop() if len(formats) == 1 else None
-        return None if found is None else (found[0], found[1])
+        formats = [stored.get(x) for x in loads]
+        if not formats or any(f is None for f in formats):
+            return None
+        # Parts in several formats (GGUF Q8_0 v beside Q5_0 or Q5_1 q/k) at one group
+        # size run in the one that holds each exactly (kiln.core.quant.widest).
+        groups = {f[1] for f in formats if f is not None}
+        common = widest({f[0] for f in formats if f is not None})
+        return (common, groups.pop()) if common is not None and len(groups) == 1 else None
     if scheme.format is None or any(r.meta.get("role") in _FLOAT_ROLES for r in readers):
         return None
     return scheme.format, scheme.group

@@ -54,10 +54,6 @@ class ModelSpec:
     v_head_dim: int | None = None  # the V pool's width where not head_dim (MLA: 0)
 
     @property
-    def v_width(self) -> int:
-        return self.head_dim if self.v_head_dim is None else self.v_head_dim
-
-    @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 

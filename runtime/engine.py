@@ -187,7 +187,7 @@ class Engine:
         device = manifest["target"]["device"]
         weights = manifest["files"][fmt.weights_file(0)]["bytes"]
         per_token = KVCache.bytes_per_token(
-            spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.kv_torch_dtype, spec.v_width
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.kv_torch_dtype, spec.v_head_dim
         )
         demand = KVDemand(per_token, spec.page_size, self.context_length * self.max_running)
         memory = gpu_memory(0) if device == "cuda" else available_ram()

@@ -88,11 +88,10 @@ class KVCache:
         v_head_dim: int | None = None,
     ) -> None:
         shape = (num_layers, num_kv_heads, num_slots, head_dim)
-        v_dim = head_dim if v_head_dim is None else v_head_dim
         # Zero-filled, not uninitialised: padded decode reads slot 0 under a mask, and
         # NaN * 0 is NaN.
         self.k, k_map = _zeros(shape, dtype, device)
-        self.v, v_map = _zeros((*shape[:3], v_dim), dtype, device)
+        self.v, v_map = _zeros((*shape[:3], _v_width(head_dim, v_head_dim)), dtype, device)
         # v_map is None for an empty V pool (latent attention keeps all it needs in K).
         self._maps = [m for m in (k_map, v_map) if m is not None]
         self.nbytes = (self.k.numel() + self.v.numel()) * self.k.element_size()
@@ -105,7 +104,7 @@ class KVCache:
         dtype: torch.dtype,
         v_head_dim: int | None = None,
     ) -> int:
-        v_dim = head_dim if v_head_dim is None else v_head_dim
+        v_dim = _v_width(head_dim, v_head_dim)
         return num_layers * num_kv_heads * (head_dim + v_dim) * dtype.itemsize
 
     def release(
@@ -137,6 +136,11 @@ class KVCache:
                         memory.madvise(mmap.MADV_DONTNEED, start, end - start)
                     released += len(self._maps) * (end - start)
         return released, []
+
+
+def _v_width(head_dim: int, v_head_dim: int | None) -> int:
+    """The V pool's width: K's unless given (latent attention: 0, all it needs is in K)."""
+    return head_dim if v_head_dim is None else v_head_dim
 
 
 def _runs(pages: list[int]) -> list[tuple[int, int]]:

@@ -45,7 +45,7 @@ class ModelRunner:
             spec.head_dim,
             spec.kv_torch_dtype,
             self.device,
-            spec.v_width,
+            spec.v_head_dim,
         )
         self.step = StepContext(self.kv.k, self.kv.v, spec.page_size)
         self._recorder: Recorder | None = None

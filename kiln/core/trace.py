@@ -43,6 +43,13 @@ class Tracer:
         self._param_names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
         self._param_nodes: dict[str, Node] = {}
 
+    def _load(self, weight: torch.Tensor) -> tuple[str, dict[str, Any]]:
+        """A module parameter's checkpoint name and the recipe that loads it whole."""
+        name = self._param_names.get(id(weight))
+        if name is None:
+            raise IRError("a parameter that does not belong to the traced module")
+        return name, {"load": name, "shape": list(weight.shape)}
+
     def emit(self, op: str, args: list[Any], attrs: dict[str, Any] | None = None) -> Node:
         return self.graph.add(op, [self.as_node(a) for a in args], attrs)
 
@@ -50,24 +57,16 @@ class Tracer:
         if isinstance(x, Value):
             return x.node
         if isinstance(x, torch.nn.Parameter):
-            name = self._param_names.get(id(x))
-            if name is None:
-                raise IRError("a parameter that does not belong to the traced module")
-            shape = tuple(x.shape)
-            return self._param(
-                name, shape, _dtype_name(x.dtype), {"load": name, "shape": list(shape)}
-            )
+            name, source = self._load(x)
+            return self._param(name, tuple(x.shape), _dtype_name(x.dtype), source)
         raise IRError(f"cannot trace a {type(x).__name__} as an op argument")
 
     def shifted(self, weight: torch.nn.Parameter, by: float) -> Value:
         """A checkpoint weight plus `by`, added once at compile time (Gemma's norms scale
         by 1 + w): the artefact stores the sum under the weight's own name."""
-        name = self._param_names.get(id(weight))
-        if name is None:
-            raise IRError("a parameter that does not belong to the traced module")
-        shape = tuple(weight.shape)
-        source = {"shift": {"load": name, "shape": list(shape)}, "by": by}
-        return Value(self._param(name, shape, _dtype_name(weight.dtype), source))
+        name, load = self._load(weight)
+        source = {"shift": load, "by": by}
+        return Value(self._param(name, tuple(weight.shape), _dtype_name(weight.dtype), source))
 
     def rows(
         self, weight: torch.Tensor, part: str, start: int, stop: int, rotary: tuple[int, int]
@@ -76,11 +75,8 @@ class Tracer:
         cut at compile time and named as module `part` would name its own weight. With
         `rotary` (head_dim, rotary_dim) != (0, 0), each head's rows are put in
         kiln.models.rope.rotary_order."""
-        name = self._param_names.get(id(weight))
-        if name is None:
-            raise IRError("a parameter that does not belong to the traced module")
+        name, source = self._load(weight)
         full = list(weight.shape)
-        source: dict[str, Any] = {"load": name, "shape": full}
         if (start, stop) != (0, full[0]):
             source = {"slice": source, "dim": 0, "start": start, "stop": stop}
         if rotary != (0, 0):
@@ -96,14 +92,12 @@ class Tracer:
         """A checkpoint weight whose rows are per head [part 0 | part 1 | ...], stored as
         [part 0 of every head | part 1 of every head | ...], the last part's rows taken
         evens first, then odds, with `deinterleave` (DeepSeek's q and latent projections)."""
-        name = self._param_names.get(id(weight))
-        if name is None:
-            raise IRError("a parameter that does not belong to the traced module")
+        name, load = self._load(weight)
         shape = list(weight.shape)
         if shape[0] != heads * sum(parts):
             raise IRError(f"{name}: {shape[0]} rows are not {heads} heads of {parts}")
         source = {
-            "head_parts": {"load": name, "shape": shape},
+            "head_parts": load,
             "heads": heads,
             "parts": list(parts),
             "deinterleave": deinterleave,
@@ -119,19 +113,15 @@ class Tracer:
         transpose: bool = False,
     ) -> Value:
         """Expert `index` of a stacked [experts, ...] checkpoint tensor, as weight
-        `<tensor>.<index>.<part>`: of
-        its last dimension every take[1]-th element from take[0], transposed if asked
-        (GPT-OSS's experts), cut at compile time."""
-        whole = self._param_names.get(id(weight))
-        if whole is None:
-            raise IRError("a parameter that does not belong to the traced module")
-        full = list(weight.shape)
-        shape = full[1:]
+        `<tensor>.<index>.<part>`: of its last dimension every take[1]-th element from
+        take[0], transposed if asked (GPT-OSS's experts), cut at compile time."""
+        whole, load = self._load(weight)
+        shape = list(weight.shape)[1:]
         shape[-1] = len(range(take[0], shape[-1], take[1]))
         if transpose:
             shape = [shape[1], shape[0], *shape[2:]]
         source = {
-            "expert": {"load": whole, "shape": full},
+            "expert": load,
             "index": index,
             "take": list(take),
             "transpose": transpose,
