@@ -193,7 +193,7 @@ class LongRope(_Strict):
 
     weight: str = Field(pattern=r"^[A-Za-z0-9_.]{1,64}$")
     context_above: int = Field(gt=0, le=MAX_CONTEXT)
-    inv_freq: list[float] = Field(max_length=MAX_HEAD_DIM)
+    inv_freq: list[Annotated[float, Field(allow_inf_nan=False)]] = Field(max_length=MAX_HEAD_DIM)
 
 
 class RuntimeSpec(_Strict):

@@ -412,6 +412,11 @@ def test_a_malformed_tokenizer_is_one_line(copy) -> None:
         ("context_length", 100_000, "runtime.context_length is 100000, the graph has 256"),
         ("eos_token_ids", list(range(10_000)), "runtime.eos_token_ids: List should have at most"),
         ("served_model_name", "x" * 10_000, "runtime.served_model_name: String should have at"),
+        (
+            "long_rope",
+            [{"weight": "rope.inv_freq", "context_above": 2, "inv_freq": [float("nan")]}],
+            "runtime.long_rope.0.inv_freq.0: Input should be a finite number",
+        ),
     ],
 )
 def test_manifest_numbers_are_bounded_before_use(copy, field, value, message) -> None:
