@@ -147,6 +147,7 @@ def test_quantization_flags_are_refused_in_one_line(
             "--quantization fp8: quantized kernels exist for cpu targets only",
         ),
         ({"quantization": "gguf"}, "--quantization gguf: the checkpoint is not a GGUF file"),
+        ({"quantization": "mxfp4"}, "--quantization mxfp4: the checkpoint has no MXFP4 tensors"),
         (
             {"torchao_config": "int4wo-256"},
             "--torchao-config int4wo-256: group 256 does not divide the 128 inputs of",
