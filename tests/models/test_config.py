@@ -90,6 +90,16 @@ def test_sliding_windows_per_family() -> None:
     assert ModelConfig.from_dict(mixed).sliding_windows == (4, None)
 
 
+# The latent attention fields a DeepSeek config cannot go without.
+_MLA = {
+    "model_type": "deepseek_v2",
+    "kv_lora_rank": 4,
+    "qk_nope_head_dim": 2,
+    "qk_rope_head_dim": 2,
+    "v_head_dim": 2,
+}
+
+
 @pytest.mark.parametrize(
     "bad, message",
     [
@@ -106,6 +116,16 @@ def test_sliding_windows_per_family() -> None:
             "1 short and 1 long factors for 2 rotary pairs",
         ),
         ({"model_type": "phi3", "partial_rotary_factor": 0.3}, "partial_rotary_factor 0.3"),
+        (
+            {
+                "model_type": "phi3",
+                "original_max_position_embeddings": 8,
+                "rope_scaling": {"type": "longrope"},
+            },
+            "longrope needs short_factor and long_factor",
+        ),
+        ({**_MLA, "attention_bias": True}, "attention_bias=true is not supported for DeepSeek"),
+        ({**_MLA, "topk_method": "sqrt"}, "topk_method 'sqrt' is not supported"),
     ],
 )
 def test_unsupported_configs_say_why(bad, message) -> None:
