@@ -241,7 +241,8 @@ def _quantized(
         if dim == 0:
             scales = scales.narrow(0, lo, hi - lo)
         elif group:  # whole groups (the pass checked); a per-row scale stays the row's
-            scales = scales.narrow(1, lo // group, (hi - lo) // group)
+            span = group * (FORMATS[base].superblock or 1)  # a record a super-block
+            scales = scales.narrow(1, lo // span, (hi - lo) // span)
         return (codes, scales) if base == fmt else with_int8_activations(codes, scales, fmt)
     if "rotary_order" in inner:  # whole rows move: their codes and scales with them
         codes, scales = _quantized({**src, "quantize": inner["rotary_order"]}, reader, constants)

@@ -159,14 +159,17 @@ def quant_embedding(
     """Rows `ids` of a quantized [V, h] table (the tied lm_head's), as float32."""
     format, group, num_embeddings = a.format, a.group, a.num_embeddings
     ids = ids.contiguous()
-    h = scales.shape[1] * group
+    form = FORMATS[format]
+    h = scales.shape[1] * group  # spanels [T, groups, P, L]; kpanels [T, blocks * R, L]
+    if form.superblock:
+        h = scales.shape[1] // form.record_bytes * form.superblock * group
     out = torch.empty(ids.shape[0], h)
     rc = lib.kiln_qembedding_f32(
         ids.data_ptr(),
         ids.shape[0],
         codes.data_ptr(),
         scales.data_ptr(),
-        FORMATS[format].qfmt,
+        form.qfmt,
         group,
         num_embeddings,
         h,

@@ -28,7 +28,7 @@ BASE_FLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 # kiln_abi_version() of a library whose exports match _SIGNATURES.
-ABI_VERSION = 7
+ABI_VERSION = 8
 _SIGNATURES = {
     "kiln_abi_version": (_I64, []),
     "kiln_rmsnorm_f32": (None, [_P, _I64, _I64, _P, _P, _I64, _I64, _F32, _INT]),

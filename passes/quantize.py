@@ -8,8 +8,11 @@ The scheme comes from the compile arguments, resolved by `scheme_from_args`:
 - `--torchao-config int4wo-G` (G = 32, 64, 128, 256): 4-bit codes with a scale and a min
   per G inputs of a row (weight-only);
 - a GGUF checkpoint with `--dtype auto` (or `--quantization gguf`): each weight keeps the
-  format of its GGUF blocks where kiln runs it as it is (Q8_0, Q4_0, Q4_1: kiln/core/quant.py,
-  no loss), tied embedding and lm_head included; other block types are read as floats;
+  format of its GGUF blocks where kiln runs it as it is (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, and
+  the K-quants Q4_K, Q5_K, Q6_K as super-blocks: kiln/core/quant.py, no loss), tied
+  embedding and lm_head included; a K-quant weight whose rank part is not whole super-blocks,
+  or that runs with int8 activations, takes the same weights with a float32 scale a group;
+  other block types are read as floats;
 - an fp8 checkpoint (config `quant_method: fp8`): its fp8 e4m3 weights as stored, the
   128 x 128 block scales as a scale per row per 128 inputs (no loss).
 With a float checkpoint the lm_head stays float, as SGLang leaves it.
@@ -60,6 +63,11 @@ def quantize(graph: Graph, ctx: CompileOptions) -> PassResult:
             continue
         fmt, per = chosen  # per = 0: one scale per row (of this rank's part, when sharded)
         group = per or spec.shape[1]
+        span = group * FORMATS[fmt].superblock
+        if span and (spec.shape[1] % span or scheme.int8_activations):
+            # A rank's part that is not whole super-blocks (--tp-size), or int8 activations
+            # (no super-block kernel for them): the same weights, a float32 scale a group.
+            fmt = FORMATS[fmt].full or fmt
         a8 = FORMATS[fmt].int8_activations
         if scheme.int8_activations and a8 is not None:
             fmt = a8
@@ -81,10 +89,10 @@ def quantize(graph: Graph, ctx: CompileOptions) -> PassResult:
         )
         scales_name = f"{name}.scales"
         graph.weights[scales_name] = WeightSpec(
-            (n, k // group, form.planes),
+            _scales_shape(n, k, group, fmt),
             form.scale_dtype,
             {**recipe, "part": "scales"},
-            f"spanels{lanes}",
+            f"{form.scale_layout}panels{lanes}",
         )
         scales = graph.param(scales_name, before=param)
         for r in readers:
@@ -98,6 +106,14 @@ def quantize(graph: Graph, ctx: CompileOptions) -> PassResult:
             r.meta.pop("backend", None)
         changed = True
     return PassResult(graph, changed)
+
+
+def _scales_shape(n: int, k: int, group: int, fmt: str) -> tuple[int, int, int]:
+    """A weight's scales: [N, groups, planes], or a super-block format's records."""
+    form = FORMATS[fmt]
+    if form.superblock:
+        return (n, k // (group * form.superblock), form.record_bytes)
+    return (n, k // group, form.planes)
 
 
 def _quantizable(param: Node, readers: list[Node]) -> bool:

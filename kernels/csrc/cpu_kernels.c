@@ -457,7 +457,7 @@ int64_t kiln_linear_lanes(void) { return LANES; }
 
 /* The exported functions' signatures, as kernels/native.py declares them: bumped with any
  * change, so a library built from another kiln's source is refused, not misread. */
-int64_t kiln_abi_version(void) { return 7; }
+int64_t kiln_abi_version(void) { return 8; }
 int64_t kiln_linear_group_panels(void) { return GROUP_PANELS; }
 
 /* One narrow tile: `rows` rows (xt: [k][TILE_ROWS]) against one panel. Always inlined with
@@ -608,19 +608,42 @@ int kiln_embedding_packed_f32(const int64_t *ids, int64_t tokens, const float *p
  *   QFMT_INT8M:    q [N_pad / L][K][L] int8,        w = q * s + min       (s, min as UINT4's)
  *   QFMT_INT5:     q [N_pad / L][K / 2 + K / 8][L]: UINT4's nibbles, then a byte of fifth
  *                  bits per 8 k's (bit j for k = 8b + j), w = (q - 16) * s   (GGUF Q5_0)
- *   QFMT_UINT5:    the same codes, w = q * s + min (s, min as UINT4's)  (GGUF Q5_1, Q5_K)
+ *   QFMT_UINT5:    the same codes, w = q * s + min (s, min as UINT4's)  (GGUF Q5_1)
+ *   QFMT_INT6:     q [N_pad / L][K / 2 + K / 4][L]: UINT4's nibbles, then a byte of top bit
+ *                  pairs per 4 k's (bits 2j, 2j + 1 for k = 4b + j), w = (q - 32) * s
+ * The *H formats keep their scales (and mins) as float16, the *K ones as GGUF K-quant
+ * super-block records: per panel [K / (g * per)][R][L] bytes, R = P * (2 + per) for P planes
+ * and `per` groups a super-block: each plane's float16 as two byte planes (low byte first),
+ * then an int8 per group and plane, [per][P]; a group's scale is the float16 times its int8
+ * (exact in float32): GGUF Q4_K (UINT4K), Q5_K (UINT5K), Q6_K (INT6K).
  * The weights are dequantized in registers, one vector of L columns per k, and then meet
  * every row of the tile (the narrow tile of the fp32 linear above): at batch 1 the weight
  * stream is the cost, and it is 4x (8-bit) or 8x (4-bit) shorter than fp32's. */
 enum { QFMT_INT8 = 0, QFMT_UINT4 = 1, QFMT_FP8_E4M3 = 2, QFMT_INT8M = 5, QFMT_INT5 = 6,
-       QFMT_UINT5 = 7, QFMT_INT8H = 8, QFMT_UINT4H = 9, QFMT_INT5H = 10 };
+       QFMT_UINT5 = 7, QFMT_INT8H = 8, QFMT_UINT4H = 9, QFMT_INT5H = 10, QFMT_UINT4K = 11,
+       QFMT_UINT5K = 12, QFMT_INT6K = 13, QFMT_INT6 = 14 /* INT6K's codes; not a format */,
+       QFMT_UINT5H = 15, QFMT_INT8MH = 16 };
 
-/* The *H formats are their base format with float16 scales (and mins): GGUF's Q8_0, Q4_0 /
- * Q4_1 and Q5_0 blocks as stored. */
-static inline int half_scales(int fmt) { return fmt >= QFMT_INT8H && fmt <= QFMT_INT5H; }
+/* How a format stores its scales: SC_F32, SC_F16 (the *H formats: GGUF's Q8_0, Q4_0 / Q4_1,
+ * Q5_0 and Q5_1 blocks as stored, and INT8MH for Q8_0 and Q5_1 parts of one fused weight),
+ * or, from 2 up, super-block records of that many groups (the *K formats). */
+enum { SC_F32 = 0, SC_F16 = 1 };
+static inline int scale_mode(int fmt) {
+    if ((fmt >= QFMT_INT8H && fmt <= QFMT_INT5H) || fmt == QFMT_UINT5H || fmt == QFMT_INT8MH)
+        return SC_F16;
+    if (fmt == QFMT_UINT4K || fmt == QFMT_UINT5K) return 8;
+    return fmt == QFMT_INT6K ? 16 : SC_F32;
+}
 static inline int base_format(int fmt) {
-    return fmt == QFMT_INT8H ? QFMT_INT8 : fmt == QFMT_UINT4H ? QFMT_UINT4
-                                         : fmt == QFMT_INT5H ? QFMT_INT5 : fmt;
+    switch (fmt) {
+        case QFMT_INT8H: return QFMT_INT8;
+        case QFMT_UINT4H: case QFMT_UINT4K: return QFMT_UINT4;
+        case QFMT_INT5H: return QFMT_INT5;
+        case QFMT_UINT5H: case QFMT_UINT5K: return QFMT_UINT5;
+        case QFMT_INT8MH: return QFMT_INT8M;
+        case QFMT_INT6K: return QFMT_INT6;
+        default: return fmt;
+    }
 }
 
 /* An IEEE half as a float (subnormals included; scales are finite). */
@@ -640,9 +663,9 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
-/* LANES scales from element `idx` of a scale array of floats, or of halves. */
-static inline vlf scale_vec(const void *sc, int64_t idx, int half) {
-    if (!half) return *(const vlf *)((const float *)sc + idx);
+/* LANES scales from element `idx` of a scale array of floats (SC_F32), or of halves. */
+static inline vlf scale_vec(const void *sc, int64_t idx, int mode) {
+    if (mode == SC_F32) return *(const vlf *)((const float *)sc + idx);
     const uint16_t *h = (const uint16_t *)sc + idx;
 #if LANES == 16 && defined(__AVX512F__)
     return (vlf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
@@ -655,13 +678,37 @@ static inline vlf scale_vec(const void *sc, int64_t idx, int half) {
 #endif
 }
 
-static inline const void *scale_at(const void *sc, int64_t idx, int half) {
-    return half ? (const void *)((const uint16_t *)sc + idx) : (const void *)((const float *)sc + idx);
+/* Element `idx` of a scale array: floats, halves, or (super-block records) bytes. */
+static inline const void *scale_at(const void *sc, int64_t idx, int mode) {
+    return mode == SC_F32   ? (const void *)((const float *)sc + idx)
+           : mode == SC_F16 ? (const void *)((const uint16_t *)sc + idx)
+                            : (const void *)((const uint8_t *)sc + idx);
 }
 
-/* Scale planes a format stores per group: a scale, or a scale and a min. */
+/* Scale planes a (base) format stores per group: a scale, or a scale and a min. */
 static inline int scale_planes(int fmt) {
     return fmt == QFMT_UINT4 || fmt == QFMT_INT8M || fmt == QFMT_UINT5 ? 2 : 1;
+}
+
+/* LANES float16s stored as two byte planes, low bytes then high bytes, as floats. */
+static inline vlf half_planes(const uint8_t *lo, const uint8_t *hi) {
+#if LANES == 16 && defined(__AVX512F__)
+    const __m128i l = _mm_loadu_si128((const __m128i *)lo), h = _mm_loadu_si128((const __m128i *)hi);
+    return (vlf)_mm512_cvtph_ps(_mm256_set_m128i(_mm_unpackhi_epi8(l, h), _mm_unpacklo_epi8(l, h)));
+#elif LANES == 8 && defined(__F16C__)
+    const __m128i l = _mm_loadl_epi64((const __m128i *)lo), h = _mm_loadl_epi64((const __m128i *)hi);
+    return (vlf)_mm256_cvtph_ps(_mm_unpacklo_epi8(l, h));
+#else
+    vlf v;
+    for (int i = 0; i < LANES; i++) v[i] = half_to_float((uint16_t)(lo[i] | (hi[i] << 8)));
+    return v;
+#endif
+}
+
+/* Number of scale elements (floats, halves or record bytes) per panel. */
+static inline int64_t scale_stride(int64_t k, int64_t group, int planes, int mode) {
+    if (mode >= 2) return k / (group * mode) * planes * (2 + mode) * LANES;
+    return (k / group) * planes * LANES;
 }
 #ifdef __AVX512F__
 #define QPANELS 4 /* decode: 4 panels x up to 3 rows, two accumulators each */
@@ -705,6 +752,18 @@ static inline vli widen_i8(const uint8_t *p) {
 static inline vlf to_float(vli v) { return __builtin_convertvector(v, vlf); }
 #endif
 
+/* The scales (plane 0) or mins (plane 1) of a panel's LANES columns for group g; `sc` is the
+ * panel's scales. Super-block records: the block's float16 times the group's int8. */
+static inline vlf group_scale(const void *sc, int64_t g, int plane, int planes, int mode) {
+    if (mode >= 2) {
+        const uint8_t *r = (const uint8_t *)sc + (g / mode) * planes * (2 + mode) * LANES;
+        const vlf d = half_planes(r + 2 * plane * LANES, r + (2 * plane + 1) * LANES);
+        const int64_t at = 2 * planes + (g % mode) * planes + plane;
+        return d * to_float(widen_i8(r + at * LANES));
+    }
+    return scale_vec(sc, (g * planes + plane) * LANES, mode);
+}
+
 /* fp8 e4m3 bytes (no NaN: weights are finite) as floats: the exponent and mantissa bits
  * moved into an fp32's exponent and mantissa fields, then 2^(127 - 7) undoes the bias;
  * e4m3 subnormals land on fp32 subnormals, which the same product scales exactly. */
@@ -725,7 +784,7 @@ static inline vlf fp8_e4m3_to_f32(const uint8_t *p) {
 static inline __attribute__((always_inline)) void qtile(
     const float *xt, int64_t xrows, int64_t k, const uint8_t *panel, int64_t pstride,
     const void *sc, int64_t sstride, int fmt, int64_t group, const float *bias, float *out,
-    int64_t n, int64_t cols, const int rows, const int np, const int half) {
+    int64_t n, int64_t cols, const int rows, const int np, const int mode) {
     vlf acc[TILE_ROWS > QPANELS * QROWS ? TILE_ROWS : QPANELS * QROWS];
     for (int i = 0; i < rows * np; i++) acc[i] = (vlf){0};
     const int64_t groups = k / group;
@@ -734,8 +793,8 @@ static inline __attribute__((always_inline)) void qtile(
         if (fmt == QFMT_UINT4 || fmt == QFMT_INT8M) {
             vlf s[QPANELS > 1 ? QPANELS : 1], mn[QPANELS > 1 ? QPANELS : 1];
             for (int p = 0; p < np; p++) {
-                s[p] = scale_vec(sc, p * sstride + g * 2 * LANES, half);
-                mn[p] = scale_vec(sc, p * sstride + (g * 2 + 1) * LANES, half);
+                s[p] = group_scale(scale_at(sc, p * sstride, mode), g, 0, 2, mode);
+                mn[p] = group_scale(scale_at(sc, p * sstride, mode), g, 1, 2, mode);
             }
             for (int64_t kk = k0; fmt == QFMT_INT8M && kk < k0 + group; kk++) {
                 const float *xk = xt + kk * xrows;
@@ -760,9 +819,9 @@ static inline __attribute__((always_inline)) void qtile(
         } else if (fmt == QFMT_INT5 || fmt == QFMT_UINT5) {
             vlf s[QPANELS > 1 ? QPANELS : 1], mn[QPANELS > 1 ? QPANELS : 1];
             for (int p = 0; p < np; p++) {
-                const int64_t gs = p * sstride + g * scale_planes(fmt) * LANES;
-                s[p] = scale_vec(sc, gs, half);
-                mn[p] = fmt == QFMT_UINT5 ? scale_vec(sc, gs + LANES, half) : s[p] * -16.0f;
+                const void *ps = scale_at(sc, p * sstride, mode);
+                s[p] = group_scale(ps, g, 0, scale_planes(fmt), mode);
+                mn[p] = fmt == QFMT_UINT5 ? group_scale(ps, g, 1, 2, mode) : s[p] * -16.0f;
             }
             for (int64_t k8 = k0; k8 < k0 + group; k8 += 8) {
                 for (int p = 0; p < np; p++) {
@@ -780,9 +839,32 @@ static inline __attribute__((always_inline)) void qtile(
                     }
                 }
             }
+        } else if (fmt == QFMT_INT6) {
+            vlf s[QPANELS > 1 ? QPANELS : 1], mn[QPANELS > 1 ? QPANELS : 1];
+            for (int p = 0; p < np; p++) {
+                s[p] = group_scale(scale_at(sc, p * sstride, mode), g, 0, 1, mode);
+                mn[p] = s[p] * -32.0f;
+            }
+            for (int64_t k4 = k0; k4 < k0 + group; k4 += 4) {
+                for (int p = 0; p < np; p++) {
+                    const uint8_t *q = panel + p * pstride + (k4 / 2) * LANES;
+                    __builtin_prefetch(q + PREFETCH_BYTES);
+                    const vli h = widen_u8(panel + p * pstride + (k / 2 + k4 / 4) * LANES) << 4;
+                    for (int j = 0; j < 2; j++) {
+                        const float *x0 = xt + (k4 + 2 * j) * xrows, *x1 = x0 + xrows;
+                        const vli u = widen_u8(q + j * LANES);
+                        const vlf w0 = to_float((u & 0xF) | ((h >> (4 * j)) & 0x30)) * s[p] + mn[p];
+                        const vlf w1 =
+                            to_float((u >> 4) | ((h >> (4 * j + 2)) & 0x30)) * s[p] + mn[p];
+                        for (int r = 0; r < rows; r++)
+                            acc[p * rows + r] += x0[r] * w0 + x1[r] * w1;
+                    }
+                }
+            }
         } else {
             vlf s[QPANELS > 1 ? QPANELS : 1];
-            for (int p = 0; p < np; p++) s[p] = scale_vec(sc, p * sstride + g * LANES, half);
+            for (int p = 0; p < np; p++)
+                s[p] = group_scale(scale_at(sc, p * sstride, mode), g, 0, 1, mode);
             for (int64_t kk = k0; kk < k0 + group; kk++) {
                 const float *xk = xt + kk * xrows;
                 for (int p = 0; p < np; p++) {
@@ -808,7 +890,7 @@ static inline __attribute__((always_inline)) void qtile(
 static inline __attribute__((always_inline)) void qtile_decode(
     const float *xt, const float *xs, int64_t xrows, int64_t k, const uint8_t *panel,
     int64_t pstride, const void *sc, int64_t sstride, int fmt, int64_t group,
-    const float *bias, float *out, int64_t n, int64_t cols, const int rows, const int half) {
+    const float *bias, float *out, int64_t n, int64_t cols, const int rows, const int mode) {
     vlf acc[QPANELS * QROWS], ga[QPANELS * QROWS];
     for (int i = 0; i < rows * QPANELS; i++) acc[i] = (vlf){0};
     const int64_t groups = k / group;
@@ -860,6 +942,23 @@ static inline __attribute__((always_inline)) void qtile_decode(
                     }
                 }
             }
+        } else if (fmt == QFMT_INT6) {
+            /* Four k's at a time: their top bit pairs are one byte a lane. */
+            for (int64_t k4 = k0; k4 < k0 + group; k4 += 4) {
+                for (int p = 0; p < QPANELS; p++) {
+                    const uint8_t *q = panel + p * pstride + (k4 / 2) * LANES;
+                    __builtin_prefetch(q + PREFETCH_BYTES);
+                    const vli h = widen_u8(panel + p * pstride + (k / 2 + k4 / 4) * LANES) << 4;
+                    for (int j = 0; j < 2; j++) {
+                        const float *x0 = xt + (k4 + 2 * j) * xrows, *x1 = x0 + xrows;
+                        const vli u = widen_u8(q + j * LANES);
+                        const vlf f0 = to_float((u & 0xF) | ((h >> (4 * j)) & 0x30));
+                        const vlf f1 = to_float((u >> 4) | ((h >> (4 * j + 2)) & 0x30));
+                        for (int r = 0; r < rows; r++)
+                            ga[p * rows + r] += x0[r] * f0 + x1[r] * f1;
+                    }
+                }
+            }
         } else {
             for (int64_t kk = k0; kk < k0 + group; kk++) {
                 const float *xk = xt + kk * xrows;
@@ -872,12 +971,14 @@ static inline __attribute__((always_inline)) void qtile_decode(
             }
         }
         /* The group's scale, and its min times the group's sum of x where there is one. */
-        const int planes = scale_planes(fmt), mins = planes == 2 || fmt == QFMT_INT5;
+        const int planes = scale_planes(fmt);
+        const int mins = planes == 2 || fmt == QFMT_INT5 || fmt == QFMT_INT6;
         for (int p = 0; p < QPANELS; p++) {
-            const int64_t gs = p * sstride + g * planes * LANES;
-            const vlf sv = scale_vec(sc, gs, half);
-            const vlf mv = planes == 2 ? scale_vec(sc, gs + LANES, half)
-                                       : (fmt == QFMT_INT5 ? sv * -16.0f : (vlf){0});
+            const void *ps = scale_at(sc, p * sstride, mode);
+            const vlf sv = group_scale(ps, g, 0, planes, mode);
+            const vlf mv = planes == 2 ? group_scale(ps, g, 1, 2, mode)
+                           : fmt == QFMT_INT5 ? sv * -16.0f
+                           : fmt == QFMT_INT6 ? sv * -32.0f : (vlf){0};
             for (int r = 0; r < rows; r++)
                 acc[p * rows + r] += ga[p * rows + r] * sv + (mins ? xs[g * xrows + r] * mv : (vlf){0});
         }
@@ -890,17 +991,17 @@ static inline __attribute__((always_inline)) void qtile_decode(
 #define QWIDE_CASE(R) \
     case R: \
         qtile_decode(xt, xs, xrows, k, panel, pstride, sc, sstride, fmt, group, bias, out, \
-                     n, cols, R, half); \
+                     n, cols, R, mode); \
         break;
 #define QTALL_CASE(R) \
-    case R: qtile(QTILE_ARGS, R, 1, half); break;
+    case R: qtile(QTILE_ARGS, R, 1, mode); break;
 
 /* `np` > 1: up to QROWS rows over QPANELS panels; else up to TILE_ROWS rows, one panel. */
 static void qtile_rows(const float *xt, const float *xs, int64_t xrows, int64_t k,
                        const uint8_t *panel,
                        int64_t pstride, const void *sc, int64_t sstride, int fmt,
                        int64_t group, const float *bias, float *out, int64_t n, int64_t cols,
-                       int64_t rows, int np, int half) {
+                       int64_t rows, int np, int mode) {
     if (np > 1) {
         switch (rows) {
             QWIDE_CASE(1) QWIDE_CASE(2)
@@ -929,19 +1030,21 @@ static void qtile_rows(const float *xt, const float *xs, int64_t xrows, int64_t 
 static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const void *q,
                        const void *scales, int fmt, int64_t group, int64_t n, const float *bias,
                        float *out, int threads) {
-    const int half = half_scales(fmt);
+    const int mode = scale_mode(fmt);
     fmt = base_format(fmt);
-    const int five = fmt == QFMT_INT5 || fmt == QFMT_UINT5;
-    if (((fmt < QFMT_INT8 || fmt > QFMT_FP8_E4M3) && fmt != QFMT_INT8M && !five) || group <= 0 ||
-        k % group || (fmt == QFMT_UINT4 && group % 2) || (five && group % 8))
+    const int five = fmt == QFMT_INT5 || fmt == QFMT_UINT5, six = fmt == QFMT_INT6;
+    if (((fmt < QFMT_INT8 || fmt > QFMT_FP8_E4M3) && fmt != QFMT_INT8M && !five && !six) ||
+        group <= 0 || k % group || (fmt == QFMT_UINT4 && group % 2) || (five && group % 8) ||
+        (six && group % 4) || (mode >= 2 && k % (group * mode)))
         return -2;
     const int np = m <= QROWS ? QPANELS : 1;
     const int64_t xrows = np > 1 ? QROWS : TILE_ROWS;
     const int64_t panels = (n + LANES - 1) / LANES;
     const int64_t items = (panels + np - 1) / np;
     const int64_t tiles = (m + xrows - 1) / xrows;
-    const int64_t pstride = (fmt == QFMT_UINT4 ? k / 2 : five ? k / 2 + k / 8 : k) * LANES;
-    const int64_t sstride = (k / group) * LANES * scale_planes(fmt);
+    const int64_t pstride =
+        (fmt == QFMT_UINT4 ? k / 2 : five ? k / 2 + k / 8 : six ? k / 2 + k / 4 : k) * LANES;
+    const int64_t sstride = scale_stride(k, group, scale_planes(fmt), mode);
     const int64_t groups = k / group;
     /* x transposed into tiles, then (decode tiles) each group's sum of x per row */
     float *xt = malloc((size_t)(tiles * (k + groups) * xrows) * sizeof(float));
@@ -977,7 +1080,7 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
             const int64_t cols = n - col0 < span ? n - col0 : span;
             const int use = (int)((span / LANES) == np ? np : 1);
             const uint8_t *panel = (const uint8_t *)q + p0 * pstride;
-            const void *sc = scale_at(scales, p0 * sstride, half);
+            const void *sc = scale_at(scales, p0 * sstride, mode);
             const float *b = bias ? bias + col0 : NULL;
             for (int64_t t = 0; t < tiles; t++) {
                 const int64_t rows = m - t * xrows < xrows ? m - t * xrows : xrows;
@@ -985,15 +1088,15 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
                 float *o = out + t * xrows * n + col0;
                 if (use == np) {
                     qtile_rows(xtt, xs + t * groups * xrows, xrows, k, panel, pstride, sc,
-                               sstride, fmt, group, b, o, n, cols, rows, np, half);
+                               sstride, fmt, group, b, o, n, cols, rows, np, mode);
                 } else {
                     /* the last item, short of panels: one panel at a time */
                     for (int64_t p = 0; p < span / LANES; p++) {
                         const int64_t c0 = p * LANES;
                         const int64_t w = cols - c0 < LANES ? cols - c0 : LANES;
                         qtile_rows(xtt, NULL, xrows, k, panel + p * pstride, pstride,
-                                   scale_at(sc, p * sstride, half), sstride, fmt, group,
-                                   b ? b + c0 : NULL, o + c0, n, w, rows, 1, half);
+                                   scale_at(sc, p * sstride, mode), sstride, fmt, group,
+                                   b ? b + c0 : NULL, o + c0, n, w, rows, 1, mode);
                     }
                 }
             }
@@ -1009,32 +1112,43 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
  * format. */
 enum { QFMT_UINT4_A8 = 3, QFMT_INT8_A8 = 4 };
 
+/* Lane c's scale (plane 0) or min (plane 1) of group g in a panel's scales `sc`. */
+static inline float lane_scale(const void *sc, int64_t g, int plane, int planes, int mode,
+                               int64_t c) {
+    if (mode >= 2) {
+        const uint8_t *r = (const uint8_t *)sc + (g / mode) * planes * (2 + mode) * LANES;
+        const uint16_t h = (uint16_t)(r[2 * plane * LANES + c] | (r[(2 * plane + 1) * LANES + c] << 8));
+        const int64_t at = (2 * planes + (g % mode) * planes + plane) * LANES + c;
+        return half_to_float(h) * (float)(int8_t)r[at];
+    }
+    const int64_t at = (g * planes + plane) * LANES + c;
+    return mode == SC_F16 ? half_to_float(((const uint16_t *)sc)[at]) : ((const float *)sc)[at];
+}
+
 int kiln_qembedding_f32(const int64_t *ids, int64_t tokens, const void *q, const void *scales,
                         int fmt, int64_t group, int64_t vocab, int64_t h, float *out) {
-    const int half = half_scales(fmt);
+    const int mode = scale_mode(fmt);
     fmt = base_format(fmt);
-    const int five = fmt == QFMT_INT5 || fmt == QFMT_UINT5;
-    if (((fmt < QFMT_INT8 || fmt > QFMT_INT8_A8) && fmt != QFMT_INT8M && !five) || group <= 0 ||
-        h % group || (five && h % 8))
+    const int five = fmt == QFMT_INT5 || fmt == QFMT_UINT5, six = fmt == QFMT_INT6;
+    if (((fmt < QFMT_INT8 || fmt > QFMT_INT8_A8) && fmt != QFMT_INT8M && !five && !six) ||
+        group <= 0 || h % group || (five && h % 8) || (six && h % 4) ||
+        (mode >= 2 && h % (group * mode)))
         return -2;
     const int nibbles = fmt == QFMT_UINT4 || fmt == QFMT_UINT4_A8;
-    const int64_t panel_bytes = (nibbles ? h / 2 : five ? h / 2 + h / 8 : h) * LANES;
-    const int64_t per =
-        fmt == QFMT_INT8 || fmt == QFMT_FP8_E4M3 || fmt == QFMT_INT5 ? 1 : 2;
-    const int64_t panel_scales = (h / group) * LANES * per;
+    const int64_t panel_bytes =
+        (nibbles ? h / 2 : five ? h / 2 + h / 8 : six ? h / 2 + h / 4 : h) * LANES;
+    const int planes =
+        fmt == QFMT_INT8 || fmt == QFMT_FP8_E4M3 || fmt == QFMT_INT5 || six ? 1 : 2;
+    const int64_t panel_scales = scale_stride(h, group, planes, mode);
     for (int64_t t = 0; t < tokens; t++) {
         const int64_t id = ids[t];
         if (id < 0 || id >= vocab) return -1;
         const int64_t c = id % LANES;
         const uint8_t *panel = (const uint8_t *)q + (id / LANES) * panel_bytes;
-        const int64_t sc = (id / LANES) * panel_scales;
+        const void *sc = scale_at(scales, (id / LANES) * panel_scales, mode);
         for (int64_t j = 0; j < h; j++) {
-            const int64_t at = sc + (j / group) * per * LANES + c;
-            const float s = half ? half_to_float(((const uint16_t *)scales)[at])
-                                 : ((const float *)scales)[at];
-            const float mn = per == 1 ? 0.0f
-                             : half ? half_to_float(((const uint16_t *)scales)[at + LANES])
-                                    : ((const float *)scales)[at + LANES];
+            const float s = lane_scale(sc, j / group, 0, planes, mode, c);
+            const float mn = planes == 1 ? 0.0f : lane_scale(sc, j / group, 1, planes, mode, c);
             float v;
             if (fmt == QFMT_UINT4) {
                 const uint8_t byte = panel[(j / 2) * LANES + c];
@@ -1047,6 +1161,11 @@ int kiln_qembedding_f32(const int64_t *ids, int64_t tokens, const void *q, const
                 const uint8_t bits = panel[(h / 2 + j / 8) * LANES + c];
                 const int q = ((j & 1) ? byte >> 4 : byte & 0xF) | (((bits >> (j % 8)) & 1) << 4);
                 v = fmt == QFMT_INT5 ? (float)(q - 16) * s : (float)q * s + mn;
+            } else if (six) {
+                const uint8_t byte = panel[(j / 2) * LANES + c];
+                const uint8_t pairs = panel[(h / 2 + j / 4) * LANES + c];
+                const int q = ((j & 1) ? byte >> 4 : byte & 0xF) | (((pairs >> (2 * (j % 4))) & 3) << 4);
+                v = (float)(q - 32) * s;
             } else if (fmt == QFMT_INT8 || fmt == QFMT_INT8M) {
                 v = (float)((const int8_t *)panel)[j * LANES + c] * s + mn;
             } else if (fmt == QFMT_INT8_A8) {

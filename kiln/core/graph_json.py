@@ -99,13 +99,18 @@ def _decode_weight(name: Any, w: Any) -> WeightSpec:
         raise _fail(
             where,
             "layout must be rows, panels<lanes>x<group>, q8panels<lanes>, q4panels<lanes>, "
-            f"a8panels<lanes>, a4panels<lanes> or spanels<lanes>, got {_show(layout)}",
+            "q5panels<lanes>, q6panels<lanes>, a8panels<lanes>, a4panels<lanes>, "
+            f"spanels<lanes> or kpanels<lanes>, got {_show(layout)}",
         )
-    dims = 3 if layout.startswith("spanels") else 2
+    dims = 3 if layout.startswith(("spanels", "kpanels")) else 2
     if layout != "rows" and len(shape) != dims:
         raise _fail(where, f"a {layout} layout needs a {dims}-D weight, got {_show(shape)}")
     if layout.startswith("q4panels") and shape[1] % 2:
         raise _fail(where, f"a {layout} layout needs an even number of columns, got {shape[1]}")
+    if layout.startswith("q5panels") and shape[1] % 8:
+        raise _fail(where, f"a {layout} layout needs columns in eights, got {shape[1]}")
+    if layout.startswith("q6panels") and shape[1] % 4:
+        raise _fail(where, f"a {layout} layout needs columns in fours, got {shape[1]}")
     if layout.startswith("a8panels") and shape[1] % 4:
         raise _fail(where, f"a {layout} layout needs columns in fours, got {shape[1]}")
     if layout.startswith("a4panels") and shape[1] % 8:

@@ -12,6 +12,9 @@ the loader (no torch import: the loader checks shapes from the graph alone).
 - "q5panels{L}": 5-bit codes (0..31), the q4 nibble panels [N_pad / L][K / 2][L] then a
   plane of their fifth bits [N_pad / L][K / 8][L], bit j of a lane's byte b for k = 8b + j;
   one uint8 tensor [N_pad / L][K / 2 + K / 8][L].
+- "q6panels{L}": 6-bit codes (0..63), the q4 nibble panels [N_pad / L][K / 2][L] then a
+  plane of their top two bits [N_pad / L][K / 4][L], bits 2j and 2j + 1 of a lane's byte b
+  for k = 4b + j; one uint8 tensor [N_pad / L][K / 2 + K / 4][L].
 - "a8panels{L}": int8 codes for int8 dot products of 4 k's a lane (w8a8_int8, int8_a8),
   [N_pad / L][K / 4][L][4].
 - "a4panels{L}": 4-bit codes for the same dot products (uint4_a8), [N_pad / L][K / 8][L][4]
@@ -33,7 +36,7 @@ if TYPE_CHECKING:
 else:
     torch = lazy_module("torch")
 
-LAYOUT = re.compile(r"rows|panels(8|16)x([1-8])|(q8|q4|q5|a8|a4|s)panels(8|16)")
+LAYOUT = re.compile(r"rows|panels(8|16)x([1-8])|(q8|q4|q5|q6|a8|a4|s|k)panels(8|16)")
 
 
 def panel_shape(target: Target) -> tuple[int, int]:
@@ -60,7 +63,8 @@ def panels_of(layout: str) -> tuple[int, int] | None:
 
 
 def qpanels_of(layout: str) -> tuple[str, int] | None:
-    """(kind, lanes) of a quantized layout (kind q8, q4, a8, a4 or s); None for any other."""
+    """(kind, lanes) of a quantized layout (kind q8, q4, q5, q6, a8, a4, s or k); None for
+    any other."""
     hit = _match(layout)
     return (hit.group(3), int(hit.group(4))) if hit.group(3) else None
 
@@ -85,10 +89,12 @@ def stored_shape(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
     tiles = -(-shape[0] // lanes)
     if kind == "s":
         return (tiles, shape[1], shape[2], lanes)
+    if kind == "k":
+        return (tiles, shape[1] * shape[2], lanes)
     if kind in ("a8", "a4"):
         return (tiles, shape[1] // (4 if kind == "a8" else 8), lanes, 4)
-    if kind == "q5":
-        return (tiles, shape[1] // 2 + shape[1] // 8, lanes)
+    if kind in ("q5", "q6"):
+        return (tiles, shape[1] // 2 + shape[1] // (8 if kind == "q5" else 4), lanes)
     return (tiles, shape[1] // 2 if kind == "q4" else shape[1], lanes)
 
 
@@ -117,6 +123,8 @@ def pack_qpanels(t: torch.Tensor, layout: str) -> torch.Tensor:
     tiles = t.view(padded // lanes, lanes, *t.shape[1:])
     if kind == "s":  # [T, L, G, P] -> [T, G, P, L]
         return tiles.permute(0, 2, 3, 1).contiguous()
+    if kind == "k":  # [T, L, SB, R] -> [T, SB * R, L]
+        return tiles.reshape(tiles.shape[0], lanes, -1).transpose(1, 2).contiguous()
     if kind == "a8":  # [T, L, K] -> [T, K / 4, L, 4]
         return tiles.view(tiles.shape[0], lanes, -1, 4).permute(0, 2, 1, 3).contiguous()
     if kind == "a4":  # [T, L, K] -> [T, L, K / 8, 2, 4] -> nibbles [T, K / 8, L, 4]
@@ -126,10 +134,14 @@ def pack_qpanels(t: torch.Tensor, layout: str) -> torch.Tensor:
     panels = tiles.transpose(1, 2).contiguous()  # [T, K, L]
     if kind == "q8":
         return panels
-    low = panels & 0xF if kind == "q5" else panels
+    low = panels & 0xF if kind in ("q5", "q6") else panels
     nibbles = low[:, 0::2] | (low[:, 1::2] << 4)
     if kind == "q4":
         return nibbles.contiguous()
+    if kind == "q6":  # [T, K/4, 4, L] top bit pairs -> a byte a lane per 4 k's
+        top = (panels >> 4).view(panels.shape[0], -1, 4, panels.shape[2])
+        pairs = top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6)
+        return torch.cat([nibbles, pairs], dim=1).contiguous()
     fifth = ((panels >> 4) & 1).view(panels.shape[0], -1, 8, panels.shape[2])  # [T, K/8, 8, L]
     weights = (1 << torch.arange(8, dtype=torch.uint8)).view(1, 1, 8, 1)
     bits = (fifth * weights).sum(2, dtype=torch.uint8)
@@ -137,8 +149,8 @@ def pack_qpanels(t: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def unpack_codes(codes: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
-    """Codes stored in layout `kind` (q8, q4, q5, a8, a4) -> [rows, K], one code per element
-    (4- and 5-bit codes as 0..15 / 0..31), as `pack_qpanels` had them."""
+    """Codes stored in layout `kind` (q8, q4, q5, q6, a8, a4) -> [rows, K], one code per
+    element (4-, 5- and 6-bit codes as 0..15 / 0..31 / 0..63), as `pack_qpanels` had them."""
     if kind == "a8":  # [T, K/4, L, 4] -> [T, K, L]
         codes = codes.permute(0, 1, 3, 2).reshape(codes.shape[0], -1, codes.shape[2])
     elif kind == "a4":  # [T, K/8, L, 4] bytes -> [T, K, L], 4 low nibbles first
@@ -156,10 +168,23 @@ def unpack_codes(codes: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
         shifts = torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)
         fifth = ((bits.unsqueeze(2) >> shifts) & 1).reshape(tiles, -1, lanes)
         codes = low | (fifth << 4)
+    elif kind == "q6":  # nibbles [T, K/2, L], then top bit pairs [T, K/4, L]
+        tiles, stored, lanes = codes.shape
+        half = stored * 2 // 3  # K/2 of K/2 + K/4
+        nib, top = codes[:, :half], codes[:, half:]
+        low = torch.stack([nib & 0xF, nib >> 4], dim=2).reshape(tiles, -1, lanes)
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+        pairs = ((top.unsqueeze(2) >> shifts) & 3).reshape(tiles, -1, lanes)
+        codes = low | (pairs << 4)
     tiles, _, lanes = codes.shape
     return codes.transpose(1, 2).reshape(tiles * lanes, -1)[:rows]
 
 
-def unpack_scales(scales: torch.Tensor, rows: int) -> torch.Tensor:
-    """spanels [T, G, P, L] -> [rows, G, P]."""
+def unpack_scales(scales: torch.Tensor, rows: int, record_bytes: int = 0) -> torch.Tensor:
+    """spanels [T, G, P, L] -> [rows, G, P]; kpanels [T, SB * R, L] -> records [rows, SB, R]
+    (`record_bytes` R)."""
+    if record_bytes:
+        return scales.transpose(1, 2).reshape(-1, scales.shape[1] // record_bytes, record_bytes)[
+            :rows
+        ]
     return scales.permute(0, 3, 1, 2).reshape(-1, *scales.shape[1:3])[:rows]

@@ -12,7 +12,10 @@ group of `group` consecutive inputs, float32 scales and codes:
 - int8m:    w = q * s + m,       q in [-128, 127]      (scale and min: int8 and 5-bit
                                                          parts of one fused weight together)
 - int5:     w = (q - 16) * s,    q in [0, 31]          (GGUF Q5_0)
-- uint5:    w = q * s + m,       q in [0, 31]          (scale and min; GGUF Q5_1, Q5_K)
+- uint5:    w = q * s + m,       q in [0, 31]          (scale and min; GGUF Q5_1)
+- uint4k / uint5k / int6k: GGUF's K-quant super-blocks as stored (Q4_K, Q5_K, Q6_K): the
+  codes of uint4 / uint5 / int6 (w = (q - 32) * s, q in [0, 63]), and per `superblock`
+  groups one float16 per plane times an int8 per group and plane (`kscale_values`).
 - w8a8_int8: w = q * s, one scale per row, q in [-127, 127]; the kernel also quantizes
   the activations per token (SGLang's w8a8_int8) and sums in int32. Its second plane is
   128 * sum_k q, the correction for the kernel's unsigned activation bytes.
@@ -47,7 +50,7 @@ class QuantFormat:
 
     name: str
     code_dtype: Literal["int8", "uint8"]  # what the codes are stored as
-    layout: Literal["q8", "q4", "q5", "a8", "a4"]  # their panel kind (kiln/core/layout.py)
+    layout: Literal["q8", "q4", "q5", "q6", "a8", "a4"]  # their panel kind (kiln/core/layout.py)
     planes: int  # scale planes: 1 (scale) or 2 (scale and min, or scale and code sum)
     # kiln_cpu's entry point for its linears, and the format's numbers in the C source:
     # QFMT_* (qlinear and the quantized embedding) and GA8_* (the ga8 linear).
@@ -62,10 +65,26 @@ class QuantFormat:
     gguf: tuple[tuple[str, int], ...] = ()  # GGUF block types kept as this: (type, group)
     offset: int = 0  # codes are stored plus this (int5: 0..31 for -16..15)
     # float16: the scales (and mins) are stored as halves (GGUF blocks whose d and m are
-    # float16 already, kept exactly at their own size); `full` names the same format with
-    # float32 ones.
-    scale_dtype: Literal["float32", "float16"] = "float32"
+    # float16 already, kept exactly at their own size); uint8: as K-quant super-block
+    # records (`superblock`). `full` names the format that holds the same weights with
+    # float32 scales, one per group.
+    scale_dtype: Literal["float32", "float16", "uint8"] = "float32"
     full: str | None = None
+    # Groups per super-block: every `superblock` groups of a row share one float16 per
+    # plane, and each group's scale (and min) is that times an int8 of its own. The scales
+    # tensor is then uint8 records [N, K / (group * superblock), record_bytes]: the planes'
+    # float16s (little-endian), then the int8s [superblock][planes]. 0: no super-blocks.
+    superblock: int = 0
+
+    @property
+    def record_bytes(self) -> int:
+        """Bytes of one super-block's scale record (2 a plane's float16, 1 an int8)."""
+        return self.planes * (2 + self.superblock)
+
+    @property
+    def scale_layout(self) -> str:
+        """The stored layout kind of this format's scales (kiln/core/layout.py)."""
+        return "k" if self.superblock else "s"
 
 
 _FULL: dict[str, QuantFormat] = {
@@ -79,7 +98,6 @@ _FULL: dict[str, QuantFormat] = {
             "qlinear",
             0,
             int8_activations="int8_a8",
-            gguf=(("Q6_K", 16),),
         ),
         QuantFormat(
             "uint4",
@@ -91,7 +109,6 @@ _FULL: dict[str, QuantFormat] = {
             group_step=2,
             has_min=True,
             int8_activations="uint4_a8",
-            gguf=(("Q4_K", 32),),
         ),
         QuantFormat("fp8_e4m3", "uint8", "q8", 1, "qlinear", 2, fp8=True),
         # 8-bit codes with a scale and a min: what int8 and 5-bit parts of one fused
@@ -109,7 +126,6 @@ _FULL: dict[str, QuantFormat] = {
             7,
             group_step=8,
             has_min=True,
-            gguf=(("Q5_1", 32), ("Q5_K", 32)),
         ),
         QuantFormat("w8a8_int8", "int8", "a8", 2, "a8", base="int8"),
         QuantFormat(
@@ -128,11 +144,34 @@ def _half_scales(full: str, qfmt: int, gguf: tuple[tuple[str, int], ...]) -> Qua
     )
 
 
+def _super_blocks(full: str, name: str, qfmt: int, gguf: str, group: int) -> QuantFormat:
+    """A GGUF K-quant kept as stored: `full`'s codes (int6k: its own), scales as super-block
+    records (256 weights of a row per record)."""
+    base = _FULL.get(full) if name != "int6k" else None
+    if base is None:  # Q6_K: 6-bit codes, w = (q - 32) s; int8 holds them as q - 32
+        base = QuantFormat(name, "uint8", "q6", 1, "qlinear", group_step=4, offset=32)
+    return dataclasses.replace(
+        base,
+        name=name,
+        qfmt=qfmt,
+        gguf=((gguf, group),),
+        scale_dtype="uint8",
+        full=full,
+        superblock=256 // group,
+        int8_activations=None,
+    )
+
+
 FORMATS: dict[str, QuantFormat] = {
     **_FULL,
     "int8h": _half_scales("int8", 8, (("Q8_0", 32),)),
     "uint4h": _half_scales("uint4", 9, (("Q4_0", 32), ("Q4_1", 32))),
     "int5h": _half_scales("int5", 10, (("Q5_0", 32),)),
+    "uint5h": _half_scales("uint5", 15, (("Q5_1", 32),)),
+    "int8mh": _half_scales("int8m", 16, ()),
+    "uint4k": _super_blocks("uint4", "uint4k", 11, "Q4_K", 32),
+    "uint5k": _super_blocks("uint5", "uint5k", 12, "Q5_K", 32),
+    "int6k": _super_blocks("int8", "int6k", 13, "Q6_K", 16),
 }
 # Formats a wider one holds exactly: where a fused weight's parts are stored in several
 # of these at one group size, they all run as the narrowest that holds every part (int8
@@ -142,17 +181,20 @@ WIDENS = ("int5", "int8", "uint5", "int8m")
 
 def widest(formats: set[str]) -> str | None:
     """The format that holds every one of `formats` exactly, None if there is none (a
-    float16-scale format is held by its float32-scale one, and int8h holds int5h)."""
+    float16-scale or super-block format is held by its float32-scale one; float16-scale
+    formats alone by the float16-scale form of the one that holds their float32 forms:
+    int8h holds int5h, int8mh holds int8h and uint5h, as their float16s are the same)."""
     if len(formats) == 1:
         return next(iter(formats))
-    if formats <= {"int5h", "int8h"}:
-        return "int8h"
     full = {FORMATS[f].full or f for f in formats}
     if len(full) == 1:
-        return full.pop()
-    if not full <= set(WIDENS):
+        common = full.pop()
+    elif full <= set(WIDENS):
+        common = "int8" if full <= {"int5", "int8"} else "int8m"
+    else:
         return None
-    return "int8" if full <= {"int5", "int8"} else "int8m"
+    halves = all(FORMATS[f].scale_dtype == "float16" for f in formats)
+    return f"{common}h" if halves and f"{common}h" in FORMATS else common
 
 
 def widen(
@@ -163,16 +205,34 @@ def widen(
         return codes, scales
     if widest({stored, fmt}) != fmt:
         raise QuantError(f"{stored} does not widen to {fmt}")
-    if (FORMATS[stored].full or stored) == (FORMATS[fmt].full or fmt):
+    form, to = FORMATS[stored], FORMATS[fmt]
+    if form.superblock:
+        scales = kscale_values(scales, stored)
+    if (form.full or stored) == (to.full or fmt) and form.offset == to.offset:
         return codes, scales  # the same codes; scales are float32 in memory either way
-    signed = (codes.astype(np.int16) - FORMATS[stored].offset).astype(np.int8)
-    if FORMATS[fmt].planes == 1 or FORMATS[stored].has_min:
+    signed = (codes.astype(np.int16) - form.offset).astype(np.int8)
+    if to.planes == 1 or form.has_min:
         return signed, scales
     return signed, np.concatenate([scales, np.zeros_like(scales)], axis=-1)
 
 
 # GGUF block types kiln runs as they are: type -> (format, group).
 GGUF_FORMATS = {t: (f.name, group) for f in FORMATS.values() for t, group in f.gguf}
+
+
+def kscale_values(records: np.ndarray, fmt: str) -> np.ndarray:
+    """A super-block format's scale records [N, SB, record_bytes] -> the float32 scales
+    (and mins) [N, SB * superblock, planes] they stand for: each a float16 times an int8,
+    exact in float32."""
+    form = FORMATS[fmt]
+    n, blocks, size = records.shape
+    planes, per = form.planes, form.superblock
+    if size != form.record_bytes:
+        raise QuantError(f"{fmt} scale records are {form.record_bytes} bytes, not {size}")
+    rec = np.ascontiguousarray(records)
+    d = rec[..., : 2 * planes].copy().view(np.float16).astype(np.float32)  # [N, SB, P]
+    ints = rec[..., 2 * planes :].copy().view(np.int8).astype(np.float32)
+    return (d[:, :, None, :] * ints.reshape(n, blocks, per, planes)).reshape(n, -1, planes)
 FP8_E4M3_MAX = 448.0
 
 
@@ -195,6 +255,8 @@ def quantize(w: torch.Tensor, fmt: str, group: int) -> tuple[torch.Tensor, torch
     g = w.float().reshape(n, k // group, group)
     if form.base is not None and form.kernel == "ga8":
         return with_int8_activations(*quantize(w, form.base, group), fmt)
+    if form.superblock:
+        raise QuantError(f"{fmt} is GGUF {form.gguf[0][0]} blocks as stored, not made from floats")
     if form.full is not None:  # its codes for scales as float16 holds them
         _, s = quantize(w, form.full, group)
         return _codes_for(g, s.half().float(), form.full), s.half().float()
@@ -248,10 +310,12 @@ def _codes_for(g: torch.Tensor, s: torch.Tensor, fmt: str) -> torch.Tensor:
         return torch.round(g / s).clamp(-127, 127).to(torch.int8).reshape(n, -1)
     if fmt == "int5":
         return (torch.round(g / s).clamp(-16, 15) + 16).to(torch.uint8).reshape(n, -1)
-    if fmt == "uint4":
-        return (
-            torch.round((g - s[..., 1:]) / s[..., :1]).clamp(0, 15).to(torch.uint8).reshape(n, -1)
+    if fmt in ("uint4", "uint5", "int8m"):
+        lo, hi, dtype = {"uint4": (0, 15, torch.uint8), "uint5": (0, 31, torch.uint8)}.get(
+            fmt, (-128, 127, torch.int8)
         )
+        q = torch.round((g - s[..., 1:]) / s[..., :1]).clamp(lo, hi)
+        return q.to(dtype).reshape(n, -1)
     raise QuantError(f"no half-scale form of {fmt}")
 
 
@@ -340,8 +404,10 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 def dequantize(q: torch.Tensor, s: torch.Tensor, fmt: str) -> torch.Tensor:
     """(codes [N, K], scales [N, G, planes]) -> float32 [N, K] (w8a8_int8: its weights)."""
     n, k = q.shape
-    groups = s.shape[1]
     form = FORMATS[fmt]
+    if form.superblock:
+        s = torch.from_numpy(kscale_values(s.cpu().numpy(), fmt)).to(s.device)
+    groups = s.shape[1]
     vals = q.view(torch.float8_e4m3fn).float() if form.fp8 else q.float()
     if form.offset:
         vals = vals - form.offset
@@ -363,12 +429,13 @@ def from_gguf_blocks(raw: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.nd
     Q4_1 = f16 d, f16 m, the same nibbles, w = d q + m; Q5_0 = f16 d, 32 high bits, the
     nibbles, w = d (q - 16) (as int5, group 32); Q5_1 = f16 d, f16 m, the high bits, the
     nibbles, w = d q + m (as uint5, group 32).
-    Super-blocks of 256: Q4_K = f16 d, f16 dmin, 12 bytes of eight 6-bit scales and mins,
-    128 bytes of nibbles (each 64 weights: 32 low nibbles, then the same bytes' high ones),
-    w = (d sc) q - (dmin m) (as uint4, group 32, min -(dmin m)); Q5_K = the same with 32
-    bytes of fifth bits before the nibbles (bit j for sub-block j; as uint5); Q6_K = 128
-    bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, f16 d, w = (d sc) (q - 32)
-    (as int8, group 16)."""
+    Super-blocks of 256, kept as they are (uint4k, uint5k, int6k: codes, and scale records
+    of the super-block's float16s and the groups' integers): Q4_K = f16 d, f16 dmin, 12 bytes
+    of eight 6-bit scales and mins, 128 bytes of nibbles (each 64 weights: 32 low nibbles,
+    then the same bytes' high ones), w = (d sc) q - (dmin m) (a record of d, -dmin and the
+    (sc, m) pairs); Q5_K = the same with 32 bytes of fifth bits before the nibbles (bit j for
+    sub-block j); Q6_K = 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales,
+    f16 d, w = (d sc) (q - 32) (a record of d and the 16 scales)."""
     if qtype in _K_QUANTS:
         return _from_k_quant(np.ascontiguousarray(raw).reshape(n, k // 256, -1), qtype, n, k)
     blocks = k // 32
@@ -403,30 +470,29 @@ _K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
 
 def _from_k_quant(rows: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Super-blocks [N, K / 256, bytes] of Q4_K or Q6_K -> codes and scales."""
+    """Super-blocks [N, K / 256, bytes] of Q4_K, Q5_K or Q6_K -> codes [N, K] and scale
+    records [N, K / 256, record_bytes]."""
     sb = rows.shape[1]
     if qtype in ("Q4_K", "Q5_K"):
-        d = rows[..., 0:2].copy().view(np.float16).astype(np.float32)  # [N, SB, 1]
-        dmin = rows[..., 2:4].copy().view(np.float16).astype(np.float32)
         packed = rows[..., 4:16].reshape(n, sb, 3, 4)
         lo, hi, both = packed[:, :, 0], packed[:, :, 1], packed[:, :, 2]
         sc = np.concatenate([lo & 0x3F, (both & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
         mn = np.concatenate([hi & 0x3F, (both >> 4) | ((hi >> 2) & 0x30)], axis=-1)
-        scale = d * sc.astype(np.float32)  # [N, SB, 8], exact
-        mins = -(dmin * mn.astype(np.float32))
-        planes = np.stack([scale, mins], axis=-1).reshape(n, sb * 8, 2)
+        halves = rows[..., 0:4].copy()
+        halves[..., 3] ^= 0x80  # -dmin: the min plane's float16, so that min = (-dmin) m
+        records = np.concatenate([halves, np.stack([sc, mn], axis=-1).reshape(n, sb, 16)], -1)
         at = 16 if qtype == "Q4_K" else 48  # Q5_K: 32 bytes of fifth bits first
         qs = rows[..., at : at + 128].reshape(n, sb, 4, 1, 32) >> np.array(
             [0, 4], np.uint8
         ).reshape(1, 1, 1, 2, 1)
         codes = (qs & 0x0F).astype(np.uint8).reshape(n, sb, 8, 32)
         if qtype == "Q4_K":
-            return codes.reshape(n, k), planes
+            return codes.reshape(n, k), records
         # Sub-block j's fifth bits: bit j of the 32 bytes, weight by weight.
         fifth = rows[..., 16:48].reshape(n, sb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(
             1, 1, 8, 1
         )
-        return (codes | ((fifth & 1) << 4)).reshape(n, k), planes
+        return (codes | ((fifth & 1) << 4)).reshape(n, k), records
     shifted = rows[..., 0:128].reshape(n, sb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(
         1, 1, 1, 2, 1
     )
@@ -434,8 +500,6 @@ def _from_k_quant(rows: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.ndar
     pairs = rows[..., 128:192].reshape(n, sb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(
         1, 1, 1, 4, 1
     )
-    high = pairs & 0x03  # [.., half, quarter, 32]
-    signed = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(n, k)
-    sc = rows[..., 192:208].copy().view(np.int8).astype(np.float32)  # [N, SB, 16]
-    d = rows[..., 208:210].copy().view(np.float16).astype(np.float32)
-    return signed, (d * sc).reshape(n, sb * 16, 1)
+    codes = (low | ((pairs & 0x03) << 4)).astype(np.uint8).reshape(n, k)  # q in [0, 63]
+    records = np.concatenate([rows[..., 208:210], rows[..., 192:208]], axis=-1)  # d, 16 scales
+    return codes, np.ascontiguousarray(records)

@@ -183,10 +183,10 @@ def test_gguf_blocks_run_as_stored_unless_a_float_dtype_is_asked(
         "llama-q4_0-tied": ("uint4h", 32),
         "llama-q4_1": ("uint4h", 32),
         "qwen2-q5_0": ("int5h", 32),
-        "llama-q4_k": ("uint4", 32),
-        "llama-q6_k": ("int8", 16),
-        "llama-q5_k": ("uint5", 32),
-        "llama-q5_1": ("uint5", 32),
+        "llama-q4_k": ("uint4k", 32),
+        "llama-q6_k": ("int6k", 16),
+        "llama-q5_k": ("uint5k", 32),
+        "llama-q5_1": ("uint5h", 32),
     }
     for case, (fmt, group) in expect.items():
         compile_model(ServerArgs(model_path=str(gguf_file(case))), tmp_path / case)
@@ -258,7 +258,7 @@ def test_block_decoding_equals_the_gguf_packages_bit_for_bit(qtype: str) -> None
     from gguf.quants import dequantize as gguf_dequantize
     from gguf_files import random_blocks
 
-    from kiln.core.quant import GGUF_FORMATS, dequantize, from_gguf_blocks
+    from kiln.core.quant import FORMATS, GGUF_FORMATS, dequantize, from_gguf_blocks
 
     rows, k = 6, 512
     if qtype in ("Q8_0", "Q4_1"):  # the gguf package makes these itself
@@ -271,7 +271,12 @@ def test_block_decoding_equals_the_gguf_packages_bit_for_bit(qtype: str) -> None
     ref = gguf_dequantize(raw, GGMLQuantizationType[qtype]).reshape(rows, k).astype(np.float32)
     codes, scales = from_gguf_blocks(raw, qtype, rows, k)
     fmt, group = GGUF_FORMATS[qtype]
-    assert scales.shape[1] == k // group
+    form = FORMATS[fmt]
+    if form.superblock:  # K-quants: one scale record per super-block of 256, as stored
+        assert scales.shape[1:] == (k // 256, form.record_bytes)
+        assert codes.max() < {"Q4_K": 16, "Q5_K": 32, "Q6_K": 64}[qtype]
+    else:
+        assert scales.shape[1] == k // group
     got = dequantize(torch.from_numpy(codes), torch.from_numpy(scales), fmt).numpy()
     assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
 
@@ -280,8 +285,8 @@ def test_a_q5_1_and_q8_0_mix_fuses_into_one_quantized_projection(
     checkpoint: Callable[..., Path], tmp_path: Path
 ) -> None:
     """llama.cpp's Q5_K_M keeps v (and the lm_head) in Q8_0 beside Q5_1 q and k: the fused
-    q/k/v runs as int8m, which holds both exactly (the Q8_0 rows with a min of 0), not as
-    floats; the other matrices stay uint5."""
+    q/k/v runs as int8mh, which holds both exactly (the Q8_0 rows with a min of 0, the
+    float16 scales of both as they are), not as floats; the other matrices stay uint5h."""
     path = write_gguf(
         checkpoint("llama"), tmp_path / "mix.gguf", "Q5_1", overrides={"v_proj": "Q8_0"}
     )
@@ -290,7 +295,7 @@ def test_a_q5_1_and_q8_0_mix_fuses_into_one_quantized_projection(
     nodes = json.loads((art / "graph.json").read_text())["nodes"]
     assert not any(n["op"] in ("linear", "packed_linear") for n in nodes)
     formats = {n["attrs"]["format"] for n in nodes if n["op"] == "quant_linear"}
-    assert formats == {"int8m", "uint5"}
+    assert formats == {"int8mh", "uint5h"}
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     seq = PROMPTS[1]
     with torch.no_grad():

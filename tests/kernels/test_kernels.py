@@ -142,11 +142,13 @@ QUANT_CASES = [
     ("fp8_e4m3", 96),
     ("int8m", 32),
     ("int5", 32),  # GGUF Q5_0
-    ("uint5", 32),  # GGUF Q5_1, Q5_K
+    ("uint5", 32),  # GGUF Q5_1
     ("uint5", 48),
     ("int8h", 32),  # GGUF Q8_0 as stored: float16 scales
     ("uint4h", 32),  # Q4_0 / Q4_1
     ("int5h", 32),  # Q5_0
+    ("uint5h", 32),  # Q5_1
+    ("int8mh", 32),  # Q8_0 and Q5_1 parts of one fused weight
 ]
 
 
@@ -178,6 +180,56 @@ def test_quant_linear_matches_its_dequantized_weight(
     kw["prologue"] = "silu_and_mul"
     out = k("quant_linear", backend)(gate_up[:, :192], codes, scales, b, **kw)
     torch.testing.assert_close(out, F.linear(h, dequantize(q, s, fmt), b), atol=2e-4, rtol=1e-4)
+
+
+def random_super_blocks(fmt: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Codes and scale records of a super-block format (GGUF K-quants: kiln cannot make
+    them from floats) drawn at random over their whole ranges: (codes [n, k], records)."""
+    form = FORMATS[fmt]
+    gen = torch.Generator().manual_seed(seed)
+    top = {"uint4k": 16, "uint5k": 32, "int6k": 64}[fmt]
+    q = torch.randint(0, top, (n, k), generator=gen, dtype=torch.uint8)
+    blocks = k // 256
+    halves = (torch.rand(n, blocks, form.planes, generator=gen) * 0.02).half()
+    if form.has_min:
+        halves[..., 1] = -halves[..., 1]  # -dmin, as GGUF's Q4_K / Q5_K are read
+    lo, hi = (-128, 128) if fmt == "int6k" else (0, 64)
+    ints = torch.randint(lo, hi, (n, blocks, form.record_bytes - 2 * form.planes), generator=gen)
+    records = torch.cat([halves.view(torch.uint8), ints.to(torch.int8).view(torch.uint8)], -1)
+    return q, records
+
+
+SUPER_BLOCKS = pytest.mark.parametrize("fmt", ["uint4k", "uint5k", "int6k"])
+
+
+@BOTH
+@SUPER_BLOCKS
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 17])
+def test_super_block_linear_matches_its_dequantized_weight(
+    backend: str, fmt: str, rows: int
+) -> None:
+    """GGUF Q4_K / Q5_K / Q6_K as stored: the kernels compose each group's scale from the
+    super-block's float16 and the group's integer, at decode and prefill widths; 200 outputs
+    (a partial last panel), two super-blocks a row."""
+    lanes, form = _lanes(backend), FORMATS[fmt]
+    q, records = random_super_blocks(fmt, 200, 512, seed=rows)
+    codes = pack_qpanels(q, f"{form.layout}panels{lanes}")
+    scales = pack_qpanels(records, f"kpanels{lanes}")
+    w = dequantize(q, records, fmt)
+    torch.manual_seed(rows)
+    x, b = torch.randn(rows, 512), torch.randn(200)
+    kw = {"format": fmt, "group": form.gguf[0][1], "out_features": 200}
+    out = k("quant_linear", backend)(x, codes, scales, b, **kw)
+    torch.testing.assert_close(out, F.linear(x, w, b), atol=2e-4, rtol=1e-4)
+    gate_up = torch.randn(rows, 1024)
+    kw["prologue"] = "silu_and_mul"
+    out = k("quant_linear", backend)(gate_up, codes, scales, **kw)
+    h = F.silu(gate_up[:, :512]) * gate_up[:, 512:]
+    torch.testing.assert_close(out, F.linear(h, w), atol=2e-4, rtol=1e-4)
+    kw = {"format": fmt, "group": form.gguf[0][1], "num_embeddings": 200}
+    ids = torch.tensor([0, 199, 17, 17, 64])
+    got = k("quant_embedding", backend)(ids, codes, scales, **kw)
+    torch.testing.assert_close(got, w[ids], rtol=0, atol=0)
 
 
 @BOTH

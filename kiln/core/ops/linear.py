@@ -113,15 +113,22 @@ def _quant(check: Check, a: dict[str, Any]) -> tuple[int, int]:
     want = f"{form.layout}panels"
     if not codes.layout.startswith(want) or codes.dtype != form.code_dtype:
         raise check.fail(f"{fmt} codes must be {form.code_dtype} {want}")
-    if not scales.layout.startswith("spanels") or scales.dtype != form.scale_dtype:
-        raise check.fail(f"{fmt} scales must be {form.scale_dtype} spanels")
+    kind = f"{form.scale_layout}panels"
+    if not scales.layout.startswith(kind) or scales.dtype != form.scale_dtype:
+        raise check.fail(f"{fmt} scales must be {form.scale_dtype} {kind}")
     n, k = check.weight(1, 2)
     if k % group or group % form.group_step:
         raise check.fail(
             f"group {group} does not divide {k} input features in whole steps of "
             f"{form.group_step} ({fmt})"
         )
-    check.expect("scales shape", check.weight(2, 3), (n, k // group, form.planes))
+    if form.superblock:
+        span = group * form.superblock
+        if k % span:
+            raise check.fail(f"{fmt}: {k} input features are not whole super-blocks of {span}")
+        check.expect("scales shape", check.weight(2, 3), (n, k // span, form.record_bytes))
+    else:
+        check.expect("scales shape", check.weight(2, 3), (n, k // group, form.planes))
     return n, k
 
 
@@ -169,7 +176,7 @@ def unpack_quant(codes: torch.Tensor, scales: torch.Tensor, fmt: str, rows: int)
     q = unpack_codes(codes, form.layout, rows)
     if form.code_dtype == "int8":
         q = q.view(torch.int8)
-    return dequantize(q, unpack_scales(scales, rows), fmt)
+    return dequantize(q, unpack_scales(scales, rows, form.superblock and form.record_bytes), fmt)
 
 
 def _with_prologue(x: torch.Tensor, prologue: str) -> torch.Tensor:
