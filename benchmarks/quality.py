@@ -12,6 +12,13 @@ next-token distribution, and top-1 agreement with the reference. llama.cpp's own
 (llama-cpp-python, logits of every position) is scored the same way on the file as shipped
 (Q4_1) and on Q4_0 / Q8_0 files its own quantizer makes from it.
 
+With `--llama-perplexity PATH/llama-perplexity` it scores GGUF K-quant files instead (the
+Gemma 3 270M Q4_K_M file and SmolLM2 requantized to Q4_K_M, Q5_K_M and Q6_K by
+`llama-quantize`, found beside it): each runtime against its own F32 logits of the same
+weights (each file's source dequantized to an F32 GGUF by `llama-quantize`), on the same
+positions: llama.cpp's own `--kl-divergence` (chunks of --window tokens, the second half of
+each scored), kiln reading those chunks' tokens from llama.cpp's base file.
+
 The fp8 KV cache variants (`--kv-cache-dtype`) score the text as decoding reads it: one
 token per step, every step attending to the earlier tokens through the fp8 pool (a single
 prefill would attend to its fresh K/V and never read the pool). The reference is the float
@@ -110,11 +117,130 @@ def llama_cpp_scorer(path: Path, window: int) -> Callable[[list[int]], torch.Ten
     return score
 
 
+def _run(cmd: list[str]) -> str:
+    import subprocess
+
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-800:]}")
+    return done.stdout + done.stderr
+
+
+def _kld_base(path: Path) -> tuple[int, int, list[list[int]]]:
+    """llama-perplexity's --kl-divergence-base file: (n_ctx, n_vocab, the chunks' tokens)."""
+    import struct
+
+    with open(path, "rb") as f:
+        if f.read(8) != b"_logits_":
+            raise RuntimeError(f"{path} is not a llama-perplexity base file")
+        n_ctx, n_vocab, n_chunk = struct.unpack("<Iii", f.read(12))
+        flat = struct.unpack(f"<{n_ctx * n_chunk}i", f.read(4 * n_ctx * n_chunk))
+    return n_ctx, n_vocab, [list(flat[i * n_ctx : (i + 1) * n_ctx]) for i in range(n_chunk)]
+
+
+def _bos(gguf: Path) -> int | None:
+    """The BOS id llama.cpp puts first in each chunk, None where the vocabulary adds none."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf)).fields
+
+    def value(key: str) -> int | None:
+        field = fields.get(key)
+        return None if field is None else int(field.parts[field.data[0]][0])
+
+    return value("tokenizer.ggml.bos_token_id") if value("tokenizer.ggml.add_bos_token") else None
+
+
+def _llama_kld(out: str) -> tuple[float, float]:
+    """(mean KL, same-top fraction) from llama-perplexity's --kl-divergence report."""
+    import re
+
+    kl = re.search(r"Mean\s+KLD:\s+([0-9.e+-]+)", out)
+    top = re.search(r"Same top p:\s+([0-9.]+)", out)
+    if kl is None or top is None:
+        raise RuntimeError(f"no KL divergence in llama-perplexity's output: {out[-800:]}")
+    return float(kl.group(1)), float(top.group(1)) / 100
+
+
+def k_quant_quality(ppl: Path, window: int, threads: int) -> None:
+    """KL against each runtime's F32 logits on K-quant files: kiln and llama.cpp."""
+    from gguf_decode import files as k_quant_files
+
+    from kiln.example import fetch
+
+    work = Path(tempfile.mkdtemp(prefix="kiln-k-quality-"))
+    quantize = str(ppl.parent / "llama-quantize")
+    gemma, *mixes = k_quant_files(ppl, work)
+    rows = []
+    for source, variants in ((fetch("smollm2"), mixes), (gemma, [gemma])):
+        f32 = work / f"{source.stem}-F32.gguf"
+        _run([quantize, "--allow-requantize", str(source), str(f32), "F32", str(threads)])
+        base = work / f"{source.stem}.kld"
+        common = ["-c", str(window), "-b", str(window), "-t", str(threads)]
+        _run(
+            [str(ppl), "-m", str(f32), "-f", str(TEXT), *common, "--kl-divergence-base", f"{base}"]
+        )
+        n_ctx, _, chunks = _kld_base(base)
+        bos = _bos(f32)
+        fed = [[bos, *c[1:]] if bos is not None else c for c in chunks]
+        first = n_ctx // 2
+        reference = kiln_scorer(f32, {}, work)
+        ref_lps = [torch.log_softmax(reference(c)[first:-1].double(), -1) for c in fed]
+        ref_nll = sum(
+            -lp.gather(1, torch.tensor(c[first + 1 :])[:, None]).sum().item()
+            for lp, c in zip(ref_lps, chunks, strict=True)
+        )
+        positions = len(chunks) * (n_ctx - 1 - first)
+        for v in variants:
+            score = kiln_scorer(v, {}, work)
+            kl = top = 0.0
+            for lp, c in zip(ref_lps, fed, strict=True):
+                got = torch.log_softmax(score(c)[first:-1].double(), -1)
+                kl += (lp.exp() * (lp - got)).sum().item()
+                top += (lp.argmax(-1) == got.argmax(-1)).sum().item()
+            out = _run(
+                [
+                    str(ppl),
+                    "-m",
+                    str(v),
+                    *common,
+                    "--kl-divergence-base",
+                    str(base),
+                    "--kl-divergence",
+                ]
+            )
+            l_kl, l_top = _llama_kld(out)
+            rows.append(
+                f"| {v.stem} | {kl / positions:.5f} | {l_kl:.5f} | {top / positions:.2%} | "
+                f"{l_top:.2%} | {math.exp(ref_nll / positions):.3f} |"
+            )
+    print("\n## Quality on GGUF K-quant files: each runtime against its own F32 logits")
+    print(
+        f"{TEXT.name}, chunks of {window} tokens as llama-perplexity cuts them, the second half "
+        "of each scored\n"
+    )
+    print(
+        "| file | kiln mean KL | llama.cpp mean KL | kiln top-1 same | llama.cpp top-1 same | "
+        "F32 perplexity (kiln) |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    print("\n".join(rows))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--window", type=int, default=512, help="tokens scored together")
     p.add_argument("--no-llama-cpp", action="store_true", help="kiln's variants only")
+    p.add_argument(
+        "--llama-perplexity",
+        type=Path,
+        help="score the GGUF K-quant files with kiln and this llama-perplexity instead",
+    )
+    p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
+    if args.llama_perplexity:
+        k_quant_quality(args.llama_perplexity, args.window, args.threads)
+        return
 
     from transformers import AutoTokenizer
 

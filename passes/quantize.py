@@ -10,14 +10,16 @@ The scheme comes from the compile arguments, resolved by `scheme_from_args`:
 - a GGUF checkpoint with `--dtype auto` (or `--quantization gguf`): each weight keeps the
   format of its GGUF blocks where kiln runs it as it is (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, and
   the K-quants Q4_K, Q5_K, Q6_K as super-blocks: kiln/core/quant.py, no loss), tied
-  embedding and lm_head included; a K-quant weight whose rank part is not whole super-blocks,
-  or that runs with int8 activations, takes the same weights with a float32 scale a group;
+  embedding and lm_head included; a K-quant weight whose rank part is not whole super-blocks
+  takes the same weights with a float32 scale a group;
   other block types are read as floats;
 - an fp8 checkpoint (config `quant_method: fp8`): its fp8 e4m3 weights as stored, the
   128 x 128 block scales as a scale per row per 128 inputs (no loss).
 With a float checkpoint the lm_head stays float, as SGLang leaves it.
 `--quantize-activations int8` (scheme "activations") turns each uint4 / int8 weight into
-uint4_a8 / int8_a8: the same codes and scales, run with activations rounded to int8 per
+uint4_a8 / int8_a8, and the GGUF 5-bit, 6-bit and K-quant ones into their own _a8 forms
+(int5h_a8, uint5h_a8, uint4k_a8, uint5k_a8, int6k_a8; a table the embedding also reads
+keeps its stored format): the same codes and scales, run with activations rounded to int8 per
 group (kiln/core/quant.py); the other formats are left as they are.
 
 A quantized linear becomes `quant_linear(x, codes, scales[, bias])` with its format and group
@@ -64,13 +66,14 @@ def quantize(graph: Graph, ctx: CompileOptions) -> PassResult:
         fmt, per = chosen  # per = 0: one scale per row (of this rank's part, when sharded)
         group = per or spec.shape[1]
         span = group * FORMATS[fmt].superblock
-        if span and (spec.shape[1] % span or scheme.int8_activations):
-            # A rank's part that is not whole super-blocks (--tp-size), or int8 activations
-            # (no super-block kernel for them): the same weights, a float32 scale a group.
+        if span and spec.shape[1] % span:
+            # A rank's part that is not whole super-blocks (--tp-size): the same weights
+            # with a float32 scale a group.
             fmt = FORMATS[fmt].full or fmt
         a8 = FORMATS[fmt].int8_activations
-        if scheme.int8_activations and a8 is not None:
-            fmt = a8
+        table = any(r.op == "embedding" for r in readers)
+        if scheme.int8_activations and a8 is not None and not (table and FORMATS[a8].qfmt is None):
+            fmt = a8  # (a table shared with an embedding keeps a format it can read)
         form = FORMATS[fmt]
         if spec.shape[1] % group or group % form.group_step:
             # compiler/options.py checked the flags against the model's shapes

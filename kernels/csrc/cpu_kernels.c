@@ -1333,8 +1333,17 @@ static int a8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k,
  * scales: [N_pad / L][K / group][2][L]: s, then m or c. Per weight vector of 16 columns x
  * 8 k's (4-bit) that is one load, two masks and two vpdpbusd, against eight widen, convert
  * and FMA steps for float activations (qtile_decode above, which the vector ports bound).
- * AVX2 and AVX-512 without VNNI take two instructions per vpdpbusd (GA8_DOT below). */
-enum { GA8_UINT4 = 0, GA8_INT8 = 1 };
+ * AVX2 and AVX-512 without VNNI take two instructions per vpdpbusd (GA8_DOT below).
+ * The GGUF 5- and 6-bit codes run the same way, their top bits OR-ed into each nibble:
+ *   GA8_UINT5 (uint5h_a8, uint5k_a8): w = q s + m, q in [0, 31]
+ *   GA8_INT5  (int5h_a8): w = (q - 16) s, as GA8_UINT5 with m = -16 s
+ *   GA8_INT6  (int6k_a8): w = (q - 32) s, q in [0, 63], m = -32 s
+ * codes: GA8_UINT4's nibbles [N_pad / L][K / 8][L][4], then a byte per lane per 8 k's of
+ * fifth bits (bit j for k = 8b + j), and for GA8_INT6 another of sixth bits. The kind's
+ * bits from 8 up say how the scales are stored (scale_mode: 1 float16, 8 or 16 super-block
+ * records of that many groups); scales [N_pad / L][K / group][P][L] or those records, P = 1
+ * for GA8_INT5 and GA8_INT6. */
+enum { GA8_UINT4 = 0, GA8_INT8 = 1, GA8_UINT5 = 2, GA8_INT5 = 3, GA8_INT6 = 4 };
 #define GA8_ROWS 4
 #define GA8_PANELS 2
 
@@ -1385,10 +1394,44 @@ typedef __m256i vbyte;
 #define GA8_SIGNED_INT8 0
 #endif
 
+/* A bit plane's LANES bytes (bit j of lane c's byte for k = 8b + j) spread over the code
+ * bytes of GA8_UINT4's layout (byte 4c + j of the block): `value` where the bit of that
+ * byte's low nibble (high = 0: bit j) or high one (high = 1: bit 4 + j) is set, else 0. */
+static const uint8_t ga8_spread[64] = {
+    0,  0,  0,  0,  1,  1,  1,  1,  2,  2,  2,  2,  3,  3,  3,  3,  4,  4,  4,  4,  5,  5,
+    5,  5,  6,  6,  6,  6,  7,  7,  7,  7,  8,  8,  8,  8,  9,  9,  9,  9,  10, 10, 10, 10,
+    11, 11, 11, 11, 12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15};
+static const uint8_t ga8_bit[2][64] = {
+    {1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8,
+     1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8,
+     1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8},
+    {16, 32, 64, 128, 16, 32, 64, 128, 16, 32, 64, 128, 16, 32, 64, 128,
+     16, 32, 64, 128, 16, 32, 64, 128, 16, 32, 64, 128, 16, 32, 64, 128,
+     16, 32, 64, 128, 16, 32, 64, 128, 16, 32, 64, 128, 16, 32, 64, 128,
+     16, 32, 64, 128, 16, 32, 64, 128, 16, 32, 64, 128, 16, 32, 64, 128}};
+#if GA8_SIMD && defined(__AVX512BW__)
+static inline vbyte ga8_plane(const uint8_t *plane, int high, char value) {
+    const __m512i rep = _mm512_shuffle_epi8(
+        _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)plane)),
+        _mm512_loadu_si512((const void *)ga8_spread));
+    const __mmask64 set = _mm512_test_epi8_mask(rep, _mm512_loadu_si512((const void *)ga8_bit[high]));
+    return _mm512_maskz_mov_epi8(set, _mm512_set1_epi8(value));
+}
+#elif GA8_SIMD
+static inline vbyte ga8_plane(const uint8_t *plane, int high, char value) {
+    const __m256i rep = _mm256_shuffle_epi8(
+        _mm256_broadcastsi128_si256(_mm_loadl_epi64((const __m128i *)plane)),
+        _mm256_loadu_si256((const __m256i *)ga8_spread));
+    const __m256i bit = _mm256_loadu_si256((const __m256i *)ga8_bit[high]);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(rep, bit), bit),
+                            _mm256_set1_epi8(value));
+}
+#endif
+
 /* x rows -> int8 codes per group (xq, or xq + 128 for GA8_INT8) and per group (sx,
  * sx * sum xq). */
 static void ga8_quantize_row(const float *x, int64_t k, int64_t group, int kind,
-                             uint8_t *bytes, float *xg) {
+                             uint8_t *bytes, float *xg) { /* kind: GA8_INT8 or not */
     for (int64_t g = 0; g < k / group; g++) {
         const float *xr = x + g * group;
         float amax = 0.0f;
@@ -1399,7 +1442,7 @@ static void ga8_quantize_row(const float *x, int64_t k, int64_t group, int kind,
             float q = nearbyintf(xr[i] / sx);
             q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
             sum += (int32_t)q;
-            bytes[g * group + i] = kind == GA8_UINT4 ? (uint8_t)(int8_t)q : (uint8_t)((int)q + 128);
+            bytes[g * group + i] = kind != GA8_INT8 ? (uint8_t)(int8_t)q : (uint8_t)((int)q + 128);
         }
         xg[2 * g] = sx;
         xg[2 * g + 1] = sx * (float)sum;
@@ -1410,10 +1453,12 @@ static void ga8_quantize_row(const float *x, int64_t k, int64_t group, int kind,
  * `np` panels. Always inlined with constant rows and np. */
 static inline __attribute__((always_inline)) void ga8_tile(
     const uint32_t *xb, int64_t k, const float *xg, int64_t group, const uint8_t *panel,
-    int64_t pstride, const float *sc, int64_t sstride, int kind, const float *bias,
+    int64_t pstride, const void *sc, int64_t sstride, int kind, int mode, const float *bias,
     float *out, int64_t n, int64_t cols, const int rows, const int np) {
     const int64_t groups = k / group, kw = k / 4;
-    const int64_t blocks = kind == GA8_UINT4 ? group / 8 : group / 4; /* code blocks a group */
+    const int64_t blocks = kind != GA8_INT8 ? group / 8 : group / 4; /* code blocks a group */
+    const int planes = kind == GA8_INT5 || kind == GA8_INT6 ? 1 : 2;
+    const int64_t fifth = k / 2 * LANES, sixth = fifth + k / 8 * LANES; /* bit planes */
     vlf acc[GA8_PANELS * GA8_ROWS];
     for (int i = 0; i < np * rows; i++) acc[i] = (vlf){0};
     for (int64_t g = 0; g < groups; g++) {
@@ -1427,8 +1472,17 @@ static inline __attribute__((always_inline)) void ga8_tile(
                 const uint8_t *q = panel + p * pstride + (g * blocks + b) * LANES * 4;
                 __builtin_prefetch(q + PREFETCH_BYTES);
                 const vbyte w = GA8_LOAD(q);
-                if (kind == GA8_UINT4) {
-                    const vbyte lo = GA8_LOW_NIBBLES(w), hi = GA8_HIGH_NIBBLES(w);
+                if (kind != GA8_INT8) {
+                    vbyte lo = GA8_LOW_NIBBLES(w), hi = GA8_HIGH_NIBBLES(w);
+                    if (kind != GA8_UINT4) {
+                        const uint8_t *bits = panel + p * pstride + fifth + (g * blocks + b) * LANES;
+                        lo |= ga8_plane(bits, 0, 0x10);
+                        hi |= ga8_plane(bits, 1, 0x10);
+                        if (kind == GA8_INT6) {
+                            lo |= ga8_plane(bits + sixth - fifth, 0, 0x20);
+                            hi |= ga8_plane(bits + sixth - fifth, 1, 0x20);
+                        }
+                    }
                     for (int r = 0; r < rows; r++) {
                         const uint32_t *xr = xw + r * kw + 2 * b;
                         ia[p * rows + r] = GA8_DOT(ia[p * rows + r], lo, GA8_SET1((int)xr[0]));
@@ -1455,15 +1509,25 @@ static inline __attribute__((always_inline)) void ga8_tile(
         for (int64_t b = 0; b < blocks; b++) {
             for (int p = 0; p < np; p++) {
                 const uint8_t *q = panel + p * pstride + (g * blocks + b) * LANES * 4;
+                const uint8_t *f5 = panel + p * pstride + fifth + (g * blocks + b) * LANES;
+                const uint8_t *f6 = f5 + sixth - fifth;
                 for (int r = 0; r < rows; r++) {
                     const uint8_t *xr = (const uint8_t *)(xw + r * kw);
                     for (int c = 0; c < LANES; c++) {
                         int32_t s = 0;
                         for (int j = 0; j < 4; j++) {
-                            if (kind == GA8_UINT4) {
+                            if (kind != GA8_INT8) {
                                 const uint8_t byte = q[c * 4 + j];
-                                s += (byte & 0xF) * (int8_t)xr[8 * b + j] +
-                                     (byte >> 4) * (int8_t)xr[8 * b + 4 + j];
+                                int lo = byte & 0xF, hi = byte >> 4;
+                                if (kind != GA8_UINT4) {
+                                    lo |= ((f5[c] >> j) & 1) << 4;
+                                    hi |= ((f5[c] >> (4 + j)) & 1) << 4;
+                                }
+                                if (kind == GA8_INT6) {
+                                    lo |= ((f6[c] >> j) & 1) << 5;
+                                    hi |= ((f6[c] >> (4 + j)) & 1) << 5;
+                                }
+                                s += lo * (int8_t)xr[8 * b + j] + hi * (int8_t)xr[8 * b + 4 + j];
                             } else {
                                 s += (int8_t)q[c * 4 + j] * xr[4 * b + j];
                             }
@@ -1475,12 +1539,14 @@ static inline __attribute__((always_inline)) void ga8_tile(
         }
 #endif
         for (int p = 0; p < np; p++) {
-            const vlf s = *(const vlf *)(sc + p * sstride + g * 2 * LANES);
-            const vlf mc = *(const vlf *)(sc + p * sstride + (g * 2 + 1) * LANES);
+            const void *ps = scale_at(sc, p * sstride, mode);
+            const vlf s = group_scale(ps, g, 0, planes, mode);
+            const vlf mc = planes == 2 ? group_scale(ps, g, 1, 2, mode)
+                                       : s * (kind == GA8_INT5 ? -16.0f : -32.0f);
             for (int r = 0; r < rows; r++) {
                 const float *t = xg + (r * groups + g) * 2;
                 const vlf f = to_float(isum[p * rows + r]);
-                if (kind == GA8_UINT4)
+                if (kind != GA8_INT8)
                     acc[p * rows + r] += (f * t[0]) * s + mc * t[1];
                 else if (GA8_SIGNED_INT8)
                     acc[p * rows + r] += (f * t[0]) * s;
@@ -1495,22 +1561,27 @@ static inline __attribute__((always_inline)) void ga8_tile(
 
 #define GA8_CASE(R, NP) \
     case R: \
-        ga8_tile(xb, k, xg, group, pp, pstride, sp, sstride, kind, bp, op, n, w, R, NP); \
+        ga8_tile(xb, k, xg, group, pp, pstride, sp, sstride, kind, mode, bp, op, n, w, R, NP); \
         break;
 
 /* x: [m, k] rows `x_stride` apart; codes, scales as above; out: [m, n]. Returns -1
  * without scratch memory, -2 for a kind it does not know or a group it cannot take
  * (a multiple of 8 for GA8_UINT4, of 4 for GA8_INT8, dividing k), else 0. */
 static int ga8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k,
-                          const uint8_t *codes, const float *scales, int kind, int64_t group,
+                          const uint8_t *codes, const void *scales, int kind, int64_t group,
                           int64_t n, const float *bias, float *out, int threads) {
-    if ((kind != GA8_UINT4 && kind != GA8_INT8) || group <= 0 || k % group ||
-        group % (kind == GA8_UINT4 ? 8 : 4))
+    const int mode = kind >> 8;
+    kind &= 0xFF;
+    if (kind < GA8_UINT4 || kind > GA8_INT6 || group <= 0 || k % group ||
+        group % (kind != GA8_INT8 ? 8 : 4) || (mode != SC_F32 && mode != SC_F16 && mode != 8 &&
+                                               mode != 16) || (mode >= 2 && k % (group * mode)))
         return -2;
     const int64_t groups = k / group, panels = (n + LANES - 1) / LANES;
     const int64_t items = (panels + GA8_PANELS - 1) / GA8_PANELS;
-    const int64_t pstride = kind == GA8_UINT4 ? k / 2 * LANES : k * LANES;
-    const int64_t sstride = groups * 2 * LANES;
+    const int64_t pstride = (kind == GA8_UINT4 ? k / 2 : kind == GA8_INT8 ? k
+                             : kind == GA8_INT6 ? k / 2 + k / 4 : k / 2 + k / 8) * LANES;
+    const int64_t sstride =
+        scale_stride(k, group, kind == GA8_INT5 || kind == GA8_INT6 ? 1 : 2, mode);
     uint8_t *xball = malloc((size_t)(m * k) + (size_t)(m * groups * 2) * sizeof(float));
     if (!xball) return -1;
     float *xgall = (float *)(xball + m * k); /* k % 8 == 0 or k % 4 == 0: aligned */
@@ -1530,7 +1601,7 @@ static int ga8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k
             for (int64_t p = 0; p < have; p += (have == GA8_PANELS ? GA8_PANELS : 1)) {
                 const int64_t c0 = p * LANES, w = span - c0;
                 const uint8_t *pp = codes + (p0 + p) * pstride;
-                const float *sp = scales + (p0 + p) * sstride;
+                const void *sp = scale_at(scales, (p0 + p) * sstride, mode);
                 const float *bp = bias ? bias + col0 + c0 : NULL;
                 float *op = out + r0 * n + col0 + c0;
                 if (have == GA8_PANELS) {
@@ -1597,7 +1668,7 @@ int kiln_a8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k,
 }
 
 int kiln_ga8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k,
-                        const uint8_t *codes, const float *scales, int kind, int64_t group,
+                        const uint8_t *codes, const void *scales, int kind, int64_t group,
                         int64_t n, const float *bias, float *out, int prologue, int threads) {
     float *scratch;
     int rc = prologue_input(&x, &x_stride, m, k, prologue, threads, &scratch);

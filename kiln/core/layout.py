@@ -19,6 +19,11 @@ the loader (no torch import: the loader checks shapes from the graph alone).
   [N_pad / L][K / 4][L][4].
 - "a4panels{L}": 4-bit codes for the same dot products (uint4_a8), [N_pad / L][K / 8][L][4]
   bytes: byte j of a lane's 4 holds k = 8b + j in its low nibble, 8b + 4 + j in its high.
+- "a5panels{L}" / "a6panels{L}": 5- and 6-bit codes for those dot products (the int8-
+  activation forms of the GGUF 5-bit, Q5_K and Q6_K formats): a4's nibbles [N_pad / L][K / 8]
+  [L][4], then one plane of fifth bits (a5) or two planes, the fifth bits then the sixth
+  (a6), each [N_pad / L][K / 8][L], bit j of a lane's byte b for k = 8b + j; one uint8
+  tensor [N_pad / L][K / 2 + K / 8 (a6: + K / 4)][L].
 - "spanels{L}": the scales (and mins) of those codes, logical [N, K / group, P] with P = 1
   (scale) or 2 (scale, min), stored [N_pad / L][K / group][P][L].
 """
@@ -36,7 +41,7 @@ if TYPE_CHECKING:
 else:
     torch = lazy_module("torch")
 
-LAYOUT = re.compile(r"rows|panels(8|16)x([1-8])|(q8|q4|q5|q6|a8|a4|s|k)panels(8|16)")
+LAYOUT = re.compile(r"rows|panels(8|16)x([1-8])|(q8|q4|q5|q6|a8|a4|a5|a6|s|k)panels(8|16)")
 
 
 def panel_shape(target: Target) -> tuple[int, int]:
@@ -93,8 +98,8 @@ def stored_shape(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
         return (tiles, shape[1] * shape[2], lanes)
     if kind in ("a8", "a4"):
         return (tiles, shape[1] // (4 if kind == "a8" else 8), lanes, 4)
-    if kind in ("q5", "q6"):
-        return (tiles, shape[1] // 2 + shape[1] // (8 if kind == "q5" else 4), lanes)
+    if kind in ("q5", "q6", "a5", "a6"):
+        return (tiles, shape[1] // 2 + shape[1] // (8 if kind in ("q5", "a5") else 4), lanes)
     return (tiles, shape[1] // 2 if kind == "q4" else shape[1], lanes)
 
 
@@ -127,10 +132,14 @@ def pack_qpanels(t: torch.Tensor, layout: str) -> torch.Tensor:
         return tiles.reshape(tiles.shape[0], lanes, -1).transpose(1, 2).contiguous()
     if kind == "a8":  # [T, L, K] -> [T, K / 4, L, 4]
         return tiles.view(tiles.shape[0], lanes, -1, 4).permute(0, 2, 1, 3).contiguous()
-    if kind == "a4":  # [T, L, K] -> [T, L, K / 8, 2, 4] -> nibbles [T, K / 8, L, 4]
-        blocks = tiles.view(tiles.shape[0], lanes, -1, 2, 4)
-        packed = blocks[..., 0, :] | (blocks[..., 1, :] << 4)
-        return packed.permute(0, 2, 1, 3).contiguous()
+    if kind in ("a4", "a5", "a6"):  # [T, L, K] -> [T, L, K / 8, 2, 4] -> [T, K / 8, L, 4]
+        blocks = tiles.view(tiles.shape[0], lanes, -1, 2, 4) & 0xF
+        packed = (blocks[..., 0, :] | (blocks[..., 1, :] << 4)).permute(0, 2, 1, 3)
+        if kind == "a4":
+            return packed.contiguous()
+        nibbles = packed.reshape(tiles.shape[0], -1, lanes)  # [T, K / 2, L] bytes
+        planes = [_bit_plane(tiles, 4)] + ([_bit_plane(tiles, 5)] if kind == "a6" else [])
+        return torch.cat([nibbles, *planes], dim=1).contiguous()
     panels = tiles.transpose(1, 2).contiguous()  # [T, K, L]
     if kind == "q8":
         return panels
@@ -148,11 +157,34 @@ def pack_qpanels(t: torch.Tensor, layout: str) -> torch.Tensor:
     return torch.cat([nibbles, bits], dim=1).contiguous()
 
 
+def _bit_plane(tiles: torch.Tensor, bit: int) -> torch.Tensor:
+    """Bit `bit` of codes [T, L, K] as bytes [T, K / 8, L], bit j for k = 8b + j."""
+    bits = ((tiles >> bit) & 1).view(tiles.shape[0], tiles.shape[1], -1, 8)  # [T, L, K/8, 8]
+    weights = (1 << torch.arange(8, dtype=torch.uint8)).view(1, 1, 1, 8)
+    return (bits * weights).sum(-1, dtype=torch.uint8).transpose(1, 2)
+
+
+def _unpack_bit_plane(plane: torch.Tensor) -> torch.Tensor:
+    """Bytes [T, K / 8, L] -> bits [T, K, L] (k = 8b + j from bit j of byte b)."""
+    shifts = torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)
+    return ((plane.unsqueeze(2) >> shifts) & 1).reshape(plane.shape[0], -1, plane.shape[2])
+
+
 def unpack_codes(codes: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
     """Codes stored in layout `kind` (q8, q4, q5, q6, a8, a4) -> [rows, K], one code per
     element (4-, 5- and 6-bit codes as 0..15 / 0..31 / 0..63), as `pack_qpanels` had them."""
     if kind == "a8":  # [T, K/4, L, 4] -> [T, K, L]
         codes = codes.permute(0, 1, 3, 2).reshape(codes.shape[0], -1, codes.shape[2])
+    elif kind in ("a5", "a6"):  # a4's nibbles [T, K/2, L] as [T, K/8, L, 4], then bit planes
+        tiles, stored, lanes = codes.shape
+        k = stored * (8 if kind == "a5" else 4) // (5 if kind == "a5" else 3)
+        nib = codes[:, : k // 2].reshape(tiles, k // 8, lanes, 4)
+        low = unpack_codes(nib, "a4", tiles * lanes)  # [T * L, K]
+        low = low.view(tiles, lanes, k).transpose(1, 2)
+        high = _unpack_bit_plane(codes[:, k // 2 : k // 2 + k // 8]) << 4
+        if kind == "a6":
+            high = high | (_unpack_bit_plane(codes[:, k // 2 + k // 8 :]) << 5)
+        codes = low | high
     elif kind == "a4":  # [T, K/8, L, 4] bytes -> [T, K, L], 4 low nibbles first
         t, blocks, lanes, _ = codes.shape
         nibbles = torch.stack([codes & 0xF, codes >> 4], dim=3)  # [T, K/8, L, 2, 4]

@@ -23,6 +23,9 @@ group of `group` consecutive inputs, float32 scales and codes:
   kernel quantizes the activations to int8 per group of `group` inputs (llama.cpp's way
   with its Q4_0 / Q4_1 / Q8_0 blocks) to sum each group in int32. uint4_a8's planes are
   uint4's; int8_a8's second plane is 128 * sum_k q over the group (as w8a8_int8's).
+  The 5-bit, 6-bit and super-block formats have int8-activation forms too (int5h_a8,
+  uint5h_a8, uint4k_a8, uint5k_a8, int6k_a8): their own codes and scales, in layouts for
+  the same int8 dot products (`_with_a8`).
 
 `dequantize` is the reference every kernel is tested against.
 """
@@ -50,7 +53,8 @@ class QuantFormat:
 
     name: str
     code_dtype: Literal["int8", "uint8"]  # what the codes are stored as
-    layout: Literal["q8", "q4", "q5", "q6", "a8", "a4"]  # their panel kind (kiln/core/layout.py)
+    # their panel kind (kiln/core/layout.py)
+    layout: Literal["q8", "q4", "q5", "q6", "a8", "a4", "a5", "a6"]
     planes: int  # scale planes: 1 (scale) or 2 (scale and min, or scale and code sum)
     # kiln_cpu's entry point for its linears, and the format's numbers in the C source:
     # QFMT_* (qlinear and the quantized embedding) and GA8_* (the ga8 linear).
@@ -173,6 +177,40 @@ FORMATS: dict[str, QuantFormat] = {
     "uint5k": _super_blocks("uint5", "uint5k", 12, "Q5_K", 32),
     "int6k": _super_blocks("int8", "int6k", 13, "Q6_K", 16),
 }
+
+
+def _with_a8(stored: str, layout: str, kind: int) -> QuantFormat:
+    """The int8-activation form of a 5-bit, 6-bit or super-block format: its codes in
+    `layout` (kiln/core/layout.py) for kiln_cpu's ga8 linear, its scales as they are. The
+    kernel's kind carries how the scales are stored: kind | 256 x (1 for float16, or the
+    groups of a super-block)."""
+    form = FORMATS[stored]
+    mode = form.superblock or (1 if form.scale_dtype == "float16" else 0)
+    return dataclasses.replace(
+        form,
+        name=f"{stored}_a8",
+        layout=layout,  # type: ignore[arg-type]
+        kernel="ga8",
+        qfmt=None,  # no embedding kernel reads these layouts: a table keeps `stored`
+        ga8=kind | mode << 8,
+        group_step=8,
+        base=stored,
+        int8_activations=None,
+        gguf=(),
+    )
+
+
+# ga8 kinds in the C source: GA8_UINT5 = 2, GA8_INT5 = 3, GA8_INT6 = 4.
+for _stored, _layout, _kind in (
+    ("int5h", "a5", 3),
+    ("uint5h", "a5", 2),
+    ("uint4k", "a4", 0),
+    ("uint5k", "a5", 2),
+    ("int6k", "a6", 4),
+):
+    FORMATS[f"{_stored}_a8"] = _with_a8(_stored, _layout, _kind)
+    FORMATS[_stored] = dataclasses.replace(FORMATS[_stored], int8_activations=f"{_stored}_a8")
+
 # Formats a wider one holds exactly: where a fused weight's parts are stored in several
 # of these at one group size, they all run as the narrowest that holds every part (int8
 # holds int5's codes minus 16; int8m holds all, an int8 or int5 part with a min of 0).
@@ -233,6 +271,8 @@ def kscale_values(records: np.ndarray, fmt: str) -> np.ndarray:
     d = rec[..., : 2 * planes].copy().view(np.float16).astype(np.float32)  # [N, SB, P]
     ints = rec[..., 2 * planes :].copy().view(np.int8).astype(np.float32)
     return (d[:, :, None, :] * ints.reshape(n, blocks, per, planes)).reshape(n, -1, planes)
+
+
 FP8_E4M3_MAX = 448.0
 
 
@@ -500,6 +540,6 @@ def _from_k_quant(rows: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.ndar
     pairs = rows[..., 128:192].reshape(n, sb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(
         1, 1, 1, 4, 1
     )
-    codes = (low | ((pairs & 0x03) << 4)).astype(np.uint8).reshape(n, k)  # q in [0, 63]
+    six = (low | ((pairs & 0x03) << 4)).astype(np.uint8).reshape(n, k)  # q in [0, 63]
     records = np.concatenate([rows[..., 208:210], rows[..., 192:208]], axis=-1)  # d, 16 scales
-    return codes, np.ascontiguousarray(records)
+    return six, np.ascontiguousarray(records)

@@ -206,7 +206,17 @@ def test_gguf_blocks_run_as_stored_unless_a_float_dtype_is_asked(
 # Q6_K's int8_a8 at groups of 16 is held to its integer reference in tests/kernels: on
 # this tiny random file its logits swing so far on rounding ties that the statistical
 # comparison below says nothing either way.
-@pytest.mark.parametrize("case", ["llama-q8_0", "llama-q4_0-tied", "llama-q4_1", "llama-q4_k"])
+A8_FORMATS = {
+    "llama-q8_0": "int8_a8",
+    "llama-q4_0-tied": "uint4_a8",
+    "llama-q4_1": "uint4_a8",
+    "llama-q4_k": "uint4k_a8",  # the super-block records as stored, in int8 dot products
+    "llama-q5_k": "uint5k_a8",
+    "qwen2-q5_0": "int5h_a8",
+}
+
+
+@pytest.mark.parametrize("case", sorted(A8_FORMATS))
 def test_gguf_blocks_with_int8_activations_match_transformers_rounding_the_same(
     case: str, gguf_file: Callable[[str], Path], tmp_path: Path
 ) -> None:
@@ -218,9 +228,10 @@ def test_gguf_blocks_with_int8_activations_match_transformers_rounding_the_same(
     art = tmp_path / "art"
     compile_model(ServerArgs(model_path=str(path), quantize_activations="int8"), art)
     nodes = json.loads((art / "graph.json").read_text())["nodes"]
-    fmt = "int8_a8" if "q8_0" in case else "uint4_a8"
     group = 32
-    assert {n["attrs"]["format"] for n in nodes if n["op"].startswith("quant_")} == {fmt}
+    assert {n["attrs"]["format"] for n in nodes if n["op"].startswith("quant_")} == {
+        A8_FORMATS[case]
+    }
     assert not any(n["op"] in ("linear", "packed_linear") for n in nodes)
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     seq = PROMPTS[1]

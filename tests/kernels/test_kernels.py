@@ -230,6 +230,16 @@ def test_super_block_linear_matches_its_dequantized_weight(
     ids = torch.tensor([0, 199, 17, 17, 64])
     got = k("quant_embedding", backend)(ids, codes, scales, **kw)
     torch.testing.assert_close(got, w[ids], rtol=0, atol=0)
+    # --quantize-activations int8: the same codes in the int8 dot products' layout, the
+    # same records; activations rounded per group as the reference rounds them
+    a8 = FORMATS[f"{fmt}_a8"]
+    codes = pack_qpanels(q, f"{a8.layout}panels{lanes}")
+    group = form.gguf[0][1]
+    kw = {"format": a8.name, "group": group, "out_features": 200}
+    ref = (quantize_group_activations(x, group) @ w.double().T).float() + b
+    got = k("quant_linear", backend)(x, codes, scales, b, **kw)
+    torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-5)
+    assert (got - F.linear(x, w, b)).abs().max() > 0
 
 
 @BOTH
@@ -262,10 +272,13 @@ GA8_CASES = [
     ("int8_a8", 16),  # GGUF Q6_K's groups
     ("int8_a8", 12),
 ]
+# int8-activation forms no embedding kernel reads (a table shared with the embedding keeps
+# its stored format): GGUF Q5_0 and Q5_1.
+GA8_LINEAR_CASES = [("int5h_a8", 32), ("uint5h_a8", 32), ("uint5h_a8", 48)]
 
 
 @BOTH
-@pytest.mark.parametrize(("fmt", "group"), GA8_CASES)
+@pytest.mark.parametrize(("fmt", "group"), GA8_CASES + GA8_LINEAR_CASES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 17])
 def test_group_int8_activation_linear_sums_exactly(
     backend: str, fmt: str, group: int, rows: int

@@ -151,6 +151,28 @@ def test_tp2_quantized_runs_tp1s_numbers(
     assert 0 < err2 < 2 * err1, (err1, err2)
 
 
+def test_tp2_k_quant_ranks_hold_whole_super_blocks_or_their_groups(
+    checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """A GGUF Q4_K file at --tp-size 2: a rank's part of down_proj (256 of 512 inputs) is
+    whole super-blocks and keeps them (the scale records cut by super-block); o_proj's 128
+    of 256 are not, and run as the same weights with a float32 scale a group (uint4); both
+    give tp=1's ids and logits."""
+    from gguf_files import write_gguf
+
+    ckpt = checkpoint("llama", hidden_size=256, intermediate_size=512)
+    path = write_gguf(ckpt, tmp_path / "q4_k.gguf", "Q4_K")
+    arts = {tp: tmp_path / f"tp{tp}" for tp in (1, 2)}
+    for tp, art in arts.items():
+        compile_model(ServerArgs(model_path=str(path), tp_size=tp), art)
+    nodes = json.loads((arts[2] / "graph.rank1.json").read_text())["nodes"]
+    formats = [n["attrs"]["format"] for n in nodes if n["op"] == "quant_linear"]
+    assert formats[:4] == ["uint4k", "uint4", "uint4k", "uint4k"]  # qkv, o, gate_up, down
+    ref_out, ref_logits, out, logits = _tp1_and_tp2(arts[1], arts[2])
+    assert [o["output_ids"] for o in out] == [o["output_ids"] for o in ref_out]
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+
+
 def test_tp_refuses_what_does_not_divide(checkpoint: Callable[..., Path], tmp_path: Path):
     ckpt = str(checkpoint("llama", num_heads=6, num_kv_heads=2))
     with pytest.raises(ArgError, match="--tp-size 4: num_attention_heads 6 is not divisible"):
