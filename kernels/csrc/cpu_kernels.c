@@ -1338,8 +1338,9 @@ static int a8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k,
  *   GA8_UINT5 (uint5h_a8, uint5k_a8): w = q s + m, q in [0, 31]
  *   GA8_INT5  (int5h_a8): w = (q - 16) s, as GA8_UINT5 with m = -16 s
  *   GA8_INT6  (int6k_a8): w = (q - 32) s, q in [0, 63], m = -32 s
- * codes: GA8_UINT4's nibbles [N_pad / L][K / 8][L][4], then a byte per lane per 8 k's of
- * fifth bits (bit j for k = 8b + j), and for GA8_INT6 another of sixth bits. The kind's
+ * codes: GA8_UINT4's nibbles [N_pad / L][K / 8][L][4], then a plane of fifth bits, and
+ * for GA8_INT6 another of sixth bits, each [N_pad / L][K / 8][L] bytes: per block of 8 k's
+ * the bits of its low nibbles, then of its high ones, in code-byte order (ga8_plane). The kind's
  * bits from 8 up say how the scales are stored (scale_mode: 1 float16, 8 or 16 super-block
  * records of that many groups); scales [N_pad / L][K / group][P][L] or those records, P = 1
  * for GA8_INT5 and GA8_INT6. */
@@ -1394,37 +1395,30 @@ typedef __m256i vbyte;
 #define GA8_SIGNED_INT8 0
 #endif
 
-/* A bit plane's LANES bytes (bit j of lane c's byte for k = 8b + j) spread over the code
- * bytes of GA8_UINT4's layout (byte 4c + j of the block): `value` where the bit of that
- * byte's low nibble (high = 0: bit j) or high one (high = 1: bit 4 + j) is set, else 0. */
-static const uint8_t ga8_spread[64] = {
-    0,  0,  0,  0,  1,  1,  1,  1,  2,  2,  2,  2,  3,  3,  3,  3,  4,  4,  4,  4,  5,  5,
-    5,  5,  6,  6,  6,  6,  7,  7,  7,  7,  8,  8,  8,  8,  9,  9,  9,  9,  10, 10, 10, 10,
-    11, 11, 11, 11, 12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15};
-static const uint8_t ga8_bit[2][64] = {
-    {1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8,
-     1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8,
-     1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8, 1, 2, 4, 8},
-    {16, 32, 64, 128, 16, 32, 64, 128, 16, 32, 64, 128, 16, 32, 64, 128,
-     16, 32, 64, 128, 16, 32, 64, 128, 16, 32, 64, 128, 16, 32, 64, 128,
-     16, 32, 64, 128, 16, 32, 64, 128, 16, 32, 64, 128, 16, 32, 64, 128,
-     16, 32, 64, 128, 16, 32, 64, 128, 16, 32, 64, 128, 16, 32, 64, 128}};
+/* A bit plane's block (LANES bytes: the bits of the block's low nibbles, then of its high
+ * ones, each in code-byte order, bit 4c + j for lane c's byte j) spread over the code bytes
+ * of GA8_UINT4's layout: `value` OR-ed into `w` (the low or high nibbles, `high`) where the
+ * byte's bit is set. AVX-512: the half is a byte mask as it is; AVX2: each byte picks its
+ * bit from the broadcast half. */
 #if GA8_SIMD && defined(__AVX512BW__)
-static inline vbyte ga8_plane(const uint8_t *plane, int high, char value) {
-    const __m512i rep = _mm512_shuffle_epi8(
-        _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)plane)),
-        _mm512_loadu_si512((const void *)ga8_spread));
-    const __mmask64 set = _mm512_test_epi8_mask(rep, _mm512_loadu_si512((const void *)ga8_bit[high]));
-    return _mm512_maskz_mov_epi8(set, _mm512_set1_epi8(value));
+static inline vbyte ga8_plane(vbyte w, const uint8_t *plane, int high, char value) {
+    uint64_t bits;
+    memcpy(&bits, plane + high * 8, sizeof bits);
+    return _mm512_mask_add_epi8(w, _cvtu64_mask64(bits), w, _mm512_set1_epi8(value));
 }
 #elif GA8_SIMD
-static inline vbyte ga8_plane(const uint8_t *plane, int high, char value) {
-    const __m256i rep = _mm256_shuffle_epi8(
-        _mm256_broadcastsi128_si256(_mm_loadl_epi64((const __m128i *)plane)),
-        _mm256_loadu_si256((const __m256i *)ga8_spread));
-    const __m256i bit = _mm256_loadu_si256((const __m256i *)ga8_bit[high]);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(rep, bit), bit),
-                            _mm256_set1_epi8(value));
+static inline vbyte ga8_plane(vbyte w, const uint8_t *plane, int high, char value) {
+    static const uint8_t spread[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                       2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
+    static const uint8_t bit[32] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128,
+                                    1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    int32_t half;
+    memcpy(&half, plane + high * 4, sizeof half);
+    const __m256i rep = _mm256_shuffle_epi8(_mm256_set1_epi32(half),
+                                            _mm256_loadu_si256((const __m256i *)spread));
+    const __m256i b = _mm256_loadu_si256((const __m256i *)bit);
+    return _mm256_or_si256(w, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(rep, b), b),
+                                               _mm256_set1_epi8(value)));
 }
 #endif
 
@@ -1476,11 +1470,11 @@ static inline __attribute__((always_inline)) void ga8_tile(
                     vbyte lo = GA8_LOW_NIBBLES(w), hi = GA8_HIGH_NIBBLES(w);
                     if (kind != GA8_UINT4) {
                         const uint8_t *bits = panel + p * pstride + fifth + (g * blocks + b) * LANES;
-                        lo |= ga8_plane(bits, 0, 0x10);
-                        hi |= ga8_plane(bits, 1, 0x10);
+                        lo = ga8_plane(lo, bits, 0, 0x10);
+                        hi = ga8_plane(hi, bits, 1, 0x10);
                         if (kind == GA8_INT6) {
-                            lo |= ga8_plane(bits + sixth - fifth, 0, 0x20);
-                            hi |= ga8_plane(bits + sixth - fifth, 1, 0x20);
+                            lo = ga8_plane(lo, bits + sixth - fifth, 0, 0x20);
+                            hi = ga8_plane(hi, bits + sixth - fifth, 1, 0x20);
                         }
                     }
                     for (int r = 0; r < rows; r++) {
@@ -1519,13 +1513,14 @@ static inline __attribute__((always_inline)) void ga8_tile(
                             if (kind != GA8_INT8) {
                                 const uint8_t byte = q[c * 4 + j];
                                 int lo = byte & 0xF, hi = byte >> 4;
+                                const int at = 4 * c + j, half = LANES / 2;
                                 if (kind != GA8_UINT4) {
-                                    lo |= ((f5[c] >> j) & 1) << 4;
-                                    hi |= ((f5[c] >> (4 + j)) & 1) << 4;
+                                    lo |= ((f5[at / 8] >> (at % 8)) & 1) << 4;
+                                    hi |= ((f5[half + at / 8] >> (at % 8)) & 1) << 4;
                                 }
                                 if (kind == GA8_INT6) {
-                                    lo |= ((f6[c] >> j) & 1) << 5;
-                                    hi |= ((f6[c] >> (4 + j)) & 1) << 5;
+                                    lo |= ((f6[at / 8] >> (at % 8)) & 1) << 5;
+                                    hi |= ((f6[half + at / 8] >> (at % 8)) & 1) << 5;
                                 }
                                 s += lo * (int8_t)xr[8 * b + j] + hi * (int8_t)xr[8 * b + 4 + j];
                             } else {

@@ -22,8 +22,9 @@ the loader (no torch import: the loader checks shapes from the graph alone).
 - "a5panels{L}" / "a6panels{L}": 5- and 6-bit codes for those dot products (the int8-
   activation forms of the GGUF 5-bit, Q5_K and Q6_K formats): a4's nibbles [N_pad / L][K / 8]
   [L][4], then one plane of fifth bits (a5) or two planes, the fifth bits then the sixth
-  (a6), each [N_pad / L][K / 8][L], bit j of a lane's byte b for k = 8b + j; one uint8
-  tensor [N_pad / L][K / 2 + K / 8 (a6: + K / 4)][L].
+  (a6), each [N_pad / L][K / 8][L] bytes: per block of 8 k's, the bits of its low nibbles
+  then of its high ones, each half in code-byte order (bit 4c + j for lane c's byte j: an
+  AVX-512 byte mask as stored); one uint8 tensor [N_pad / L][K / 2 + K / 8 (a6: + K / 4)][L].
 - "spanels{L}": the scales (and mins) of those codes, logical [N, K / group, P] with P = 1
   (scale) or 2 (scale, min), stored [N_pad / L][K / group][P][L].
 """
@@ -158,16 +159,23 @@ def pack_qpanels(t: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def _bit_plane(tiles: torch.Tensor, bit: int) -> torch.Tensor:
-    """Bit `bit` of codes [T, L, K] as bytes [T, K / 8, L], bit j for k = 8b + j."""
-    bits = ((tiles >> bit) & 1).view(tiles.shape[0], tiles.shape[1], -1, 8)  # [T, L, K/8, 8]
-    weights = (1 << torch.arange(8, dtype=torch.uint8)).view(1, 1, 1, 8)
-    return (bits * weights).sum(-1, dtype=torch.uint8).transpose(1, 2)
+    """Bit `bit` of codes [T, L, K] as a5 / a6's plane [T, K / 8, L] bytes: per block of 8
+    k's, the bits of its low nibbles (k = 8b + j, j < 4), then of its high ones (8b + 4 + j),
+    each in code-byte order (bit 4c + j of the half for lane c), packed little-endian."""
+    t, lanes, k = tiles.shape
+    bits = ((tiles >> bit) & 1).view(t, lanes, k // 8, 2, 4).permute(0, 2, 3, 1, 4)
+    octets = bits.reshape(t, k // 8, 2, lanes // 2, 8)
+    weights = (1 << torch.arange(8, dtype=torch.uint8)).view(1, 1, 1, 1, 8)
+    return (octets * weights).sum(-1, dtype=torch.uint8).reshape(t, k // 8, lanes)
 
 
 def _unpack_bit_plane(plane: torch.Tensor) -> torch.Tensor:
-    """Bytes [T, K / 8, L] -> bits [T, K, L] (k = 8b + j from bit j of byte b)."""
-    shifts = torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)
-    return ((plane.unsqueeze(2) >> shifts) & 1).reshape(plane.shape[0], -1, plane.shape[2])
+    """a5 / a6's plane [T, K / 8, L] bytes -> bits [T, K, L]."""
+    t, blocks, lanes = plane.shape
+    shifts = torch.arange(8, dtype=torch.uint8).view(1, 1, 1, 1, 8)
+    octets = (plane.view(t, blocks, 2, lanes // 2, 1) >> shifts) & 1  # [T, B, 2, L/2, 8]
+    bits = octets.reshape(t, blocks, 2, lanes, 4).permute(0, 1, 2, 4, 3)  # [T, B, 2, 4, L]
+    return bits.reshape(t, blocks * 8, lanes)
 
 
 def unpack_codes(codes: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
