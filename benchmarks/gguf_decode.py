@@ -1,12 +1,16 @@
 """Batch-1 decode on GGUF files as people download them, kiln against llama.cpp's own
 `llama-bench` on the same file, in the same run.
 
-    python benchmarks/gguf_decode.py --llama-bench PATH/llama-bench [--rounds 5] [FILES...]
+    python benchmarks/gguf_decode.py --llama-bench PATH/llama-bench [--rounds 5] [--a8] [FILES...]
 
 FILES default to the Gemma 3 270M Q4_K_M file (`python -m kiln.example --fetch gemma3`)
 and SmolLM2-135M-Instruct requantized by llama.cpp's own `llama-quantize` (found beside
 llama-bench) to Q4_K_M, Q5_K_M and Q6_K. Build both programs from the llama.cpp tree
 vendored in llama-cpp-python's sdist (benchmarks/RESULTS.md has the commands).
+
+With --a8 each file gets a second kiln row compiled with `--quantize-activations int8`
+(activations rounded to int8 per weight group and summed in int32, as llama.cpp does with
+these blocks), measured in the same alternating rounds.
 
 Per file, rounds alternate kiln, llama-bench, kiln, ...: kiln's engine (its own process,
 `--threads` threads) decodes 64 tokens after a 128-token prompt, its rate (tokens - 1) over
@@ -22,7 +26,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import re
 import statistics
 import subprocess
 import tempfile
@@ -101,6 +104,7 @@ def main() -> None:
     p.add_argument("--llama-bench", type=Path, required=True)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--a8", action="store_true", help="also kiln with --quantize-activations int8")
     args = p.parse_args()
 
     from kiln.args import ServerArgs
@@ -110,26 +114,34 @@ def main() -> None:
     bw = read_bandwidth_gbs()
     rows = []
     for gguf in args.files or files(args.llama_bench, work):
-        art = work / f"art-{gguf.stem}"
-        compile_model(ServerArgs(model_path=str(gguf)), art)
-        step_bytes = (art / "weights" / "rank0.safetensors").stat().st_size
-        graph = json.loads((art / "graph.json").read_text())
-        floats = sum(n["op"] in ("linear", "packed_linear") for n in graph["nodes"])
-        kiln = Kiln(art, args.threads)
-        kiln.decode_rate(8)  # warm-up
-        got: dict[str, list[float]] = {"kiln": [], "llama": []}
+        kilns = {"": {}, " +a8": {"quantize_activations": "int8"}} if args.a8 else {"": {}}
+        runs: dict[str, Kiln] = {}
+        step_bytes: dict[str, int] = {}
+        floats: dict[str, int] = {}
+        for tag, flags in kilns.items():
+            art = work / f"art-{gguf.stem}{tag.strip()}"
+            compile_model(ServerArgs(model_path=str(gguf), **flags), art)
+            step_bytes[tag] = (art / "weights" / "rank0.safetensors").stat().st_size
+            graph = json.loads((art / "graph.json").read_text())
+            floats[tag] = sum(n["op"] in ("linear", "packed_linear") for n in graph["nodes"])
+            runs[tag] = Kiln(art, args.threads)
+            runs[tag].decode_rate(8)  # warm-up
+        got: dict[str, list[float]] = {tag: [] for tag in runs} | {"llama": []}
         for _ in range(args.rounds):
-            got["kiln"].append(kiln.decode_rate())
+            for tag, kiln in runs.items():
+                got[tag].append(kiln.decode_rate())
             got["llama"].append(llama_bench_rate(args.llama_bench, gguf, args.threads))
-        kiln.close()
-        k, ll = statistics.median(got["kiln"]), statistics.median(got["llama"])
+        for kiln in runs.values():
+            kiln.close()
+        ll = statistics.median(got["llama"])
         size = gguf.stat().st_size
-        types = re.sub(r"\.gguf$", "", gguf.name)
-        rows.append(
-            f"| {types} | {step_bytes / 1e6:.0f} / {size / 1e6:.0f} | {floats} | "
-            f"{spread(got['kiln'])} | {spread(got['llama'])} | {k / ll:.2f}x | "
-            f"{k * step_bytes / (bw * 1e9):.0%} / {ll * size / (bw * 1e9):.0%} |"
-        )
+        for tag in runs:
+            k = statistics.median(got[tag])
+            rows.append(
+                f"| {gguf.stem}{tag} | {step_bytes[tag] / 1e6:.0f} / {size / 1e6:.0f} | "
+                f"{floats[tag]} | {spread(got[tag])} | {spread(got['llama'])} | {k / ll:.2f}x | "
+                f"{k * step_bytes[tag] / (bw * 1e9):.0%} / {ll * size / (bw * 1e9):.0%} |"
+            )
     print("\n## Batch-1 decode at a 128-token depth on GGUF K-quant files, kiln vs llama-bench")
     print(machine())
     print(
