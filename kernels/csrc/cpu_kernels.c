@@ -622,14 +622,15 @@ int kiln_embedding_packed_f32(const int64_t *ids, int64_t tokens, const float *p
 enum { QFMT_INT8 = 0, QFMT_UINT4 = 1, QFMT_FP8_E4M3 = 2, QFMT_INT8M = 5, QFMT_INT5 = 6,
        QFMT_UINT5 = 7, QFMT_INT8H = 8, QFMT_UINT4H = 9, QFMT_INT5H = 10, QFMT_UINT4K = 11,
        QFMT_UINT5K = 12, QFMT_INT6K = 13, QFMT_INT6 = 14 /* INT6K's codes; not a format */,
-       QFMT_UINT5H = 15, QFMT_INT8MH = 16 };
+       QFMT_UINT5H = 15, QFMT_INT8MH = 16, QFMT_INT8H_A8 = 17 /* embedding only */ };
 
 /* How a format stores its scales: SC_F32, SC_F16 (the *H formats: GGUF's Q8_0, Q4_0 / Q4_1,
  * Q5_0 and Q5_1 blocks as stored, and INT8MH for Q8_0 and Q5_1 parts of one fused weight),
  * or, from 2 up, super-block records of that many groups (the *K formats). */
 enum { SC_F32 = 0, SC_F16 = 1 };
 static inline int scale_mode(int fmt) {
-    if ((fmt >= QFMT_INT8H && fmt <= QFMT_INT5H) || fmt == QFMT_UINT5H || fmt == QFMT_INT8MH)
+    if ((fmt >= QFMT_INT8H && fmt <= QFMT_INT5H) || fmt == QFMT_UINT5H || fmt == QFMT_INT8MH ||
+        fmt == QFMT_INT8H_A8)
         return SC_F16;
     if (fmt == QFMT_UINT4K || fmt == QFMT_UINT5K) return 8;
     return fmt == QFMT_INT6K ? 16 : SC_F32;
@@ -1130,15 +1131,16 @@ int kiln_qembedding_f32(const int64_t *ids, int64_t tokens, const void *q, const
     const int mode = scale_mode(fmt);
     fmt = base_format(fmt);
     const int five = fmt == QFMT_INT5 || fmt == QFMT_UINT5, six = fmt == QFMT_INT6;
-    if (((fmt < QFMT_INT8 || fmt > QFMT_INT8_A8) && fmt != QFMT_INT8M && !five && !six) ||
+    if (((fmt < QFMT_INT8 || fmt > QFMT_INT8_A8) && fmt != QFMT_INT8M && fmt != QFMT_INT8H_A8 &&
+         !five && !six) ||
         group <= 0 || h % group || (five && h % 8) || (six && h % 4) ||
         (mode >= 2 && h % (group * mode)))
         return -2;
     const int nibbles = fmt == QFMT_UINT4 || fmt == QFMT_UINT4_A8;
     const int64_t panel_bytes =
         (nibbles ? h / 2 : five ? h / 2 + h / 8 : six ? h / 2 + h / 4 : h) * LANES;
-    const int planes =
-        fmt == QFMT_INT8 || fmt == QFMT_FP8_E4M3 || fmt == QFMT_INT5 || six ? 1 : 2;
+    const int planes = fmt == QFMT_INT8 || fmt == QFMT_FP8_E4M3 || fmt == QFMT_INT5 || six ||
+                               fmt == QFMT_INT8H_A8 ? 1 : 2;
     const int64_t panel_scales = scale_stride(h, group, planes, mode);
     for (int64_t t = 0; t < tokens; t++) {
         const int64_t id = ids[t];
@@ -1168,7 +1170,7 @@ int kiln_qembedding_f32(const int64_t *ids, int64_t tokens, const void *q, const
                 v = (float)(q - 32) * s;
             } else if (fmt == QFMT_INT8 || fmt == QFMT_INT8M) {
                 v = (float)((const int8_t *)panel)[j * LANES + c] * s + mn;
-            } else if (fmt == QFMT_INT8_A8) {
+            } else if (fmt == QFMT_INT8_A8 || fmt == QFMT_INT8H_A8) {
                 v = (float)((const int8_t *)panel)[((j / 4) * LANES + c) * 4 + j % 4] * s;
             } else {
                 const uint8_t b = panel[j * LANES + c];
@@ -1336,15 +1338,19 @@ static int a8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k,
  * AVX2 and AVX-512 without VNNI take two instructions per vpdpbusd (GA8_DOT below).
  * The GGUF 5- and 6-bit codes run the same way, their top bits OR-ed into each nibble:
  *   GA8_UINT5 (uint5h_a8, uint5k_a8): w = q s + m, q in [0, 31]
- *   GA8_INT5  (int5h_a8): w = (q - 16) s, as GA8_UINT5 with m = -16 s
- *   GA8_INT6  (int6k_a8): w = (q - 32) s, q in [0, 63], m = -32 s
+ *   GA8_INT5  (int5h_a8): w = (q - 16) s:  out += sx s (sum_k q xq - 16 sum_k xq), the
+ *             offset taken off the int32 sum exactly
+ *   GA8_INT6  (int6k_a8): w = (q - 32) s, q in [0, 63], the same with 32
+ *   GA8_INT8H (int8h_a8, GGUF Q8_0 as stored): w = q s with x signed: VNNI reads the codes
+ *             as q + 128 (the sign bit flipped) and takes 128 sum_k xq off the same way;
+ *             the maddubs path multiplies |q| by sign(q) xq, and the plain one signed bytes.
  * codes: GA8_UINT4's nibbles [N_pad / L][K / 8][L][4], then a plane of fifth bits, and
  * for GA8_INT6 another of sixth bits, each [N_pad / L][K / 8][L] bytes: per block of 8 k's
  * the bits of its low nibbles, then of its high ones, in code-byte order (ga8_plane). The kind's
  * bits from 8 up say how the scales are stored (scale_mode: 1 float16, 8 or 16 super-block
  * records of that many groups); scales [N_pad / L][K / group][P][L] or those records, P = 1
  * for GA8_INT5 and GA8_INT6. */
-enum { GA8_UINT4 = 0, GA8_INT8 = 1, GA8_UINT5 = 2, GA8_INT5 = 3, GA8_INT6 = 4 };
+enum { GA8_UINT4 = 0, GA8_INT8 = 1, GA8_UINT5 = 2, GA8_INT5 = 3, GA8_INT6 = 4, GA8_INT8H = 5 };
 #define GA8_ROWS 4
 #define GA8_PANELS 2
 
@@ -1365,6 +1371,7 @@ typedef __m512i vbyte;
 #if A8_VNNI
 #define GA8_SIGNED_INT8 0
 #define GA8_DOT(acc, u, s) _mm512_dpbusd_epi32((acc), (u), (s))
+#define GA8_FLIP(x) _mm512_xor_si512((x), _mm512_set1_epi8((char)0x80))
 #else
 #define GA8_SIGNED_INT8 1
 #define GA8_DOT(acc, u, s) \
@@ -1422,8 +1429,9 @@ static inline vbyte ga8_plane(vbyte w, const uint8_t *plane, int high, char valu
 }
 #endif
 
-/* x rows -> int8 codes per group (xq, or xq + 128 for GA8_INT8) and per group (sx,
- * sx * sum xq). */
+/* x rows -> int8 codes per group (xq, or xq + 128 for GA8_INT8) and per group GA8_XG
+ * floats: sx, sx * sum xq, and sum xq itself (an integer, exact in a float). */
+#define GA8_XG 3
 static void ga8_quantize_row(const float *x, int64_t k, int64_t group, int kind,
                              uint8_t *bytes, float *xg) { /* kind: GA8_INT8 or not */
     for (int64_t g = 0; g < k / group; g++) {
@@ -1438,8 +1446,9 @@ static void ga8_quantize_row(const float *x, int64_t k, int64_t group, int kind,
             sum += (int32_t)q;
             bytes[g * group + i] = kind != GA8_INT8 ? (uint8_t)(int8_t)q : (uint8_t)((int)q + 128);
         }
-        xg[2 * g] = sx;
-        xg[2 * g + 1] = sx * (float)sum;
+        xg[GA8_XG * g] = sx;
+        xg[GA8_XG * g + 1] = sx * (float)sum;
+        xg[GA8_XG * g + 2] = (float)sum;
     }
 }
 
@@ -1450,8 +1459,9 @@ static inline __attribute__((always_inline)) void ga8_tile(
     int64_t pstride, const void *sc, int64_t sstride, int kind, int mode, const float *bias,
     float *out, int64_t n, int64_t cols, const int rows, const int np) {
     const int64_t groups = k / group, kw = k / 4;
-    const int64_t blocks = kind != GA8_INT8 ? group / 8 : group / 4; /* code blocks a group */
-    const int planes = kind == GA8_INT5 || kind == GA8_INT6 ? 1 : 2;
+    const int bytes = kind == GA8_INT8 || kind == GA8_INT8H; /* codes a byte, 4 k's a block */
+    const int64_t blocks = bytes ? group / 4 : group / 8; /* code blocks a group */
+    const int planes = kind == GA8_INT5 || kind == GA8_INT6 || kind == GA8_INT8H ? 1 : 2;
     const int64_t fifth = k / 2 * LANES, sixth = fifth + k / 8 * LANES; /* bit planes */
     vlf acc[GA8_PANELS * GA8_ROWS];
     for (int i = 0; i < np * rows; i++) acc[i] = (vlf){0};
@@ -1466,7 +1476,19 @@ static inline __attribute__((always_inline)) void ga8_tile(
                 const uint8_t *q = panel + p * pstride + (g * blocks + b) * LANES * 4;
                 __builtin_prefetch(q + PREFETCH_BYTES);
                 const vbyte w = GA8_LOAD(q);
-                if (kind != GA8_INT8) {
+                if (kind == GA8_INT8H) {
+#if GA8_SIGNED_INT8
+                    const vbyte aw = GA8_ABS(w);
+                    for (int r = 0; r < rows; r++)
+                        ia[p * rows + r] = GA8_DOT(ia[p * rows + r], aw,
+                                                   GA8_SIGN(GA8_SET1((int)xw[r * kw + b]), w));
+#else
+                    const vbyte u = GA8_FLIP(w);
+                    for (int r = 0; r < rows; r++)
+                        ia[p * rows + r] =
+                            GA8_DOT(ia[p * rows + r], u, GA8_SET1((int)xw[r * kw + b]));
+#endif
+                } else if (kind != GA8_INT8) {
                     vbyte lo = GA8_LOW_NIBBLES(w), hi = GA8_HIGH_NIBBLES(w);
                     if (kind != GA8_UINT4) {
                         const uint8_t *bits = panel + p * pstride + fifth + (g * blocks + b) * LANES;
@@ -1510,7 +1532,9 @@ static inline __attribute__((always_inline)) void ga8_tile(
                     for (int c = 0; c < LANES; c++) {
                         int32_t s = 0;
                         for (int j = 0; j < 4; j++) {
-                            if (kind != GA8_INT8) {
+                            if (kind == GA8_INT8H) {
+                                s += (int8_t)q[c * 4 + j] * (int8_t)xr[4 * b + j];
+                            } else if (kind != GA8_INT8) {
                                 const uint8_t byte = q[c * 4 + j];
                                 int lo = byte & 0xF, hi = byte >> 4;
                                 const int at = 4 * c + j, half = LANES / 2;
@@ -1536,12 +1560,19 @@ static inline __attribute__((always_inline)) void ga8_tile(
         for (int p = 0; p < np; p++) {
             const void *ps = scale_at(sc, p * sstride, mode);
             const vlf s = group_scale(ps, g, 0, planes, mode);
-            const vlf mc = planes == 2 ? group_scale(ps, g, 1, 2, mode)
-                                       : s * (kind == GA8_INT5 ? -16.0f : -32.0f);
+            /* The codes' offset (INT5 16, INT6 32; INT8H 128 where VNNI read its codes as
+             * q + 128) comes off the integer sum exactly, before any rounding, as GA8_INT8
+             * takes its plane c off: offset * sum xq is an integer too. */
+            const float off = kind == GA8_INT5   ? 16.0f
+                              : kind == GA8_INT6 ? 32.0f
+                              : (GA8_SIMD && !GA8_SIGNED_INT8) ? 128.0f : 0.0f;
+            const vlf mc = planes == 2 ? group_scale(ps, g, 1, 2, mode) : (vlf){0};
             for (int r = 0; r < rows; r++) {
-                const float *t = xg + (r * groups + g) * 2;
+                const float *t = xg + (r * groups + g) * GA8_XG;
                 const vlf f = to_float(isum[p * rows + r]);
-                if (kind != GA8_INT8)
+                if (planes == 1)
+                    acc[p * rows + r] += ((f - off * t[2]) * t[0]) * s;
+                else if (kind != GA8_INT8)
                     acc[p * rows + r] += (f * t[0]) * s + mc * t[1];
                 else if (GA8_SIGNED_INT8)
                     acc[p * rows + r] += (f * t[0]) * s;
@@ -1567,22 +1598,24 @@ static int ga8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k
                           int64_t n, const float *bias, float *out, int threads) {
     const int mode = kind >> 8;
     kind &= 0xFF;
-    if (kind < GA8_UINT4 || kind > GA8_INT6 || group <= 0 || k % group ||
-        group % (kind != GA8_INT8 ? 8 : 4) || (mode != SC_F32 && mode != SC_F16 && mode != 8 &&
+    const int bytes = kind == GA8_INT8 || kind == GA8_INT8H;
+    if (kind < GA8_UINT4 || kind > GA8_INT8H || group <= 0 || k % group ||
+        group % (bytes ? 4 : 8) || (mode != SC_F32 && mode != SC_F16 && mode != 8 &&
                                                mode != 16) || (mode >= 2 && k % (group * mode)))
         return -2;
     const int64_t groups = k / group, panels = (n + LANES - 1) / LANES;
     const int64_t items = (panels + GA8_PANELS - 1) / GA8_PANELS;
-    const int64_t pstride = (kind == GA8_UINT4 ? k / 2 : kind == GA8_INT8 ? k
+    const int64_t pstride = (kind == GA8_UINT4 ? k / 2 : bytes ? k
                              : kind == GA8_INT6 ? k / 2 + k / 4 : k / 2 + k / 8) * LANES;
-    const int64_t sstride =
-        scale_stride(k, group, kind == GA8_INT5 || kind == GA8_INT6 ? 1 : 2, mode);
-    uint8_t *xball = malloc((size_t)(m * k) + (size_t)(m * groups * 2) * sizeof(float));
+    const int planes = kind == GA8_INT5 || kind == GA8_INT6 || kind == GA8_INT8H ? 1 : 2;
+    const int64_t sstride = scale_stride(k, group, planes, mode);
+    uint8_t *xball = malloc((size_t)(m * k) + (size_t)(m * groups * GA8_XG) * sizeof(float));
     if (!xball) return -1;
     float *xgall = (float *)(xball + m * k); /* k % 8 == 0 or k % 4 == 0: aligned */
 #pragma omp parallel for schedule(static) num_threads(threads) if (m > GA8_ROWS)
     for (int64_t r = 0; r < m; r++)
-        ga8_quantize_row(x + r * x_stride, k, group, kind, xball + r * k, xgall + r * groups * 2);
+        ga8_quantize_row(x + r * x_stride, k, group, kind, xball + r * k,
+                         xgall + r * groups * GA8_XG);
 #pragma omp parallel for schedule(static) num_threads(threads) if (m * n * k >= PARALLEL_MIN_ELEMS)
     for (int64_t it = 0; it < items; it++) {
         const int64_t p0 = it * GA8_PANELS, col0 = p0 * LANES;
@@ -1591,7 +1624,7 @@ static int ga8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k
         for (int64_t r0 = 0; r0 < m; r0 += GA8_ROWS) {
             const int64_t rows = m - r0 < GA8_ROWS ? m - r0 : GA8_ROWS;
             const uint32_t *xb = (const uint32_t *)(xball + r0 * k);
-            const float *xg = xgall + r0 * groups * 2;
+            const float *xg = xgall + r0 * groups * GA8_XG;
             /* whole items take both panels at once; the last, short one one at a time */
             for (int64_t p = 0; p < have; p += (have == GA8_PANELS ? GA8_PANELS : 1)) {
                 const int64_t c0 = p * LANES, w = span - c0;

@@ -23,9 +23,9 @@ group of `group` consecutive inputs, float32 scales and codes:
   kernel quantizes the activations to int8 per group of `group` inputs (llama.cpp's way
   with its Q4_0 / Q4_1 / Q8_0 blocks) to sum each group in int32. uint4_a8's planes are
   uint4's; int8_a8's second plane is 128 * sum_k q over the group (as w8a8_int8's).
-  The 5-bit, 6-bit and super-block formats have int8-activation forms too (int5h_a8,
-  uint5h_a8, uint4k_a8, uint5k_a8, int6k_a8): their own codes and scales, in layouts for
-  the same int8 dot products (`_with_a8`).
+  The GGUF formats kept as stored have int8-activation forms of their own (int8h_a8,
+  int5h_a8, uint5h_a8, uint4k_a8, uint5k_a8, int6k_a8): their codes and scales as they are,
+  in layouts for the same int8 dot products (`_with_a8`).
 
 `dequantize` is the reference every kernel is tested against.
 """
@@ -179,7 +179,7 @@ FORMATS: dict[str, QuantFormat] = {
 }
 
 
-def _with_a8(stored: str, layout: str, kind: int) -> QuantFormat:
+def _with_a8(stored: str, layout: str, kind: int, qfmt: int | None = None) -> QuantFormat:
     """The int8-activation form of a 5-bit, 6-bit or super-block format: its codes in
     `layout` (kiln/core/layout.py) for kiln_cpu's ga8 linear, its scales as they are. The
     kernel's kind carries how the scales are stored: kind | 256 x (1 for float16, or the
@@ -191,24 +191,27 @@ def _with_a8(stored: str, layout: str, kind: int) -> QuantFormat:
         name=f"{stored}_a8",
         layout=layout,  # type: ignore[arg-type]
         kernel="ga8",
-        qfmt=None,  # no embedding kernel reads these layouts: a table keeps `stored`
+        qfmt=qfmt,  # the embedding kernel's, where it reads the layout (else a table keeps
+        # `stored`)
         ga8=kind | mode << 8,
-        group_step=8,
+        group_step=4 if layout == "a8" else 8,
         base=stored,
         int8_activations=None,
         gguf=(),
     )
 
 
-# ga8 kinds in the C source: GA8_UINT5 = 2, GA8_INT5 = 3, GA8_INT6 = 4.
-for _stored, _layout, _kind in (
-    ("int5h", "a5", 3),
-    ("uint5h", "a5", 2),
-    ("uint4k", "a4", 0),
-    ("uint5k", "a5", 2),
-    ("int6k", "a6", 4),
+# ga8 kinds in the C source: GA8_UINT4 = 0, GA8_UINT5 = 2, GA8_INT5 = 3, GA8_INT6 = 4,
+# GA8_INT8H = 5 (Q8_0's codes and float16 scales as stored, no code-sum plane).
+for _stored, _layout, _kind, _qfmt in (
+    ("int8h", "a8", 5, 17),
+    ("int5h", "a5", 3, None),
+    ("uint5h", "a5", 2, None),
+    ("uint4k", "a4", 0, None),
+    ("uint5k", "a5", 2, None),
+    ("int6k", "a6", 4, None),
 ):
-    FORMATS[f"{_stored}_a8"] = _with_a8(_stored, _layout, _kind)
+    FORMATS[f"{_stored}_a8"] = _with_a8(_stored, _layout, _kind, _qfmt)
     FORMATS[_stored] = dataclasses.replace(FORMATS[_stored], int8_activations=f"{_stored}_a8")
 
 # Formats a wider one holds exactly: where a fused weight's parts are stored in several

@@ -271,6 +271,8 @@ GA8_CASES = [
     ("int8_a8", 32),
     ("int8_a8", 16),  # GGUF Q6_K's groups
     ("int8_a8", 12),
+    ("int8h_a8", 32),  # GGUF Q8_0 as stored: float16 scales, no code-sum plane
+    ("int8h_a8", 12),
 ]
 # int8-activation forms no embedding kernel reads (a table shared with the embedding keeps
 # its stored format): GGUF Q5_0 and Q5_1.
