@@ -74,8 +74,18 @@ def read_bandwidth_gbs(mb: int = 1024, repeats: int = 7) -> float:
     return x.numel() * 4 / best / 1e9
 
 
-# precision -> llama.cpp ftype its quantizer writes (None: the shipped file as it is).
-PRECISIONS = {"F32": 0, "Q8_0": 7, "Q4_0": 2, "Q4_1": None}
+# precision -> llama.cpp ftype its quantizer writes (None: the shipped file as it is); the
+# K-quant mixes as `llama-quantize` names them (its mixes keep some matrices in Q5_x / Q8_0
+# where a row is not whole 256-weight super-blocks, as SmolLM2's 576 is not).
+PRECISIONS = {
+    "F32": 0,
+    "Q8_0": 7,
+    "Q4_0": 2,
+    "Q4_1": None,
+    "Q4_K_M": 15,
+    "Q5_K_M": 17,
+    "Q6_K": 18,
+}
 
 
 def gguf_for(precision: str, shipped: Path, work: Path, quantizer: Path | None = None) -> Path:

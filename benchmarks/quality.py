@@ -17,7 +17,9 @@ Gemma 3 270M Q4_K_M file and SmolLM2 requantized to Q4_K_M, Q5_K_M and Q6_K by
 `llama-quantize`, found beside it): each runtime against its own F32 logits of the same
 weights (each file's source dequantized to an F32 GGUF by `llama-quantize`), on the same
 positions: llama.cpp's own `--kl-divergence` (chunks of --window tokens, the second half of
-each scored), kiln reading those chunks' tokens from llama.cpp's base file.
+each scored), kiln reading those chunks' tokens from llama.cpp's base file; kiln as
+compiled by default (float32 activations) and with `--quantize-activations int8` (+a8,
+llama.cpp's own arithmetic on these blocks).
 
 The fp8 KV cache variants (`--kv-cache-dtype`) score the text as decoding reads it: one
 token per step, every step attending to the earlier tokens through the fp8 pool (a single
@@ -192,12 +194,15 @@ def k_quant_quality(ppl: Path, window: int, threads: int) -> None:
         )
         positions = len(chunks) * (n_ctx - 1 - first)
         for v in variants:
-            score = kiln_scorer(v, {}, work)
-            kl = top = 0.0
-            for lp, c in zip(ref_lps, fed, strict=True):
-                got = torch.log_softmax(score(c)[first:-1].double(), -1)
-                kl += (lp.exp() * (lp - got)).sum().item()
-                top += (lp.argmax(-1) == got.argmax(-1)).sum().item()
+            kiln = {}
+            for tag, flags in (("", {}), (" +a8", A8)):
+                score = kiln_scorer(v, flags, work)
+                kl = top = 0.0
+                for lp, c in zip(ref_lps, fed, strict=True):
+                    got = torch.log_softmax(score(c)[first:-1].double(), -1)
+                    kl += (lp.exp() * (lp - got)).sum().item()
+                    top += (lp.argmax(-1) == got.argmax(-1)).sum().item()
+                kiln[tag] = (kl / positions, top / positions)
             out = _run(
                 [
                     str(ppl),
@@ -211,8 +216,9 @@ def k_quant_quality(ppl: Path, window: int, threads: int) -> None:
             )
             l_kl, l_top = _llama_kld(out)
             rows.append(
-                f"| {v.stem} | {kl / positions:.5f} | {l_kl:.5f} | {top / positions:.2%} | "
-                f"{l_top:.2%} | {math.exp(ref_nll / positions):.3f} |"
+                f"| {v.stem} | {kiln[''][0]:.5f} | {kiln[' +a8'][0]:.5f} | {l_kl:.5f} | "
+                f"{kiln[''][1]:.2%} | {kiln[' +a8'][1]:.2%} | {l_top:.2%} | "
+                f"{math.exp(ref_nll / positions):.3f} |"
             )
     print("\n## Quality on GGUF K-quant files: each runtime against its own F32 logits")
     print(
@@ -220,10 +226,10 @@ def k_quant_quality(ppl: Path, window: int, threads: int) -> None:
         "of each scored\n"
     )
     print(
-        "| file | kiln mean KL | llama.cpp mean KL | kiln top-1 same | llama.cpp top-1 same | "
-        "F32 perplexity (kiln) |"
+        "| file | kiln mean KL | kiln +a8 mean KL | llama.cpp mean KL | kiln top-1 same | "
+        "kiln +a8 top-1 same | llama.cpp top-1 same | F32 perplexity (kiln) |"
     )
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     print("\n".join(rows))
 
 
