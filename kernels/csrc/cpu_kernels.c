@@ -817,46 +817,28 @@ static inline __attribute__((always_inline)) void qtile(
                     for (int r = 0; r < rows; r++) acc[p * rows + r] += x0[r] * w0 + x1[r] * w1;
                 }
             }
-        } else if (fmt == QFMT_INT5 || fmt == QFMT_UINT5) {
+        } else if (fmt == QFMT_INT5 || fmt == QFMT_UINT5 || fmt == QFMT_INT6) {
+            /* The nibbles and a plane of top bits: one (5-bit codes, a plane byte per 8 k's)
+             * or two (6-bit, per 4 k's), OR-ed in above each nibble. */
+            const int tb = fmt == QFMT_INT6 ? 2 : 1, span = 8 / tb, top = tb == 2 ? 0x30 : 0x10;
             vlf s[QPANELS > 1 ? QPANELS : 1], mn[QPANELS > 1 ? QPANELS : 1];
             for (int p = 0; p < np; p++) {
                 const void *ps = scale_at(sc, p * sstride, mode);
                 s[p] = group_scale(ps, g, 0, scale_planes(fmt), mode);
-                mn[p] = fmt == QFMT_UINT5 ? group_scale(ps, g, 1, 2, mode) : s[p] * -16.0f;
+                mn[p] = fmt == QFMT_UINT5 ? group_scale(ps, g, 1, 2, mode)
+                                          : s[p] * (fmt == QFMT_INT6 ? -32.0f : -16.0f);
             }
-            for (int64_t k8 = k0; k8 < k0 + group; k8 += 8) {
+            for (int64_t kb = k0; kb < k0 + group; kb += span) {
                 for (int p = 0; p < np; p++) {
-                    const uint8_t *q = panel + p * pstride + (k8 / 2) * LANES;
+                    const uint8_t *q = panel + p * pstride + (kb / 2) * LANES;
                     __builtin_prefetch(q + PREFETCH_BYTES);
-                    const vli h = widen_u8(panel + p * pstride + (k / 2 + k8 / 8) * LANES) << 4;
-                    for (int j = 0; j < 4; j++) {
-                        const float *x0 = xt + (k8 + 2 * j) * xrows, *x1 = x0 + xrows;
+                    const vli h = widen_u8(panel + p * pstride + (k / 2 + kb / span) * LANES) << 4;
+                    for (int j = 0; j < span / 2; j++) {
+                        const float *x0 = xt + (kb + 2 * j) * xrows, *x1 = x0 + xrows;
                         const vli u = widen_u8(q + j * LANES);
-                        const vlf w0 = to_float((u & 0xF) | ((h >> (2 * j)) & 16)) * s[p] + mn[p];
+                        const vlf w0 = to_float((u & 0xF) | ((h >> (2 * j * tb)) & top)) * s[p] + mn[p];
                         const vlf w1 =
-                            to_float((u >> 4) | ((h >> (2 * j + 1)) & 16)) * s[p] + mn[p];
-                        for (int r = 0; r < rows; r++)
-                            acc[p * rows + r] += x0[r] * w0 + x1[r] * w1;
-                    }
-                }
-            }
-        } else if (fmt == QFMT_INT6) {
-            vlf s[QPANELS > 1 ? QPANELS : 1], mn[QPANELS > 1 ? QPANELS : 1];
-            for (int p = 0; p < np; p++) {
-                s[p] = group_scale(scale_at(sc, p * sstride, mode), g, 0, 1, mode);
-                mn[p] = s[p] * -32.0f;
-            }
-            for (int64_t k4 = k0; k4 < k0 + group; k4 += 4) {
-                for (int p = 0; p < np; p++) {
-                    const uint8_t *q = panel + p * pstride + (k4 / 2) * LANES;
-                    __builtin_prefetch(q + PREFETCH_BYTES);
-                    const vli h = widen_u8(panel + p * pstride + (k / 2 + k4 / 4) * LANES) << 4;
-                    for (int j = 0; j < 2; j++) {
-                        const float *x0 = xt + (k4 + 2 * j) * xrows, *x1 = x0 + xrows;
-                        const vli u = widen_u8(q + j * LANES);
-                        const vlf w0 = to_float((u & 0xF) | ((h >> (4 * j)) & 0x30)) * s[p] + mn[p];
-                        const vlf w1 =
-                            to_float((u >> 4) | ((h >> (4 * j + 2)) & 0x30)) * s[p] + mn[p];
+                            to_float((u >> 4) | ((h >> ((2 * j + 1) * tb)) & top)) * s[p] + mn[p];
                         for (int r = 0; r < rows; r++)
                             acc[p * rows + r] += x0[r] * w0 + x1[r] * w1;
                     }
