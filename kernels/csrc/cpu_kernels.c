@@ -1326,13 +1326,16 @@ static int a8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k,
  *   GA8_INT8H (int8h_a8, GGUF Q8_0 as stored): w = q s with x signed: VNNI reads the codes
  *             as q + 128 (the sign bit flipped) and takes 128 sum_k xq off the same way;
  *             the maddubs path multiplies |q| by sign(q) xq, and the plain one signed bytes.
+ *   GA8_INT8MH (int8mh_a8, Q8_0 and Q5_1 parts of one fused weight): w = q s + m, q int8:
+ *             GA8_INT8H's sums, then m sx sum_k xq as GA8_UINT4's min.
  * codes: GA8_UINT4's nibbles [N_pad / L][K / 8][L][4], then a plane of fifth bits, and
  * for GA8_INT6 another of sixth bits, each [N_pad / L][K / 8][L] bytes: per block of 8 k's
  * the bits of its low nibbles, then of its high ones, in code-byte order (ga8_plane). The kind's
  * bits from 8 up say how the scales are stored (scale_mode: 1 float16, 8 or 16 super-block
  * records of that many groups); scales [N_pad / L][K / group][P][L] or those records, P = 1
  * for GA8_INT5 and GA8_INT6. */
-enum { GA8_UINT4 = 0, GA8_INT8 = 1, GA8_UINT5 = 2, GA8_INT5 = 3, GA8_INT6 = 4, GA8_INT8H = 5 };
+enum { GA8_UINT4 = 0, GA8_INT8 = 1, GA8_UINT5 = 2, GA8_INT5 = 3, GA8_INT6 = 4, GA8_INT8H = 5,
+       GA8_INT8MH = 6 };
 #define GA8_ROWS 4
 #define GA8_PANELS 2
 
@@ -1441,7 +1444,9 @@ static inline __attribute__((always_inline)) void ga8_tile(
     int64_t pstride, const void *sc, int64_t sstride, int kind, int mode, const float *bias,
     float *out, int64_t n, int64_t cols, const int rows, const int np) {
     const int64_t groups = k / group, kw = k / 4;
-    const int bytes = kind == GA8_INT8 || kind == GA8_INT8H; /* codes a byte, 4 k's a block */
+    /* codes a byte, 4 k's a block; signed codes read with signed x (INT8 reads x + 128) */
+    const int bytes = kind == GA8_INT8 || kind == GA8_INT8H || kind == GA8_INT8MH;
+    const int signed_q = kind == GA8_INT8H || kind == GA8_INT8MH;
     const int64_t blocks = bytes ? group / 4 : group / 8; /* code blocks a group */
     const int planes = kind == GA8_INT5 || kind == GA8_INT6 || kind == GA8_INT8H ? 1 : 2;
     const int64_t fifth = k / 2 * LANES, sixth = fifth + k / 8 * LANES; /* bit planes */
@@ -1458,7 +1463,7 @@ static inline __attribute__((always_inline)) void ga8_tile(
                 const uint8_t *q = panel + p * pstride + (g * blocks + b) * LANES * 4;
                 __builtin_prefetch(q + PREFETCH_BYTES);
                 const vbyte w = GA8_LOAD(q);
-                if (kind == GA8_INT8H) {
+                if (signed_q) {
 #if GA8_SIGNED_INT8
                     const vbyte aw = GA8_ABS(w);
                     for (int r = 0; r < rows; r++)
@@ -1514,7 +1519,7 @@ static inline __attribute__((always_inline)) void ga8_tile(
                     for (int c = 0; c < LANES; c++) {
                         int32_t s = 0;
                         for (int j = 0; j < 4; j++) {
-                            if (kind == GA8_INT8H) {
+                            if (signed_q) {
                                 s += (int8_t)q[c * 4 + j] * (int8_t)xr[4 * b + j];
                             } else if (kind != GA8_INT8) {
                                 const uint8_t byte = q[c * 4 + j];
@@ -1547,13 +1552,15 @@ static inline __attribute__((always_inline)) void ga8_tile(
              * takes its plane c off: offset * sum xq is an integer too. */
             const float off = kind == GA8_INT5   ? 16.0f
                               : kind == GA8_INT6 ? 32.0f
-                              : (GA8_SIMD && !GA8_SIGNED_INT8) ? 128.0f : 0.0f;
+                              : (signed_q && GA8_SIMD && !GA8_SIGNED_INT8) ? 128.0f : 0.0f;
             const vlf mc = planes == 2 ? group_scale(ps, g, 1, 2, mode) : (vlf){0};
             for (int r = 0; r < rows; r++) {
                 const float *t = xg + (r * groups + g) * GA8_XG;
                 const vlf f = to_float(isum[p * rows + r]);
                 if (planes == 1)
                     acc[p * rows + r] += ((f - off * t[2]) * t[0]) * s;
+                else if (kind == GA8_INT8MH)
+                    acc[p * rows + r] += ((f - off * t[2]) * t[0]) * s + mc * t[1];
                 else if (kind != GA8_INT8)
                     acc[p * rows + r] += (f * t[0]) * s + mc * t[1];
                 else if (GA8_SIGNED_INT8)
@@ -1580,8 +1587,8 @@ static int ga8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k
                           int64_t n, const float *bias, float *out, int threads) {
     const int mode = kind >> 8;
     kind &= 0xFF;
-    const int bytes = kind == GA8_INT8 || kind == GA8_INT8H;
-    if (kind < GA8_UINT4 || kind > GA8_INT8H || group <= 0 || k % group ||
+    const int bytes = kind == GA8_INT8 || kind == GA8_INT8H || kind == GA8_INT8MH;
+    if (kind < GA8_UINT4 || kind > GA8_INT8MH || group <= 0 || k % group ||
         group % (bytes ? 4 : 8) || (mode != SC_F32 && mode != SC_F16 && mode != 8 &&
                                                mode != 16) || (mode >= 2 && k % (group * mode)))
         return -2;

@@ -313,3 +313,14 @@ def test_a_q5_1_and_q8_0_mix_fuses_into_one_quantized_projection(
         ref = hf(torch.tensor([seq])).logits[0]
     got = Engine(art, max_total_tokens=1024).prompt_logits(seq)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+    # with int8 activations: the same parts as int8mh_a8 and uint5h_a8, as transformers
+    # rounding each Linear's input per 32 gives
+    a8 = tmp_path / "art-a8"
+    compile_model(ServerArgs(model_path=str(path), quantize_activations="int8"), a8)
+    nodes = json.loads((a8 / "graph.json").read_text())["nodes"]
+    formats = {n["attrs"]["format"] for n in nodes if n["op"] == "quant_linear"}
+    assert formats == {"int8mh_a8", "uint5h_a8"}
+    with torch.no_grad():
+        round_linear_inputs(hf, 32)
+        rounded = hf(torch.tensor([seq])).logits[0]
+    assert_rounds_like(Engine(a8, max_total_tokens=1024).prompt_logits(seq), rounded, ref)

@@ -275,8 +275,13 @@ GA8_CASES = [
     ("int8h_a8", 12),
 ]
 # int8-activation forms no embedding kernel reads (a table shared with the embedding keeps
-# its stored format): GGUF Q5_0 and Q5_1.
-GA8_LINEAR_CASES = [("int5h_a8", 32), ("uint5h_a8", 32), ("uint5h_a8", 48)]
+# its stored format): GGUF Q5_0, Q5_1, and int8mh.
+GA8_LINEAR_CASES = [
+    ("int5h_a8", 32),
+    ("uint5h_a8", 32),
+    ("uint5h_a8", 48),
+    ("int8mh_a8", 32),  # Q8_0 and Q5_1 parts of one fused weight
+]
 
 
 @BOTH
