@@ -1,29 +1,33 @@
-"""Batch-1 decode and prefill against llama.cpp, on the real model, at each precision.
+"""Batch-1 decode and prefill against llama.cpp's own `llama-bench`, on the real model, at
+each precision.
 
-    python benchmarks/decode_cpu.py                 # every row, 5 rounds each
-    python benchmarks/decode_cpu.py --rounds 7 --rows Q4_1 "Q4_1 +a8" "w8a8_int8 vs Q8_0"
+    python benchmarks/decode_cpu.py --llama-bench PATH/llama-bench          # every row
+    python benchmarks/decode_cpu.py --llama-bench ... --rounds 7 --rows Q4_1 "Q4_1 +a8"
 
 The model is SmolLM2-135M-Instruct (`python -m kiln.example --fetch smollm2`, a Q4_1 GGUF
-file). For each precision llama.cpp's own quantizer writes the GGUF file (F32 and Q8_0 /
-Q4_0 from the shipped Q4_1, which is used as it is), and kiln compiles that same file: its
-Q8_0 / Q4_0 / Q4_1 blocks map onto kiln's formats without loss, so both engines run
-identical weights. llama.cpp runs through llama-cpp-python (build it from source; see
-benchmarks/RESULTS.md for the flags used), with kiln's thread count.
+file). For each precision llama.cpp's own `llama-quantize` (found beside llama-bench) writes
+the GGUF file (F32, Q8_0, Q4_0 and the K-quant mixes from the shipped Q4_1, which is used as
+it is), and kiln compiles that same file, its blocks kept as stored, so both engines run
+identical weights. Build both programs from the llama.cpp tree vendored in
+llama-cpp-python's sdist (benchmarks/RESULTS.md has the commands).
 
-Each engine lives in its own process (so neither one's idle OpenMP threads compete with the
-other's); rounds alternate kiln, llama.cpp, kiln, ... and each figure is the median of the
-rounds with the spread (min-max). Decode tok/s excludes the prefill: (tokens - 1) over the
-time of a long generation minus a one-token one. The roofline is the measured read
-bandwidth over the weight bytes one decode step reads (the artefact's weight file, all of
-which a step reads: the embedding table is the tied lm_head), and for llama.cpp its file.
+Decode: kiln's engine (its own process) generates --decode-tokens after a --depth-token
+prompt, its rate (tokens - 1) over the time of that generation minus a one-token one;
+llama-bench runs `-p 0 -n N -d DEPTH -t THREADS -r 1` (N tokens generated at that depth).
+Prefill: kiln's time to the first token of a --prefill-tokens prompt; llama-bench `-p P -n 0`.
+Rounds alternate kiln, llama-bench, kiln, ...; each figure is the median of the rounds with
+the spread (min-max). The roofline is the measured read bandwidth over the weight bytes one
+decode step reads (the artefact's weight file; for llama.cpp its file).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -65,35 +69,19 @@ def _kiln(art: str, threads: int) -> Any:
     return run
 
 
-def _llama(gguf: str, threads: int) -> Any:
-    from llama_cpp import Llama
-
-    model = Llama(model_path=gguf, n_ctx=2048, n_batch=512, n_threads=threads, verbose=False)
-
-    def run(ids: list[int], new: int) -> float:
-        model.reset()
-        t0 = time.perf_counter()
-        for i, _ in enumerate(model.generate(ids, temp=0.0, top_k=1), 1):
-            if i >= new:
-                break
-        return time.perf_counter() - t0
-
-    return run
-
-
-def _worker(kind: str, path: str, threads: int, conn: Any) -> None:
-    run = (_kiln if kind == "kiln" else _llama)(path, threads)
+def _worker(path: str, threads: int, conn: Any) -> None:
+    run = _kiln(path, threads)
     conn.send("ready")
     while (msg := conn.recv()) is not None:
         ids, new = msg
         conn.send(run(ids, new))
 
 
-class Engine:
-    def __init__(self, kind: str, path: Path, threads: int) -> None:
+class Kiln:
+    def __init__(self, path: Path, threads: int) -> None:
         self.conn, child = mp.Pipe()
         self.proc = mp.get_context("spawn").Process(
-            target=_worker, args=(kind, str(path), threads, child), daemon=True
+            target=_worker, args=(str(path), threads, child), daemon=True
         )
         self.proc.start()
         assert self.conn.recv() == "ready"
@@ -106,15 +94,26 @@ class Engine:
         self.conn.send(None)
         self.proc.join(timeout=30)
 
+    def measure(self, prompt: list[int], long_prompt: list[int], n: int) -> tuple[float, float]:
+        """(decode tok/s, prefill tok/s) of one round."""
+        first = self.time(prompt, 1)
+        full = self.time(prompt, n)
+        prefill = self.time(long_prompt, 1)
+        return (n - 1) / (full - first), len(long_prompt) / prefill
 
-def measure(
-    engine: Engine, prompt: list[int], long_prompt: list[int], n: int
-) -> tuple[float, float]:
-    """(decode tok/s, prefill tok/s) of one round."""
-    first = engine.time(prompt, 1)
-    full = engine.time(prompt, n)
-    prefill = engine.time(long_prompt, 1)
-    return (n - 1) / (full - first), len(long_prompt) / prefill
+
+class LlamaBench:
+    def __init__(self, bench: Path, gguf: Path, threads: int, depth: int, prefill: int) -> None:
+        self.base = [str(bench), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json"]
+        self.depth, self.prefill = depth, prefill
+
+    def _rate(self, *flags: str) -> float:
+        done = subprocess.run([*self.base, *flags], check=True, capture_output=True, text=True)
+        return float(json.loads(done.stdout)[0]["avg_ts"])
+
+    def measure(self, prompt: list[int], long_prompt: list[int], n: int) -> tuple[float, float]:
+        decode = self._rate("-p", "0", "-n", str(n), "-d", str(self.depth))
+        return decode, self._rate("-p", str(self.prefill), "-n", "0")
 
 
 def spread(xs: list[float]) -> str:
@@ -123,10 +122,12 @@ def spread(xs: list[float]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--llama-bench", type=Path, required=True, help="llama-bench binary")
     p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--prefill-tokens", type=int, default=128)
+    p.add_argument("--depth", type=int, default=128, help="context before the decoded tokens")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = p.parse_args()
 
@@ -136,7 +137,7 @@ def main() -> None:
 
     shipped = fetch("smollm2")
     work = Path(tempfile.mkdtemp(prefix="kiln-decode-"))
-    prompt = list(range(1000, 1016))
+    prompt = list(range(1000, 1000 + args.depth))
     long_prompt = list(range(2000, 2000 + args.prefill_tokens))
     bw = read_bandwidth_gbs()
     rows = []
@@ -145,23 +146,25 @@ def main() -> None:
         peer, mine, flags = ROWS[row]
         for precision in (peer, mine):
             if precision not in files:
-                files[precision] = gguf_for(precision, shipped, work)
+                quantizer = args.llama_bench.parent / "llama-quantize"
+                files[precision] = gguf_for(precision, shipped, work, quantizer)
         gguf = files[peer]
         art = work / f"art-{len(rows)}"
         compile_model(ServerArgs(model_path=str(files[mine]), **flags), art)
         step_bytes = (art / "weights" / "rank0.safetensors").stat().st_size
-        engines = {
-            "kiln": Engine("kiln", art, args.threads),
-            "llama.cpp": Engine("llama", gguf, args.threads),
+        kiln = Kiln(art, args.threads)
+        engines: dict[str, Kiln | LlamaBench] = {
+            "kiln": kiln,
+            "llama.cpp": LlamaBench(
+                args.llama_bench, gguf, args.threads, args.depth, args.prefill_tokens
+            ),
         }
         got: dict[str, list[tuple[float, float]]] = {k: [] for k in engines}
-        for e in engines.values():
-            measure(e, prompt, long_prompt, 8)  # warm-up
+        kiln.measure(prompt, long_prompt, 8)  # warm-up
         for _ in range(args.rounds):
             for name, e in engines.items():
-                got[name].append(measure(e, prompt, long_prompt, args.decode_tokens))
-        for e in engines.values():
-            e.close()
+                got[name].append(e.measure(prompt, long_prompt, args.decode_tokens))
+        kiln.close()
         limit = bw * 1e9 / step_bytes
         peer_limit = bw * 1e9 / gguf.stat().st_size
         kd = [d for d, _ in got["kiln"]]
@@ -177,7 +180,10 @@ def main() -> None:
             f"{statistics.median(kp) / statistics.median(lp):.2f}x |"
         )
 
-    print(f"\n## Batch-1 decode and {args.prefill_tokens}-token prefill, SmolLM2-135M-Instruct")
+    print(
+        f"\n## Batch-1 decode at a {args.depth}-token depth and {args.prefill_tokens}-token "
+        "prefill, SmolLM2-135M-Instruct, kiln against llama-bench"
+    )
     print(machine())
     print(
         f"measured read bandwidth {bw:.1f} GB/s; {args.rounds} alternating rounds, median "
@@ -185,9 +191,9 @@ def main() -> None:
     )
     print(
         "| kiln (vs llama.cpp) | MB read per step (kiln / llama.cpp) | kiln decode tok/s | "
-        "llama.cpp decode tok/s | "
+        "llama-bench decode tok/s | "
         "decode ratio | roofline (kiln / llama.cpp) | kiln prefill tok/s | "
-        "llama.cpp prefill tok/s | prefill ratio |"
+        "llama-bench prefill tok/s | prefill ratio |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     print("\n".join(rows))
