@@ -619,10 +619,12 @@ int kiln_embedding_packed_f32(const int64_t *ids, int64_t tokens, const float *p
  * The weights are dequantized in registers, one vector of L columns per k, and then meet
  * every row of the tile (the narrow tile of the fp32 linear above): at batch 1 the weight
  * stream is the cost, and it is 4x (8-bit) or 8x (4-bit) shorter than fp32's. */
-enum { QFMT_INT8 = 0, QFMT_UINT4 = 1, QFMT_FP8_E4M3 = 2, QFMT_INT8M = 5, QFMT_INT5 = 6,
+enum { QFMT_INT8 = 0, QFMT_UINT4 = 1, QFMT_FP8_E4M3 = 2, QFMT_UINT4_A8 = 3 /* embedding */,
+       QFMT_INT8_A8 = 4 /* embedding */, QFMT_INT8M = 5, QFMT_INT5 = 6,
        QFMT_UINT5 = 7, QFMT_INT8H = 8, QFMT_UINT4H = 9, QFMT_INT5H = 10, QFMT_UINT4K = 11,
        QFMT_UINT5K = 12, QFMT_INT6K = 13, QFMT_INT6 = 14 /* INT6K's codes; not a format */,
-       QFMT_UINT5H = 15, QFMT_INT8MH = 16, QFMT_INT8H_A8 = 17 /* embedding only */ };
+       QFMT_UINT5H = 15, QFMT_INT8MH = 16, QFMT_INT8H_A8 = 17, QFMT_UINT4H_A8 = 18
+       /* these two: the embedding's numbers for tables stored for the ga8 linears */ };
 
 /* How a format stores its scales: SC_F32, SC_F16 (the *H formats: GGUF's Q8_0, Q4_0 / Q4_1,
  * Q5_0 and Q5_1 blocks as stored, and INT8MH for Q8_0 and Q5_1 parts of one fused weight),
@@ -630,7 +632,7 @@ enum { QFMT_INT8 = 0, QFMT_UINT4 = 1, QFMT_FP8_E4M3 = 2, QFMT_INT8M = 5, QFMT_IN
 enum { SC_F32 = 0, SC_F16 = 1 };
 static inline int scale_mode(int fmt) {
     if ((fmt >= QFMT_INT8H && fmt <= QFMT_INT5H) || fmt == QFMT_UINT5H || fmt == QFMT_INT8MH ||
-        fmt == QFMT_INT8H_A8)
+        fmt == QFMT_INT8H_A8 || fmt == QFMT_UINT4H_A8)
         return SC_F16;
     if (fmt == QFMT_UINT4K || fmt == QFMT_UINT5K) return 8;
     return fmt == QFMT_INT6K ? 16 : SC_F32;
@@ -642,6 +644,7 @@ static inline int base_format(int fmt) {
         case QFMT_INT5H: return QFMT_INT5;
         case QFMT_UINT5H: case QFMT_UINT5K: return QFMT_UINT5;
         case QFMT_INT8MH: return QFMT_INT8M;
+        case QFMT_UINT4H_A8: return QFMT_UINT4_A8;
         case QFMT_INT6K: return QFMT_INT6;
         default: return fmt;
     }
@@ -1089,12 +1092,6 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
     return 0;
 }
 
-/* out[t, :] = row ids[t] of a quantized table stored as above (the tied lm_head's), as
- * floats; QFMT_UINT4_A8 / QFMT_INT8_A8: a table stored for the int8-activation linears
- * below (their layouts). Returns -1 at the first id outside [0, vocab), -2 for an unknown
- * format. */
-enum { QFMT_UINT4_A8 = 3, QFMT_INT8_A8 = 4 };
-
 /* Lane c's scale (plane 0) or min (plane 1) of group g in a panel's scales `sc`. */
 static inline float lane_scale(const void *sc, int64_t g, int plane, int planes, int mode,
                                int64_t c) {
@@ -1108,6 +1105,10 @@ static inline float lane_scale(const void *sc, int64_t g, int plane, int planes,
     return mode == SC_F16 ? half_to_float(((const uint16_t *)sc)[at]) : ((const float *)sc)[at];
 }
 
+/* out[t, :] = row ids[t] of a quantized table stored as above (the tied lm_head's), as
+ * floats; QFMT_UINT4_A8 / QFMT_INT8_A8 (and their float16-scale forms QFMT_UINT4H_A8 /
+ * QFMT_INT8H_A8): a table stored for the int8-activation linears below (their layouts).
+ * Returns -1 at the first id outside [0, vocab), -2 for an unknown format. */
 int kiln_qembedding_f32(const int64_t *ids, int64_t tokens, const void *q, const void *scales,
                         int fmt, int64_t group, int64_t vocab, int64_t h, float *out) {
     const int mode = scale_mode(fmt);

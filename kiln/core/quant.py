@@ -24,7 +24,7 @@ group of `group` consecutive inputs, float32 scales and codes:
   with its Q4_0 / Q4_1 / Q8_0 blocks) to sum each group in int32. uint4_a8's planes are
   uint4's; int8_a8's second plane is 128 * sum_k q over the group (as w8a8_int8's).
   The GGUF formats kept as stored have int8-activation forms of their own (int8h_a8,
-  int8mh_a8, int5h_a8, uint5h_a8, uint4k_a8, uint5k_a8, int6k_a8): their codes and scales
+  uint4h_a8, int8mh_a8, int5h_a8, uint5h_a8, uint4k_a8, uint5k_a8, int6k_a8): their codes and scales
   as they are, in layouts for the same int8 dot products (`_with_a8`).
 
 `dequantize` is the reference every kernel is tested against.
@@ -206,6 +206,7 @@ def _with_a8(stored: str, layout: str, kind: int, qfmt: int | None = None) -> Qu
 # GA8_INT8MH = 6 (Q8_0 and Q5_1 parts of one fused weight).
 for _stored, _layout, _kind, _qfmt in (
     ("int8h", "a8", 5, 17),
+    ("uint4h", "a4", 0, 18),
     ("int8mh", "a8", 6, None),
     ("int5h", "a5", 3, None),
     ("uint5h", "a5", 2, None),

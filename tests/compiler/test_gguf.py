@@ -208,8 +208,8 @@ def test_gguf_blocks_run_as_stored_unless_a_float_dtype_is_asked(
 # comparison below says nothing either way.
 A8_FORMATS = {
     "llama-q8_0": "int8h_a8",  # Q8_0 as stored: float16 scales, no code-sum plane
-    "llama-q4_0-tied": "uint4_a8",
-    "llama-q4_1": "uint4_a8",
+    "llama-q4_0-tied": "uint4h_a8",
+    "llama-q4_1": "uint4h_a8",
     "llama-q4_k": "uint4k_a8",  # the super-block records as stored, in int8 dot products
     "llama-q5_k": "uint5k_a8",
     "qwen2-q5_0": "int5h_a8",

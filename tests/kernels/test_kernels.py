@@ -273,6 +273,7 @@ GA8_CASES = [
     ("int8_a8", 12),
     ("int8h_a8", 32),  # GGUF Q8_0 as stored: float16 scales, no code-sum plane
     ("int8h_a8", 12),
+    ("uint4h_a8", 32),  # GGUF Q4_0 / Q4_1 as stored: float16 scale and min
 ]
 # int8-activation forms no embedding kernel reads (a table shared with the embedding keeps
 # its stored format): GGUF Q5_0, Q5_1, and int8mh.
