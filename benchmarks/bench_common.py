@@ -1,14 +1,19 @@
 """What the benchmarks share: the SmolLM2-135M shape, the machine line, the measured read
-bandwidth and the bytes a decode step reads."""
+bandwidth, the bytes a decode step reads, the GGUF files at each precision, kiln's engine in
+a process of its own, llama-bench's rate, and the median (min-max) figure."""
 
 from __future__ import annotations
 
 import ctypes
+import json
+import multiprocessing as mp
 import platform
+import statistics
 import subprocess
 import time
 from datetime import date
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -111,3 +116,74 @@ def gguf_for(precision: str, shipped: Path, work: Path, quantizer: Path | None =
     ):
         raise RuntimeError(f"llama.cpp could not write {precision}")
     return out
+
+
+def print_table(
+    title: str, bw: float, rounds: int, threads: int, header: list[str], rows: list[str]
+) -> None:
+    """A markdown table of alternating-round figures under its title, machine line and
+    measured read bandwidth."""
+    print(f"\n## {title}")
+    print(machine())
+    print(
+        f"measured read bandwidth {bw:.1f} GB/s; {rounds} alternating rounds, median "
+        f"(min-max); {threads} threads each\n"
+    )
+    print("| " + " | ".join(header) + " |")
+    print("|" + " --- |" * len(header))
+    print("\n".join(rows))
+
+
+def spread(xs: list[float]) -> str:
+    """The median of `xs` with their range: `12.3 (11.0-13.1)`."""
+    return f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})"
+
+
+def llama_bench_rate(bench: Path, gguf: Path, threads: int, *flags: str) -> float:
+    """Tokens a second of one `llama-bench` run (`-r 1`) of `flags` (e.g. `-p 0 -n 64 -d
+    128`) on `gguf` with `threads` threads."""
+    cmd = [str(bench), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json", *flags]
+    done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return float(json.loads(done.stdout)[0]["avg_ts"])
+
+
+def _kiln_worker(art: str, threads: int, conn: Any) -> None:
+    torch.set_num_threads(threads)
+    from kiln import Engine
+
+    engine = Engine(art, max_total_tokens=2048, max_running_requests=1, disable_radix_cache=True)
+    conn.send("ready")
+    while (msg := conn.recv()) is not None:
+        ids, new = msg
+        params = {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}
+        t0 = time.perf_counter()
+        engine.generate(input_ids=ids, sampling_params=params)
+        conn.send(time.perf_counter() - t0)
+
+
+class KilnProcess:
+    """kiln's engine on artefact `art` in a process of its own (so neither its idle OpenMP
+    threads nor the peer's compete with the other's), timing generations on request."""
+
+    def __init__(self, art: Path, threads: int) -> None:
+        self.conn, child = mp.Pipe()
+        self.proc = mp.get_context("spawn").Process(
+            target=_kiln_worker, args=(str(art), threads, child), daemon=True
+        )
+        self.proc.start()
+        assert self.conn.recv() == "ready"
+
+    def time(self, ids: list[int], new: int) -> float:
+        """Seconds to generate `new` tokens greedily after prompt `ids`."""
+        self.conn.send((ids, new))
+        return float(self.conn.recv())
+
+    def decode_rate(self, prompt: list[int], n: int) -> float:
+        """Decode tokens a second after `prompt`: (n - 1) over the time of an n-token
+        generation minus a one-token one (the prefill left out)."""
+        first = self.time(prompt, 1)
+        return (n - 1) / (self.time(prompt, n) - first)
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join(timeout=60)

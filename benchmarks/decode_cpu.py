@@ -23,17 +23,20 @@ decode step reads (the artefact's weight file; for llama.cpp its file).
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing as mp
 import os
 import statistics
-import subprocess
 import tempfile
-import time
 from pathlib import Path
-from typing import Any
 
-from bench_common import PRECISIONS, gguf_for, machine, read_bandwidth_gbs
+from bench_common import (
+    PRECISIONS,
+    KilnProcess,
+    gguf_for,
+    llama_bench_rate,
+    print_table,
+    read_bandwidth_gbs,
+    spread,
+)
 
 # Rows: label -> (llama.cpp's file, the file kiln compiles, kiln's compile flags). The GGUF
 # rows run identical weights; the scheme rows quantize the F32 file with kiln's schemes and
@@ -49,75 +52,23 @@ ROWS: dict[str, tuple[str, str, dict[str, str]]] = {
 }
 
 
-# -- the engines, each in its own process ---------------------------------------------------
+# -- one round of each engine ------------------------------------------------------------
 
 
-def _kiln(art: str, threads: int) -> Any:
-    import torch
-
-    torch.set_num_threads(threads)
-    from kiln import Engine
-
-    engine = Engine(art, max_total_tokens=2048, max_running_requests=1, disable_radix_cache=True)
-
-    def run(ids: list[int], new: int) -> float:
-        params = {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}
-        t0 = time.perf_counter()
-        engine.generate(input_ids=ids, sampling_params=params)
-        return time.perf_counter() - t0
-
-    return run
+def kiln_round(
+    kiln: KilnProcess, prompt: list[int], long_prompt: list[int], n: int
+) -> tuple[float, float]:
+    """(decode tok/s, prefill tok/s) of one kiln round."""
+    return kiln.decode_rate(prompt, n), len(long_prompt) / kiln.time(long_prompt, 1)
 
 
-def _worker(path: str, threads: int, conn: Any) -> None:
-    run = _kiln(path, threads)
-    conn.send("ready")
-    while (msg := conn.recv()) is not None:
-        ids, new = msg
-        conn.send(run(ids, new))
-
-
-class Kiln:
-    def __init__(self, path: Path, threads: int) -> None:
-        self.conn, child = mp.Pipe()
-        self.proc = mp.get_context("spawn").Process(
-            target=_worker, args=(str(path), threads, child), daemon=True
-        )
-        self.proc.start()
-        assert self.conn.recv() == "ready"
-
-    def time(self, ids: list[int], new: int) -> float:
-        self.conn.send((ids, new))
-        return float(self.conn.recv())
-
-    def close(self) -> None:
-        self.conn.send(None)
-        self.proc.join(timeout=30)
-
-    def measure(self, prompt: list[int], long_prompt: list[int], n: int) -> tuple[float, float]:
-        """(decode tok/s, prefill tok/s) of one round."""
-        first = self.time(prompt, 1)
-        full = self.time(prompt, n)
-        prefill = self.time(long_prompt, 1)
-        return (n - 1) / (full - first), len(long_prompt) / prefill
-
-
-class LlamaBench:
-    def __init__(self, bench: Path, gguf: Path, threads: int, depth: int, prefill: int) -> None:
-        self.base = [str(bench), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json"]
-        self.depth, self.prefill = depth, prefill
-
-    def _rate(self, *flags: str) -> float:
-        done = subprocess.run([*self.base, *flags], check=True, capture_output=True, text=True)
-        return float(json.loads(done.stdout)[0]["avg_ts"])
-
-    def measure(self, prompt: list[int], long_prompt: list[int], n: int) -> tuple[float, float]:
-        decode = self._rate("-p", "0", "-n", str(n), "-d", str(self.depth))
-        return decode, self._rate("-p", str(self.prefill), "-n", "0")
-
-
-def spread(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})"
+def llama_round(
+    bench: Path, gguf: Path, threads: int, depth: int, prefill: int, n: int
+) -> tuple[float, float]:
+    """(decode tok/s, prefill tok/s) of one llama-bench round: n tokens at `depth`, then a
+    `prefill`-token prompt."""
+    decode = llama_bench_rate(bench, gguf, threads, "-p", "0", "-n", str(n), "-d", str(depth))
+    return decode, llama_bench_rate(bench, gguf, threads, "-p", str(prefill), "-n", "0")
 
 
 def main() -> None:
@@ -152,18 +103,21 @@ def main() -> None:
         art = work / f"art-{len(rows)}"
         compile_model(ServerArgs(model_path=str(files[mine]), **flags), art)
         step_bytes = (art / "weights" / "rank0.safetensors").stat().st_size
-        kiln = Kiln(art, args.threads)
-        engines: dict[str, Kiln | LlamaBench] = {
-            "kiln": kiln,
-            "llama.cpp": LlamaBench(
-                args.llama_bench, gguf, args.threads, args.depth, args.prefill_tokens
-            ),
-        }
-        got: dict[str, list[tuple[float, float]]] = {k: [] for k in engines}
-        kiln.measure(prompt, long_prompt, 8)  # warm-up
+        kiln = KilnProcess(art, args.threads)
+        got: dict[str, list[tuple[float, float]]] = {"kiln": [], "llama.cpp": []}
+        kiln_round(kiln, prompt, long_prompt, 8)  # warm-up
         for _ in range(args.rounds):
-            for name, e in engines.items():
-                got[name].append(e.measure(prompt, long_prompt, args.decode_tokens))
+            got["kiln"].append(kiln_round(kiln, prompt, long_prompt, args.decode_tokens))
+            got["llama.cpp"].append(
+                llama_round(
+                    args.llama_bench,
+                    gguf,
+                    args.threads,
+                    args.depth,
+                    args.prefill_tokens,
+                    args.decode_tokens,
+                )
+            )
         kiln.close()
         limit = bw * 1e9 / step_bytes
         peer_limit = bw * 1e9 / gguf.stat().st_size
@@ -180,23 +134,25 @@ def main() -> None:
             f"{statistics.median(kp) / statistics.median(lp):.2f}x |"
         )
 
-    print(
-        f"\n## Batch-1 decode at a {args.depth}-token depth and {args.prefill_tokens}-token "
-        "prefill, SmolLM2-135M-Instruct, kiln against llama-bench"
+    print_table(
+        f"Batch-1 decode at a {args.depth}-token depth and {args.prefill_tokens}-token "
+        "prefill, SmolLM2-135M-Instruct, kiln against llama-bench",
+        bw,
+        args.rounds,
+        args.threads,
+        [
+            "kiln (vs llama.cpp)",
+            "MB read per step (kiln / llama.cpp)",
+            "kiln decode tok/s",
+            "llama-bench decode tok/s",
+            "decode ratio",
+            "roofline (kiln / llama.cpp)",
+            "kiln prefill tok/s",
+            "llama-bench prefill tok/s",
+            "prefill ratio",
+        ],
+        rows,
     )
-    print(machine())
-    print(
-        f"measured read bandwidth {bw:.1f} GB/s; {args.rounds} alternating rounds, median "
-        f"(min-max); {args.threads} threads each\n"
-    )
-    print(
-        "| kiln (vs llama.cpp) | MB read per step (kiln / llama.cpp) | kiln decode tok/s | "
-        "llama-bench decode tok/s | "
-        "decode ratio | roofline (kiln / llama.cpp) | kiln prefill tok/s | "
-        "llama-bench prefill tok/s | prefill ratio |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    print("\n".join(rows))
 
 
 if __name__ == "__main__":

@@ -24,78 +24,33 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import statistics
-import subprocess
 import tempfile
 from pathlib import Path
-from typing import Any
 
-from bench_common import machine, read_bandwidth_gbs
+from bench_common import (
+    KilnProcess,
+    gguf_for,
+    llama_bench_rate,
+    print_table,
+    read_bandwidth_gbs,
+    spread,
+)
 
 MIXES = ("Q4_K_M", "Q5_K_M", "Q6_K")
-
-
-def _kiln_worker(art: str, threads: int, conn: Any) -> None:
-    import time
-
-    import torch
-
-    torch.set_num_threads(threads)
-    from kiln import Engine
-
-    engine = Engine(art, max_total_tokens=2048, max_running_requests=1, disable_radix_cache=True)
-    prompt = list(range(1000, 1128))
-    while (new := conn.recv()) is not None:
-        params = {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}
-        t0 = time.perf_counter()
-        engine.generate(input_ids=[prompt], sampling_params=params)
-        conn.send(time.perf_counter() - t0)
-
-
-class Kiln:
-    def __init__(self, art: Path, threads: int) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_kiln_worker, args=(str(art), threads, child))
-        self.proc.start()
-
-    def decode_rate(self, n: int = 64) -> float:
-        self.conn.send(1)
-        first = float(self.conn.recv())
-        self.conn.send(n)
-        full = float(self.conn.recv())
-        return (n - 1) / (full - first)
-
-    def close(self) -> None:
-        self.conn.send(None)
-        self.proc.join(timeout=60)
-
-
-def llama_bench_rate(bench: Path, gguf: Path, threads: int) -> float:
-    cmd = [str(bench), "-m", str(gguf), "-p", "0", "-n", "64", "-d", "128", "-t", str(threads)]
-    out = subprocess.run([*cmd, "-r", "1", "-o", "json"], check=True, capture_output=True)
-    return float(json.loads(out.stdout)[0]["avg_ts"])
+PROMPT = list(range(1000, 1128))  # kiln decodes 64 tokens after these 128
+DECODE = ("-p", "0", "-n", "64", "-d", "128")  # llama-bench: the same
 
 
 def files(bench: Path, work: Path) -> list[Path]:
+    """The Gemma 3 Q4_K_M file, then SmolLM2 in each of MIXES (llama-quantize beside
+    `bench`)."""
     from kiln.example import fetch
 
-    quantize = bench.parent / "llama-quantize"
-    out = [fetch("gemma3")]
+    quantizer = bench.parent / "llama-quantize"
     shipped = fetch("smollm2")
-    for mix in MIXES:
-        path = work / f"smollm2-{mix}.gguf"
-        if not path.exists():
-            cmd = [str(quantize), "--allow-requantize", str(shipped), str(path), mix, "2"]
-            subprocess.run(cmd, check=True, capture_output=True)
-        out.append(path)
-    return out
-
-
-def spread(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})"
+    return [fetch("gemma3"), *(gguf_for(mix, shipped, work, quantizer) for mix in MIXES)]
 
 
 def main() -> None:
@@ -115,7 +70,7 @@ def main() -> None:
     rows = []
     for gguf in args.files or files(args.llama_bench, work):
         kilns = {"": {}, " +a8": {"quantize_activations": "int8"}} if args.a8 else {"": {}}
-        runs: dict[str, Kiln] = {}
+        runs: dict[str, KilnProcess] = {}
         step_bytes: dict[str, int] = {}
         floats: dict[str, int] = {}
         for tag, flags in kilns.items():
@@ -124,13 +79,13 @@ def main() -> None:
             step_bytes[tag] = (art / "weights" / "rank0.safetensors").stat().st_size
             graph = json.loads((art / "graph.json").read_text())
             floats[tag] = sum(n["op"] in ("linear", "packed_linear") for n in graph["nodes"])
-            runs[tag] = Kiln(art, args.threads)
-            runs[tag].decode_rate(8)  # warm-up
+            runs[tag] = KilnProcess(art, args.threads)
+            runs[tag].decode_rate(PROMPT, 8)  # warm-up
         got: dict[str, list[float]] = {tag: [] for tag in runs} | {"llama": []}
         for _ in range(args.rounds):
             for tag, kiln in runs.items():
-                got[tag].append(kiln.decode_rate())
-            got["llama"].append(llama_bench_rate(args.llama_bench, gguf, args.threads))
+                got[tag].append(kiln.decode_rate(PROMPT, 64))
+            got["llama"].append(llama_bench_rate(args.llama_bench, gguf, args.threads, *DECODE))
         for kiln in runs.values():
             kiln.close()
         ll = statistics.median(got["llama"])
@@ -142,18 +97,22 @@ def main() -> None:
                 f"{floats[tag]} | {spread(got[tag])} | {spread(got['llama'])} | {k / ll:.2f}x | "
                 f"{k * step_bytes[tag] / (bw * 1e9):.0%} / {ll * size / (bw * 1e9):.0%} |"
             )
-    print("\n## Batch-1 decode at a 128-token depth on GGUF K-quant files, kiln vs llama-bench")
-    print(machine())
-    print(
-        f"measured read bandwidth {bw:.1f} GB/s; {args.rounds} alternating rounds, median "
-        f"(min-max); {args.threads} threads each\n"
+    print_table(
+        "Batch-1 decode at a 128-token depth on GGUF K-quant files, kiln vs llama-bench",
+        bw,
+        args.rounds,
+        args.threads,
+        [
+            "file",
+            "MB read per step (kiln / llama.cpp)",
+            "matrices kiln runs as floats",
+            "kiln tok/s",
+            "llama-bench tok/s",
+            "ratio",
+            "roofline (kiln / llama.cpp)",
+        ],
+        rows,
     )
-    print(
-        "| file | MB read per step (kiln / llama.cpp) | matrices kiln runs as floats | "
-        "kiln tok/s | llama-bench tok/s | ratio | roofline (kiln / llama.cpp) |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    print("\n".join(rows))
 
 
 if __name__ == "__main__":

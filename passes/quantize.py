@@ -17,9 +17,10 @@ The scheme comes from the compile arguments, resolved by `scheme_from_args`:
   128 x 128 block scales as a scale per row per 128 inputs (no loss).
 With a float checkpoint the lm_head stays float, as SGLang leaves it.
 `--quantize-activations int8` (scheme "activations") turns each uint4 / int8 weight into
-uint4_a8 / int8_a8, and the GGUF 5-bit, 6-bit and K-quant ones into their own _a8 forms
-(int5h_a8, uint5h_a8, uint4k_a8, uint5k_a8, int6k_a8; a table the embedding also reads
-keeps its stored format): the same codes and scales, run with activations rounded to int8 per
+uint4_a8 / int8_a8, and each GGUF format kept as stored into its own _a8 form (int8h_a8,
+uint4k_a8, ...: kiln/core/quant.py; a table the embedding also reads keeps its stored
+format where no embedding kernel reads the _a8 layout): the same codes and scales, run
+with activations rounded to int8 per
 group (kiln/core/quant.py); the other formats are left as they are.
 
 A quantized linear becomes `quant_linear(x, codes, scales[, bias])` with its format and group
@@ -92,7 +93,7 @@ def quantize(graph: Graph, ctx: CompileOptions) -> PassResult:
         )
         scales_name = f"{name}.scales"
         graph.weights[scales_name] = WeightSpec(
-            _scales_shape(n, k, group, fmt),
+            form.scales_shape(n, k, group),
             form.scale_dtype,
             {**recipe, "part": "scales"},
             f"{form.scale_layout}panels{lanes}",
@@ -109,14 +110,6 @@ def quantize(graph: Graph, ctx: CompileOptions) -> PassResult:
             r.meta.pop("backend", None)
         changed = True
     return PassResult(graph, changed)
-
-
-def _scales_shape(n: int, k: int, group: int, fmt: str) -> tuple[int, int, int]:
-    """A weight's scales: [N, groups, planes], or a super-block format's records."""
-    form = FORMATS[fmt]
-    if form.superblock:
-        return (n, k // (group * form.superblock), form.record_bytes)
-    return (n, k // group, form.planes)
 
 
 def _quantizable(param: Node, readers: list[Node]) -> bool:

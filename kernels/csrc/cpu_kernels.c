@@ -694,6 +694,22 @@ static inline int scale_planes(int fmt) {
     return fmt == QFMT_UINT4 || fmt == QFMT_INT8M || fmt == QFMT_UINT5 ? 2 : 1;
 }
 
+/* What a (base) format's codes are stored plus: w = (q - offset) s. */
+static inline int code_offset(int fmt) {
+    return fmt == QFMT_INT5 ? 16 : fmt == QFMT_INT6 ? 32 : 0;
+}
+
+/* Bytes a lane of a panel holds for k inputs of a (base) format's codes: nibbles, nibbles
+ * and a plane of fifth bits (5-bit) or of top bit pairs (6-bit), or a byte a k. */
+static inline int64_t panel_code_bytes(int fmt, int64_t k) {
+    switch (fmt) {
+        case QFMT_UINT4: case QFMT_UINT4_A8: return k / 2;
+        case QFMT_INT5: case QFMT_UINT5: return k / 2 + k / 8;
+        case QFMT_INT6: return k / 2 + k / 4;
+        default: return k;
+    }
+}
+
 /* LANES float16s stored as two byte planes, low bytes then high bytes, as floats. */
 static inline vlf half_planes(const uint8_t *lo, const uint8_t *hi) {
 #if LANES == 16 && defined(__AVX512F__)
@@ -829,7 +845,7 @@ static inline __attribute__((always_inline)) void qtile(
                 const void *ps = scale_at(sc, p * sstride, mode);
                 s[p] = group_scale(ps, g, 0, scale_planes(fmt), mode);
                 mn[p] = fmt == QFMT_UINT5 ? group_scale(ps, g, 1, 2, mode)
-                                          : s[p] * (fmt == QFMT_INT6 ? -32.0f : -16.0f);
+                                          : s[p] * (float)-code_offset(fmt);
             }
             for (int64_t kb = k0; kb < k0 + group; kb += span) {
                 for (int p = 0; p < np; p++) {
@@ -958,13 +974,12 @@ static inline __attribute__((always_inline)) void qtile_decode(
         }
         /* The group's scale, and its min times the group's sum of x where there is one. */
         const int planes = scale_planes(fmt);
-        const int mins = planes == 2 || fmt == QFMT_INT5 || fmt == QFMT_INT6;
+        const int mins = planes == 2 || code_offset(fmt);
         for (int p = 0; p < QPANELS; p++) {
             const void *ps = scale_at(sc, p * sstride, mode);
             const vlf sv = group_scale(ps, g, 0, planes, mode);
             const vlf mv = planes == 2 ? group_scale(ps, g, 1, 2, mode)
-                           : fmt == QFMT_INT5 ? sv * -16.0f
-                           : fmt == QFMT_INT6 ? sv * -32.0f : (vlf){0};
+                                       : sv * (float)-code_offset(fmt);
             for (int r = 0; r < rows; r++)
                 acc[p * rows + r] += ga[p * rows + r] * sv + (mins ? xs[g * xrows + r] * mv : (vlf){0});
         }
@@ -1028,8 +1043,7 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
     const int64_t panels = (n + LANES - 1) / LANES;
     const int64_t items = (panels + np - 1) / np;
     const int64_t tiles = (m + xrows - 1) / xrows;
-    const int64_t pstride =
-        (fmt == QFMT_UINT4 ? k / 2 : five ? k / 2 + k / 8 : six ? k / 2 + k / 4 : k) * LANES;
+    const int64_t pstride = panel_code_bytes(fmt, k) * LANES;
     const int64_t sstride = scale_stride(k, group, scale_planes(fmt), mode);
     const int64_t groups = k / group;
     /* x transposed into tiles, then (decode tiles) each group's sum of x per row */
@@ -1119,9 +1133,7 @@ int kiln_qembedding_f32(const int64_t *ids, int64_t tokens, const void *q, const
         group <= 0 || h % group || (five && h % 8) || (six && h % 4) ||
         (mode >= 2 && h % (group * mode)))
         return -2;
-    const int nibbles = fmt == QFMT_UINT4 || fmt == QFMT_UINT4_A8;
-    const int64_t panel_bytes =
-        (nibbles ? h / 2 : five ? h / 2 + h / 8 : six ? h / 2 + h / 4 : h) * LANES;
+    const int64_t panel_bytes = panel_code_bytes(fmt, h) * LANES;
     const int planes = fmt == QFMT_INT8 || fmt == QFMT_FP8_E4M3 || fmt == QFMT_INT5 || six ||
                                fmt == QFMT_INT8H_A8 ? 1 : 2;
     const int64_t panel_scales = scale_stride(h, group, planes, mode);
@@ -1145,12 +1157,12 @@ int kiln_qembedding_f32(const int64_t *ids, int64_t tokens, const void *q, const
                 const uint8_t byte = panel[(j / 2) * LANES + c];
                 const uint8_t bits = panel[(h / 2 + j / 8) * LANES + c];
                 const int q = ((j & 1) ? byte >> 4 : byte & 0xF) | (((bits >> (j % 8)) & 1) << 4);
-                v = fmt == QFMT_INT5 ? (float)(q - 16) * s : (float)q * s + mn;
+                v = (float)(q - code_offset(fmt)) * s + mn;
             } else if (six) {
                 const uint8_t byte = panel[(j / 2) * LANES + c];
                 const uint8_t pairs = panel[(h / 2 + j / 4) * LANES + c];
                 const int q = ((j & 1) ? byte >> 4 : byte & 0xF) | (((pairs >> (2 * (j % 4))) & 3) << 4);
-                v = (float)(q - 32) * s;
+                v = (float)(q - code_offset(fmt)) * s;
             } else if (fmt == QFMT_INT8 || fmt == QFMT_INT8M) {
                 v = (float)((const int8_t *)panel)[j * LANES + c] * s + mn;
             } else if (fmt == QFMT_INT8_A8 || fmt == QFMT_INT8H_A8) {
@@ -1415,6 +1427,21 @@ static inline vbyte ga8_plane(vbyte w, const uint8_t *plane, int high, char valu
 }
 #endif
 
+/* A kind's codes a byte each (4 k's a block of a lane; else nibbles, 8 k's a block), its
+ * scale planes, and the bytes a lane of a panel holds for k inputs. */
+static inline int ga8_byte_codes(int kind) {
+    return kind == GA8_INT8 || kind == GA8_INT8H || kind == GA8_INT8MH;
+}
+static inline int ga8_planes(int kind) {
+    return kind == GA8_INT5 || kind == GA8_INT6 || kind == GA8_INT8H ? 1 : 2;
+}
+static inline int64_t ga8_code_bytes(int kind, int64_t k) {
+    return ga8_byte_codes(kind) ? k
+           : kind == GA8_UINT4  ? k / 2
+           : kind == GA8_INT6   ? k / 2 + k / 4
+                                : k / 2 + k / 8;
+}
+
 /* x rows -> int8 codes per group (xq, or xq + 128 for GA8_INT8) and per group GA8_XG
  * floats: sx, sx * sum xq, and sum xq itself (an integer, exact in a float). */
 #define GA8_XG 3
@@ -1445,11 +1472,10 @@ static inline __attribute__((always_inline)) void ga8_tile(
     int64_t pstride, const void *sc, int64_t sstride, int kind, int mode, const float *bias,
     float *out, int64_t n, int64_t cols, const int rows, const int np) {
     const int64_t groups = k / group, kw = k / 4;
-    /* codes a byte, 4 k's a block; signed codes read with signed x (INT8 reads x + 128) */
-    const int bytes = kind == GA8_INT8 || kind == GA8_INT8H || kind == GA8_INT8MH;
+    /* signed codes read with signed x (GA8_INT8 reads x + 128) */
     const int signed_q = kind == GA8_INT8H || kind == GA8_INT8MH;
-    const int64_t blocks = bytes ? group / 4 : group / 8; /* code blocks a group */
-    const int planes = kind == GA8_INT5 || kind == GA8_INT6 || kind == GA8_INT8H ? 1 : 2;
+    const int64_t blocks = ga8_byte_codes(kind) ? group / 4 : group / 8; /* blocks a group */
+    const int planes = ga8_planes(kind);
     const int64_t fifth = k / 2 * LANES, sixth = fifth + k / 8 * LANES; /* bit planes */
     vlf acc[GA8_PANELS * GA8_ROWS];
     for (int i = 0; i < np * rows; i++) acc[i] = (vlf){0};
@@ -1558,12 +1584,8 @@ static inline __attribute__((always_inline)) void ga8_tile(
             for (int r = 0; r < rows; r++) {
                 const float *t = xg + (r * groups + g) * GA8_XG;
                 const vlf f = to_float(isum[p * rows + r]);
-                if (planes == 1)
-                    acc[p * rows + r] += ((f - off * t[2]) * t[0]) * s;
-                else if (kind == GA8_INT8MH)
+                if (kind != GA8_INT8) /* off is 0 and mc 0 where a kind has none */
                     acc[p * rows + r] += ((f - off * t[2]) * t[0]) * s + mc * t[1];
-                else if (kind != GA8_INT8)
-                    acc[p * rows + r] += (f * t[0]) * s + mc * t[1];
                 else if (GA8_SIGNED_INT8)
                     acc[p * rows + r] += (f * t[0]) * s;
                 else
@@ -1588,17 +1610,14 @@ static int ga8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k
                           int64_t n, const float *bias, float *out, int threads) {
     const int mode = kind >> 8;
     kind &= 0xFF;
-    const int bytes = kind == GA8_INT8 || kind == GA8_INT8H || kind == GA8_INT8MH;
     if (kind < GA8_UINT4 || kind > GA8_INT8MH || group <= 0 || k % group ||
-        group % (bytes ? 4 : 8) || (mode != SC_F32 && mode != SC_F16 && mode != 8 &&
+        group % (ga8_byte_codes(kind) ? 4 : 8) || (mode != SC_F32 && mode != SC_F16 && mode != 8 &&
                                                mode != 16) || (mode >= 2 && k % (group * mode)))
         return -2;
     const int64_t groups = k / group, panels = (n + LANES - 1) / LANES;
     const int64_t items = (panels + GA8_PANELS - 1) / GA8_PANELS;
-    const int64_t pstride = (kind == GA8_UINT4 ? k / 2 : bytes ? k
-                             : kind == GA8_INT6 ? k / 2 + k / 4 : k / 2 + k / 8) * LANES;
-    const int planes = kind == GA8_INT5 || kind == GA8_INT6 || kind == GA8_INT8H ? 1 : 2;
-    const int64_t sstride = scale_stride(k, group, planes, mode);
+    const int64_t pstride = ga8_code_bytes(kind, k) * LANES;
+    const int64_t sstride = scale_stride(k, group, ga8_planes(kind), mode);
     uint8_t *xball = malloc((size_t)(m * k) + (size_t)(m * groups * GA8_XG) * sizeof(float));
     if (!xball) return -1;
     float *xgall = (float *)(xball + m * k); /* k % 8 == 0 or k % 4 == 0: aligned */

@@ -148,14 +148,12 @@ def pack_qpanels(t: torch.Tensor, layout: str) -> torch.Tensor:
     nibbles = low[:, 0::2] | (low[:, 1::2] << 4)
     if kind == "q4":
         return nibbles.contiguous()
-    if kind == "q6":  # [T, K/4, 4, L] top bit pairs -> a byte a lane per 4 k's
-        top = (panels >> 4).view(panels.shape[0], -1, 4, panels.shape[2])
-        pairs = top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6)
-        return torch.cat([nibbles, pairs], dim=1).contiguous()
-    fifth = ((panels >> 4) & 1).view(panels.shape[0], -1, 8, panels.shape[2])  # [T, K/8, 8, L]
-    weights = (1 << torch.arange(8, dtype=torch.uint8)).view(1, 1, 8, 1)
-    bits = (fifth * weights).sum(2, dtype=torch.uint8)
-    return torch.cat([nibbles, bits], dim=1).contiguous()
+    # the top bits above each nibble, `width` a k: a byte a lane per 8 / width k's
+    width = 1 if kind == "q5" else 2
+    top = (panels >> 4).view(panels.shape[0], -1, 8 // width, panels.shape[2])
+    shifts = (torch.arange(8 // width, dtype=torch.uint8) * width).view(1, 1, -1, 1)
+    packed = (top << shifts).sum(2, dtype=torch.uint8)
+    return torch.cat([nibbles, packed], dim=1).contiguous()
 
 
 def _bit_plane(tiles: torch.Tensor, bit: int) -> torch.Tensor:
@@ -200,22 +198,15 @@ def unpack_codes(codes: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
     elif kind == "q4":  # [T, K/2, L] bytes -> [T, K, L], k even from the low nibble
         tiles, _, lanes = codes.shape
         codes = torch.stack([codes & 0xF, codes >> 4], dim=2).reshape(tiles, -1, lanes)
-    elif kind == "q5":  # nibbles [T, K/2, L], then fifth bits [T, K/8, L]
+    elif kind in ("q5", "q6"):  # nibbles [T, K/2, L], then top bits [T, K/8 or K/4, L]
         tiles, stored, lanes = codes.shape
-        half = stored * 4 // 5  # K/2 of K/2 + K/8
-        nib, bits = codes[:, :half], codes[:, half:]
+        width = 1 if kind == "q5" else 2  # top bits a k
+        half = stored * 4 // (5 if width == 1 else 6)  # K/2 of K/2 + K/8 (or K/4)
+        nib, packed = codes[:, :half], codes[:, half:]
         low = torch.stack([nib & 0xF, nib >> 4], dim=2).reshape(tiles, -1, lanes)
-        shifts = torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)
-        fifth = ((bits.unsqueeze(2) >> shifts) & 1).reshape(tiles, -1, lanes)
-        codes = low | (fifth << 4)
-    elif kind == "q6":  # nibbles [T, K/2, L], then top bit pairs [T, K/4, L]
-        tiles, stored, lanes = codes.shape
-        half = stored * 2 // 3  # K/2 of K/2 + K/4
-        nib, top = codes[:, :half], codes[:, half:]
-        low = torch.stack([nib & 0xF, nib >> 4], dim=2).reshape(tiles, -1, lanes)
-        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
-        pairs = ((top.unsqueeze(2) >> shifts) & 3).reshape(tiles, -1, lanes)
-        codes = low | (pairs << 4)
+        shifts = (torch.arange(8 // width, dtype=torch.uint8) * width).view(1, 1, -1, 1)
+        top = ((packed.unsqueeze(2) >> shifts) & ((1 << width) - 1)).reshape(tiles, -1, lanes)
+        codes = low | (top << 4)
     tiles, _, lanes = codes.shape
     return codes.transpose(1, 2).reshape(tiles * lanes, -1)[:rows]
 

@@ -90,6 +90,13 @@ class QuantFormat:
         """The stored layout kind of this format's scales (kiln/core/layout.py)."""
         return "k" if self.superblock else "s"
 
+    def scales_shape(self, n: int, k: int, group: int) -> tuple[int, int, int]:
+        """The scales of an [n, k] weight: [n, groups, planes], or the super-block records
+        [n, blocks, record_bytes]."""
+        if self.superblock:
+            return (n, k // (group * self.superblock), self.record_bytes)
+        return (n, k // group, self.planes)
+
 
 _FULL: dict[str, QuantFormat] = {
     f.name: f
@@ -315,8 +322,7 @@ def quantize(w: torch.Tensor, fmt: str, group: int) -> tuple[torch.Tensor, torch
     if fmt == "int8":
         s = g.abs().amax(-1, keepdim=True) / 127.0
         s = torch.where(s > 0, s, torch.ones_like(s))
-        q = torch.round(g / s).clamp(-127, 127).to(torch.int8)
-        return q.reshape(n, k), s
+        return _codes_for(g, s, fmt), s
     if fmt == "uint4":
         lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
         s = (hi - lo) / 15.0
@@ -326,21 +332,14 @@ def quantize(w: torch.Tensor, fmt: str, group: int) -> tuple[torch.Tensor, torch
     if fmt == "int5":
         s = g.abs().amax(-1, keepdim=True) / 16.0
         s = torch.where(s > 0, s, torch.ones_like(s))
-        q = (torch.round(g / s).clamp(-16, 15) + 16).to(torch.uint8)
-        return q.reshape(n, k), s
-    if fmt == "uint5":
+        return _codes_for(g, s, fmt), s
+    if fmt in ("uint5", "int8m"):
         lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-        s = (hi - lo) / 31.0
+        s = (hi - lo) / (31.0 if fmt == "uint5" else 255.0)
         s = torch.where(s > 0, s, torch.ones_like(s))
-        q = torch.round((g - lo) / s).clamp(0, 31).to(torch.uint8)
-        return q.reshape(n, k), torch.cat([s, lo], dim=-1)
-    if fmt == "int8m":
-        lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-        s = (hi - lo) / 255.0
-        s = torch.where(s > 0, s, torch.ones_like(s))
-        m = lo + 128.0 * s
-        q = torch.round((g - m) / s).clamp(-128, 127).to(torch.int8)
-        return q.reshape(n, k), torch.cat([s, m], dim=-1)
+        m = lo if fmt == "uint5" else lo + 128.0 * s  # int8m: codes centred on 0
+        planes = torch.cat([s, m], dim=-1)
+        return _codes_for(g, planes, fmt), planes
     if fmt == "fp8_e4m3":
         s = g.abs().amax(-1, keepdim=True) / FP8_E4M3_MAX
         s = torch.where(s > 0, s, torch.ones_like(s))
@@ -362,7 +361,7 @@ def _codes_for(g: torch.Tensor, s: torch.Tensor, fmt: str) -> torch.Tensor:
         )
         q = torch.round((g - s[..., 1:]) / s[..., :1]).clamp(lo, hi)
         return q.to(dtype).reshape(n, -1)
-    raise QuantError(f"no half-scale form of {fmt}")
+    raise QuantError(f"no codes for scales of {fmt}")
 
 
 def _refine_uint4(

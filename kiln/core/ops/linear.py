@@ -122,13 +122,10 @@ def _quant(check: Check, a: dict[str, Any]) -> tuple[int, int]:
             f"group {group} does not divide {k} input features in whole steps of "
             f"{form.group_step} ({fmt})"
         )
-    if form.superblock:
-        span = group * form.superblock
-        if k % span:
-            raise check.fail(f"{fmt}: {k} input features are not whole super-blocks of {span}")
-        check.expect("scales shape", check.weight(2, 3), (n, k // span, form.record_bytes))
-    else:
-        check.expect("scales shape", check.weight(2, 3), (n, k // group, form.planes))
+    span = group * (form.superblock or 1)
+    if k % span:
+        raise check.fail(f"{fmt}: {k} input features are not whole super-blocks of {span}")
+    check.expect("scales shape", check.weight(2, 3), form.scales_shape(n, k, group))
     return n, k
 
 
