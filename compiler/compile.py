@@ -17,6 +17,7 @@ from tqdm import tqdm
 from kiln.args import ArgError, ServerArgs
 from kiln.compiler.checkpoint import CheckpointReader
 from kiln.compiler.key import CompileKey, resolve_dtype
+from kiln.compiler.lower_step import LoweredStep, Refused, lower_decode
 from kiln.compiler.options import KV_DTYPES, compile_options
 from kiln.compiler.publish import publish, staging_dir
 from kiln.compiler.store import CompileResult, compile_cached
@@ -73,6 +74,8 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
             n.meta.get("backend") == "kiln_cpu" for n in graph.nodes if n.op not in STRUCTURAL_OPS
         )
 
+        step = _lower_step(graph, options, uses_native)
+
         tmp = staging_dir(out)
         try:
             try:
@@ -80,6 +83,10 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
                 if uses_native:
                     assert toolchain is not None
                     built = _native_build(target, toolchain, tmp)
+                step_info = None
+                if step is not None:
+                    assert toolchain is not None
+                    step_info = _step_build(step, target, toolchain, tmp)
                 for rank, (g, _, constants) in enumerate(ranks):
                     _write_weights(tmp / fmt.weights_file(rank), g, reader, constants)
                     (tmp / fmt.graph_file(rank)).write_text(g.dumps())
@@ -90,12 +97,60 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
                     reader.gguf.write_tokenizer(tmp / fmt.TOKENIZER_DIR)
                 manifest = _manifest(args, cfg, graph, tmp, ck, pass_log)
                 manifest["native"] = built
+                manifest["native_step"] = step_info
                 (tmp / fmt.MANIFEST).write_text(json.dumps(manifest, indent=1))
             except (OSError, SafetensorError) as e:
                 raise fmt.ArtefactError(f"{out}: cannot write the artefact: {e}") from None
             publish(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _lower_step(graph: Graph, options: Any, uses_native: bool) -> LoweredStep | None:
+    """The decode step as C when the plan asks for it and the graph lowers; otherwise the
+    plan's decode mode becomes "eager" with the reason recorded (`kiln inspect` shows it)."""
+    plan = graph.plan
+    if plan is None or plan["decode"]["mode"] != "native":
+        return None
+    why = None
+    if not uses_native:
+        why = "the kiln_cpu kernels were not built for it"
+    elif options.kv_cache is not None:
+        why = f"a {options.kv_cache.dtype} KV pool (the step's attention reads float32)"
+    else:
+        try:
+            return lower_decode(graph)
+        except Refused as e:
+            why = str(e)
+    plan["decode"]["mode"] = "eager"
+    plan["decode"]["native_refused"] = why
+    if uses_native:  # else the missing compiler's warning has said it
+        log.info("decode steps run in the Python executor: %s", why)
+    return None
+
+
+def _step_build(
+    step: LoweredStep, target: Target, toolchain: native.Toolchain, root: Path
+) -> dict[str, Any]:
+    """Build (or take from the kernel store) the lowered step and copy it and its C into
+    the artefact."""
+    try:
+        lib = native.build_step(step.source, target, toolchain)
+    except native.KernelBuildError as e:
+        raise ArgError(f"--target-isa {target.isa}: the native step: {e}") from None
+    dst = root / fmt.STEP_LIB
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(lib, dst)
+    (root / fmt.STEP_SOURCE).write_text(step.source)
+    return {
+        "file": fmt.STEP_LIB,
+        "source": fmt.STEP_SOURCE,
+        "build_id": native.step_build_id(step.source, target, toolchain),
+        "sha256": fmt.sha256_file(dst),
+        "weights": step.weights,
+        "arena_width": step.arena_width,
+        "calls": step.calls,
+    }
 
 
 def _native_build(target: Target, toolchain: native.Toolchain, root: Path) -> dict[str, Any]:

@@ -182,7 +182,8 @@ def source_files() -> list[tuple[str, Path]]:
         assert spec is not None and spec.submodule_search_locations is not None
         root = Path(next(iter(spec.submodule_search_locations)))
         files = [p for p in root.glob("*") if p.suffix in (".py", ".c", ".h")]
-        files += list((root / "csrc").glob("*.c")) if (root / "csrc").is_dir() else []
+        if (root / "csrc").is_dir():
+            files += [p for p in (root / "csrc").glob("*") if p.suffix in (".c", ".h")]
         out += [(f"{pkg}/{f.relative_to(root)}", f) for f in sorted(files)]
     return out
 

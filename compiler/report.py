@@ -24,6 +24,18 @@ def load(root: Path) -> tuple[dict[str, Any], Graph]:
     return manifest, load_graph(text)
 
 
+def step_source(root: Path) -> str:
+    """The C of the artefact's lowered decode step (checked against the manifest), or one
+    line saying why there is none."""
+    manifest, graph = load(root)
+    entry = manifest["files"].get(fmt.STEP_SOURCE)
+    if manifest.get("native_step") is None or entry is None:
+        why = (graph.plan or {}).get("decode", {}).get("native_refused") or "not a CPU target"
+        return f"no native step: {printable(why)}\n"
+    text = fmt.read_member(root, fmt.STEP_SOURCE, entry).decode("utf-8", "replace")
+    return "".join(printable(line) + "\n" for line in text.splitlines())
+
+
 def summary(root: Path) -> dict[str, Any]:
     manifest, graph = load(root)
     rt = manifest["runtime"]
@@ -66,6 +78,10 @@ def summary(root: Path) -> dict[str, Any]:
             "bytes_per_token": kv_per_token,
         },
         "capture_plan": graph.plan,
+        "native_step": None
+        if manifest.get("native_step") is None
+        else {k: manifest["native_step"][k] for k in ("build_id", "calls", "arena_width")}
+        | {"weights": len(manifest["native_step"]["weights"])},
         "native_kernels": None
         if native is None
         else {k: native[k] for k in ("build_id", "compiler", "flags", "lanes", "group_panels")},
@@ -113,6 +129,16 @@ def format_summary(s: dict[str, Any]) -> str:
             + (f" (eager from %{p['eager_from']})" if p.get("eager_from") else "")
             + f"; {len(plan['split_at']) + 1} pieces between {len(plan['split_at'])} attentions"
         )
+    step = s.get("native_step")
+    if step:
+        lines.append(
+            f"step       decode lowered to C: {step['calls']} kernel calls on {step['weights']} "
+            f"weights, an arena of {step['arena_width']} floats a row (build {step['build_id']}; "
+            "`kiln inspect --step` prints it)"
+        )
+    elif plan and plan["decode"].get("native_refused"):
+        why = plan["decode"]["native_refused"]
+        lines.append(f"step       decode in the Python executor: {why}")
     nk = s["native_kernels"]
     if nk:
         lines.append(

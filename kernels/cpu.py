@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from kiln.core.ops.attention import Attention, AttentionBatch, is_fp8, rope_then_attend, write_kv
+from kiln.core.ops.elementwise import Cap
 from kiln.core.ops.linear import PackedLinear, QuantEmbedding, QuantLinear
 from kiln.core.ops.norm import AddNorm, Norm
 from kiln.core.ops.rope import Rope, RopeQKV
@@ -232,6 +233,24 @@ def silu_and_mul(x: torch.Tensor, *, lib: ctypes.CDLL) -> torch.Tensor:
     rows, d = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, d)
     lib.kiln_silu_and_mul_f32(x.data_ptr(), out.data_ptr(), rows, d, _threads())
+    return out
+
+
+@_native("gelu_tanh")
+def gelu_tanh(x: torch.Tensor, *, lib: ctypes.CDLL) -> torch.Tensor:
+    x = _rows(x, "gelu_tanh input")
+    rows, n = x.shape
+    out = torch.empty(rows, n)
+    lib.kiln_gelu_tanh_f32(x.data_ptr(), x.stride(0), out.data_ptr(), rows, n, _threads())
+    return out
+
+
+@_native("softcap")
+def softcap(x: torch.Tensor, *, a: Cap, lib: ctypes.CDLL) -> torch.Tensor:
+    x = _rows(x, "softcap input")
+    rows, n = x.shape
+    out = torch.empty(rows, n)
+    lib.kiln_softcap_f32(x.data_ptr(), x.stride(0), a.cap, out.data_ptr(), rows, n, _threads())
     return out
 
 

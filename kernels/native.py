@@ -28,12 +28,14 @@ BASE_FLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 # kiln_abi_version() of a library whose exports match _SIGNATURES.
-ABI_VERSION = 8
+ABI_VERSION = 9
 _SIGNATURES = {
     "kiln_abi_version": (_I64, []),
     "kiln_rmsnorm_f32": (None, [_P, _I64, _I64, _P, _P, _I64, _I64, _F32, _INT]),
     "kiln_add_rmsnorm_f32": (None, [_P, _P, _P, _P, _P, _I64, _I64, _F32, _INT]),
     "kiln_silu_and_mul_f32": (None, [_P, _P, _I64, _I64, _INT]),
+    "kiln_gelu_tanh_f32": (None, [_P, _I64, _P, _I64, _I64, _INT]),
+    "kiln_softcap_f32": (None, [_P, _I64, _F32, _P, _I64, _I64, _INT]),
     "kiln_rope_f32": (None, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT]),
     "kiln_kv_write_f32": (None, [_P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64]),
     "kiln_linear_lanes": (_I64, []),
@@ -63,6 +65,39 @@ _SIGNATURES = {
         + [_I64] * 6
         + [_F32, _F32, _P, _INT],
     ),
+}
+
+
+# The kernel table a native step calls through (kernels/csrc/kiln_step.h `kiln_kernels`,
+# field by field in this order).
+STEP_KERNELS = (
+    "kiln_rmsnorm_f32",
+    "kiln_add_rmsnorm_f32",
+    "kiln_silu_and_mul_f32",
+    "kiln_rope_f32",
+    "kiln_kv_write_f32",
+    "kiln_linear_f32",
+    "kiln_qlinear_f32",
+    "kiln_a8_linear_f32",
+    "kiln_ga8_linear_f32",
+    "kiln_embedding_packed_f32",
+    "kiln_qembedding_f32",
+    "kiln_decode_attention",
+    "kiln_rope_decode_attention_f32",
+    "kiln_gelu_tanh_f32",
+    "kiln_softcap_f32",
+)
+# A step library's exports (compiler/lower_step.py writes them).
+STEP_SIGNATURES = {
+    "kiln_step_abi": (_I64, []),
+    "kiln_step_arena_width": (_I64, []),
+    "kiln_step_weights": (_I64, []),
+    "kiln_step_weight_bytes": (_I64, [_I64]),
+    "kiln_step_logits_width": (_I64, []),
+    "kiln_step_pool_floats": (_I64, []),
+    "kiln_step_rope_tables": (_I64, []),
+    "kiln_step_rope_width": (_I64, [_I64]),
+    "kiln_step_decode": (_INT, [_P]),
 }
 
 
@@ -120,18 +155,58 @@ def build(target: Target, toolchain: Toolchain, out_dir: Path | None = None) -> 
         raise KernelBuildError(f"kiln_cpu kernels are for cpu targets, not {target}")
     out_dir = out_dir or store()
     lib = out_dir / f"cpu_kernels-{build_id(target, toolchain)}.so"
+    return _compile(SOURCE, lib, target, toolchain)
+
+
+def step_build_id(source: str, target: Target, toolchain: Toolchain) -> str:
+    h = hashlib.sha256()
+    for part in (source, " ".join(flags(target)), toolchain.version):
+        h.update(part.encode())
+    return h.hexdigest()[:20]
+
+
+def build_step(source: str, target: Target, toolchain: Toolchain) -> Path:
+    """Compile a native step (compiler/lower_step.py's C) for `target` into the store, or
+    find it built there: `step-<id>.so`, its source beside it."""
+    out_dir = store()
+    lib = out_dir / f"step-{step_build_id(source, target, toolchain)}.so"
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
+    src = lib.with_suffix(".c")
+    tmp = src.with_name(f"{src.name}.{os.getpid()}.tmp.c")
+    tmp.write_text(source)
+    try:
+        _compile(tmp, lib, target, toolchain)
+        os.replace(tmp, src)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return lib
+
+
+def _compile(source: Path, lib: Path, target: Target, toolchain: Toolchain) -> Path:
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
     tmp = lib.with_name(f"{lib.name}.{os.getpid()}.tmp")
     # libraries after the source
-    command = [toolchain.cc, *flags(target), "-o", str(tmp), str(SOURCE), "-lm"]
+    command = [toolchain.cc, *flags(target), "-o", str(tmp), str(source), "-lm"]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         tmp.unlink(missing_ok=True)
         tail = done.stderr.strip().splitlines()[-3:]
-        raise KernelBuildError(f"{toolchain.cc} failed on {SOURCE.name}: {' / '.join(tail)}")
+        raise KernelBuildError(f"{toolchain.cc} failed on {source.name}: {' / '.join(tail)}")
     os.replace(tmp, lib)  # atomic: concurrent builders never load a partial file
+    return lib
+
+
+def load_step(path: Path) -> ctypes.CDLL:
+    """A native step library with its exports' signatures declared (AttributeError if it
+    lacks one)."""
+    lib = ctypes.CDLL(str(path))
+    for name, (restype, argtypes) in STEP_SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
     return lib
 
 

@@ -211,7 +211,7 @@ def _inspect_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "inspect",
         help="what an artefact holds: model, target, passes, kernels, weights, KV",
-        usage="kiln inspect ARTEFACT [--graph | --json | --dot]",
+        usage="kiln inspect ARTEFACT [--graph | --json | --dot | --step]",
         prog="kiln inspect",
     )
     p.add_argument("artefact")
@@ -219,6 +219,7 @@ def _inspect_parser(sub: argparse._SubParsersAction) -> None:
     how.add_argument("--graph", action="store_true", help="print the IR")
     how.add_argument("--json", action="store_true", help="the summary as JSON")
     how.add_argument("--dot", action="store_true", help="the graph for graphviz")
+    how.add_argument("--step", action="store_true", help="the decode step lowered to C")
     p.set_defaults(func=_cmd_inspect)
     d = sub.add_parser(
         "diff",
@@ -240,6 +241,8 @@ def _cmd_inspect(ns: argparse.Namespace) -> int:
     if ns.graph or ns.dot:
         graph = report.load(root)[1]
         print(report.to_dot(graph) if ns.dot else graph.format())
+    elif ns.step:
+        print(report.step_source(root), end="")
     elif ns.json:
         print(json.dumps(report.summary(root), indent=1))
     else:

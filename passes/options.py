@@ -52,7 +52,7 @@ class KVCache:
 class Capture:
     """The static shapes steps may run at (passes/capture_plan.py records them)."""
 
-    decode: Literal["cuda_graph", "compiled", "eager"] = "eager"
+    decode: Literal["cuda_graph", "compiled", "native", "eager"] = "eager"
     batch_sizes: tuple[int, ...] = ()
     padding: bool = True
     prefill: Literal["piecewise", "eager"] = "eager"

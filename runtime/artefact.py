@@ -28,7 +28,7 @@ from kiln.core.ir import Graph, IRError
 from kiln.core.ops import ATTENTION_OPS, STRUCTURAL_OPS
 from kiln.core.target import Target, missing_on_host
 from kiln.kernels import catalog
-from kiln.runtime.native import open_library
+from kiln.runtime.native import open_library, open_step
 from kiln.version import __version__
 
 log = logging.getLogger("kiln.runtime")
@@ -88,6 +88,7 @@ class Artefact:
     graph: Graph
     weights: dict[str, torch.Tensor]
     lib: Any = None  # the native kernel library (runtime/native.py), when the graph uses it
+    step_lib: Any = None  # the native decode step (runtime/native.py open_step), if loaded
     device: str = "cpu"  # where the weights were loaded (runtime/placement.py)
 
     def tokenizer_files(self) -> dict[str, bytes]:
@@ -126,7 +127,10 @@ class Artefact:
         _check_weights(root / wfile, graph, weights)
         _check_agreement(root, spec, graph)
         lib = open_library(root, manifest, graph, trust_remote_code)
-        return cls(root, manifest, spec, graph, weights, lib, device)
+        step_lib = None
+        if lib is not None and rank == 0:
+            step_lib = open_step(root, manifest, trust_remote_code)
+        return cls(root, manifest, spec, graph, weights, lib, step_lib, device)
 
 
 def _major_minor(version: str) -> tuple[str, ...]:

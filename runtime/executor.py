@@ -86,7 +86,7 @@ def generate(
                 raise ValueError(f"%{n.name}: getitem index must be an int")
             lines.append(f"    {var} = {args[0]}[{index:d}]")
         else:
-            env[f"k{i}"], needs_ctx = _bound_kernel(n, lib, phase)
+            env[f"k{i}"], needs_ctx = bound_kernel(n, lib, phase)
             call_args = (["ctx"] if needs_ctx else []) + args
             lines.append(f"    {var} = k{i}({', '.join(call_args)})")
         dead = [
@@ -262,7 +262,7 @@ def _piece_source(
                 raise ValueError(f"%{n.name}: getitem index must be an int")
             lines.append(f"    {var} = {args[0]}[{index:d}]")
             continue
-        kernel, ctx_arg = _bound_kernel(n, lib, phase)
+        kernel, ctx_arg = bound_kernel(n, lib, phase)
         env[f"k{j}"] = kernel if wrap_kernel is None else wrap_kernel(n, kernel)
         lines.append(f"    {var} = k{j}({', '.join((['ctx'] if ctx_arg else []) + args)})")
     lines.append(f"    return ({''.join(local[id(o)] + ', ' for o in outs)})")
@@ -287,7 +287,9 @@ def backend_of(n: Node, phase: Phase) -> str:
     return backend
 
 
-def _bound_kernel(n: Node, lib: Any, phase: Phase) -> tuple[Callable[..., Any], bool]:
+def bound_kernel(n: Node, lib: Any, phase: Phase) -> tuple[Callable[..., Any], bool]:
+    """`n`'s kernel for `phase` with its attributes (and the native library) bound, and
+    whether it takes the step context first."""
     backend = backend_of(n, phase)
     kernel = catalog.get(n.op, backend)
     bound: dict[str, Any] = {"a": kernel.op.bind(n.attrs)} if kernel.op.fields else {}

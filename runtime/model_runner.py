@@ -22,6 +22,7 @@ from kiln.runtime.capture import (
 )
 from kiln.runtime.executor import Executor
 from kiln.runtime.kv_cache import KVCache, PagePool
+from kiln.runtime.native_step import NativeDecode
 from kiln.runtime.parallel import TPGroup
 from kiln.runtime.scheduler import Batch
 from kiln.runtime.step import StepContext, StepInputs
@@ -102,10 +103,16 @@ class ModelRunner:
 
     def _decode_runner(
         self, art: Artefact, context_length: int
-    ) -> CompiledDecode | GraphDecode | None:
-        """How the capture plan's decode buckets run here (runtime/capture.py)."""
+    ) -> CompiledDecode | GraphDecode | NativeDecode | None:
+        """How the capture plan's decode buckets run here (runtime/capture.py), or every
+        decode step through the native step (runtime/native_step.py)."""
         plan = art.graph.plan
         mode = plan["decode"]["mode"] if plan else "eager"
+        if mode == "native":
+            if art.step_lib is None:  # not lowered, or not trusted (open_step warned)
+                return None
+            info = art.manifest["native_step"]
+            return NativeDecode(art.step_lib, art.lib, info, art.graph, art.weights, self.step)
         if plan is None or mode == "eager" or not plan["decode"]["batch_sizes"]:
             return None
         if mode == "compiled":

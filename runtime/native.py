@@ -73,3 +73,36 @@ def _trusted_copy(
         f"{fmt.compile_command(manifest, f'[its flags] -o {root}')}, or pass "
         "--trust-remote-code to load them if you trust where the artefact came from"
     )
+
+
+def open_step(
+    root: Path, manifest: dict[str, Any], trust_remote_code: bool = False
+) -> ctypes.CDLL | None:
+    """The artefact's native decode step (compiler/lower_step.py), loaded under the kernels'
+    rule: this user's own build with the manifest's checksum, else the artefact's copy with
+    --trust-remote-code. Unlike the kernels, a step that is not there is not an error: the
+    Python executor runs the same graph (one warning says so)."""
+    info = manifest.get("native_step")
+    if info is None:
+        return None
+    stored = native.store() / f"step-{info['build_id']}.so"
+    if stored.is_file() and fmt.sha256_file(stored) == info["sha256"]:
+        path = stored
+    elif trust_remote_code:
+        log.warning("loading %s/%s as built elsewhere (--trust-remote-code)", root, info["file"])
+        path = root / info["file"]
+    else:
+        log.warning(
+            "%s: its native decode step was not built by kiln on this machine (none in %s "
+            "has its checksum); decode steps run in the Python executor. Compile it here "
+            "for the native step: %s",
+            root,
+            native.store(),
+            fmt.compile_command(manifest, f"[its flags] -o {root}"),
+        )
+        return None
+    try:
+        lib = native.load_step(path)
+    except (OSError, AttributeError) as e:
+        raise fmt.ArtefactError(f"{root}/{info['file']}: cannot load the step: {e}") from None
+    return lib

@@ -48,6 +48,9 @@ def weights_file(rank: int) -> str:
 
 TOKENIZER_DIR = "tokenizer"
 NATIVE_LIB = "kernels/cpu_kernels.so"
+# The native decode step (compiler/lower_step.py): its library and the C it was built from.
+STEP_LIB = "kernels/step_decode.so"
+STEP_SOURCE = "kernels/step_decode.c"
 
 # Tokenizer-side files worth carrying; whichever of them the checkpoint has.
 TOKENIZER_FILES = (
@@ -67,7 +70,7 @@ TOKENIZER_FILES = (
 # The files `kiln compile` writes, and so the only ones a manifest may list.
 MEMBER = re.compile(
     r"graph\.json|graph\.rank[1-9][0-9]{0,3}\.json|weights/rank[0-9]{1,4}\.safetensors"
-    r"|kernels/cpu_kernels\.so|tokenizer/(?:"
+    r"|kernels/cpu_kernels\.so|kernels/step_decode\.(?:so|c)|tokenizer/(?:"
     + "|".join(re.escape(n) for n in TOKENIZER_FILES)
     + ")"
 )
@@ -186,6 +189,19 @@ class NativeLib(_Strict):
     group_panels: int = Field(ge=1, le=8)
 
 
+class NativeStep(_Strict):
+    """The decode step lowered to C (compiler/lower_step.py) and built like the kernels:
+    the weights its W[i] are, in order, and what the runtime checks before binding them."""
+
+    file: Literal["kernels/step_decode.so"]
+    source: Literal["kernels/step_decode.c"]
+    build_id: str = Field(pattern=r"^[0-9a-f]{20}$")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    weights: list[Annotated[str, Field(max_length=256)]] = Field(max_length=1 << 20)
+    arena_width: int = Field(gt=0, le=1 << 30)
+    calls: int = Field(ge=0, le=1 << 24)
+
+
 class LongRope(_Strict):
     """LongRoPE (Phi-3): the rope table weight `weight` holds the short factors' frequencies;
     serving with a context longer than `context_above` puts `inv_freq` (the long factors')
@@ -231,6 +247,7 @@ class Manifest(_Strict):
     passes: list[dict[str, Any]]
     files: dict[str, FileEntry]
     native: NativeLib | None
+    native_step: NativeStep | None = None
 
     @field_validator("files")
     @classmethod

@@ -164,6 +164,11 @@ def _decode_plan(plan: Any, by_name: dict[str, Node]) -> dict[str, Any]:
         keys = {"mode", sizes, "padding"} if part == "decode" else {"mode", sizes}
         if part == "prefill" and isinstance(p, dict) and p.get("mode") == "piecewise":
             keys.add("eager_from")
+        if part == "decode" and isinstance(p, dict) and "native_refused" in p:
+            keys.add("native_refused")  # why the compiler did not lower the step
+            why = p["native_refused"]
+            if not isinstance(why, str) or len(why) > 500:
+                raise _fail(f"{where}.decode.native_refused", f"expected a line, got {_show(why)}")
         if not isinstance(p, dict) or set(p) != keys or p["mode"] not in modes:
             raise _fail(f"{where}.{part}", f"expected {sorted(keys)} with a mode of {modes}")
         got = p[sizes]

@@ -16,7 +16,10 @@ from typing import Any
 from kiln.core.layout import stored_shape
 
 # How the capture plan (passes/capture_plan.py) may run each kind of step.
-CAPTURE_MODES = {"decode": ("cuda_graph", "compiled", "eager"), "prefill": ("piecewise", "eager")}
+CAPTURE_MODES = {
+    "decode": ("cuda_graph", "compiled", "native", "eager"),
+    "prefill": ("piecewise", "eager"),
+}
 
 # Runtime-provided graph inputs, in the order the executor passes them.
 GRAPH_INPUTS = ("input_ids", "positions", "logits_indices")

@@ -43,6 +43,8 @@ def test_the_plan_follows_the_flags(checkpoint, tmp_path: Path) -> None:
     ckpt = str(checkpoint("llama"))  # 2 layers
     runs = {
         "cpu": {},
+        "cpu-off": {"disable_cuda_graph": True},
+        "cpu-tp2": {"tp_size": 2},
         "cuda": CUDA,
         "cuda-max-24": {**CUDA, "cuda_graph_max_bs": 24},
         "cuda-no-padding": {**CUDA, "cuda_graph_max_bs": 6, "disable_cuda_graph_padding": True},
@@ -54,7 +56,12 @@ def test_the_plan_follows_the_flags(checkpoint, tmp_path: Path) -> None:
     for name, flags in runs.items():
         compile_model(ServerArgs(model_path=ckpt, **flags), tmp_path / name)
         got[name] = _plan(tmp_path / name)
-    assert got["cpu"]["decode"] == {"mode": "eager", "batch_sizes": [], "padding": True}
+    # a CPU target lowers every decode step to one native call (compiler/lower_step.py);
+    # --disable-cuda-graph turns that off, as it turns off a GPU's recorded steps, and a
+    # tensor-parallel artefact (collectives between the kernels) keeps the executor
+    assert got["cpu"]["decode"] == {"mode": "native", "batch_sizes": [], "padding": True}
+    assert got["cpu-off"]["decode"] == {"mode": "eager", "batch_sizes": [], "padding": True}
+    assert got["cpu-tp2"]["decode"]["mode"] == "eager"
     assert got["cpu"]["prefill"] == {"mode": "eager", "tokens": []}
     # one split at each layer's attention: the pieces between are static-shape
     graph = json.loads((tmp_path / "cpu/graph.json").read_text())["nodes"]

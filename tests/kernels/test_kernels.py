@@ -365,6 +365,21 @@ def test_silu_and_mul(backend: str, rows: int) -> None:
 
 
 @BOTH
+@pytest.mark.parametrize("rows", [4, 64])
+def test_gelu_tanh(backend: str, rows: int) -> None:
+    wide = torch.randn(rows, 4096) * 6  # both tails; read in place from a wider row
+    x = wide[:, 100:2148]
+    torch.testing.assert_close(k("gelu_tanh", backend)(x), F.gelu(x, approximate="tanh"))
+
+
+@BOTH
+def test_softcap(backend: str) -> None:
+    x = torch.randn(5, 3000) * 40  # both saturated tails and the near-linear middle
+    got = k("softcap", backend)(x, 30.0)
+    torch.testing.assert_close(got, torch.tanh(x / 30.0) * 30.0, rtol=1e-6, atol=4e-6)
+
+
+@BOTH
 def test_rope_matches_transformers(backend: str) -> None:
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 

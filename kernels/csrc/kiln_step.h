@@ -1,0 +1,165 @@
+/*
+ * The head of every native step (compiler/lower_step.py): what a generated step function
+ * `kiln_step_decode` calls and reads. A step is straight-line C that the compiler writes
+ * from the graph, one call a node: every shape, weight index, attribute and arena offset is
+ * a literal, and what changes per step (the rows, the step's ids, positions and pages, the
+ * KV pool) comes in `kiln_step_args`.
+ *
+ * The kernels are the artefact's kiln_cpu library's (cpu_kernels.c), reached through the
+ * table `kiln_kernels`, which the runtime fills from that library once: the step library
+ * holds no kernel code of its own and no state (two runners of one artefact in a process
+ * share its code, never its pointers). The few graph ops that have no kiln_cpu kernel
+ * (rotary rows, element-wise ops, the logits rows' gather) are the small loops below.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stddef.h>
+
+/* The kernels' signatures (kernels/native.py _SIGNATURES, ABI 9). */
+typedef void (*kiln_rmsnorm_fn)(const float *, int64_t, int64_t, const float *, float *,
+                                int64_t, int64_t, float, int);
+typedef void (*kiln_add_rmsnorm_fn)(const float *, const float *, const float *, float *,
+                                    float *, int64_t, int64_t, float, int);
+typedef void (*kiln_silu_and_mul_fn)(const float *, float *, int64_t, int64_t, int);
+typedef void (*kiln_gelu_tanh_fn)(const float *, int64_t, float *, int64_t, int64_t, int);
+typedef void (*kiln_softcap_fn)(const float *, int64_t, float, float *, int64_t, int64_t, int);
+typedef void (*kiln_rope_fn)(const float *, int64_t, const float *, const float *, float *,
+                             int64_t, int64_t, int64_t, int);
+typedef void (*kiln_kv_write_fn)(const float *, int64_t, const float *, int64_t,
+                                 const int64_t *, int64_t, float *, float *, int64_t, int64_t,
+                                 int64_t);
+typedef int (*kiln_linear_fn)(const float *, int64_t, int64_t, int64_t, const float *, int64_t,
+                              const float *, float *, int, int, int);
+typedef int (*kiln_qlinear_fn)(const float *, int64_t, int64_t, int64_t, const void *,
+                               const void *, int, int64_t, int64_t, const float *, float *, int,
+                               int);
+typedef int (*kiln_a8_linear_fn)(const float *, int64_t, int64_t, int64_t, const void *,
+                                 const void *, int64_t, const float *, float *, int, int);
+typedef int (*kiln_embedding_packed_fn)(const int64_t *, int64_t, const float *, int64_t,
+                                        int64_t, float *);
+typedef int (*kiln_qembedding_fn)(const int64_t *, int64_t, const void *, const void *, int,
+                                  int64_t, int64_t, int64_t, float *);
+typedef int (*kiln_decode_attention_fn)(const float *, int64_t, const void *, const void *,
+                                        int64_t, const int64_t *, int64_t, const int64_t *,
+                                        float *, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                        int64_t, float, int, float, float, const float *, int);
+typedef int (*kiln_rope_decode_attention_fn)(const float *, int64_t, const float *,
+                                             const float *, const int64_t *, float *, float *,
+                                             int64_t, const int64_t *, int64_t,
+                                             const int64_t *, float *, int64_t, int64_t,
+                                             int64_t, int64_t, int64_t, int64_t, float, float,
+                                             const float *, int);
+
+/* In kernels/native.py STEP_KERNELS order. */
+typedef struct {
+    kiln_rmsnorm_fn rmsnorm;
+    kiln_add_rmsnorm_fn add_rmsnorm;
+    kiln_silu_and_mul_fn silu_and_mul;
+    kiln_rope_fn rope;
+    kiln_kv_write_fn kv_write;
+    kiln_linear_fn linear;
+    kiln_qlinear_fn qlinear;
+    kiln_a8_linear_fn a8_linear;
+    kiln_qlinear_fn ga8_linear; /* same arguments as qlinear */
+    kiln_embedding_packed_fn embedding_packed;
+    kiln_qembedding_fn qembedding;
+    kiln_decode_attention_fn decode_attention;
+    kiln_rope_decode_attention_fn rope_decode_attention;
+    kiln_gelu_tanh_fn gelu_tanh;
+    kiln_softcap_fn softcap;
+} kiln_kernels;
+
+/* One decode step (every sequence feeds one token), as runtime/native_step.py fills it. */
+typedef struct {
+    const kiln_kernels *k;
+    const void *const *w;       /* the weights, in the order of the manifest's list */
+    float *arena;               /* kiln_step_arena_width() x cap floats */
+    int64_t cap;                /* rows the arena holds per value */
+    int64_t rows;               /* tokens (= sequences) this step, <= cap */
+    int64_t out_rows;           /* logits rows */
+    const int64_t *ids, *positions, *logits_rows;
+    const int64_t *slots;       /* each new token's KV slot */
+    const int64_t *kv_index;    /* page table, rows x kv_pages */
+    const int64_t *kv_lens;     /* each sequence's length with its new token */
+    int64_t kv_pages;
+    int64_t page_size;
+    float *k_pool, *v_pool;     /* [layers, kv_heads, pool_slots, head_dim] */
+    int64_t pool_slots;
+    const float *const *rope;   /* each rope_cos_sin node's table, in graph order */
+    int64_t rope_rows;          /* positions every table holds */
+    float *logits;              /* out_rows x vocab */
+    int64_t threads;
+    int64_t failed_at;          /* out: the graph index of the node that failed */
+} kiln_step_args;
+
+/* rope_cos_sin's rows for the step's positions, from a table [table_rows][2][dim] (cos,
+ * then sin) that the runtime computes with the op's own kernel as positions reach it, so
+ * the step's rotary values are the Python executor's to the bit; -1 for a position past
+ * the table. */
+static int step_rope_rows(const float *table, int64_t table_rows, int64_t dim,
+                          const int64_t *pos, int64_t rows, float *cos_o, float *sin_o) {
+    for (int64_t r = 0; r < rows; r++) {
+        if (pos[r] < 0 || pos[r] >= table_rows) return -1;
+        const float *t = table + pos[r] * 2 * dim;
+        for (int64_t j = 0; j < dim; j++) {
+            cos_o[r * dim + j] = t[j];
+            sin_o[r * dim + j] = t[dim + j];
+        }
+    }
+    return 0;
+}
+
+enum { STEP_ADD, STEP_MUL };
+
+static void step_binary(int what, const float *a, int64_t as, const float *b, int64_t bs,
+                        float *o, int64_t rows, int64_t n) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = a + r * as, *y = b + r * bs;
+        float *z = o + r * n;
+        if (what == STEP_ADD) {
+#pragma omp simd
+            for (int64_t i = 0; i < n; i++) z[i] = x[i] + y[i];
+        } else {
+#pragma omp simd
+            for (int64_t i = 0; i < n; i++) z[i] = x[i] * y[i];
+        }
+    }
+}
+
+enum { STEP_SCALE, STEP_SILU };
+
+/* x * c (torch's one rounding, so bit for bit); silu (c unused), within a few ulp of
+ * torch's: no family kiln lowers has a bare silu (theirs are fused into silu_and_mul). */
+static void step_unary(int what, const float *x, int64_t xs, float c, float *o, int64_t rows,
+                       int64_t n) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *a = x + r * xs;
+        float *z = o + r * n;
+        for (int64_t i = 0; i < n; i++) {
+            const float v = a[i];
+            switch (what) {
+            case STEP_SCALE: z[i] = v * c; break;
+            default: z[i] = v / (1.0f + expf(-v)); break;
+            }
+        }
+    }
+}
+
+/* Rows `idx` of x (rows, n floats, stride xs) -> o; -1 for an index outside [0, rows). */
+static int step_gather(const float *x, int64_t xs, int64_t n, int64_t rows, const int64_t *idx,
+                       int64_t count, float *o) {
+    for (int64_t r = 0; r < count; r++) {
+        if (idx[r] < 0 || idx[r] >= rows) return -1;
+        for (int64_t i = 0; i < n; i++) o[r * n + i] = x[idx[r] * xs + i];
+    }
+    return 0;
+}
+
+#define STEP_CALL(node, call)              \
+    do {                                   \
+        const int rc_ = (call);            \
+        if (rc_ != 0) {                    \
+            s->failed_at = (node);         \
+            return rc_;                    \
+        }                                  \
+    } while (0)

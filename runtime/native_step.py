@@ -1,0 +1,203 @@
+"""Running an artefact's native decode step (compiler/lower_step.py): one C call a step.
+
+`NativeDecode` binds the step library once per runner: the kernel table from the
+artefact's kiln_cpu library, the weights' addresses in the order the manifest lists them
+(each checked against the byte size the step was generated for), the KV pool (checked to
+hold every layer the step reaches) and an activation arena that grows with the largest
+decode batch seen. A decode step then fills one `kiln_step_args` from the step buffers that
+runtime/step.py wrote and calls `kiln_step_decode`; logits come back in a fresh tensor.
+Every other step (prefill, extend, mixed) runs in the Python executor, as does every step
+of an artefact whose step was not lowered or not loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from kiln.core.artefact import ArtefactError
+from kiln.core.ir import Graph
+from kiln.kernels import native
+from kiln.kernels.cpu import KernelError
+from kiln.runtime.executor import bound_kernel
+from kiln.runtime.step import StepContext, StepInputs
+
+STEP_ABI = 1  # compiler/lower_step.py STEP_ABI
+ROPE_BLOCK = 1024  # positions the rotary tables grow by
+
+
+class KernelTable(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in native.STEP_KERNELS]
+
+
+class StepArgs(ctypes.Structure):
+    """kernels/csrc/kiln_step.h `kiln_step_args`, field for field."""
+
+    _P, _I = ctypes.c_void_p, ctypes.c_int64
+    _fields_ = [
+        ("k", _P),
+        ("w", _P),
+        ("arena", _P),
+        ("cap", _I),
+        ("rows", _I),
+        ("out_rows", _I),
+        ("ids", _P),
+        ("positions", _P),
+        ("logits_rows", _P),
+        ("slots", _P),
+        ("kv_index", _P),
+        ("kv_lens", _P),
+        ("kv_pages", _I),
+        ("page_size", _I),
+        ("k_pool", _P),
+        ("v_pool", _P),
+        ("pool_slots", _I),
+        ("rope", _P),
+        ("rope_rows", _I),
+        ("logits", _P),
+        ("threads", _I),
+        ("failed_at", _I),
+    ]
+
+
+class NativeDecode:
+    """Every decode step through the step library; `bucket` is None for other steps."""
+
+    def __init__(
+        self,
+        step_lib: ctypes.CDLL,
+        kernels: ctypes.CDLL,
+        info: dict[str, Any],
+        graph: Graph,
+        weights: dict[str, torch.Tensor],
+        step: StepContext,
+    ) -> None:
+        where = "the native step"
+        if step_lib.kiln_step_abi() != STEP_ABI:
+            raise ArtefactError(
+                f"{where} is of ABI {step_lib.kiln_step_abi()}, this kiln runs {STEP_ABI}: "
+                "recompile the artefact with this kiln"
+            )
+        names = list(info["weights"])
+        if step_lib.kiln_step_weights() != len(names):
+            raise ArtefactError(
+                f"{where} takes {step_lib.kiln_step_weights()} weights, "
+                f"the manifest lists {len(names)}"
+            )
+        tensors = []
+        for i, name in enumerate(names):
+            t = weights.get(name)
+            want = step_lib.kiln_step_weight_bytes(i)
+            if t is None or not t.is_contiguous() or t.numel() * t.element_size() != want:
+                raise ArtefactError(
+                    f"{where} reads {want} bytes of weight {name!r}; the artefact's does not match"
+                )
+            tensors.append(t)
+        k_pool, v_pool = step.k_cache, step.v_cache
+        per_slot = step_lib.kiln_step_pool_floats()
+        for pool in (k_pool, v_pool):
+            if pool.dtype != torch.float32 or not pool.is_contiguous():
+                raise ArtefactError(f"{where} runs on a contiguous float32 KV pool")
+            if pool.numel() < per_slot * pool.shape[2]:
+                raise ArtefactError(f"{where} reaches past the KV pool")
+        self.rope = [
+            (n, *bound_kernel(n, None, "decode")) for n in graph.nodes if n.op == "rope_cos_sin"
+        ]
+        if step_lib.kiln_step_rope_tables() != len(self.rope):
+            raise ArtefactError(
+                f"{where} reads {step_lib.kiln_step_rope_tables()} rotary tables, "
+                f"the graph makes {len(self.rope)}"
+            )
+        self.graph = graph
+        self.weights = weights
+        self.lib = step_lib
+        self.fn = step_lib.kiln_step_decode
+        self.width = int(step_lib.kiln_step_arena_width())
+        self.vocab = int(step_lib.kiln_step_logits_width())
+        self._tensors = tensors  # the weights the pointers below point into
+        self._table = KernelTable(
+            *(ctypes.cast(getattr(kernels, n), ctypes.c_void_p).value for n in native.STEP_KERNELS)
+        )
+        self._weights = (ctypes.c_void_p * max(1, len(tensors)))(*(t.data_ptr() for t in tensors))
+        self.arena = torch.empty(0)
+        self.tables: list[torch.Tensor] = []
+        self._rope_ptrs = (ctypes.c_void_p * max(1, len(self.rope)))()
+        self.args = StepArgs()
+        a = self.args
+        a.k = ctypes.addressof(self._table)
+        a.w = ctypes.addressof(self._weights)
+        a.page_size = step.page_size
+        a.k_pool, a.v_pool = k_pool.data_ptr(), v_pool.data_ptr()
+        a.pool_slots = k_pool.shape[2]
+        a.rope = ctypes.addressof(self._rope_ptrs)
+        self._pointer = ctypes.byref(a)
+
+    def bucket(self, step: StepInputs) -> int | None:
+        return len(step.ids) if step.decode and step.ids else None
+
+    def warm_up(self, step: StepContext) -> None:
+        self._reserve(16)
+        self._rope_reach(ROPE_BLOCK - 1)
+
+    def _rope_reach(self, position: int) -> None:
+        """Rotary tables through `position`: rope_cos_sin's own kernel over every position
+        up to the next ROPE_BLOCK (the step copies rows of them; the Python executor's
+        values to the bit), grown as positions reach past them."""
+        if position < self.args.rope_rows:
+            return
+        rows = max(2 * self.args.rope_rows, (position // ROPE_BLOCK + 1) * ROPE_BLOCK)
+        positions = torch.arange(rows)
+        tables = []
+        for j, (n, kernel, _) in enumerate(self.rope):
+            cos, sin = kernel(positions, self.weights[n.args[1].attrs["name"]])
+            table = torch.stack((cos.reshape(rows, -1), sin.reshape(rows, -1)), 1).contiguous()
+            if table.dtype != torch.float32 or table.shape[2] != self.lib.kiln_step_rope_width(j):
+                raise ArtefactError(f"the native step's rotary table {j} is not {table.shape}")
+            tables.append(table)
+            self._rope_ptrs[j] = table.data_ptr()
+        self.tables = tables
+        self.args.rope_rows = rows
+
+    def _reserve(self, rows: int) -> None:
+        if rows > self.args.cap:
+            cap = max(rows, 2 * self.args.cap)
+            self.arena = torch.empty(self.width * cap)
+            self.args.arena, self.args.cap = self.arena.data_ptr(), cap
+
+    def run(self, step: StepContext, inputs: StepInputs, bucket: int) -> torch.Tensor:
+        ctx, ids, positions, rows = step.plan(inputs)
+        m, r = len(inputs.ids), len(inputs.rows)
+        self._reserve(m)
+        self._rope_reach(max(inputs.positions))
+        logits = torch.empty(r, self.vocab)
+        a = self.args
+        a.rows, a.out_rows = m, r
+        a.ids, a.positions, a.logits_rows = ids.data_ptr(), positions.data_ptr(), rows.data_ptr()
+        assert ctx.kv_index is not None and ctx.kv_lens is not None
+        a.slots, a.kv_index, a.kv_lens = (
+            ctx.out_slots.data_ptr(),
+            ctx.kv_index.data_ptr(),
+            ctx.kv_lens.data_ptr(),
+        )
+        a.kv_pages = ctx.kv_width // ctx.page_size
+        a.logits = logits.data_ptr()
+        a.threads = torch.get_num_threads()
+        a.failed_at = -1
+        rc = self.fn(self._pointer)
+        if rc != 0:
+            raise self._error(rc)
+        return logits
+
+    def _error(self, rc: int) -> Exception:
+        at = self.args.failed_at
+        n = self.graph.nodes[at] if 0 <= at < len(self.graph.nodes) else None
+        what = f"%{n.name} ({n.op})" if n is not None else "the step"
+        if n is not None and n.op.endswith("embedding"):
+            return KernelError(f"native step {what}: a token id is outside the vocabulary")
+        if n is not None and n.op == "index_select":
+            return KernelError(f"native step {what}: a logits row outside the step")
+        if rc == -1:
+            return MemoryError(f"native step {what}: out of memory for its scratch")
+        return KernelError(f"native step {what}: failed ({rc})")

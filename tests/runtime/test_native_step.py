@@ -1,0 +1,158 @@
+"""The native decode step (compiler/lower_step.py, runtime/native_step.py): the compiler
+lowers a CPU artefact's decode step to one C function; the runtime calls it once a step.
+
+It must be the Python executor's step to the bit (same kernels, same order, rotary rows
+from the same kernel), for every family and weight format it lowers; refuse by name what it
+cannot lower (the executor then runs the step); never run a step library this user's kiln
+did not build; and check what it binds (weights, KV pool) before the first call."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from steps import Seqs, eager
+
+from kiln import Engine
+from kiln.compiler import report
+from kiln.compiler.lower_step import Refused, lower_decode
+from kiln.core.artefact import ArtefactError
+from kiln.kernels import native
+from kiln.kernels.cpu import KernelError
+from kiln.runtime.artefact import Artefact
+from kiln.runtime.model_runner import ModelRunner
+from kiln.runtime.native_step import NativeDecode
+
+# (family, compile args): what each brings to the lowering.
+CASES = {
+    # fused rope + attention, packed fp32 linears with the silu prologue; pages of 4
+    "llama": ("llama", {"page_size": 4}),
+    # the per-channel int8-activation kernel
+    "llama-w8a8": ("llama", {"quantization": "w8a8_int8"}),
+    # the 4-bit group kernel (float activations) and its embedding
+    "llama-int4": ("llama", {"torchao_config": "int4wo-32"}),
+    # split q/k/v views, per-head norms, rope and attention apart, sliding windows, the
+    # scaled embedding, gelu_tanh and mul, two rotary tables
+    "gemma3": ("gemma3", {}),
+    # attention and final-logit softcaps, sandwich norms
+    "gemma2": ("gemma2", {}),
+    # per-head q/k norms read in place from the fused projection
+    "qwen3": ("qwen3", {}),
+}
+# Twenty sequences of 1..20 tokens: more rows than the arena's first size (16).
+PROMPTS = [[(7 * i + j) % 90 + 3 for j in range(i + 1)] for i in range(20)]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_native_decode_is_the_executors_step_to_the_bit(artefact, case: str) -> None:
+    family, cargs = CASES[case]
+    art = Artefact.open(artefact(family, compile_args=cargs))
+    runner = ModelRunner(art, 2048)
+    assert isinstance(runner.decode, NativeDecode), art.graph.plan["decode"]  # lowered
+    seqs = Seqs(runner, PROMPTS)
+    seqs.prefill()
+    for which in (list(range(20)), [3, 0, 17], [5]):
+        for _ in range(2):
+            step = seqs.step(which)
+            got = runner.run(step)  # the native step
+            want = eager(runner, step)  # the executor, on the same inputs and pool
+            assert got.shape == want.shape
+            assert torch.equal(got, want), (got - want).abs().max()
+            seqs.advance(step, which)
+
+
+def test_greedy_text_is_the_executors(artefact) -> None:
+    """Through the engine: the same tokens with the step lowered and with it turned off."""
+    native_art = artefact("llama")
+    off = artefact("llama", compile_args={"disable_cuda_graph": True})
+    prompts = ["hello world", "the cat sat on", "a"]
+    greedy = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    a, b = Engine(native_art), Engine(off)
+    assert isinstance(a.runner.decode, NativeDecode) and b.runner.decode is None
+    assert [r["text"] for r in a.generate(prompts, greedy)] == [
+        r["text"] for r in b.generate(prompts, greedy)
+    ]
+    a.shutdown()
+    b.shutdown()
+
+
+def test_what_cannot_be_lowered_runs_in_the_executor_and_says_why(artefact) -> None:
+    art = artefact("llama", compile_args={"kv_cache_dtype": "fp8_e4m3"})
+    plan = Artefact.open(art).graph.plan
+    assert plan["decode"]["mode"] == "eager"
+    assert "float8_e4m3fn KV pool" in plan["decode"]["native_refused"]
+    text = report.format_summary(report.summary(art))
+    assert "step       decode in the Python executor: a float8_e4m3fn KV pool" in text
+    assert report.step_source(art).startswith("no native step: a float8_e4m3fn KV pool")
+    assert ModelRunner(Artefact.open(art), 256).decode is None
+
+
+def test_the_lowering_refuses_what_it_cannot_write_as_numbers(artefact) -> None:
+    graph = Artefact.open(artefact("llama", compile_args={"page_size": 4})).graph
+    assert lower_decode(graph).calls > 0
+    norm = next(n for n in graph.nodes if n.op == "rmsnorm")
+    eps = norm.attrs["eps"]
+    for bad in ("1.0f); abort(", float("nan"), True):
+        norm.attrs["eps"] = bad
+        with pytest.raises(Refused, match="eps"):
+            lower_decode(graph)
+    norm.attrs["eps"] = eps
+    norm.meta["backend"] = "torch_native"
+    with pytest.raises(Refused, match=f"%{norm.name}: rmsnorm on torch_native has no native"):
+        lower_decode(graph)
+
+
+def test_inspect_shows_the_lowered_step(artefact) -> None:
+    art = artefact("llama", compile_args={"page_size": 4})
+    text = report.format_summary(report.summary(art))
+    assert "capture    decode native;" in text
+    assert "step       decode lowered to C: " in text
+    source = report.step_source(art)
+    assert "int kiln_step_decode(kiln_step_args *s) {" in source
+    assert source.count("STEP_CALL(") >= 2 * 4  # two layers of linears and attention
+
+
+def test_a_step_not_built_here_is_not_loaded(artefact, tmp_path: Path, caplog) -> None:
+    """The step is code: as with the kernels, only this user's build of it (by checksum)
+    loads, else the artefact's copy with --trust-remote-code; else the executor runs the
+    steps and one warning says how to get the step back."""
+    art = tmp_path / "art"
+    shutil.copytree(artefact("llama"), art)
+    build_id = Artefact.open(art).manifest["native_step"]["build_id"]
+    built = native.store() / f"step-{build_id}.so"
+    aside = built.with_name(built.name + ".aside")
+    built.rename(aside)
+    try:
+        with caplog.at_level(logging.WARNING, "kiln.runtime"):
+            loaded = Artefact.open(art)
+        assert loaded.step_lib is None
+        assert "native decode step was not built by kiln on this machine" in caplog.text
+        engine = Engine(art)
+        assert engine.runner.decode is None
+        assert engine.generate("hello", {"max_new_tokens": 3, "ignore_eos": True})["text"]
+        engine.shutdown()
+        assert Artefact.open(art, trust_remote_code=True).step_lib is not None
+    finally:
+        aside.rename(built)
+
+
+def test_the_step_checks_what_it_binds(artefact) -> None:
+    art = Artefact.open(artefact("llama", compile_args={"page_size": 4}))
+    runner = ModelRunner(art, 256)
+    info = art.manifest["native_step"]
+    name = info["weights"][3]
+    short = dict(art.weights)
+    short[name] = art.weights[name].flatten()[:-1]
+    with pytest.raises(ArtefactError, match=f"weight '{name}'"):
+        NativeDecode(art.step_lib, art.lib, info, art.graph, short, runner.step)
+    # a token id past the vocabulary: the embedding's own check, named
+    assert isinstance(runner.decode, NativeDecode)
+    seqs = Seqs(runner, [[5, 6, 7]])
+    seqs.prefill()
+    step = seqs.step([0])
+    step.ids[0] = art.spec.vocab_size + 5
+    with pytest.raises(KernelError, match="token id is outside the vocabulary"):
+        runner.run(step)
