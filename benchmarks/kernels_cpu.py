@@ -32,10 +32,11 @@ import torch
 from bench_common import SMOLLM2_135M, machine, read_bandwidth_gbs
 
 from kiln.core.layout import pack_panels, pack_qpanels, panel_shape, panels_name
+from kiln.core.opdef import with_attrs
 from kiln.core.ops.attention import AttentionBatch, SeqSpan
 from kiln.core.quant import FORMATS, quantize
 from kiln.core.target import cpu_target
-from kiln.kernels import native, registry
+from kiln.kernels import catalog, native
 
 
 def per_call_us(fn: Callable[[int], object], repeats: int) -> tuple[float, float]:
@@ -82,8 +83,9 @@ def main() -> None:
     torch.manual_seed(0)
 
     def op(name: str, backend: str) -> Callable[..., object]:
-        kernel = registry.get(name, backend)
-        return functools.partial(kernel.fn, lib=lib) if kernel.native else kernel.fn
+        kernel = catalog.get(name, backend)
+        fn = functools.partial(kernel.fn, lib=lib) if kernel.native else kernel.fn
+        return with_attrs(kernel.op, fn)
 
     x, res, w = torch.randn(b, hidden), torch.randn(b, hidden), torch.randn(hidden)
     gate_up = torch.randn(b, 2 * inter)

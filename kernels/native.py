@@ -97,6 +97,8 @@ STEP_SIGNATURES = {
     "kiln_step_pool_floats": (_I64, []),
     "kiln_step_rope_tables": (_I64, []),
     "kiln_step_rope_width": (_I64, [_I64]),
+    "kiln_step_calls": (_I64, []),
+    "kiln_step_call_node": (_I64, [_I64]),
     "kiln_step_decode": (_INT, [_P]),
 }
 

@@ -24,7 +24,7 @@ from kiln.kernels.cpu import KernelError
 from kiln.runtime.executor import bound_kernel
 from kiln.runtime.step import StepContext, StepInputs
 
-STEP_ABI = 1  # compiler/lower_step.py STEP_ABI
+STEP_ABI = 2  # compiler/lower_step.py STEP_ABI
 ROPE_BLOCK = 1024  # positions the rotary tables grow by
 
 
@@ -58,6 +58,7 @@ class StepArgs(ctypes.Structure):
         ("rope_rows", _I),
         ("logits", _P),
         ("threads", _I),
+        ("ticks", _P),
         ("failed_at", _I),
     ]
 
@@ -189,6 +190,17 @@ class NativeDecode:
         if rc != 0:
             raise self._error(rc)
         return logits
+
+    def profile(self, on: bool = True) -> torch.Tensor:
+        """Clock readings of the next steps: [calls + 1] ns, before the first call and after
+        each (benchmarks/step_profile.py reads them); `on=False` stops them."""
+        self._ticks = torch.zeros(int(self.lib.kiln_step_calls()) + 1, dtype=torch.int64)
+        self.args.ticks = self._ticks.data_ptr() if on else None
+        return self._ticks
+
+    def call_nodes(self) -> list[int]:
+        """Each call's node, by graph index."""
+        return [int(self.lib.kiln_step_call_node(c)) for c in range(self.lib.kiln_step_calls())]
 
     def _error(self, rc: int) -> Exception:
         at = self.args.failed_at

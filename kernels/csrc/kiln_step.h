@@ -11,9 +11,11 @@
  * share its code, never its pointers). The few graph ops that have no kiln_cpu kernel
  * (rotary rows, element-wise ops, the logits rows' gather) are the small loops below.
  */
+#define _POSIX_C_SOURCE 199309L /* clock_gettime under -std=c11 */
 #include <math.h>
-#include <stdint.h>
 #include <stddef.h>
+#include <stdint.h>
+#include <time.h>
 
 /* The kernels' signatures (kernels/native.py _SIGNATURES, ABI 9). */
 typedef void (*kiln_rmsnorm_fn)(const float *, int64_t, int64_t, const float *, float *,
@@ -89,8 +91,21 @@ typedef struct {
     int64_t rope_rows;          /* positions every table holds */
     float *logits;              /* out_rows x vocab */
     int64_t threads;
+    int64_t *ticks;             /* NULL, or kiln_step_calls() + 1 clock readings (ns) out */
     int64_t failed_at;          /* out: the graph index of the node that failed */
 } kiln_step_args;
+
+static inline int64_t step_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* After call c (before the first, c = -1): the clock, when profiling. */
+#define STEP_TICK(c)                                   \
+    do {                                               \
+        if (s->ticks) s->ticks[(c) + 1] = step_now();  \
+    } while (0)
 
 /* rope_cos_sin's rows for the step's positions, from a table [table_rows][2][dim] (cos,
  * then sin) that the runtime computes with the op's own kernel as positions reach it, so

@@ -369,3 +369,28 @@ def _checked(name: str, kind: str, v: Any) -> Any:
     raise IRError(
         f"attr {name}: expected {wanted}, got {text if len(text) <= 60 else text[:57] + '...'}"
     )
+
+
+def with_attrs(definition: OpDef, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` (a kernel of `definition`'s op) called as the kernel tests and benchmarks write
+    it: tensors first, then the op's attributes by position or name (`rmsnorm(x, w, 1e-6,
+    group=8)`), which become its attribute object (`a=Norm(eps=1e-6, group=8)`)."""
+
+    def call(*args: Any, **kw: Any) -> Any:
+        import torch  # only callers that run kernels get here
+
+        lead = 1 if definition.needs_ctx else 0
+        fixed = [i for i in definition.inputs if not i.variadic]
+        n = lead
+        while n < len(args) and n - lead < len(fixed):
+            if not (isinstance(args[n], (torch.Tensor, tuple)) or args[n] is None):
+                break
+            n += 1
+        names = [f for f in definition.attr_names if f not in kw]
+        attrs = {**dict(zip(names, args[n:], strict=False)), **kw}
+        if not definition.attr_names:
+            return fn(*args[:n])
+        defaults = {name: d for name, _, d in definition.fields if d is not dataclasses.MISSING}
+        return fn(*args[:n], a=definition.attrs(**{**defaults, **attrs}))
+
+    return call

@@ -10,10 +10,10 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_calls import with_attrs
 from native_libs import HOST_LEVELS, library
 
 from kiln.core.layout import pack_panels, pack_qpanels, panels_name
+from kiln.core.opdef import with_attrs
 from kiln.core.ops.attention import AttentionBatch, SeqSpan
 from kiln.core.quant import (
     FORMATS,

@@ -10,8 +10,8 @@ import os
 
 import pytest
 import torch
-from kernel_calls import with_attrs
 
+from kiln.core.opdef import with_attrs
 from kiln.core.ops.rope import Tables
 from kiln.kernels import catalog
 from kiln.runtime.step import StepContext, StepInputs
