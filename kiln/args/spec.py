@@ -265,7 +265,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--disable-radix-cache', type='bool', stage=RUNTIME, status=IMPLEMENTED, help='Turn the prefix cache off.'),
         Flag('--cuda-graph-max-bs', type='int', stage=COMPILE, status=IMPLEMENTED, help="Largest decode batch of a CUDA target's capture plan (default as SGLang: 256 below --tp-size 4 and 512 from it for sm_90, else 160); the plan is recorded in the artefact (kiln inspect), replayed by the CUDA-graph runner (runtime/capture.py; not yet run on a GPU). Refused for cpu targets."),
         Flag('--cuda-graph-bs', type='list[int]', stage=COMPILE, status=IMPLEMENTED, help="The decode batch sizes of a CUDA target's capture plan, instead of SGLang's list up to --cuda-graph-max-bs. Refused for cpu targets."),
-        Flag('--disable-cuda-graph', type='bool', stage=COMPILE, status=IMPLEMENTED, help='The capture plan runs decode eagerly (cpu targets always do).'),
+        Flag('--disable-cuda-graph', type='bool', stage=COMPILE, status=IMPLEMENTED, help="The capture plan runs decode eagerly: a CUDA target records no CUDA graphs, a CPU target keeps its decode step in the Python executor instead of lowering it to one native call."),
         Flag('--disable-cuda-graph-padding', type='bool', stage=COMPILE, status=IMPLEMENTED, help="Every decode batch size up to --cuda-graph-max-bs is its own bucket in a CUDA target's capture plan (no padding up to the next)."),
         Flag('--enable-profile-cuda-graph', type='bool', stage=COMPILE),
         Flag('--enable-cudagraph-gc', type='bool', stage=RUNTIME),
