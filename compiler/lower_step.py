@@ -24,6 +24,7 @@ floats from it reaches the C text: identifiers are fixed here, numbers are check
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -225,6 +226,21 @@ class _Lowering:
                 if self.refs[b.alloc] == 0:
                     self.arena.free(b.alloc)
 
+    def produce(
+        self,
+        i: int,
+        n: Node,
+        width: int,
+        rows: str,
+        call: Callable[[Buf], str],
+        checked: bool = True,
+    ) -> None:
+        """`n`'s one output: `width` floats a row over `rows` rows, written by the C call
+        `call(out)` (its return code checked unless the kernel returns none)."""
+        out = self.new(n, width, rows)
+        self.emit(i, call(out), checked)
+        self.keep(n, out)
+
     def emit(self, i: int, call: str, checked: bool = True) -> None:
         self.lines.append(f"    STEP_CALL({i}, {call});" if checked else f"    {call};")
         self.lines.append(f"    STEP_TICK({self.calls});")
@@ -283,13 +299,17 @@ class _Lowering:
         if spec.dtype != "float32" or spec.layout != "rows" or len(spec.shape) != 2:
             raise Refused(f"%{n.name}: an embedding table of {spec.dtype} {spec.layout}")
         vocab, h = (_int(d, "embedding shape") for d in spec.shape)
-        out = self.new(n, h, "M")
-        self.emit(
+        table_at = self.weight(table)
+        self.produce(
             i,
-            f"step_gather((const float *){self.weight(table)}, {h}, {h}, {vocab}, "
-            f"{self.ids(ids)}, M, {out.expr})",
+            n,
+            h,
+            "M",
+            lambda out: (
+                f"step_gather((const float *){table_at}, {h}, {h}, {vocab}, "
+                f"{self.ids(ids)}, M, {out.expr})"
+            ),
         )
-        self.keep(n, out)
 
     def ids(self, n: Node) -> str:
         if self.values.get(id(n)) != "s->ids":
@@ -301,13 +321,17 @@ class _Lowering:
         shape = self.graph.weights[table.attrs["name"]].stored_shape
         h = _int(shape[1], "table shape")
         vocab = _int(shape[0], "table shape") * _int(shape[2], "table shape")
-        out = self.new(n, h, "M")
-        self.emit(
+        table_at = self.weight(table)
+        self.produce(
             i,
-            f"s->k->embedding_packed({self.ids(ids)}, M, (const float *){self.weight(table)}, "
-            f"{vocab}, {h}, {out.expr})",
+            n,
+            h,
+            "M",
+            lambda out: (
+                f"s->k->embedding_packed({self.ids(ids)}, M, (const float *){table_at}, "
+                f"{vocab}, {h}, {out.expr})"
+            ),
         )
-        self.keep(n, out)
 
     def _quant_embedding(self, i: int, n: Node, a: dict[str, Any]) -> None:
         ids, codes, scales = n.args
@@ -316,14 +340,9 @@ class _Lowering:
         h = _int(sshape[1], "scales shape") * group
         if form.superblock:
             h = sshape[1] // form.record_bytes * form.superblock * group
-        out = self.new(n, h, "M")
-        self.emit(
-            i,
-            f"s->k->qembedding({self.ids(ids)}, M, {self.weight(codes)}, {self.weight(scales)}, "
-            f"{_int(form.qfmt, 'qfmt')}, {group}, {_int(a['num_embeddings'], 'vocab')}, {h}, "
-            f"{out.expr})",
-        )
-        self.keep(n, out)
+        head = f"{self.ids(ids)}, M, {self.weight(codes)}, {self.weight(scales)}"
+        tail = f"{_int(form.qfmt, 'qfmt')}, {group}, {_int(a['num_embeddings'], 'vocab')}, {h}"
+        self.produce(i, n, h, "M", lambda out: f"s->k->qembedding({head}, {tail}, {out.expr})")
 
     def _rmsnorm(self, i: int, n: Node, a: dict[str, Any]) -> None:
         x = self.buf(n.args[0])
@@ -359,13 +378,12 @@ class _Lowering:
         x = self.buf(n.args[0])
         if not x.contiguous or x.width % 2:
             raise Refused(f"%{n.name}: silu_and_mul of strided rows")
-        out = self.new(n, x.width // 2, x.rows)
-        self.emit(
+        self._rowwise(
             i,
-            f"s->k->silu_and_mul({x.expr}, {out.expr}, {x.rows}, {x.width // 2}, T)",
-            checked=False,
+            n,
+            lambda x, o: f"s->k->silu_and_mul({x.expr}, {o.expr}, {x.rows}, {o.width}, T)",
+            x.width // 2,
         )
-        self.keep(n, out)
 
     def _bias(self, n: Node, index: int) -> str:
         return "NULL" if len(n.args) <= index else f"(const float *){self.weight(n.args[index])}"
@@ -374,30 +392,42 @@ class _Lowering:
         x = self.buf(n.args[0])
         lo, hi = (_int(r, "narrow_rows") for r in a["narrow_rows"])
         k = x.width // (2 if a["prologue"] == "silu_and_mul" else 1)
-        out = self.new(n, _int(a["out_features"], "out_features"), x.rows)
-        self.emit(
+        width = _int(a["out_features"], "out_features")
+        head = f"{x.expr}, {x.stride}, {x.rows}, {k}, (const float *){self.weight(n.args[1])}"
+        wide = f"!({lo} <= {x.rows} && {x.rows} <= {hi})"
+        self.produce(
             i,
-            f"s->k->linear({x.expr}, {x.stride}, {x.rows}, {k}, (const float *)"
-            f"{self.weight(n.args[1])}, {out.width}, {self._bias(n, 2)}, {out.expr}, "
-            f"!({lo} <= {x.rows} && {x.rows} <= {hi}), {_PROLOGUES[a['prologue']]}, T)",
+            n,
+            width,
+            x.rows,
+            lambda out: (
+                f"s->k->linear({head}, {width}, {self._bias(n, 2)}, {out.expr}, "
+                f"{wide}, {_PROLOGUES[a['prologue']]}, T)"
+            ),
         )
-        self.keep(n, out)
 
     def _quant_linear(self, i: int, n: Node, a: dict[str, Any]) -> None:
         x = self.buf(n.args[0])
         form, group = FORMATS[a["format"]], _int(a["group"], "group")
         k = x.width // (2 if a["prologue"] == "silu_and_mul" else 1)
-        out = self.new(n, _int(a["out_features"], "out_features"), x.rows)
+        width = _int(a["out_features"], "out_features")
         codes, scales = self.weight(n.args[1]), self.weight(n.args[2])
         head = f"{x.expr}, {x.stride}, {x.rows}, {k}, {codes}, {scales}"
-        tail = f"{self._bias(n, 3)}, {out.expr}, {_PROLOGUES[a['prologue']]}, T"
+        bias, prologue = self._bias(n, 3), _PROLOGUES[a["prologue"]]
         if form.kernel == "a8":
-            call = f"s->k->a8_linear({head}, {out.width}, {tail})"
+            fn, kind_group = "a8_linear", ""
         else:
             fn, kind = ("ga8_linear", form.ga8) if form.kernel == "ga8" else ("qlinear", form.qfmt)
-            call = f"s->k->{fn}({head}, {_int(kind, 'kind')}, {group}, {out.width}, {tail})"
-        self.emit(i, call)
-        self.keep(n, out)
+            kind_group = f"{_int(kind, 'kind')}, {group}, "
+        self.produce(
+            i,
+            n,
+            width,
+            x.rows,
+            lambda out: (
+                f"s->k->{fn}({head}, {kind_group}{width}, {bias}, {out.expr}, {prologue}, T)"
+            ),
+        )
 
     def _rope(self, i: int, n: Node, a: dict[str, Any]) -> None:
         x, (cos, sin) = self.buf(n.args[0]), self.values[id(n.args[1])]
@@ -502,40 +532,41 @@ class _Lowering:
     def _mul(self, i: int, n: Node, a: dict[str, Any]) -> None:
         self._binary(i, n, "STEP_MUL")
 
-    def _unary(self, i: int, n: Node, c: str) -> None:
+    def _rowwise(self, i: int, n: Node, call: Callable[[Buf, Buf], str], width: int = 0) -> None:
+        """A node that maps its one input's rows to new ones (`width` floats; 0: the
+        input's): `call(x, out)` is the C call."""
         x = self.buf(n.args[0])
-        out = self.new(n, x.width, x.rows)
-        self.emit(
+        self.produce(i, n, width or x.width, x.rows, lambda out: call(x, out), checked=False)
+
+    def _unary(self, i: int, n: Node, c: str) -> None:
+        what = _UNARY[n.op]
+        self._rowwise(
             i,
-            f"step_unary({_UNARY[n.op]}, {x.expr}, {x.stride}, {c}, {out.expr}, {x.rows}, "
-            f"{x.width})",
-            checked=False,
+            n,
+            lambda x, o: (
+                f"step_unary({what}, {x.expr}, {x.stride}, {c}, {o.expr}, {x.rows}, {x.width})"
+            ),
         )
-        self.keep(n, out)
 
     def _scale(self, i: int, n: Node, a: dict[str, Any]) -> None:
         self._unary(i, n, _float(a["factor"], "factor"))
 
     def _softcap(self, i: int, n: Node, a: dict[str, Any]) -> None:
-        x = self.buf(n.args[0])
-        out = self.new(n, x.width, x.rows)
-        self.emit(
+        cap = _float(a["cap"], "cap")
+        self._rowwise(
             i,
-            f"s->k->softcap({x.expr}, {x.stride}, {_float(a['cap'], 'cap')}, {out.expr}, "
-            f"{x.rows}, {x.width}, T)",
-            checked=False,
+            n,
+            lambda x, o: (
+                f"s->k->softcap({x.expr}, {x.stride}, {cap}, {o.expr}, {x.rows}, {x.width}, T)"
+            ),
         )
-        self.keep(n, out)
 
     def _gelu_tanh(self, i: int, n: Node, a: dict[str, Any]) -> None:
-        x = self.buf(n.args[0])
-        out = self.new(n, x.width, x.rows)
-        self.emit(
+        self._rowwise(
             i,
-            f"s->k->gelu_tanh({x.expr}, {x.stride}, {out.expr}, {x.rows}, {x.width}, T)",
-            checked=False,
+            n,
+            lambda x, o: f"s->k->gelu_tanh({x.expr}, {x.stride}, {o.expr}, {x.rows}, {x.width}, T)",
         )
-        self.keep(n, out)
 
     def _silu(self, i: int, n: Node, a: dict[str, Any]) -> None:
         self._unary(i, n, "0.0f")

@@ -101,40 +101,41 @@ void kiln_silu_and_mul_f32(const float *x, float *out, int64_t rows, int64_t d, 
     silu_mul_rows(x, 2 * d, out, rows, d, threads);
 }
 
+/* out[r, i] = f(x[r, i]) over `rows` rows of n, x's `x_stride` apart, out contiguous;
+ * EXPR computes f from the element v. Vectorized, threaded above PARALLEL_MIN_ELEMS. */
+#define MAP_ROWS(EXPR)                                                          \
+    _Pragma("omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN_ELEMS)") \
+    for (int64_t r = 0; r < rows; r++) {                                        \
+        const float *a_ = x + r * x_stride;                                     \
+        float *o_ = out + r * n;                                                \
+        _Pragma("omp simd") for (int64_t i = 0; i < n; i++) {                   \
+            const float v = a_[i];                                              \
+            o_[i] = (EXPR);                                                     \
+        }                                                                       \
+    }
+
 /* out[r, i] = gelu(x[r, i]) with the tanh approximation (Gemma's MLP), rows `x_stride`
  * apart: 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), taken as
  * x / (1 + exp(-2u)) (silu's form, through kexp): no cancellation where tanh(u) nears -1,
- * no overflow at either end, and the loop vectorizes (libm's tanhf does not: Gemma 3 270M has 18 x 2048 of them a token). */
+ * no overflow at either end, and the loop vectorizes (libm's tanhf does not: Gemma 3
+ * 270M has 18 x 2048 of them a token). */
 void kiln_gelu_tanh_f32(const float *x, int64_t x_stride, float *out, int64_t rows, int64_t n,
                         int threads) {
-#pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN_ELEMS)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *a = x + r * x_stride;
-        float *o = out + r * n;
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) {
-            const float v = a[i];
-            o[i] = v / (1.0f + kexp(-1.5957691216057308f * (v + 0.044715f * v * v * v)));
-        }
-    }
+    MAP_ROWS(v / (1.0f + kexp(-1.5957691216057308f * (v + 0.044715f * v * v * v))));
+}
+
+/* tanh(y) as sign(y) (1 - e) / (1 + e), e = exp(-2|y|) through kexp: no overflow, within
+ * about 1e-7 of tanh absolute, and it vectorizes. */
+static inline float ktanh(float y) {
+    const float e = kexp(-2.0f * fabsf(y));
+    return copysignf((1.0f - e) / (1.0f + e), y);
 }
 
 /* out[r, i] = tanh(x[r, i] / cap) * cap (Gemma 2's final-logit softcap), rows `x_stride`
- * apart; tanh(y) as sign(y) (1 - e) / (1 + e) with e = exp(-2|y|) through kexp: no overflow,
- * within about 1e-7 of tanh absolute, and vectorized. */
+ * apart. */
 void kiln_softcap_f32(const float *x, int64_t x_stride, float cap, float *out, int64_t rows,
                       int64_t n, int threads) {
-#pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN_ELEMS)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *a = x + r * x_stride;
-        float *o = out + r * n;
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) {
-            const float y = a[i] / cap;
-            const float e = kexp(-2.0f * fabsf(y));
-            o[i] = copysignf((1.0f - e) / (1.0f + e), y) * cap;
-        }
-    }
+    MAP_ROWS(ktanh(v / cap) * cap);
 }
 
 /* One head of width dim: out = x * c + swap_halves(x) * s. */
