@@ -156,3 +156,27 @@ def test_the_step_checks_what_it_binds(artefact) -> None:
     step.ids[0] = art.spec.vocab_size + 5
     with pytest.raises(KernelError, match="token id is outside the vocabulary"):
         runner.run(step)
+
+
+def test_the_building_threads_openmp_pool_is_handed_back_and_kernels_still_run(artefact):
+    """EngineThread.start hands back the building thread's OpenMP workers (an idle pool
+    there slowed every kernel call of the engine thread); OpenMP must then start new ones
+    on demand, on that thread and on others."""
+    import threading
+
+    from kiln.runtime.engine_thread import release_openmp_pool
+
+    x = torch.randn(4096, 512)
+    want = (x @ x.T).sum()  # a parallel region on this thread: its pool exists now
+    release_openmp_pool()
+    assert torch.equal((x @ x.T).sum(), want)
+    engine = Engine(artefact("llama"))
+    greedy = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    here = engine.generate("hello", greedy)["text"]
+    release_openmp_pool()
+    got: list[str] = []
+    worker = threading.Thread(target=lambda: got.append(engine.generate("hello", greedy)["text"]))
+    worker.start()
+    worker.join()
+    assert got == [here]
+    engine.shutdown()
