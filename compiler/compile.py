@@ -96,6 +96,8 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
                     assert reader.gguf is not None  # only GGUF carries its own tokenizer
                     reader.gguf.write_tokenizer(tmp / fmt.TOKENIZER_DIR)
                 manifest = _manifest(args, cfg, graph, tmp, ck, pass_log)
+                if options.speculative is not None:
+                    manifest["runtime"]["speculative"] = options.speculative
                 manifest["native"] = built
                 manifest["native_step"] = step_info
                 (tmp / fmt.MANIFEST).write_text(json.dumps(manifest, indent=1))

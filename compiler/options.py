@@ -26,6 +26,7 @@ from typing import Any
 from kiln.args import ArgError, ServerArgs
 from kiln.compiler.checkpoint import CheckpointReader
 from kiln.compiler.key import CompileKey
+from kiln.core.artefact import MAX_DRAFT_TOKENS, MAX_NGRAM_WINDOW, MAX_SPECULATIVE_BATCH
 from kiln.core.quant import FORMATS
 from kiln.core.target import Target
 from kiln.models import ModelConfig
@@ -47,6 +48,7 @@ def compile_options(
     scheme = quant_scheme(args, target, reader)
     if scheme is not None:
         check_groups(scheme, cfg, tp.size)
+    speculative = speculative_options(args)
     return CompileOptions(
         target=target,
         dtype=key.dtype,
@@ -56,8 +58,9 @@ def compile_options(
         decode_attention_backend=args.decode_attention_backend,
         quantization=scheme,
         kv_cache=kv_cache_options(args, cfg.num_layers),
-        capture=capture_options(args, target, tp.size),
+        capture=capture_options(args, target, tp.size, speculative),
         tp=tp,
+        speculative=speculative,
     )
 
 
@@ -126,7 +129,52 @@ def check_groups(scheme: Quantization, cfg: ModelConfig, tp: int) -> None:
             )
 
 
-def capture_options(args: ServerArgs, target: Target, tp: int) -> Capture:
+def speculative_options(args: ServerArgs) -> dict[str, Any] | None:
+    """--speculative-* as the manifest records them (kiln.core.artefact.Speculative), with
+    SGLang's NGRAM default for --speculative-num-draft-tokens; None without speculation."""
+    algorithm = args.speculative_algorithm
+    if algorithm is None:
+        return None
+    lo = args.speculative_ngram_min_match_window_size
+    hi = args.speculative_ngram_max_match_window_size
+    if not 1 <= lo <= MAX_NGRAM_WINDOW:
+        raise ArgError(f"--speculative-ngram-min-match-window-size: {lo}; 1 to {MAX_NGRAM_WINDOW}")
+    if not lo <= hi <= MAX_NGRAM_WINDOW:
+        raise ArgError(
+            f"--speculative-ngram-max-match-window-size: {hi}; from "
+            f"--speculative-ngram-min-match-window-size ({lo}) to {MAX_NGRAM_WINDOW}"
+        )
+    branch = args.speculative_ngram_branch_length
+    if branch < 1:
+        raise ArgError(f"--speculative-ngram-branch-length: {branch}; at least 1")
+    tokens = args.speculative_num_draft_tokens or hi
+    if not 2 <= tokens <= MAX_DRAFT_TOKENS:
+        raise ArgError(
+            f"--speculative-num-draft-tokens: {tokens}; 2 (the last token and one drafted) "
+            f"to {MAX_DRAFT_TOKENS}"
+        )
+    return {
+        "algorithm": algorithm,
+        "num_draft_tokens": tokens,
+        "ngram_min_window": lo,
+        "ngram_max_window": hi,
+        "ngram_branch_length": branch,
+    }
+
+
+def verify_batch_sizes(buckets: list[int], speculative: dict[str, Any] | None) -> list[int]:
+    """Decode buckets plus those of verify steps: b requests of num_draft_tokens rows each,
+    for the batches that speculate (up to MAX_SPECULATIVE_BATCH, runtime/speculative.py)."""
+    if speculative is None:
+        return buckets
+    rows = speculative["num_draft_tokens"]
+    verify = {b * rows for b in range(1, MAX_SPECULATIVE_BATCH + 1)}
+    return sorted(set(buckets) | verify)
+
+
+def capture_options(
+    args: ServerArgs, target: Target, tp: int, speculative: dict[str, Any] | None = None
+) -> Capture:
     """The capture plan's decode and prefill parts for these flags on this target."""
     device = target.device
     bs, max_bs = args.cuda_graph_bs, args.cuda_graph_max_bs
@@ -152,6 +200,7 @@ def capture_options(args: ServerArgs, target: Target, tp: int) -> Capture:
         if max_bs <= 0:
             raise ArgError(f"--cuda-graph-max-bs: expected a positive size, got {max_bs}")
         buckets = decode_batch_sizes(max_bs, padding)
+    buckets = verify_batch_sizes(buckets, speculative)
     capture: dict[str, Any] = {"padding": padding}
     if args.enable_torch_compile:
         limit = args.torch_compile_max_bs or 32

@@ -82,6 +82,7 @@ def summary(root: Path) -> dict[str, Any]:
         if manifest.get("native_step") is None
         else {k: manifest["native_step"][k] for k in ("build_id", "calls", "arena_width")}
         | {"weights": len(manifest["native_step"]["weights"])},
+        "speculative": rt.get("speculative"),
         "native_kernels": None
         if native is None
         else {k: native[k] for k in ("build_id", "compiler", "flags", "lanes", "group_panels")},
@@ -139,6 +140,14 @@ def format_summary(s: dict[str, Any]) -> str:
     elif plan and plan["decode"].get("native_refused"):
         why = plan["decode"]["native_refused"]
         lines.append(f"step       decode in the Python executor: {why}")
+    spec = s.get("speculative")
+    if spec:
+        lines.append(
+            f"speculate  {spec['algorithm']}: verify steps of up to {spec['num_draft_tokens']} "
+            f"tokens a request (the last one and {spec['num_draft_tokens'] - 1} drafted); "
+            f"n-grams of {spec['ngram_min_window']} to {spec['ngram_max_window']} tokens, "
+            f"branches of up to {spec['ngram_branch_length']}"
+        )
     nk = s["native_kernels"]
     if nk:
         lines.append(

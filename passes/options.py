@@ -71,6 +71,9 @@ class CompileOptions:
     kv_cache: KVCache | None = None
     capture: Capture = field(default_factory=Capture)
     tp: TensorParallel = field(default_factory=TensorParallel)
+    # Speculative decoding as compiled (compiler/options.py speculative_options): the
+    # manifest's runtime.speculative; verify steps are decode steps of more rows.
+    speculative: dict[str, Any] | None = None
 
     @property
     def device(self) -> str:

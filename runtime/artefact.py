@@ -52,6 +52,7 @@ class ModelSpec:
     tp_size: int = 1
     long_rope: tuple[dict[str, Any], ...] = ()  # kiln.core.artefact.LongRope
     v_head_dim: int | None = None  # the V pool's width where not head_dim (MLA: 0)
+    speculative: dict[str, Any] | None = None  # kiln.core.artefact.Speculative
 
     @property
     def torch_dtype(self) -> torch.dtype:

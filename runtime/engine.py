@@ -34,11 +34,21 @@ from kiln.runtime.request import Request, RequestOutput
 from kiln.runtime.sampler import SamplingRow, sample
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Batch, Scheduler, SchedulerConfig
+from kiln.runtime.speculative import (
+    TIMED_ROWS,
+    SpeculativeConfig,
+    StepCosts,
+    acceptance,
+    drafter,
+    plan_drafts,
+)
 from kiln.runtime.tokenizer import TokenizerError, import_tokenizer_libraries, load_tokenizer
 
 log = logging.getLogger("kiln.engine")
 
 DEFAULT_MAX_RUNNING = 256
+# --max-running-requests unset with speculative decoding: SGLang's NGRAM default.
+DEFAULT_MAX_RUNNING_SPECULATIVE = 48
 # --chunked-prefill-size unset: chunks of this many tokens (SGLang sizes it per GPU).
 DEFAULT_CHUNKED_PREFILL = 4096
 # Longest the engine spends giving KV memory back in one go (it does so when idle).
@@ -95,7 +105,12 @@ class Engine:
                 f"{spec.context_length} (max_position_embeddings)"
             )
         self.context_length = asked or spec.context_length
-        self.max_running = self.args.max_running_requests or DEFAULT_MAX_RUNNING
+        self.speculative = (
+            SpeculativeConfig.from_manifest(spec.speculative) if spec.speculative else None
+        )
+        self.max_running = self.args.max_running_requests or (
+            DEFAULT_MAX_RUNNING_SPECULATIVE if self.speculative else DEFAULT_MAX_RUNNING
+        )
         self.placement = self._place(manifest, spec)
         self.art = Artefact.open(
             artefact,
@@ -116,6 +131,7 @@ class Engine:
         if spec.tp_size > 1:
             self._start_ranks(kv_tokens)
         self.runner.warm_up()
+        self.step_costs = self._time_steps() if self.speculative else None
         cache = None
         if not self.args.disable_radix_cache:
             cache = RadixCache(self.runner.pool, self.args.radix_eviction_policy)
@@ -128,6 +144,21 @@ class Engine:
         )
         self._live: dict[str, Request] = {}
         log.info("%s; threads: %d (%s)", self.describe(), self.threads, threads_from)
+
+    def _time_steps(self) -> StepCosts:
+        """What decode steps of each row count cost here (the speculative planner's
+        input), measured now and refined by every step served."""
+        assert self.speculative is not None
+        most = self.speculative.max_batch * self.speculative.num_draft_tokens
+        timed = self.runner.time_decode([m for m in TIMED_ROWS if m <= most])
+        log.info(
+            "speculative %s: decode step of 1 / %d rows: %.2f / %.2f ms",
+            self.speculative.algorithm,
+            max(timed),
+            timed[1] * 1e3,
+            timed[max(timed)] * 1e3,
+        )
+        return StepCosts(timed, most)
 
     def _grammars(self, spec: ModelSpec) -> Grammars | None:
         """The constraint compiler (runtime/grammar.py), unless --grammar-backend none or
@@ -349,6 +380,8 @@ class Engine:
                     "the KV pool cannot fit the next waiting request; raise --max-total-tokens"
                 )
             return []
+        if self.speculative is not None and not batch.is_prefill:
+            self._draft(batch)
         failed = dict(self._execute(batch))
         for req, error in failed.items():
             log.error("request %s failed and was stopped: %s", req.rid, error)
@@ -366,9 +399,37 @@ class Engine:
             elif sampled:
                 if req.first_token_at is None:
                     req.first_token_at = now
-                self._postprocess(req)
+                if not batch.verify:  # a verify step postprocessed each token it kept
+                    self._postprocess(req)
                 outputs.append(self.output(req))
         return outputs
+
+    def _draft(self, batch: Batch) -> None:
+        """Drafted tokens for the requests of a decode batch, making it a verify batch
+        when any has some (runtime/speculative.py). Not above the batch size where verify
+        rows stop paying, nor past a request's max_new_tokens or the context."""
+        spec, costs = self.speculative, self.step_costs
+        assert spec is not None and costs is not None
+        if len(batch.requests) > spec.max_batch:
+            return
+        offered = []
+        for req in batch.requests:
+            room = min(
+                spec.max_drafts,
+                req.params.max_new_tokens - len(req.output_ids) - 1,
+                self.context_length - req.num_tokens - 1,
+            )
+            if req.drafter is None:
+                req.drafter = drafter(spec)
+            offered.append(req.drafter.propose(req.all_ids, room) if room > 0 else [])
+        if not any(offered):
+            return
+        alphas = [acceptance(r.spec_drafted, r.spec_accepted) for r in batch.requests]
+        counts = plan_drafts(alphas, [len(d) for d in offered], costs)
+        for i, (req, drafts, k) in enumerate(zip(batch.requests, offered, counts, strict=True)):
+            if k and self.scheduler.grow(req, k):
+                batch.new_tokens[i] = batch.new_tokens[i] + drafts[:k]
+                batch.verify = True
 
     def _execute(self, batch: Batch) -> list[tuple[Request, Exception]]:
         """Forward, sample and commit `batch`. If that fails, run each half of it on its
@@ -377,7 +438,14 @@ class Engine:
         # Requests mid-way through a chunked prompt feed tokens but sample nothing yet.
         sampling = [r for r, s in zip(batch.requests, batch.sample, strict=True) if s]
         try:
+            start = time.perf_counter()
             logits = self.runner.forward(batch)
+            if self.step_costs is not None and not batch.is_prefill:
+                self.step_costs.observe(
+                    sum(map(len, batch.new_tokens)), time.perf_counter() - start
+                )
+            if batch.verify:
+                return self._accept(batch, logits)
             rows = [self._sampling_row(r) for r in sampling]
             tokens, logprobs = sample(logits, rows) if rows else ([], [])
         except Exception as e:
@@ -395,6 +463,54 @@ class Engine:
             if lp is not None:
                 req.logprobs.append(lp)
         return []
+
+    def _accept(self, batch: Batch, logits: torch.Tensor) -> list[tuple[Request, Exception]]:
+        """A verify step's tokens: each request's rows sampled in order as decoding would
+        sample them, each kept token committed and postprocessed, up to and including the
+        first that differs from its draft (runtime/speculative.py). A request whose rows
+        break the sampler fails alone."""
+        failed: list[tuple[Request, Exception]] = []
+        at = 0
+        for req, fed in zip(batch.requests, batch.new_tokens, strict=True):
+            rows = logits[at : at + len(fed)]
+            at += len(fed)
+            try:
+                self._accept_rows(req, fed, rows)
+            except Exception as e:
+                failed.append((req, e))
+        return failed
+
+    def _accept_rows(self, req: Request, fed: list[int], logits: torch.Tensor) -> None:
+        p = req.params
+        plain = (
+            p.greedy
+            and not p.penalised
+            and req.grammar is None
+            and req.top_logprobs is None
+            and len(req.output_ids) >= p.min_new_tokens
+        )
+        # Rows a greedy request without penalties, grammar or logprobs would sample to
+        # their argmax all at once: the sampler's own choice for each.
+        argmax = logits.float().argmax(dim=-1).tolist() if plain else None
+        for j in range(len(fed)):
+            if argmax is not None:
+                token, lp = argmax[j], None
+            else:
+                tokens, lps = sample(logits[j : j + 1], [self._sampling_row(req)])
+                token, lp = tokens[0], lps[0]
+            req.kv_len += 1  # fed[j] is an accepted token: its K/V stay
+            req.output_ids.append(token)
+            if lp is not None:
+                req.logprobs.append(lp)
+            self._postprocess(req)
+            if req.finished or j + 1 == len(fed) or token != fed[j + 1]:
+                break
+            req.spec_accepted += 1
+        if len(fed) > 1:
+            req.spec_verify_ct += 1
+            req.spec_drafted += len(fed) - 1
+        if not req.finished:
+            self.scheduler.trim(req)
 
     def _sampling_row(self, req: Request) -> SamplingRow:
         p = req.params
@@ -482,6 +598,15 @@ class Engine:
             "finish_reason": req.finish_reason,
             "e2e_latency": time.perf_counter() - req.created,
         }
+        if self.speculative is not None:
+            # SGLang's names. Only steps where the request had drafts count as verify
+            # steps; accept length is the tokens each of them landed.
+            verify, drafted, kept = req.spec_verify_ct, req.spec_drafted, req.spec_accepted
+            meta["spec_verify_ct"] = verify
+            meta["spec_draft_token_num"] = drafted
+            meta["spec_accept_token_num"] = kept
+            meta["spec_accept_rate"] = kept / drafted if drafted else 0.0
+            meta["spec_accept_length"] = 1 + kept / verify if verify else 0.0
         if req.top_logprobs is not None:
             meta["output_token_logprobs"] = [(lp.logprob, lp.token) for lp in req.logprobs]
             meta["output_top_logprobs"] = [

@@ -9,6 +9,10 @@ padded to its bucket there and its extra logits rows dropped here."""
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Iterable
+
 import torch
 
 from kiln.core.artefact import ArtefactError
@@ -68,6 +72,19 @@ class ModelRunner:
         positions: list[int] = []
         last: list[int] = []
         q_lens, kv_lens, counts, pages = [], [], [], []
+        if batch.verify:
+            # Each fed token a decode row of its own over its request's pages, its KV
+            # length ending at its position (runtime/speculative.py): every row's logits.
+            for req, fed in zip(batch.requests, batch.new_tokens, strict=True):
+                for j, token in enumerate(fed):
+                    ids.append(token)
+                    positions.append(req.kv_len + j)
+                    q_lens.append(1)
+                    kv_lens.append(req.kv_len + j + 1)
+                    counts.append(len(req.pages))
+                    pages += req.pages
+            rows = list(range(len(ids)))
+            return StepInputs(ids, positions, rows, q_lens, kv_lens, counts, pages)
         for req, fed, sampled in zip(batch.requests, batch.new_tokens, batch.sample, strict=True):
             kv_len = req.kv_len + len(fed)
             ids += fed
@@ -88,6 +105,27 @@ class ModelRunner:
             self.decode.warm_up(self.step)
         if self.prefill is not None:
             self.prefill.warm_up(self.step)
+
+    def time_decode(self, rows: Iterable[int], repeats: int = 2) -> dict[int, float]:
+        """Seconds of a decode step of each row count (the best of `repeats`, after one
+        untimed run): every row one token at position 0 on the scratch page, so no
+        sequence's K/V is touched. For the speculative planner (runtime/speculative.py)."""
+        pad = self.step.pad_page
+        times = {}
+        for m in rows:
+            step = StepInputs(
+                [0] * m, [0] * m, list(range(m)), [1] * m, [1] * m, [1] * m, [pad] * m
+            )
+            best = math.inf
+            for i in range(repeats + 1):
+                start = time.perf_counter()
+                if self.group is not None:
+                    self.group.send(step)
+                self.run(step)
+                if i:
+                    best = min(best, time.perf_counter() - start)
+            times[m] = best
+        return times
 
     def run(self, step: StepInputs) -> torch.Tensor:
         bucket = None if self.decode is None else self.decode.bucket(step)

@@ -44,11 +44,20 @@ class Batch:
     new_tokens: list[list[int]]  # tokens each request feeds the model this step
     sample: list[bool]  # whether each request gets a new token (prompt complete)
     is_prefill: bool
+    # A decode batch whose requests feed their last token and then drafted ones, every
+    # fed token's logits checked (runtime/speculative.py).
+    verify: bool = False
 
     def subset(self, start: int, stop: int | None) -> Batch:
         """The requests [start:stop] as a batch of their own."""
         part = slice(start, stop)
-        return Batch(self.requests[part], self.new_tokens[part], self.sample[part], self.is_prefill)
+        return Batch(
+            self.requests[part],
+            self.new_tokens[part],
+            self.sample[part],
+            self.is_prefill,
+            self.verify,
+        )
 
 
 class Scheduler:
@@ -214,6 +223,25 @@ class Scheduler:
                     req.pages += self.pool.allocate(1)
                 else:
                     self.retract(self.running[-1])
+
+    def grow(self, req: Request, extra: int) -> bool:
+        """Pages for `extra` drafted tokens past a decoding request's next one, from free
+        pages only: a draft never evicts the prefix cache or retracts a request."""
+        need = self.pool.pages_for(req.num_tokens + extra) - len(req.pages)
+        if need <= 0:
+            return True
+        if self.pool.free_pages < need:
+            return False
+        req.pages += self.pool.allocate(need)
+        return True
+
+    def trim(self, req: Request) -> None:
+        """Give back the pages a running request holds past what its next token needs
+        (those rejected drafts were written to)."""
+        keep = self.pool.pages_for(req.num_tokens)
+        if len(req.pages) > keep:
+            self.pool.free(req.pages[keep:])
+            del req.pages[keep:]
 
     def retract(self, victim: Request) -> None:
         """Take a running request's pages back. It re-enters the queue at the front and is

@@ -85,6 +85,11 @@ MAX_CONTEXT = 1 << 27
 MAX_PAGE_SIZE = 4096
 MAX_STOP_IDS = 256
 MAX_NAME = 256
+MAX_DRAFT_TOKENS = 64  # rows a verify step feeds one request
+MAX_NGRAM_WINDOW = 64
+# The largest decode batch that may speculate: the runtime's bound, and the verify buckets
+# (up to this many requests of num_draft_tokens rows) a CUDA capture plan records.
+MAX_SPECULATIVE_BATCH = 4
 _CHUNK = 1 << 22
 
 
@@ -212,6 +217,22 @@ class LongRope(_Strict):
     inv_freq: list[Annotated[float, Field(allow_inf_nan=False)]] = Field(max_length=MAX_HEAD_DIM)
 
 
+class Speculative(_Strict):
+    """Speculative decoding as compiled (compiler/options.py, runtime/speculative.py)."""
+
+    algorithm: Literal["NGRAM"]
+    num_draft_tokens: int = Field(ge=2, le=MAX_DRAFT_TOKENS)
+    ngram_min_window: int = Field(ge=1, le=MAX_NGRAM_WINDOW)
+    ngram_max_window: int = Field(ge=1, le=MAX_NGRAM_WINDOW)
+    ngram_branch_length: int = Field(ge=1, le=1 << 20)
+
+    @model_validator(mode="after")
+    def _windows(self) -> Speculative:
+        if self.ngram_max_window < self.ngram_min_window:
+            raise ValueError("ngram_max_window is below ngram_min_window")
+        return self
+
+
 class RuntimeSpec(_Strict):
     """What the runtime needs to know about the model (the manifest's `runtime`). Each
     number is bounded here and then checked against the graph (runtime/artefact.py)."""
@@ -232,6 +253,7 @@ class RuntimeSpec(_Strict):
     eos_token_ids: list[Annotated[int, Field(ge=0, le=MAX_VOCAB)]] = Field(max_length=MAX_STOP_IDS)
     served_model_name: str = Field(min_length=1, max_length=MAX_NAME)
     long_rope: list[LongRope] = Field(default=[], max_length=2)
+    speculative: Speculative | None = None
 
 
 class Manifest(_Strict):

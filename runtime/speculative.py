@@ -1,0 +1,204 @@
+"""Speculative decoding: tokens drafted cheaply, then checked by the model in one step.
+
+The verify step. A request that has drafts d1..dk feeds its last accepted token t and the
+drafts, k + 1 tokens at positions L..L+k (L: its cached tokens). The step runs as a decode
+step of k + 1 rows for that request (runtime/model_runner.py `inputs`): row j is a sequence
+of its own whose KV length ends at its own position L + j, over the request's pages. Each
+layer writes every row's K/V before any row attends, so row j sees the cache plus t and
+d1..dj and nothing later: the causal mask over the drafted positions, with no new kernel.
+The step is therefore the compiled decode step itself (the native step on CPU, a capture
+bucket of b * (k + 1) rows on CUDA), reading the weights once for all k + 1 rows.
+
+Acceptance. Row j's logits are the model's distribution after t, d1..dj. Rows are sampled
+in order exactly as decode steps would sample them (the same sampler, penalties, grammar,
+min_new_tokens and the request's own generator); row j's token is kept, and row j + 1 is
+looked at only when that token equals d(j+1). For a draft that is a fixed guess (NGRAM's) this
+is rejection sampling: d is kept with probability p(d), and otherwise the token is a draw
+from p without d, renormalised, so the output follows the model's distribution. The
+generator is drawn once per output token, as in decoding: a seeded request's output is the
+same, token for token, with or without speculation, and greedy output is too.
+
+Rollback. Rejected drafts' K/V lie past the request's KV length, where nothing reads them
+and the next step overwrites them; pages taken for them beyond what the accepted tokens
+need go back to the pool in the same step (Scheduler.trim), and the prefix cache only
+ever receives whole pages below the KV length, which hold accepted tokens alone.
+
+Drafting (NGRAM). The request's own prompt and output are the corpus: the longest suffix of
+its tokens, between --speculative-ngram-min-match-window-size and -max-match-window-size
+tokens, that occurred earlier is continued with what followed it then (up to
+--speculative-ngram-branch-length tokens, and --speculative-num-draft-tokens - 1). One
+index per request maps each n-gram of the shortest window to where it ended; a lookup
+extends the most recent candidates backwards to the longest window. A chain only: SGLang's
+tree of several branches (--speculative-ngram-max-bfs-breadth) and its corpus shared across
+requests (--speculative-ngram-capacity) are not built.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# The largest decode batch that may speculate (kiln/core/artefact.py); within it, the
+# planner below decides from measured step times whether drafts pay.
+from kiln.core.artefact import MAX_SPECULATIVE_BATCH
+
+# Candidates a lookup extends backwards (the most recent first): a bound on the work per
+# step however often the shortest n-gram recurs.
+NGRAM_CANDIDATES = 32
+# Row counts whose step time the engine measures at start (others interpolated), and the
+# weight a new observation gets in the running estimate.
+TIMED_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
+COST_UPDATE = 0.1
+# Acceptance before a request has any history: a draft kept with this probability, with
+# the weight of this many drafts.
+PRIOR_ACCEPT, PRIOR_WEIGHT = 0.5, 4.0
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """The artefact's speculation settings (the manifest's runtime.speculative)."""
+
+    algorithm: str
+    num_draft_tokens: int  # tokens a verify step feeds a request: the last one + drafts
+    ngram_min_window: int
+    ngram_max_window: int
+    ngram_branch_length: int
+    max_batch: int = MAX_SPECULATIVE_BATCH
+
+    @classmethod
+    def from_manifest(cls, entry: dict[str, Any]) -> SpeculativeConfig:
+        return cls(**entry)
+
+    @property
+    def max_drafts(self) -> int:
+        return min(self.num_draft_tokens - 1, self.ngram_branch_length)
+
+
+class NgramIndex:
+    """Where each n-gram of one request's tokens ended, for drafting from its own text.
+
+    `tokens` given to `propose` is the request's whole token list (prompt and output so
+    far); it only ever grows, so each call indexes just the tokens added since the last."""
+
+    def __init__(self, min_window: int, max_window: int) -> None:
+        self.min_window, self.max_window = min_window, max_window
+        self._ends: dict[tuple[int, ...], list[int]] = {}
+        self._done = 0  # n-grams ending before this position are indexed
+
+    def _index(self, tokens: Sequence[int]) -> None:
+        # An n-gram ending at the last token is left for later: it is the suffix being
+        # matched, and must not find itself.
+        n = self.min_window
+        for end in range(max(self._done, n - 1), len(tokens) - 1):
+            key = tuple(tokens[end - n + 1 : end + 1])
+            self._ends.setdefault(key, []).append(end)
+        self._done = max(self._done, len(tokens) - 1)
+
+    def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
+        """Up to `limit` tokens that followed the longest earlier match of the suffix."""
+        n = self.min_window
+        if limit <= 0 or len(tokens) <= n:
+            return []
+        self._index(tokens)
+        ends = self._ends.get(tuple(tokens[-n:]))
+        if not ends:
+            return []
+        last = len(tokens) - 1
+        best, best_len = -1, 0
+        for end in reversed(ends[-NGRAM_CANDIDATES:]):
+            length = n
+            while (
+                length < self.max_window
+                and end - length >= 0
+                and tokens[end - length] == tokens[last - length]
+            ):
+                length += 1
+            if length > best_len:
+                best, best_len = end, length
+                if length == self.max_window:
+                    break
+        return list(tokens[best + 1 : best + 1 + limit])
+
+
+def drafter(config: SpeculativeConfig) -> NgramIndex:
+    """A new request's drafting state."""
+    if config.algorithm != "NGRAM":
+        raise ValueError(f"speculative algorithm {config.algorithm} is not built")
+    return NgramIndex(config.ngram_min_window, config.ngram_max_window)
+
+
+class StepCosts:
+    """Seconds a decode step takes by its row count: measured at start for TIMED_ROWS,
+    interpolated between them (and extended by the last slope past them), then kept up to
+    date by every step the engine runs (a running average per row count)."""
+
+    def __init__(self, timed: dict[int, float], max_rows: int, fixed: bool = False) -> None:
+        self.fixed = fixed  # not updated by what steps take (tests pin a cost model)
+        points = sorted(timed.items())
+        if not points or points[0][0] != 1:
+            raise ValueError("step costs need the one-row time")
+        self.table = [0.0] * (max_rows + 1)
+        for m in range(1, max_rows + 1):
+            self.table[m] = _interpolate(points, m)
+
+    def __call__(self, rows: int) -> float:
+        if rows < len(self.table):
+            return self.table[rows]
+        last = len(self.table) - 1
+        slope = self.table[last] - self.table[last - 1] if last > 1 else self.table[last]
+        return self.table[last] + slope * (rows - last)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if not self.fixed and 0 < rows < len(self.table):
+            self.table[rows] += COST_UPDATE * (seconds - self.table[rows])
+
+
+def _interpolate(points: list[tuple[int, float]], m: int) -> float:
+    for (m0, t0), (m1, t1) in itertools.pairwise(points):
+        if m0 <= m <= m1:
+            return t0 + (t1 - t0) * (m - m0) / (m1 - m0)
+    if len(points) == 1:
+        return points[0][1] * m
+    (m0, t0), (m1, t1) = points[-2], points[-1]
+    return t1 + (t1 - t0) / (m1 - m0) * (m - m1)
+
+
+def acceptance(drafted: int, kept: int) -> float:
+    """A request's estimated probability that its next draft is kept."""
+    return (kept + PRIOR_ACCEPT * PRIOR_WEIGHT) / (drafted + PRIOR_WEIGHT)
+
+
+def plan_drafts(alphas: Sequence[float], offered: Sequence[int], cost: StepCosts) -> list[int]:
+    """How many of its offered drafts each request of a decode batch verifies: the choice
+    that lands the most tokens per second, expected. Draft i of a request is kept with
+    probability alpha**i (each kept only if those before it were), so adding it gains that
+    many tokens for one more row; drafts are added best gain first, and the best prefix
+    of that order by (expected tokens) / cost(rows) is taken (none, when a plain decode
+    step is best: a big batch, or drafts rarely kept)."""
+    n = len(alphas)
+    taken = [0] * n
+    rows, tokens = n, float(n)
+    best, best_at = tokens / cost(rows), 0
+    order: list[int] = []
+    while True:
+        pick, gain = -1, 0.0
+        for i in range(n):
+            if taken[i] < offered[i]:
+                g = alphas[i] ** (taken[i] + 1)
+                if g > gain:
+                    pick, gain = i, g
+        if pick < 0:
+            break
+        taken[pick] += 1
+        order.append(pick)
+        rows += 1
+        tokens += gain
+        rate = tokens / cost(rows)
+        if rate > best:
+            best, best_at = rate, len(order)
+    chosen = [0] * n
+    for i in order[:best_at]:
+        chosen[i] += 1
+    return chosen

@@ -1,0 +1,145 @@
+"""Speculative decoding's parts on their own: NGRAM drafting from a request's own tokens,
+the planner's choice of how many drafts to verify, and the compile flags and manifest."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kiln.args import ArgError, ServerArgs
+from kiln.compiler import report
+from kiln.compiler.options import speculative_options, verify_batch_sizes
+from kiln.runtime.speculative import NgramIndex, StepCosts, acceptance, plan_drafts
+
+
+def test_ngram_continues_the_longest_earlier_match() -> None:
+    index = NgramIndex(1, 4)
+    #          0  1  2  3  4  5  6  7  8  9
+    tokens = [5, 1, 2, 3, 9, 7, 2, 3, 4, 8, 1, 2, 3]
+    # The suffix 1 2 3 occurred at 1..3 (then 9 7 2 ...); 2 3 alone also at 6..7 (then 4 8):
+    # the longer match wins.
+    assert index.propose(tokens, 3) == [9, 7, 2]
+    assert index.propose(tokens, 1) == [9]
+
+
+def test_ngram_never_matches_the_suffix_with_itself() -> None:
+    index = NgramIndex(2, 3)
+    assert index.propose([1, 2, 3, 4], 5) == []  # 3 4 occurred nowhere before
+    assert index.propose([1, 2, 3, 4, 1, 2], 5) == [3, 4, 1, 2]  # runs up to the end
+    assert index.propose([7], 5) == []
+
+
+def test_ngram_takes_the_most_recent_of_equal_matches_and_grows_with_the_tokens() -> None:
+    index = NgramIndex(1, 2)
+    tokens = [4, 1, 6, 4, 1, 7, 4, 1]
+    assert index.propose(tokens, 2) == [7, 4]  # "4 1" ended at 1 and at 4: the later one
+    tokens += [7, 9]
+    assert index.propose(tokens, 2) == []  # "7 9": new
+    tokens += [4, 1]
+    assert index.propose(tokens, 1) == [7]
+
+
+def test_the_planner_drafts_where_rows_are_cheap_and_not_where_they_cost_a_step() -> None:
+    flat = StepCosts({1: 1.0, 64: 1.0}, 64)  # memory-bound: a row more costs nothing
+    assert plan_drafts([0.5], [6], flat) == [6]
+    linear = StepCosts({1: 1.0, 2: 2.0}, 64)  # compute-bound: each row a step's worth
+    assert plan_drafts([0.9], [6], linear) == [0]
+    # Rows at a tenth of a step each: drafts kept half the time pay for one or two rows.
+    tenth = StepCosts({1: 1.0, 2: 1.1}, 64)
+    assert 1 <= plan_drafts([0.5], [8], tenth)[0] <= 3
+    # In a batch, the request whose drafts are kept more often gets the rows.
+    mixed = plan_drafts([0.9, 0.1], [8, 8], tenth)
+    assert mixed[0] > mixed[1]
+    assert plan_drafts([0.9, 0.9], [0, 0], flat) == [0, 0]
+
+
+def test_step_costs_interpolate_and_follow_what_steps_take() -> None:
+    costs = StepCosts({1: 1.0, 3: 2.0}, 8)
+    assert costs(2) == pytest.approx(1.5)
+    assert costs(5) == pytest.approx(3.0)  # the last slope carried on
+    assert costs(20) > costs(8)
+    costs.observe(2, 2.5)
+    assert 1.5 < costs(2) < 2.5
+    pinned = StepCosts({1: 1.0, 3: 2.0}, 8, fixed=True)
+    pinned.observe(2, 9.0)
+    assert pinned(2) == pytest.approx(1.5)
+
+
+def test_acceptance_starts_at_the_prior_and_learns() -> None:
+    assert acceptance(0, 0) == pytest.approx(0.5)
+    assert acceptance(100, 95) > 0.9
+    assert acceptance(100, 5) < 0.1
+
+
+def test_speculative_flags_resolve_as_sglang_does() -> None:
+    assert speculative_options(ServerArgs(model_path="m")) is None
+    got = speculative_options(ServerArgs(model_path="m", speculative_algorithm="NGRAM"))
+    assert got == {
+        "algorithm": "NGRAM",
+        "num_draft_tokens": 12,  # --speculative-ngram-max-match-window-size's default
+        "ngram_min_window": 1,
+        "ngram_max_window": 12,
+        "ngram_branch_length": 18,
+    }
+    assert verify_batch_sizes([1, 2, 4, 8], got) == [1, 2, 4, 8, 12, 24, 36, 48]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"speculative_num_draft_tokens": 1}, "--speculative-num-draft-tokens: 1"),
+        ({"speculative_ngram_min_match_window_size": 0}, "min-match-window-size: 0"),
+        (
+            {
+                "speculative_ngram_min_match_window_size": 5,
+                "speculative_ngram_max_match_window_size": 3,
+            },
+            "--speculative-ngram-max-match-window-size: 3",
+        ),
+        ({"speculative_ngram_branch_length": 0}, "--speculative-ngram-branch-length: 0"),
+    ],
+)
+def test_bad_speculative_flags_are_named(flags: dict, message: str) -> None:
+    with pytest.raises(ArgError, match=message):
+        speculative_options(ServerArgs(model_path="m", speculative_algorithm="NGRAM", **flags))
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3", "NEXTN", "STANDALONE"])
+def test_draft_model_algorithms_are_refused_by_name(algorithm: str) -> None:
+    with pytest.raises(ArgError, match=f"--speculative-algorithm {algorithm}: is not implemented"):
+        ServerArgs(model_path="m", speculative_algorithm=algorithm)
+
+
+def test_the_manifest_records_the_speculation_and_inspect_shows_it(artefact) -> None:
+    flags = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 5}
+    art = artefact(compile_args=flags)
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["runtime"]["speculative"]["num_draft_tokens"] == 5
+    text = report.format_summary(report.summary(art))
+    assert "speculate  NGRAM: verify steps of up to 5 tokens a request" in text
+
+
+def test_a_thousand_requests_leave_the_pool_as_they_found_it(artefact) -> None:
+    """Drafts on a tiny random model (its greedy text repeats, so n-grams match and are
+    often rejected): every page taken for drafts comes back, and the prefix cache holds
+    only accepted tokens (what a plain engine computes for them)."""
+    import random
+
+    from kiln import Engine
+
+    flags = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4}
+    engine = Engine(artefact(compile_args=flags), max_total_tokens=512)
+    engine.step_costs = StepCosts({1: 1.0, 64: 1.0}, 64, fixed=True)
+    pool = engine.runner.pool
+    rng = random.Random(0)
+    drafted = kept = 0
+    for _ in range(250):
+        prompts = [[rng.randrange(3, 60) for _ in range(rng.randrange(2, 12))] for _ in range(4)]
+        params = {"temperature": rng.choice([0, 1.0]), "max_new_tokens": rng.randrange(1, 12)}
+        for out in engine.generate(input_ids=prompts, sampling_params=params):
+            drafted += out["meta_info"]["spec_draft_token_num"]
+            kept += out["meta_info"]["spec_accept_token_num"]
+    assert drafted - kept > 100 and kept > 0  # many drafts rejected, some kept
+    engine.flush_cache()
+    assert pool.free_pages == pool.num_pages
