@@ -35,6 +35,7 @@ from kiln.runtime.sampler import SamplingRow, sample
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Batch, Scheduler, SchedulerConfig
 from kiln.runtime.speculative import (
+    TIMED_KV,
     TIMED_ROWS,
     SpeculativeConfig,
     StepCosts,
@@ -146,19 +147,27 @@ class Engine:
         log.info("%s; threads: %d (%s)", self.describe(), self.threads, threads_from)
 
     def _time_steps(self) -> StepCosts:
-        """What decode steps of each row count cost here (the speculative planner's
-        input), measured now and refined by every step served."""
+        """What decode steps cost here (the speculative planner's input): by row count,
+        and per cached token a row reads; measured now, refined by every step served."""
         assert self.speculative is not None
         most = self.speculative.max_batch * self.speculative.num_draft_tokens
         timed = self.runner.time_decode([m for m in TIMED_ROWS if m <= most])
+        per_kv = 0.0
+        if self.runner.pool.pages_for(TIMED_KV) <= self.runner.pool.free_pages:
+            rows = 4
+            long = self.runner.time_decode([rows], kv=TIMED_KV)[rows]
+            per_kv = max(0.0, (long - timed[rows]) / (rows * (TIMED_KV - 1)))
         log.info(
-            "speculative %s: decode step of 1 / %d rows: %.2f / %.2f ms",
+            "speculative %s: decode step of 1 / 4 / %d rows %.2f / %.2f / %.2f ms, "
+            "and %.2f us per cached token a row reads",
             self.speculative.algorithm,
             max(timed),
             timed[1] * 1e3,
+            timed.get(4, math.nan) * 1e3,
             timed[max(timed)] * 1e3,
+            per_kv * 1e6,
         )
-        return StepCosts(timed, most)
+        return StepCosts(timed, most, per_kv)
 
     def _grammars(self, spec: ModelSpec) -> Grammars | None:
         """The constraint compiler (runtime/grammar.py), unless --grammar-backend none or
@@ -424,8 +433,9 @@ class Engine:
             offered.append(req.drafter.propose(req.all_ids, room) if room > 0 else [])
         if not any(offered):
             return
-        alphas = [acceptance(r.spec_drafted, r.spec_accepted) for r in batch.requests]
-        counts = plan_drafts(alphas, [len(d) for d in offered], costs)
+        reqs = batch.requests
+        alphas = [acceptance(r.spec_drafted, r.spec_accepted) for r in reqs]
+        counts = plan_drafts(alphas, [len(d) for d in offered], [r.kv_len for r in reqs], costs)
         for i, (req, drafts, k) in enumerate(zip(batch.requests, offered, counts, strict=True)):
             if k and self.scheduler.grow(req, k):
                 batch.new_tokens[i] = batch.new_tokens[i] + drafts[:k]
@@ -441,9 +451,11 @@ class Engine:
             start = time.perf_counter()
             logits = self.runner.forward(batch)
             if self.step_costs is not None and not batch.is_prefill:
-                self.step_costs.observe(
-                    sum(map(len, batch.new_tokens)), time.perf_counter() - start
-                )
+                rows = kv = 0
+                for req, fed in zip(batch.requests, batch.new_tokens, strict=True):
+                    rows += len(fed)
+                    kv += len(fed) * (req.kv_len + 1) + len(fed) * (len(fed) - 1) // 2
+                self.step_costs.observe(rows, kv, time.perf_counter() - start)
             if batch.verify:
                 return self._accept(batch, logits)
             rows = [self._sampling_row(r) for r in sampling]

@@ -106,25 +106,31 @@ class ModelRunner:
         if self.prefill is not None:
             self.prefill.warm_up(self.step)
 
-    def time_decode(self, rows: Iterable[int], repeats: int = 2) -> dict[int, float]:
+    def time_decode(self, rows: Iterable[int], kv: int = 1, repeats: int = 3) -> dict[int, float]:
         """Seconds of a decode step of each row count (the best of `repeats`, after one
-        untimed run): every row one token at position 0 on the scratch page, so no
-        sequence's K/V is touched. For the speculative planner (runtime/speculative.py)."""
-        pad = self.step.pad_page
+        untimed run), every row attending to `kv` cached tokens of one sequence: pages
+        borrowed from the pool and given back (at kv 1, the scratch page), so no
+        request's K/V is touched. For the speculative planner (runtime/speculative.py)."""
+        pages = [self.step.pad_page] if kv == 1 else self.pool.allocate(self.pool.pages_for(kv))
         times = {}
-        for m in rows:
-            step = StepInputs(
-                [0] * m, [0] * m, list(range(m)), [1] * m, [1] * m, [1] * m, [pad] * m
-            )
-            best = math.inf
-            for i in range(repeats + 1):
-                start = time.perf_counter()
-                if self.group is not None:
-                    self.group.send(step)
-                self.run(step)
-                if i:
-                    best = min(best, time.perf_counter() - start)
-            times[m] = best
+        try:
+            for m in rows:
+                step = StepInputs(
+                    [0] * m, [kv - 1] * m, list(range(m)), [1] * m, [kv] * m,
+                    [len(pages)] * m, pages * m,
+                )  # fmt: skip
+                best = math.inf
+                for i in range(repeats + 1):
+                    start = time.perf_counter()
+                    if self.group is not None:
+                        self.group.send(step)
+                    self.run(step)
+                    if i:
+                        best = min(best, time.perf_counter() - start)
+                times[m] = best
+        finally:
+            if kv > 1:
+                self.pool.free(pages)
         return times
 
     def run(self, step: StepInputs) -> torch.Tensor:

@@ -50,6 +50,8 @@ NGRAM_CANDIDATES = 32
 # Row counts whose step time the engine measures at start (others interpolated), and the
 # weight a new observation gets in the running estimate.
 TIMED_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
+# Cached tokens of the rows that time attention's share of a step.
+TIMED_KV = 512
 COST_UPDATE = 0.1
 # Acceptance before a request has any history: a draft kept with this probability, with
 # the weight of this many drafts.
@@ -130,11 +132,16 @@ def drafter(config: SpeculativeConfig) -> NgramIndex:
 
 
 class StepCosts:
-    """Seconds a decode step takes by its row count: measured at start for TIMED_ROWS,
-    interpolated between them (and extended by the last slope past them), then kept up to
-    date by every step the engine runs (a running average per row count)."""
+    """Seconds a decode step takes: a part by its row count, plus `per_kv` seconds for each
+    cached token a row's attention reads (every row of a verify step reads its request's
+    whole cache). The row part is measured at start for TIMED_ROWS at one cached token
+    each, interpolated between them (and extended by the last slope past them); every step
+    the engine runs then moves the estimate for its row count (a running average)."""
 
-    def __init__(self, timed: dict[int, float], max_rows: int, fixed: bool = False) -> None:
+    def __init__(
+        self, timed: dict[int, float], max_rows: int, per_kv: float = 0.0, fixed: bool = False
+    ) -> None:
+        self.per_kv = per_kv
         self.fixed = fixed  # not updated by what steps take (tests pin a cost model)
         points = sorted(timed.items())
         if not points or points[0][0] != 1:
@@ -143,16 +150,20 @@ class StepCosts:
         for m in range(1, max_rows + 1):
             self.table[m] = _interpolate(points, m)
 
-    def __call__(self, rows: int) -> float:
+    def __call__(self, rows: int, kv: int = 0) -> float:
+        """Seconds of a step of `rows` rows reading `kv` cached tokens in all."""
+        return self.rows(rows) + self.per_kv * kv
+
+    def rows(self, rows: int) -> float:
         if rows < len(self.table):
             return self.table[rows]
         last = len(self.table) - 1
         slope = self.table[last] - self.table[last - 1] if last > 1 else self.table[last]
         return self.table[last] + slope * (rows - last)
 
-    def observe(self, rows: int, seconds: float) -> None:
+    def observe(self, rows: int, kv: int, seconds: float) -> None:
         if not self.fixed and 0 < rows < len(self.table):
-            self.table[rows] += COST_UPDATE * (seconds - self.table[rows])
+            self.table[rows] += COST_UPDATE * (seconds - self.per_kv * kv - self.table[rows])
 
 
 def _interpolate(points: list[tuple[int, float]], m: int) -> float:
@@ -170,17 +181,20 @@ def acceptance(drafted: int, kept: int) -> float:
     return (kept + PRIOR_ACCEPT * PRIOR_WEIGHT) / (drafted + PRIOR_WEIGHT)
 
 
-def plan_drafts(alphas: Sequence[float], offered: Sequence[int], cost: StepCosts) -> list[int]:
+def plan_drafts(
+    alphas: Sequence[float], offered: Sequence[int], kv_lens: Sequence[int], cost: StepCosts
+) -> list[int]:
     """How many of its offered drafts each request of a decode batch verifies: the choice
     that lands the most tokens per second, expected. Draft i of a request is kept with
     probability alpha**i (each kept only if those before it were), so adding it gains that
-    many tokens for one more row; drafts are added best gain first, and the best prefix
-    of that order by (expected tokens) / cost(rows) is taken (none, when a plain decode
-    step is best: a big batch, or drafts rarely kept)."""
+    many tokens for one more row, which reads the request's cache (`kv_lens`: each
+    request's cached tokens) and the drafts before it; drafts are added best gain first,
+    and the best prefix of that order by (expected tokens) / cost is taken (none, when a
+    plain decode step is best: a big batch, or drafts rarely kept)."""
     n = len(alphas)
     taken = [0] * n
-    rows, tokens = n, float(n)
-    best, best_at = tokens / cost(rows), 0
+    rows, tokens, kv = n, float(n), sum(kv_lens) + n
+    best, best_at = tokens / cost(rows, kv), 0
     order: list[int] = []
     while True:
         pick, gain = -1, 0.0
@@ -194,8 +208,9 @@ def plan_drafts(alphas: Sequence[float], offered: Sequence[int], cost: StepCosts
         taken[pick] += 1
         order.append(pick)
         rows += 1
+        kv += kv_lens[pick] + 1 + taken[pick]
         tokens += gain
-        rate = tokens / cost(rows)
+        rate = tokens / cost(rows, kv)
         if rate > best:
             best, best_at = rate, len(order)
     chosen = [0] * n

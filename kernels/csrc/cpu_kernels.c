@@ -1675,18 +1675,19 @@ static int ga8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k
             const int64_t rows = m - r0 < GA8_ROWS ? m - r0 : GA8_ROWS;
             const uint32_t *xb = (const uint32_t *)(xball + r0 * k);
             const float *xg = xgall + r0 * groups * GA8_XG;
-            /* whole items take both panels at once, but at one row (a decode step of one
-             * sequence) a panel at a time: one weight stream read in order ran 35% faster
-             * than two interleaved (SmolLM2 Q8_0 +a8, all linears of a step in order on
-             * 2 Zen 4 cores: 5.5 -> 3.6 ms, 26 -> 40 GB/s); the last, short item one at a
-             * time always */
-            for (int64_t p = 0; p < have; p += (have == GA8_PANELS && m > 1 ? GA8_PANELS : 1)) {
+            /* whole items take both panels at once, but at one tile of rows (a decode step
+             * of a few rows) a panel at a time: one weight stream read in order ran 35%
+             * faster than two interleaved (SmolLM2 Q8_0 +a8, all linears of a step in order
+             * on 2 Zen 4 cores: 5.5 -> 3.6 ms, 26 -> 40 GB/s); the last, short item one at
+             * a time always */
+            const int both = have == GA8_PANELS && m > GA8_ROWS;
+            for (int64_t p = 0; p < have; p += (both ? GA8_PANELS : 1)) {
                 const int64_t c0 = p * LANES, w = span - c0;
                 const uint8_t *pp = codes + (p0 + p) * pstride;
                 const void *sp = scale_at(scales, (p0 + p) * sstride, mode);
                 const float *bp = bias ? bias + col0 + c0 : NULL;
                 float *op = out + r0 * n + col0 + c0;
-                if (have == GA8_PANELS && m > 1) {
+                if (both) {
                     switch (rows) { GA8_CASE(1, 2) GA8_CASE(2, 2) GA8_CASE(3, 2) GA8_CASE(4, 2) default: break; }
                 } else {
                     switch (rows) { GA8_CASE(1, 1) GA8_CASE(2, 1) GA8_CASE(3, 1) GA8_CASE(4, 1) default: break; }

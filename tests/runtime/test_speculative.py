@@ -42,27 +42,32 @@ def test_ngram_takes_the_most_recent_of_equal_matches_and_grows_with_the_tokens(
 
 def test_the_planner_drafts_where_rows_are_cheap_and_not_where_they_cost_a_step() -> None:
     flat = StepCosts({1: 1.0, 64: 1.0}, 64)  # memory-bound: a row more costs nothing
-    assert plan_drafts([0.5], [6], flat) == [6]
+    assert plan_drafts([0.5], [6], [100], flat) == [6]
     linear = StepCosts({1: 1.0, 2: 2.0}, 64)  # compute-bound: each row a step's worth
-    assert plan_drafts([0.9], [6], linear) == [0]
+    assert plan_drafts([0.9], [6], [100], linear) == [0]
     # Rows at a tenth of a step each: drafts kept half the time pay for one or two rows.
     tenth = StepCosts({1: 1.0, 2: 1.1}, 64)
-    assert 1 <= plan_drafts([0.5], [8], tenth)[0] <= 3
+    assert 1 <= plan_drafts([0.5], [8], [100], tenth)[0] <= 3
     # In a batch, the request whose drafts are kept more often gets the rows.
-    mixed = plan_drafts([0.9, 0.1], [8, 8], tenth)
+    mixed = plan_drafts([0.9, 0.1], [8, 8], [100, 100], tenth)
     assert mixed[0] > mixed[1]
-    assert plan_drafts([0.9, 0.9], [0, 0], flat) == [0, 0]
+    assert plan_drafts([0.9, 0.9], [0, 0], [100, 100], flat) == [0, 0]
+    # Free rows but a long cache each verify row must read again: fewer drafts.
+    reads = StepCosts({1: 1.0, 64: 1.0}, 64, per_kv=1e-3)
+    assert plan_drafts([0.7], [8], [10], reads) == [8]
+    assert plan_drafts([0.7], [8], [2000], reads)[0] < 4
 
 
 def test_step_costs_interpolate_and_follow_what_steps_take() -> None:
-    costs = StepCosts({1: 1.0, 3: 2.0}, 8)
+    costs = StepCosts({1: 1.0, 3: 2.0}, 8, per_kv=0.01)
     assert costs(2) == pytest.approx(1.5)
     assert costs(5) == pytest.approx(3.0)  # the last slope carried on
     assert costs(20) > costs(8)
-    costs.observe(2, 2.5)
+    assert costs(2, kv=100) == pytest.approx(2.5)
+    costs.observe(2, 100, 3.5)  # 1.0 of it the cache reads: the rows' part moves toward 2.5
     assert 1.5 < costs(2) < 2.5
     pinned = StepCosts({1: 1.0, 3: 2.0}, 8, fixed=True)
-    pinned.observe(2, 9.0)
+    pinned.observe(2, 0, 9.0)
     assert pinned(2) == pytest.approx(1.5)
 
 
