@@ -451,11 +451,11 @@ class Engine:
             start = time.perf_counter()
             logits = self.runner.forward(batch)
             if self.step_costs is not None and not batch.is_prefill:
-                rows = kv = 0
+                fed_rows = kv = 0
                 for req, fed in zip(batch.requests, batch.new_tokens, strict=True):
-                    rows += len(fed)
+                    fed_rows += len(fed)
                     kv += len(fed) * (req.kv_len + 1) + len(fed) * (len(fed) - 1) // 2
-                self.step_costs.observe(rows, kv, time.perf_counter() - start)
+                self.step_costs.observe(fed_rows, kv, time.perf_counter() - start)
             if batch.verify:
                 return self._accept(batch, logits)
             rows = [self._sampling_row(r) for r in sampling]
