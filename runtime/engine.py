@@ -598,7 +598,21 @@ class Engine:
             len(req.prompt_ids),
             len(req.output_ids),
             req.cached_tokens,
+            self._spec_meta(req) if self.speculative is not None else None,
         )
+
+    @staticmethod
+    def _spec_meta(req: Request) -> dict[str, Any]:
+        """SGLang's speculative meta_info names. Only steps where the request had drafts
+        count as verify steps; accept length is the tokens each of them landed."""
+        verify, drafted, kept = req.spec_verify_ct, req.spec_drafted, req.spec_accepted
+        return {
+            "spec_verify_ct": verify,
+            "spec_draft_token_num": drafted,
+            "spec_accept_token_num": kept,
+            "spec_accept_rate": kept / drafted if drafted else 0.0,
+            "spec_accept_length": 1 + kept / verify if verify else 0.0,
+        }
 
     def result(self, req: Request) -> dict[str, Any]:
         """SGLang's result shape for a finished request."""
@@ -611,14 +625,7 @@ class Engine:
             "e2e_latency": time.perf_counter() - req.created,
         }
         if self.speculative is not None:
-            # SGLang's names. Only steps where the request had drafts count as verify
-            # steps; accept length is the tokens each of them landed.
-            verify, drafted, kept = req.spec_verify_ct, req.spec_drafted, req.spec_accepted
-            meta["spec_verify_ct"] = verify
-            meta["spec_draft_token_num"] = drafted
-            meta["spec_accept_token_num"] = kept
-            meta["spec_accept_rate"] = kept / drafted if drafted else 0.0
-            meta["spec_accept_length"] = 1 + kept / verify if verify else 0.0
+            meta.update(self._spec_meta(req))
         if req.top_logprobs is not None:
             meta["output_token_logprobs"] = [(lp.logprob, lp.token) for lp in req.logprobs]
             meta["output_top_logprobs"] = [

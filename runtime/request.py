@@ -73,3 +73,5 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    # With speculative decoding, SGLang's spec_* meta_info of the request so far.
+    spec: dict[str, Any] | None = None

@@ -28,6 +28,8 @@ def _meta(rid: str, acc: Accumulated, with_logprobs: bool) -> dict[str, Any]:
         "cached_tokens": acc.cached_tokens,
         "finish_reason": acc.finish_reason,
     }
+    if acc.spec is not None:
+        meta.update(acc.spec)
     if with_logprobs:
         meta["output_token_logprobs"] = [[lp.logprob, lp.token] for lp in acc.logprobs]
         meta["output_top_logprobs"] = [[[v, t] for t, v in lp.top] for lp in acc.logprobs]

@@ -48,6 +48,7 @@ class Accumulated:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    spec: dict[str, Any] | None = None  # speculative decoding's meta_info
 
     def add(self, out: RequestOutput) -> None:
         self.text += out.text
@@ -56,6 +57,7 @@ class Accumulated:
         self.finish_reason = out.finish_reason
         self.prompt_tokens, self.completion_tokens = out.prompt_tokens, out.completion_tokens
         self.cached_tokens = out.cached_tokens
+        self.spec = out.spec
 
 
 def sse(obj: Any) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from serve_helpers import API_KEY
@@ -141,3 +142,12 @@ def test_a_server_streams_what_it_verifies(arts: tuple[Path, Path], engines, lau
             usage = chunk.usage
     assert text == want["text"]
     assert usage is not None and usage.completion_tokens == len(want["output_ids"])
+    # SGLang's native API reports the speculation in meta_info.
+    body = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 32}}
+    got = httpx.post(
+        server.url + "/generate", json=body, headers={"Authorization": f"Bearer {API_KEY}"}
+    ).json()
+    assert got["output_ids"] == want["output_ids"]
+    meta = got["meta_info"]
+    assert meta["spec_accept_token_num"] <= meta["spec_draft_token_num"]
+    assert meta["spec_verify_ct"] == 0 or meta["spec_accept_length"] >= 1.0
