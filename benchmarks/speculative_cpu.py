@@ -1,14 +1,17 @@
-"""Batch-1 decode with NGRAM speculative decoding, against llama-server's own n-gram
-speculation, on prompts that repeat their context and on prompts that do not.
+"""Batch-1 decode with speculative decoding (NGRAM, and with --draft a Q4_1 draft model)
+against llama-server's own, on prompts that repeat their context and on prompts that do not.
 
     python benchmarks/speculative_cpu.py --llama-server ~/llama.cpp/build/bin/llama-server
     python benchmarks/speculative_cpu.py --llama-server ... --precisions F32 Q4_1 --rounds 3
+    python benchmarks/speculative_cpu.py --llama-server ... --precisions F32 --draft
 
-Four servers per precision, on the real model (SmolLM2-135M-Instruct) from the same GGUF
-file, each started alone on the machine, in an order that flips every round:
-`kiln serve` of an artefact compiled without and with `--speculative-algorithm NGRAM`, and
-`llama-server` without and with `--spec-type ngram-simple` (its prompt-lookup drafting:
-the last n tokens looked up in the context, the m after an earlier match drafted). One
+Four servers per precision (six with --draft), on the real model (SmolLM2-135M-Instruct)
+from the same GGUF file, each started alone on the machine, in an order that flips every
+round: `kiln serve` of an artefact compiled without and with `--speculative-algorithm
+NGRAM`, and `llama-server` without and with `--spec-type ngram-simple` (its prompt-lookup
+drafting: the last n tokens looked up in the context, the m after an earlier match
+drafted); with --draft also kiln's STANDALONE artefact and `llama-server -md` (`--spec-type
+draft-simple`), both drafted by the shipped Q4_1 file. One
 client sends each prompt as a streamed greedy /v1/completions request of a fixed length
 (ignore_eos); decode speed is (tokens - 1) / (time from the first streamed token to the
 last), so prefill is left out. kiln's acceptance (tokens landed per verify step) is read
@@ -58,6 +61,10 @@ PROMPTS = {
         "Here are five facts about the planet Mars:\n1.",
     ],
 }
+
+
+NGRAM_NAMES = ("kiln", "kiln NGRAM", "llama-server", "llama-server ngram")
+DRAFT_NAMES = ("kiln", "kiln Q4_1 draft", "llama-server", "llama-server Q4_1 draft")
 
 
 def stream_rate(url: str, prompt: str, tokens: int) -> float:
@@ -124,6 +131,12 @@ def main() -> None:
     p.add_argument(
         "--draft-max", type=int, default=16, help="llama-server --spec-draft-n-max (its drafts)"
     )
+    p.add_argument(
+        "--draft",
+        action="store_true",
+        help="also the shipped Q4_1 file as a draft model for each other precision "
+        "(kiln STANDALONE against llama-server -md)",
+    )
     args = p.parse_args()
     if not args.llama_server.is_file():
         sys.exit(f"--llama-server: no such file: {args.llama_server}")
@@ -146,24 +159,31 @@ def main() -> None:
         if args.quantize_activations and precision != "F32":
             flags["quantize_activations"] = args.quantize_activations
         arts = {}
-        for name, extra in (("kiln", {}), ("kiln NGRAM", {"speculative_algorithm": "NGRAM"})):
+        variants: list[tuple[str, dict]] = [("kiln", {})]
+        variants.append(("kiln NGRAM", {"speculative_algorithm": "NGRAM"}))
+        standalone = args.draft and precision != "Q4_1"
+        if standalone:
+            draft = {"speculative_draft_model_path": str(shipped)}
+            variants.append(("kiln Q4_1 draft", {"speculative_algorithm": "STANDALONE", **draft}))
+        for name, extra in variants:
             arts[name] = work / f"art-{precision}-{len(arts)}"
             compile_model(ServerArgs(model_path=str(gguf), **flags, **extra), arts[name])
         llama = [str(args.llama_server), "-m", str(gguf), "-np", "1", "-c", str(context)]
         llama += ["-t", str(args.threads), "-tb", str(args.threads), "--log-disable"]
         kiln = [sys.executable, "-m", "kiln", "serve", "--log-level", "warning"]
-        cmds = {
-            "kiln": [*kiln, str(arts["kiln"])],
-            "kiln NGRAM": [*kiln, str(arts["kiln NGRAM"])],
-            "llama-server": llama,
-            "llama-server ngram": [
+        cmds = {name: [*kiln, str(art)] for name, art in arts.items()}
+        cmds["llama-server"] = llama
+        cmds["llama-server ngram"] = [
+            *llama,
+            *("--spec-type", "ngram-simple", "--spec-draft-n-max", str(args.draft_max)),
+        ]
+        if standalone:
+            # The same draft file and as many drafts a step as kiln's default (3).
+            cmds["llama-server Q4_1 draft"] = [
                 *llama,
-                "--spec-type",
-                "ngram-simple",
-                "--spec-draft-n-max",
-                str(args.draft_max),
-            ],
-        }
+                *("-md", str(shipped), "--spec-type", "draft-simple"),
+                *("--spec-draft-n-max", "3", "-td", str(args.threads)),
+            ]
         for r in range(args.rounds):
             order = list(cmds) if r % 2 == 0 else list(cmds)[::-1]
             for name in order:
@@ -186,6 +206,8 @@ def main() -> None:
                 finally:
                     srv.stop()
         accept[precision] = accept_lengths(arts["kiln NGRAM"], args.tokens)
+        if standalone:
+            accept[precision + " draft"] = accept_lengths(arts["kiln Q4_1 draft"], args.tokens)
 
     print(
         "\n## speculative_cpu: batch-1 decode with NGRAM against llama-server's ngram-simple, "
@@ -213,7 +235,7 @@ def main() -> None:
     print("|" + " --- |" * len(header))
     for precision in args.precisions:
         for kind in PROMPTS:
-            got = {name: rates[(precision, name, kind)] for name in cmds}
+            got = {name: rates[(precision, name, kind)] for name in NGRAM_NAMES}
             med = {name: statistics.median(v) for name, v in got.items()}
             print(
                 f"| {precision} | {kind} | {spread(got['kiln'])} | {spread(got['kiln NGRAM'])} | "
@@ -221,6 +243,36 @@ def main() -> None:
                 f"{spread(got['llama-server'])} | {spread(got['llama-server ngram'])} | "
                 f"{med['kiln NGRAM'] / med['llama-server ngram']:.2f}x |"
             )
+    drafted = [p for p in args.precisions if p + " draft" in accept]
+    if drafted:
+        print(
+            "\nWith a draft model: the shipped Q4_1 file drafting for the file above (kiln: "
+            "`--speculative-algorithm STANDALONE`, its int8 activations; llama-server: `-md` "
+            "with `--spec-type draft-simple --spec-draft-n-max 3`)\n"
+        )
+        header = [
+            "file",
+            "prompts",
+            "kiln",
+            "kiln + Q4_1 draft",
+            "draft / plain",
+            "accept length",
+            "llama-server",
+            "llama-server + Q4_1 draft",
+            "kiln / llama-server, both drafted",
+        ]
+        print("| " + " | ".join(header) + " |")
+        print("|" + " --- |" * len(header))
+        for precision in drafted:
+            for kind in PROMPTS:
+                got = {name: rates[(precision, name, kind)] for name in DRAFT_NAMES}
+                med = {name: statistics.median(v) for name, v in got.items()}
+                a, b = "kiln Q4_1 draft", "llama-server Q4_1 draft"
+                print(
+                    f"| {precision} | {kind} | {spread(got['kiln'])} | {spread(got[a])} | "
+                    f"{med[a] / med['kiln']:.2f}x | {accept[precision + ' draft'][kind]:.2f} | "
+                    f"{spread(got['llama-server'])} | {spread(got[b])} | {med[a] / med[b]:.2f}x |"
+                )
 
 
 if __name__ == "__main__":

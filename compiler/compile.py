@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from kiln.args import ArgError, ServerArgs
 from kiln.compiler.checkpoint import CheckpointReader
-from kiln.compiler.key import CompileKey, resolve_dtype
+from kiln.compiler.key import CompileKey, draft_args, resolve_dtype
 from kiln.compiler.lower_step import LoweredStep, Refused, lower_decode
 from kiln.compiler.options import KV_DTYPES, compile_options
 from kiln.compiler.publish import publish, staging_dir
@@ -95,9 +95,12 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
                 else:
                     assert reader.gguf is not None  # only GGUF carries its own tokenizer
                     reader.gguf.write_tokenizer(tmp / fmt.TOKENIZER_DIR)
+                speculative = options.speculative
+                if speculative is not None and speculative["algorithm"] == "STANDALONE":
+                    speculative = {**speculative, "draft": _draft_model(args, cfg, tmp)}
                 manifest = _manifest(args, cfg, graph, tmp, ck, pass_log)
-                if options.speculative is not None:
-                    manifest["runtime"]["speculative"] = options.speculative
+                if speculative is not None:
+                    manifest["runtime"]["speculative"] = speculative
                 manifest["native"] = built
                 manifest["native_step"] = step_info
                 (tmp / fmt.MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -106,6 +109,40 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
             publish(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _draft_model(args: ServerArgs, cfg: ModelConfig, tmp: Path) -> dict[str, Any]:
+    """STANDALONE: the draft model compiled through the cache (compiler/key.py
+    `draft_args`) into the artefact's draft/, after the model's own tokenizer is written;
+    its vocabulary and tokenizer must be the model's. Returns the manifest's record of it."""
+    out = tmp / fmt.DRAFT_DIR
+    try:
+        try:
+            result = compile_model(draft_args(args), out)
+        except ArgError as e:
+            if "--quantize-activations" not in str(e) or args.quantize_activations != "none":
+                raise
+            result = compile_model(draft_args(args, int8_activations=False), out)
+    except ArgError as e:
+        raise ArgError(f"--speculative-draft-model-path: {e}") from None
+    log.info("draft model %s: %s", args.speculative_draft_model_path, result.cache_key[:16])
+    runtime = json.loads((out / fmt.MANIFEST).read_text())["runtime"]
+    vocab = runtime["vocab_size"]
+    if vocab != cfg.vocab_size:
+        raise ArgError(
+            f"--speculative-draft-model-path: its vocabulary has {vocab} tokens and the "
+            f"model's {cfg.vocab_size}: a draft model must share the model's tokenizer"
+        )
+    for name in fmt.TOKENIZER_FILES:
+        mine, its = tmp / fmt.TOKENIZER_DIR / name, out / fmt.TOKENIZER_DIR / name
+        if mine.is_file() != its.is_file() or (
+            mine.is_file() and mine.read_bytes() != its.read_bytes()
+        ):
+            raise ArgError(
+                f"--speculative-draft-model-path: its tokenizer ({name}) differs from the "
+                "model's: a draft model must share the model's tokenizer"
+            )
+    return {"cache_key": result.cache_key, "vocab_size": vocab}
 
 
 def _lower_step(graph: Graph, options: Any, uses_native: bool) -> LoweredStep | None:

@@ -46,7 +46,15 @@ DTYPE_NAMES = {
 CPU_FAST_DTYPES = ("float32",)
 # Compile-time arguments that name inputs rather than shape the artefact: their contents
 # are factors instead.
-_PATH_ARGS = ("model_path", "tokenizer_path", "quantization_param_path")
+_PATH_ARGS = (
+    "model_path",
+    "tokenizer_path",
+    "quantization_param_path",
+    "speculative_draft_model_path",
+)
+# The compile arguments a STANDALONE draft model's own compile takes from the model's: the
+# target, and what the KV pool and pages must agree on.
+DRAFT_INHERITS = ("device", "target_isa", "page_size", "kv_cache_dtype")
 # The packages whose source decides what an artefact holds.
 _SOURCE_PACKAGES = (
     *("kiln", "kiln.args", "kiln.compiler", "kiln.kernels", "kiln.models", "kiln.passes"),
@@ -151,8 +159,27 @@ def compile_key(args: ServerArgs, rehash: bool = False) -> CompileKey:
         # The KV cache scales file (--quantization-param-path) by its content.
         "kv_scales_sha256": _scales_sha256(args, hashed),
     }
+    if args.speculative_algorithm == "STANDALONE" and args.speculative_draft_model_path:
+        # The draft model by its own key (its files' content, not its path).
+        factors["speculative_draft"] = compile_key(draft_args(args), rehash).key
     key = hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()
     return CompileKey(key, factors, ckpt, tok_dir, target, dtype, load_format, toolchain)
+
+
+def draft_args(args: ServerArgs, int8_activations: bool = True) -> ServerArgs:
+    """A STANDALONE draft model's compile arguments: its checkpoint, the model's target and
+    KV settings (DRAFT_INHERITS), the model's --quantize-activations when it has one, else
+    int8 activations (tried first; a float draft compiles without them)."""
+    if not args.speculative_draft_model_path:
+        raise ArgError("--speculative-algorithm STANDALONE: needs --speculative-draft-model-path")
+    path = Path(args.speculative_draft_model_path)
+    if not path.exists():
+        raise ArgError(f"--speculative-draft-model-path: {path} does not exist")
+    values = {k: getattr(args, k) for k in DRAFT_INHERITS}
+    activations = args.quantize_activations
+    if activations == "none" and int8_activations:
+        activations = "int8"
+    return ServerArgs(model_path=str(path), quantize_activations=activations, **values)
 
 
 def _scales_sha256(args: ServerArgs, hashed: Any) -> str | None:

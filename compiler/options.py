@@ -37,6 +37,7 @@ log = logging.getLogger("kiln.compile")
 # --torchao-config -> (format, group): int8 weight-only, 4-bit with a scale and a min per G.
 TORCHAO = {"int8wo": ("int8", 0), **{f"int4wo-{g}": ("uint4", g) for g in (32, 64, 128, 256)}}
 NO_GPU_MAX_BS = 160  # SGLang's cuda_graph_max_bs when it sees no GPU
+DEFAULT_DRAFT_STEPS = 3  # --speculative-num-steps unset with a draft model
 
 
 def compile_options(
@@ -147,19 +148,48 @@ def speculative_options(args: ServerArgs) -> dict[str, Any] | None:
     branch = args.speculative_ngram_branch_length
     if branch < 1:
         raise ArgError(f"--speculative-ngram-branch-length: {branch}; at least 1")
-    tokens = args.speculative_num_draft_tokens or hi
+    draft = args.speculative_draft_model_path
+    steps = None
+    if algorithm == "STANDALONE":
+        if not draft:
+            raise ArgError(
+                "--speculative-algorithm STANDALONE: needs --speculative-draft-model-path "
+                "(the draft model's checkpoint)"
+            )
+        steps = args.speculative_num_steps or DEFAULT_DRAFT_STEPS
+        if not 1 <= steps < MAX_DRAFT_TOKENS:
+            raise ArgError(f"--speculative-num-steps: {steps}; 1 to {MAX_DRAFT_TOKENS - 1}")
+        tokens = steps + 1
+        asked = args.speculative_num_draft_tokens
+        if asked is not None and asked != tokens:
+            log.warning(
+                "--speculative-num-draft-tokens %d is set to --speculative-num-steps + 1 = %d "
+                "(a chain: --speculative-eagle-topk 1), as SGLang does",
+                asked,
+                tokens,
+            )
+    else:
+        if draft:
+            raise ArgError(
+                f"--speculative-draft-model-path: only with --speculative-algorithm "
+                f"STANDALONE ({algorithm} drafts without a model)"
+            )
+        tokens = args.speculative_num_draft_tokens or hi
     if not 2 <= tokens <= MAX_DRAFT_TOKENS:
         raise ArgError(
             f"--speculative-num-draft-tokens: {tokens}; 2 (the last token and one drafted) "
             f"to {MAX_DRAFT_TOKENS}"
         )
-    return {
+    out: dict[str, Any] = {
         "algorithm": algorithm,
         "num_draft_tokens": tokens,
         "ngram_min_window": lo,
         "ngram_max_window": hi,
         "ngram_branch_length": branch,
     }
+    if steps is not None:
+        out["num_steps"] = steps
+    return out
 
 
 def verify_batch_sizes(buckets: list[int], speculative: dict[str, Any] | None) -> list[int]:

@@ -141,12 +141,17 @@ def format_summary(s: dict[str, Any]) -> str:
         why = plan["decode"]["native_refused"]
         lines.append(f"step       decode in the Python executor: {why}")
     spec = s.get("speculative")
-    if spec:
+    if spec and spec["algorithm"] == "NGRAM":
         lines.append(
-            f"speculate  {spec['algorithm']}: verify steps of up to {spec['num_draft_tokens']} "
-            f"tokens a request (the last one and {spec['num_draft_tokens'] - 1} drafted); "
-            f"n-grams of {spec['ngram_min_window']} to {spec['ngram_max_window']} tokens, "
-            f"branches of up to {spec['ngram_branch_length']}"
+            f"speculate  NGRAM: verify steps of up to {spec['num_draft_tokens']} tokens a "
+            f"request (the last one and {spec['num_draft_tokens'] - 1} drafted); n-grams of "
+            f"{spec['ngram_min_window']} to {spec['ngram_max_window']} tokens, branches of up "
+            f"to {spec['ngram_branch_length']}"
+        )
+    elif spec:
+        lines.append(
+            f"speculate  {spec['algorithm']}: draft model {spec['draft']['cache_key'][:16]} "
+            f"(in draft/), up to {spec['num_steps']} drafted tokens a step"
         )
     nk = s["native_kernels"]
     if nk:

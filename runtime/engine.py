@@ -35,13 +35,16 @@ from kiln.runtime.sampler import SamplingRow, sample
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Batch, Scheduler, SchedulerConfig
 from kiln.runtime.speculative import (
+    MAX_SPECULATIVE_BATCH,
     TIMED_KV,
     TIMED_ROWS,
+    DraftModel,
     SpeculativeConfig,
     StepCosts,
     acceptance,
     drafter,
     plan_drafts,
+    plan_steps,
 )
 from kiln.runtime.tokenizer import TokenizerError, import_tokenizer_libraries, load_tokenizer
 
@@ -132,11 +135,22 @@ class Engine:
         if spec.tp_size > 1:
             self._start_ranks(kv_tokens)
         self.runner.warm_up()
+        self.draft_model = self._draft_model(kv_tokens)
         self.step_costs = self._time_steps() if self.speculative else None
+        self.draft_costs = (
+            StepCosts(
+                self.draft_model.runner.time_decode(range(1, MAX_SPECULATIVE_BATCH + 1)),
+                MAX_SPECULATIVE_BATCH,
+            )
+            if self.draft_model is not None
+            else None
+        )
         cache = None
         if not self.args.disable_radix_cache:
             cache = RadixCache(self.runner.pool, self.args.radix_eviction_policy)
         self.scheduler = Scheduler(self.runner.pool, self._scheduler_config(), cache)
+        if self.draft_model is not None:
+            self.scheduler.on_release = self.draft_model.release
         self._eos = set(spec.eos_token_ids)
         self._rng = (
             torch.Generator().manual_seed(self.args.random_seed)
@@ -145,6 +159,25 @@ class Engine:
         )
         self._live: dict[str, Request] = {}
         log.info("%s; threads: %d (%s)", self.describe(), self.threads, threads_from)
+
+    def _draft_model(self, kv_tokens: int) -> DraftModel | None:
+        """A STANDALONE artefact's draft model (its artefact in draft/, opened under the
+        same rules), with a KV pool of as many tokens as the model's."""
+        if self.speculative is None or self.speculative.algorithm != "STANDALONE":
+            return None
+        draft = Artefact.open(
+            self.art.root / fmt.DRAFT_DIR,
+            trust_remote_code=self.args.trust_remote_code,
+            device=self.placement.device,
+        )
+        if draft.spec.vocab_size != self.art.spec.vocab_size:
+            raise fmt.ArtefactError(
+                f"{self.art.root}/{fmt.DRAFT_DIR}: a vocabulary of {draft.spec.vocab_size}, "
+                f"the model's is {self.art.spec.vocab_size}"
+            )
+        runner = ModelRunner(draft, kv_tokens, self.context_length)
+        runner.warm_up()
+        return DraftModel(runner)
 
     def _time_steps(self) -> StepCosts:
         """What decode steps cost here (the speculative planner's input): by row count,
@@ -421,13 +454,12 @@ class Engine:
         assert spec is not None and costs is not None
         if len(batch.requests) > spec.max_batch:
             return
+        if self.draft_model is not None:
+            self._draft_with_model(batch)
+            return
         offered = []
         for req in batch.requests:
-            room = min(
-                spec.max_drafts,
-                req.params.max_new_tokens - len(req.output_ids) - 1,
-                self.context_length - req.num_tokens - 1,
-            )
+            room = min(spec.max_drafts, self._room(req))
             if req.drafter is None:
                 req.drafter = drafter(spec)
             offered.append(req.drafter.propose(req.all_ids, room) if room > 0 else [])
@@ -439,6 +471,35 @@ class Engine:
         for i, (req, drafts, k) in enumerate(zip(batch.requests, offered, counts, strict=True)):
             if k and self.scheduler.grow(req, k):
                 batch.new_tokens[i] = batch.new_tokens[i] + drafts[:k]
+                batch.verify = True
+
+    def _room(self, req: Request) -> int:
+        """Drafts worth verifying for `req`: not past its max_new_tokens or the context."""
+        return min(
+            req.params.max_new_tokens - len(req.output_ids) - 1,
+            self.context_length - req.num_tokens - 1,
+        )
+
+    def _draft_with_model(self, batch: Batch) -> None:
+        """STANDALONE: as many draft-model steps as the planner finds pay, for the whole
+        batch; each request verifies the drafts it has room for."""
+        spec, draft = self.speculative, self.draft_model
+        assert spec is not None and spec.num_steps and draft is not None
+        assert self.step_costs is not None and self.draft_costs is not None
+        reqs = batch.requests
+        rooms = [self._room(r) for r in reqs]
+        most = min(spec.num_steps, max(rooms))
+        if most <= 0:
+            return
+        alphas = [acceptance(r.spec_drafted, r.spec_accepted) for r in reqs]
+        kv_lens = [r.kv_len for r in reqs]
+        k = plan_steps(alphas, kv_lens, most, self.step_costs, self.draft_costs)
+        if k == 0:
+            return
+        for i, (req, drafts) in enumerate(zip(reqs, draft.propose(reqs, k), strict=True)):
+            drafts = drafts[: max(0, rooms[i])]
+            if drafts and self.scheduler.grow(req, len(drafts)):
+                batch.new_tokens[i] = batch.new_tokens[i] + drafts
                 batch.verify = True
 
     def _execute(self, batch: Batch) -> list[tuple[Request, Exception]]:
@@ -523,6 +584,7 @@ class Engine:
             req.spec_drafted += len(fed) - 1
         if not req.finished:
             self.scheduler.trim(req)
+            DraftModel.settle(req)
 
     def _sampling_row(self, req: Request) -> SamplingRow:
         p = req.params

@@ -42,7 +42,8 @@ class Request:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     cache_node: Any = None  # the prefix-cache node this request holds locked
     grammar: Any = None  # its constraint's matcher (runtime/grammar.py), if it has one
-    drafter: Any = None  # its speculative drafting state (runtime/speculative.py)
+    drafter: Any = None  # its NGRAM drafting state (runtime/speculative.py)
+    draft: Any = None  # its sequence in a draft model's KV pool (speculative.DraftSeq)
     spec_verify_ct: int = 0  # verify steps it took part in with drafts
     spec_drafted: int = 0  # drafted tokens verified
     spec_accepted: int = 0  # drafted tokens the model kept

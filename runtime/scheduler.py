@@ -11,7 +11,7 @@ again later, losing nothing.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +75,9 @@ class Scheduler:
         self._ratio_start = 0.7 * config.conservativeness
         self._ratio_floor = 0.1 * config.conservativeness
         self.new_token_ratio = self._ratio_start
+        # Called when a request's pages go back (finished or retracted): a draft model's
+        # pages for it go too (runtime/speculative.py DraftModel.release).
+        self.on_release: Callable[[Request], None] | None = None
 
     # -- queue -------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -280,6 +283,8 @@ class Scheduler:
                 self.cache.unlock(req.cache_node)
         self.pool.free(pages)
         req.pages, req.kv_len, req.cache_node = [], 0, None
+        if self.on_release is not None:
+            self.on_release(req)
 
     # -- results ---------------------------------------------------------------------------
     def commit(self, batch: Batch, tokens: Iterable[int]) -> None:

@@ -38,7 +38,15 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kiln.runtime.scheduler import Batch
+
+if TYPE_CHECKING:
+    from kiln.runtime.model_runner import ModelRunner
+    from kiln.runtime.request import Request
 
 # The largest decode batch that may speculate (kiln/core/artefact.py); within it, the
 # planner below decides from measured step times whether drafts pay.
@@ -67,6 +75,8 @@ class SpeculativeConfig:
     ngram_min_window: int
     ngram_max_window: int
     ngram_branch_length: int
+    num_steps: int | None = None  # STANDALONE: most tokens the draft model drafts a step
+    draft: dict[str, Any] | None = None  # STANDALONE: kiln.core.artefact.DraftRef
     max_batch: int = MAX_SPECULATIVE_BATCH
 
     @classmethod
@@ -217,3 +227,105 @@ def plan_drafts(
     for i in order[:best_at]:
         chosen[i] += 1
     return chosen
+
+
+def plan_steps(
+    alphas: Sequence[float],
+    kv_lens: Sequence[int],
+    max_steps: int,
+    cost: StepCosts,
+    draft_cost: StepCosts,
+) -> int:
+    """How many tokens a draft model drafts for every request of a decode batch (0: a plain
+    decode step): the count that lands the most tokens per second, expected. Drafting k
+    costs k draft steps of the batch's rows; verifying them, a step of (k + 1) rows a
+    request; a request lands 1 + alpha + ... + alpha**k tokens."""
+    n = len(alphas)
+    base_kv = sum(kv_lens) + n
+    best, best_k = n / cost(n, base_kv), 0
+    tokens = float(n)
+    for k in range(1, max_steps + 1):
+        tokens += sum(a**k for a in alphas)
+        kv = (k + 1) * base_kv + n * k * (k + 1) // 2
+        rate = tokens / (k * draft_cost(n) + cost(n * (k + 1), kv))
+        if rate > best:
+            best, best_k = rate, k
+    return best_k
+
+
+@dataclass
+class DraftSeq:
+    """A request's sequence in the draft model's KV pool: the draft's own pages, and how
+    many of the request's tokens have their K/V there (model_runner reads these two)."""
+
+    pages: list[int]
+    kv_len: int = 0
+
+
+# A draft model's catch-up at most this many tokens a request runs as decode rows of the
+# native step; more (a new prompt) as a prefill.
+CATCH_UP_ROWS = 16
+
+
+class DraftModel:
+    """A STANDALONE artefact's draft model: its own runner and KV pool, a DraftSeq per
+    request (`req.draft`). `propose` first feeds the draft every token of the request it
+    has not seen (the prompt, then what the last verify step kept) and takes its greedy
+    next token, then decodes the rest of the drafts one step at a time; `settle` cuts the
+    sequence back to the tokens the model kept; `release` frees its pages."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.pool = runner.pool
+
+    def propose(self, reqs: Sequence[Request], k: int) -> list[list[int]]:
+        """Up to `k` greedy drafts per request (none for a request the draft pool cannot
+        hold them for)."""
+        live: list[tuple[int, Request, DraftSeq]] = []
+        for i, req in enumerate(reqs):
+            seq = req.draft if req.draft is not None else DraftSeq([])
+            req.draft = seq
+            need = self.pool.pages_for(req.num_tokens + k - 1) - len(seq.pages)
+            if need > 0:
+                if self.pool.free_pages < need:
+                    continue
+                seq.pages += self.pool.allocate(need)
+            live.append((i, req, seq))
+        drafts: list[list[int]] = [[] for _ in reqs]
+        if not live:
+            return drafts
+        fed = [req.all_ids[seq.kv_len :] for _, req, seq in live]
+        seqs = [seq for _, _, seq in live]
+        if max(map(len, fed)) <= CATCH_UP_ROWS:
+            batch = Batch(seqs, fed, [True] * len(seqs), is_prefill=False, verify=True)  # type: ignore[arg-type]
+            logits = self.runner.forward(batch)
+            last = torch.tensor([sum(map(len, fed[: j + 1])) - 1 for j in range(len(fed))])
+            logits = logits[last]
+        else:
+            batch = Batch(seqs, fed, [True] * len(seqs), is_prefill=True)  # type: ignore[arg-type]
+            logits = self.runner.forward(batch)
+        for seq, tokens in zip(seqs, fed, strict=True):
+            seq.kv_len += len(tokens)
+        nxt = logits.argmax(dim=-1).tolist()
+        for (i, _, _), t in zip(live, nxt, strict=True):
+            drafts[i].append(t)
+        for _ in range(k - 1):
+            batch = Batch(seqs, [[drafts[i][-1]] for i, _, _ in live], [True] * len(seqs), False)  # type: ignore[arg-type]
+            nxt = self.runner.forward(batch).argmax(dim=-1).tolist()
+            for seq in seqs:
+                seq.kv_len += 1
+            for (i, _, _), t in zip(live, nxt, strict=True):
+                drafts[i].append(t)
+        return drafts
+
+    @staticmethod
+    def settle(req: Request) -> None:
+        """After a verify step: the draft's K/V is right only up to the tokens kept."""
+        if req.draft is not None:
+            req.draft.kv_len = min(req.draft.kv_len, req.kv_len)
+
+    def release(self, req: Request) -> None:
+        """The request finished or was retracted: its draft pages go back."""
+        if req.draft is not None:
+            self.pool.free(req.draft.pages)
+            req.draft = None

@@ -68,12 +68,15 @@ TOKENIZER_FILES = (
 
 
 # The files `kiln compile` writes, and so the only ones a manifest may list.
-MEMBER = re.compile(
+_MEMBERS = (
     r"graph\.json|graph\.rank[1-9][0-9]{0,3}\.json|weights/rank[0-9]{1,4}\.safetensors"
     r"|kernels/cpu_kernels\.so|kernels/step_decode\.(?:so|c)|tokenizer/(?:"
     + "|".join(re.escape(n) for n in TOKENIZER_FILES)
     + ")"
 )
+# A STANDALONE artefact holds its draft model's artefact, whole, in DRAFT_DIR.
+DRAFT_DIR = "draft"
+MEMBER = re.compile(rf"(?:{DRAFT_DIR}/)?(?:{_MEMBERS})|{DRAFT_DIR}/manifest\.json")
 # Bounds on the manifest's numbers, checked before anything is sized by them (each is then
 # checked against the graph): far above any real model, far below what could stall a load.
 MAX_LAYERS = 4096
@@ -217,11 +220,20 @@ class LongRope(_Strict):
     inv_freq: list[Annotated[float, Field(allow_inf_nan=False)]] = Field(max_length=MAX_HEAD_DIM)
 
 
+class DraftRef(_Strict):
+    """The draft model of a STANDALONE artefact, whose own artefact is in DRAFT_DIR."""
+
+    cache_key: str = Field(pattern=r"^[0-9a-f]{64}$")
+    vocab_size: int = Field(gt=0, le=MAX_VOCAB)
+
+
 class Speculative(_Strict):
     """Speculative decoding as compiled (compiler/options.py, runtime/speculative.py)."""
 
-    algorithm: Literal["NGRAM"]
+    algorithm: Literal["NGRAM", "STANDALONE"]
     num_draft_tokens: int = Field(ge=2, le=MAX_DRAFT_TOKENS)
+    num_steps: int | None = Field(default=None, ge=1, lt=MAX_DRAFT_TOKENS)
+    draft: DraftRef | None = None
     ngram_min_window: int = Field(ge=1, le=MAX_NGRAM_WINDOW)
     ngram_max_window: int = Field(ge=1, le=MAX_NGRAM_WINDOW)
     ngram_branch_length: int = Field(ge=1, le=1 << 20)
@@ -230,6 +242,8 @@ class Speculative(_Strict):
     def _windows(self) -> Speculative:
         if self.ngram_max_window < self.ngram_min_window:
             raise ValueError("ngram_max_window is below ngram_min_window")
+        if (self.algorithm == "STANDALONE") != (self.draft is not None):
+            raise ValueError("a draft model is STANDALONE's, and STANDALONE needs one")
         return self
 
 

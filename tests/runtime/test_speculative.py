@@ -4,6 +4,7 @@ the planner's choice of how many drafts to verify, and the compile flags and man
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -110,7 +111,7 @@ def test_bad_speculative_flags_are_named(flags: dict, message: str) -> None:
         speculative_options(ServerArgs(model_path="m", speculative_algorithm="NGRAM", **flags))
 
 
-@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3", "NEXTN", "STANDALONE"])
+@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3", "NEXTN"])
 def test_draft_model_algorithms_are_refused_by_name(algorithm: str) -> None:
     with pytest.raises(ArgError, match=f"--speculative-algorithm {algorithm}: is not implemented"):
         ServerArgs(model_path="m", speculative_algorithm=algorithm)
@@ -148,3 +149,78 @@ def test_a_thousand_requests_leave_the_pool_as_they_found_it(artefact) -> None:
     assert drafted - kept > 100 and kept > 0  # many drafts rejected, some kept
     engine.flush_cache()
     assert pool.free_pages == pool.num_pages
+
+
+def _standalone(artefact, checkpoint, **draft_config) -> Path:
+    draft = checkpoint("llama", **draft_config)
+    flags = {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": str(draft)}
+    return artefact(compile_args=flags)
+
+
+@pytest.mark.parametrize(
+    "draft_config", [{}, {"seed": 7, "hidden_size": 64}], ids=["itself", "another-model"]
+)
+def test_a_draft_models_drafts_leave_decodings_output_and_pages_as_they_were(
+    artefact, checkpoint, draft_config: dict
+) -> None:
+    """STANDALONE on a tiny model, drafted by itself (every greedy draft kept) and by
+    another random model (most rejected): output is plain decoding's, greedy and seeded,
+    and both KV pools get every page back."""
+    from kiln import Engine
+
+    plain = Engine(artefact(), max_total_tokens=512)
+    spec = Engine(_standalone(artefact, checkpoint, **draft_config), max_total_tokens=512)
+    assert spec.draft_model is not None
+    spec.step_costs = StepCosts({1: 1.0, 64: 1.0}, 64, fixed=True)  # rows free,
+    spec.draft_costs = StepCosts({1: 1e-3, 4: 1e-3}, 4, fixed=True)  # drafts nearly so
+    prompts = [[5, 9, 17, 5, 9], [40, 41, 42, 43], [7]]
+    counts = []
+    for params in (
+        {"temperature": 0, "max_new_tokens": 20},
+        {"temperature": 0.8, "sampling_seed": 3, "max_new_tokens": 20},
+    ):
+        want = plain.generate(input_ids=prompts, sampling_params=params)
+        got = spec.generate(input_ids=prompts, sampling_params=params)
+        assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+        metas = [g["meta_info"] for g in got]
+        counts.append(
+            (
+                sum(m["spec_draft_token_num"] for m in metas),
+                sum(m["spec_accept_token_num"] for m in metas),
+            )
+        )
+    assert all(drafted > 10 for drafted, _ in counts)
+    if not draft_config:  # the model drafting for itself: every greedy draft is kept
+        assert counts[0][0] == counts[0][1]
+    spec.flush_cache()
+    assert spec.runner.pool.free_pages == spec.runner.pool.num_pages
+    draft_pool = spec.draft_model.pool
+    assert draft_pool.free_pages == draft_pool.num_pages
+
+
+def test_a_draft_model_is_compiled_into_the_artefact_and_inspect_names_it(
+    artefact, checkpoint
+) -> None:
+    art = _standalone(artefact, checkpoint)
+    manifest = json.loads((art / "manifest.json").read_text())
+    spec = manifest["runtime"]["speculative"]
+    assert spec["algorithm"] == "STANDALONE" and spec["num_draft_tokens"] == 4
+    assert (art / "draft" / "manifest.json").is_file()
+    assert "draft/weights/rank0.safetensors" in manifest["files"]
+    text = report.format_summary(report.summary(art))
+    assert f"draft model {spec['draft']['cache_key'][:16]}" in text
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_by_name(checkpoint, tmp_path) -> None:
+    from kiln.compiler.compile import compile_model
+
+    target, draft = checkpoint("llama"), checkpoint("llama", vocab_size=500)
+    args = ServerArgs(
+        model_path=str(target),
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path=str(draft),
+    )
+    with pytest.raises(ArgError, match="--speculative-draft-model-path: its vocabulary has 500"):
+        compile_model(args, tmp_path / "art")
+    with pytest.raises(ArgError, match="STANDALONE: needs --speculative-draft-model-path"):
+        compile_model(ServerArgs(model_path=str(target), speculative_algorithm="STANDALONE"))

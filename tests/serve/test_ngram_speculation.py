@@ -151,3 +151,43 @@ def test_a_server_streams_what_it_verifies(arts: tuple[Path, Path], engines, lau
     meta = got["meta_info"]
     assert meta["spec_accept_token_num"] <= meta["spec_draft_token_num"]
     assert meta["spec_verify_ct"] == 0 or meta["spec_accept_length"] >= 1.0
+
+
+@pytest.fixture(scope="module")
+def standalone(real_artefact) -> tuple[Engine, Engine]:
+    """The real model at float32 (its Q4_1 file dequantized), and the same drafted by the
+    file as stored with int8 activations: the self-draft case of a quantized model."""
+    smollm2 = fetch("smollm2")
+    plain = Engine(real_artefact(smollm2, dtype="float32"), max_total_tokens=2048)
+    art = real_artefact(
+        smollm2,
+        dtype="float32",
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path=str(smollm2),
+    )
+    spec = Engine(art, max_total_tokens=2048)
+    spec.step_costs = FREE_ROWS
+    return plain, spec
+
+
+def test_a_quantized_self_draft_leaves_the_float_models_output_as_it_was(
+    standalone: tuple[Engine, Engine],
+) -> None:
+    plain, spec = standalone
+    assert spec.draft_model is not None
+    for params in (
+        {"temperature": 0, "max_new_tokens": 32},
+        {"temperature": 0.7, "top_k": 40, "sampling_seed": 11, "max_new_tokens": 32},
+    ):
+        want = plain.generate(PROMPTS, params)
+        got = spec.generate(PROMPTS, params)
+        assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    meta = [g["meta_info"] for g in got]
+    # Q4_1's greedy drafts are the float model's choice most of the time.
+    assert (
+        sum(m["spec_accept_token_num"] for m in meta)
+        > sum(m["spec_draft_token_num"] for m in meta) // 2
+    )
+    spec.flush_cache()
+    for pool in (spec.runner.pool, spec.draft_model.pool):
+        assert pool.free_pages == pool.num_pages
