@@ -42,6 +42,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import HERE, PRECISIONS, gguf_for, machine, read_bandwidth_gbs
 
+SPEC = "kiln NGRAM"  # the server of --speculative-algorithm
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms")
 
 
@@ -178,6 +179,11 @@ def main() -> None:
         help="kiln's compile flag for the quantized precisions (int8: llama.cpp's own "
         "arithmetic on its blocks, int8 activations per block); F32 ignores it",
     )
+    p.add_argument(
+        "--speculative-algorithm",
+        choices=("NGRAM",),
+        help="also a kiln server of the artefact compiled with it, alternating with the others",
+    )
     args = p.parse_args()
     if not args.llama_server.is_file():
         sys.exit(f"--llama-server: no such file: {args.llama_server}")
@@ -202,19 +208,11 @@ def main() -> None:
         if args.quantize_activations and precision != "F32":
             flags["quantize_activations"] = args.quantize_activations
         compile_model(ServerArgs(model_path=str(gguf), **flags), art)
+        serve = [sys.executable, "-m", "kiln", "serve"]
+        serve_flags = ["--max-running-requests", str(slots), "--log-level", "warning"]
+        serve_flags += args.kiln_args.split()
         cmds = {
-            "kiln": [
-                sys.executable,
-                "-m",
-                "kiln",
-                "serve",
-                str(art),
-                "--max-running-requests",
-                str(slots),
-                "--log-level",
-                "warning",
-                *args.kiln_args.split(),
-            ],
+            "kiln": [*serve, str(art), *serve_flags],
             "llama-server": [
                 str(args.llama_server),
                 "-m",
@@ -230,6 +228,11 @@ def main() -> None:
                 "--log-disable",
             ],
         }
+        if args.speculative_algorithm:
+            spec_art = work / f"art-{precision}-{args.speculative_algorithm}"
+            spec_flags = {**flags, "speculative_algorithm": args.speculative_algorithm}
+            compile_model(ServerArgs(model_path=str(gguf), **spec_flags), spec_art)
+            cmds[SPEC] = [*serve, str(spec_art), *serve_flags]
         for r in range(args.rounds):
             order = list(cmds) if r % 2 == 0 else list(cmds)[::-1]
             for conc in args.concurrency:
@@ -275,7 +278,7 @@ def main() -> None:
     for precision in args.precisions:
         for conc in args.concurrency:
             med = {}
-            for name in ("kiln", "llama-server"):
+            for name in cmds:
                 runs = results[(precision, name, conc)]
                 cols = [spread([x[k] for x in runs]) for k in METRICS]
                 med[name] = {k: statistics.median(x[k] for x in runs) for k in METRICS}
@@ -294,6 +297,25 @@ def main() -> None:
     print("| precision | clients | output throughput | TTFT p50 | ITL p50 |")
     print("| --- | --- | --- | --- | --- |")
     print("\n".join(ratios))
+    if args.speculative_algorithm:
+        print(f"\n{SPEC} / kiln (the same artefact compiled without it), ratios of medians\n")
+        print("| precision | clients | output throughput | TTFT p50 | ITL p50 |")
+        print("| --- | --- | --- | --- | --- |")
+        for precision in args.precisions:
+            for conc in args.concurrency:
+                a, b = (
+                    {
+                        k: statistics.median(x[k] for x in results[(precision, n, conc)])
+                        for k in METRICS
+                    }
+                    for n in (SPEC, "kiln")
+                )
+                print(
+                    f"| {precision} | {conc} | "
+                    f"{a['output_throughput'] / b['output_throughput']:.2f}x | "
+                    f"{a['median_ttft_ms'] / b['median_ttft_ms']:.2f}x | "
+                    f"{a['median_itl_ms'] / b['median_itl_ms']:.2f}x |"
+                )
     print("\nStart to first token, s, median (min-max) over every start\n")
     print("| precision | kiln serve | llama-server |")
     print("| --- | --- | --- |")
