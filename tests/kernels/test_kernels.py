@@ -468,7 +468,7 @@ def test_registry_lists_backends_per_device() -> None:
 
 @BOTH
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("d", [8, 64])
+@pytest.mark.parametrize("d", [8, 64, 80, 128])  # AVX-512: 16-lane scores, 64/128-wide values
 def test_decode_reads_whole_pages(backend: str, window, d: int) -> None:
     torch.manual_seed(1)
     heads, kv_heads, page = 6, 2, 4
