@@ -63,10 +63,6 @@ PROMPTS = {
 }
 
 
-NGRAM_NAMES = ("kiln", "kiln NGRAM", "llama-server", "llama-server ngram")
-DRAFT_NAMES = ("kiln", "kiln Q4_1 draft", "llama-server", "llama-server Q4_1 draft")
-
-
 def stream_rate(url: str, prompt: str, tokens: int) -> float:
     """Decode tokens a second of one streamed greedy completion of `tokens` tokens."""
     body = {
@@ -220,29 +216,8 @@ def main() -> None:
         f"llama-server --spec-draft-n-max {args.draft_max}; kiln --quantize-activations "
         f"{args.quantize_activations or 'none'}\n"
     )
-    header = [
-        "file",
-        "prompts",
-        "kiln",
-        "kiln NGRAM",
-        "NGRAM / plain",
-        "accept length",
-        "llama-server",
-        "llama-server ngram-simple",
-        "kiln NGRAM / llama-server ngram",
-    ]
-    print("| " + " | ".join(header) + " |")
-    print("|" + " --- |" * len(header))
-    for precision in args.precisions:
-        for kind in PROMPTS:
-            got = {name: rates[(precision, name, kind)] for name in NGRAM_NAMES}
-            med = {name: statistics.median(v) for name, v in got.items()}
-            print(
-                f"| {precision} | {kind} | {spread(got['kiln'])} | {spread(got['kiln NGRAM'])} | "
-                f"{med['kiln NGRAM'] / med['kiln']:.2f}x | {accept[precision][kind]:.2f} | "
-                f"{spread(got['llama-server'])} | {spread(got['llama-server ngram'])} | "
-                f"{med['kiln NGRAM'] / med['llama-server ngram']:.2f}x |"
-            )
+    ngram = ("NGRAM", "kiln NGRAM", "llama-server ngram-simple", "llama-server ngram")
+    table(rates, accept, args.precisions, "", ngram)
     drafted = [p for p in args.precisions if p + " draft" in accept]
     if drafted:
         print(
@@ -250,29 +225,35 @@ def main() -> None:
             "`--speculative-algorithm STANDALONE`, its int8 activations; llama-server: `-md` "
             "with `--spec-type draft-simple --spec-draft-n-max 3`)\n"
         )
-        header = [
-            "file",
-            "prompts",
-            "kiln",
-            "kiln + Q4_1 draft",
-            "draft / plain",
-            "accept length",
-            "llama-server",
-            "llama-server + Q4_1 draft",
-            "kiln / llama-server, both drafted",
-        ]
-        print("| " + " | ".join(header) + " |")
-        print("|" + " --- |" * len(header))
-        for precision in drafted:
-            for kind in PROMPTS:
-                got = {name: rates[(precision, name, kind)] for name in DRAFT_NAMES}
-                med = {name: statistics.median(v) for name, v in got.items()}
-                a, b = "kiln Q4_1 draft", "llama-server Q4_1 draft"
-                print(
-                    f"| {precision} | {kind} | {spread(got['kiln'])} | {spread(got[a])} | "
-                    f"{med[a] / med['kiln']:.2f}x | {accept[precision + ' draft'][kind]:.2f} | "
-                    f"{spread(got['llama-server'])} | {spread(got[b])} | {med[a] / med[b]:.2f}x |"
-                )
+        draft = ("+ Q4_1 draft", "kiln Q4_1 draft", "llama-server + Q4_1 draft")
+        table(rates, accept, drafted, " draft", (*draft, "llama-server Q4_1 draft"))
+
+
+def table(
+    rates: dict[tuple[str, str, str], list[float]],
+    accept: dict[str, dict[str, float]],
+    precisions: list[str],
+    suffix: str,
+    names: tuple[str, str, str, str],
+) -> None:
+    """One markdown table: kiln plain and speculative, llama-server plain and speculative
+    (`names`: the speculative column's label, kiln's server, llama-server's label and
+    server), per file and prompt kind, with the ratios."""
+    label, ours, their_label, theirs = names
+    header = ["file", "prompts", "kiln", f"kiln {label}", f"{label} / plain", "accept length"]
+    header += ["llama-server", their_label, f"kiln {label} / {their_label}"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + " --- |" * len(header))
+    for precision in precisions:
+        for kind in PROMPTS:
+            got = {n: rates[(precision, n, kind)] for n in ("kiln", ours, "llama-server", theirs)}
+            med = {n: statistics.median(v) for n, v in got.items()}
+            print(
+                f"| {precision} | {kind} | {spread(got['kiln'])} | {spread(got[ours])} | "
+                f"{med[ours] / med['kiln']:.2f}x | {accept[precision + suffix][kind]:.2f} | "
+                f"{spread(got['llama-server'])} | {spread(got[theirs])} | "
+                f"{med[ours] / med[theirs]:.2f}x |"
+            )
 
 
 if __name__ == "__main__":

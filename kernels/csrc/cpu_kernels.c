@@ -303,6 +303,23 @@ static inline __attribute__((always_inline)) void score_keys(const float *qh, co
     }
 }
 
+#ifdef __AVX512F__
+/* weigh_values' out[d, d + 16 acc) on an fp32 pool, in `acc` (at most 8) zmm accumulators. */
+static inline __attribute__((always_inline)) void weigh16(const float *p, const void *base,
+                                                          const int64_t *offs, int64_t n,
+                                                          int64_t dim, int64_t d, int acc,
+                                                          float scale, float *out) {
+    const float *vb = (const float *)base;
+    v16f a[8] = {{0}};
+    for (int64_t i = 0; i < n; i++) {
+        if (d == 0 && i + KV_AHEAD < n) prefetch_row(base, offs[i + KV_AHEAD], dim, KV_F32);
+        const v16f w = (v16f)_mm512_set1_ps(p[i]);
+        for (int c = 0; c < acc; c++) a[c] += w * *(const v16f *)(vb + offs[i] + d + 16 * c);
+    }
+    for (int c = 0; c < acc; c++) *(v16f *)(out + d + 16 * c) = a[c] * scale;
+}
+#endif
+
 /* out = scale * sum_i p[i] * row_i over n value rows at base + offs[i]. The output is
  * built 64 floats at a time in eight registers across all rows (an accumulator kept in
  * memory would put a store-to-load round trip on every row). */
@@ -313,26 +330,9 @@ static inline __attribute__((always_inline)) void weigh_values(const float *p, c
     int64_t d = 0;
 #ifdef __AVX512F__
     if (fmt == KV_F32) {
-        /* 128 floats at a time in eight zmm accumulators, then 16 at a time. */
-        const float *vb = (const float *)base;
-        for (; d + 128 <= dim; d += 128) {
-            v16f a[8] = {{0}};
-            for (int64_t i = 0; i < n; i++) {
-                if (d == 0 && i + KV_AHEAD < n) prefetch_row(base, offs[i + KV_AHEAD], dim, fmt);
-                const v16f w = (v16f)_mm512_set1_ps(p[i]);
-                for (int c = 0; c < 8; c++) a[c] += w * *(const v16f *)(vb + offs[i] + d + 16 * c);
-            }
-            for (int c = 0; c < 8; c++) *(v16f *)(out + d + 16 * c) = a[c] * scale;
-        }
-        for (; d + 64 <= dim; d += 64) {
-            v16f a[4] = {{0}};
-            for (int64_t i = 0; i < n; i++) {
-                if (d == 0 && i + KV_AHEAD < n) prefetch_row(base, offs[i + KV_AHEAD], dim, fmt);
-                const v16f w = (v16f)_mm512_set1_ps(p[i]);
-                for (int c = 0; c < 4; c++) a[c] += w * *(const v16f *)(vb + offs[i] + d + 16 * c);
-            }
-            for (int c = 0; c < 4; c++) *(v16f *)(out + d + 16 * c) = a[c] * scale;
-        }
+        /* 128 floats at a time in eight zmm accumulators, then 64 in four. */
+        for (; d + 128 <= dim; d += 128) weigh16(p, base, offs, n, dim, d, 8, scale, out);
+        for (; d + 64 <= dim; d += 64) weigh16(p, base, offs, n, dim, d, 4, scale, out);
     }
 #endif
     for (; d + 64 <= dim; d += 64) {
