@@ -224,3 +224,50 @@ def test_a_draft_model_of_another_vocabulary_is_refused_by_name(checkpoint, tmp_
         compile_model(args, tmp_path / "art")
     with pytest.raises(ArgError, match="STANDALONE: needs --speculative-draft-model-path"):
         compile_model(ServerArgs(model_path=str(target), speculative_algorithm="STANDALONE"))
+
+
+def test_sampled_tokens_follow_the_models_distribution_with_or_without_drafts(
+    artefact, checkpoint
+) -> None:
+    """The statistical check of the acceptance rule, on a vocabulary cut to four tokens
+    (top_k 4, temperature 1): the second and third tokens of 400 requests drafted by the
+    model itself (its greedy token, kept whenever the sample equals it) against 400 plain
+    ones with other seeds, by a chi-square test of their counts at p = 0.001."""
+    from collections import Counter
+
+    from kiln import Engine
+
+    spec = Engine(_standalone(artefact, checkpoint), max_total_tokens=512)
+    spec.step_costs = StepCosts({1: 1.0, 64: 1.0}, 64, fixed=True)
+    spec.draft_costs = StepCosts({1: 1e-3, 4: 1e-3}, 4, fixed=True)
+    plain = Engine(artefact(), max_total_tokens=512)
+    prompt = [5, 9, 17, 40, 41]
+    counts: list[list[Counter]] = [[Counter(), Counter()], [Counter(), Counter()]]
+    drafted = kept = 0
+    for which, (engine, base) in enumerate(((spec, 0), (plain, 10_000))):
+        for start in range(0, 400, 4):
+            params = [
+                {"temperature": 1.0, "top_k": 4, "max_new_tokens": 3, "ignore_eos": True}
+                | {"sampling_seed": base + s}
+                for s in range(start, start + 4)
+            ]
+            for out in engine.generate(input_ids=[prompt] * 4, sampling_params=params):
+                counts[which][0][out["output_ids"][1]] += 1
+                counts[which][1][out["output_ids"][2]] += 1
+                drafted += out["meta_info"].get("spec_draft_token_num", 0)
+                kept += out["meta_info"].get("spec_accept_token_num", 0)
+    assert drafted >= 400 and kept > 100 and drafted - kept > 100, (drafted, kept)
+    for position in (0, 1):
+        a, b = counts[0][position], counts[1][position]
+        # Tokens seen fewer than 10 times in both samples together pooled into one cell.
+        cells: dict[int, tuple[int, int]] = {}
+        for t in set(a) | set(b):
+            key = t if a[t] + b[t] >= 10 else -1
+            x, y = cells.get(key, (0, 0))
+            cells[key] = (x + a[t], y + b[t])
+        # Two samples of equal size: sum (a - b)^2 / (a + b), chi-square with cells - 1
+        # degrees of freedom; its 0.999 quantile by Wilson and Hilferty's approximation.
+        chi2 = sum((x - y) ** 2 / (x + y) for x, y in cells.values())
+        df = len(cells) - 1
+        critical = df * (1 - 2 / (9 * df) + 3.09 * (2 / (9 * df)) ** 0.5) ** 3
+        assert df >= 1 and chi2 < critical, (position, chi2, critical, a, b)
