@@ -45,6 +45,7 @@ from kiln.runtime.speculative import (
     drafter,
     plan_drafts,
     plan_steps,
+    rows_kv,
 )
 from kiln.runtime.tokenizer import TokenizerError, import_tokenizer_libraries, load_tokenizer
 
@@ -422,7 +423,7 @@ class Engine:
                     "the KV pool cannot fit the next waiting request; raise --max-total-tokens"
                 )
             return []
-        if self.speculative is not None and not batch.is_prefill:
+        if self._may_speculate(batch):
             self._draft(batch)
         failed = dict(self._execute(batch))
         for req, error in failed.items():
@@ -446,31 +447,40 @@ class Engine:
                 outputs.append(self.output(req))
         return outputs
 
+    def _may_speculate(self, batch: Batch) -> bool:
+        """A decode batch of at most max_batch requests of a speculative artefact: the
+        steps that may verify drafts."""
+        spec = self.speculative
+        return spec is not None and not batch.is_prefill and len(batch.requests) <= spec.max_batch
+
     def _draft(self, batch: Batch) -> None:
         """Drafted tokens for the requests of a decode batch, making it a verify batch
-        when any has some (runtime/speculative.py). Not above the batch size where verify
-        rows stop paying, nor past a request's max_new_tokens or the context."""
+        when any has some (runtime/speculative.py); not past a request's max_new_tokens
+        or the context."""
         spec, costs = self.speculative, self.step_costs
         assert spec is not None and costs is not None
-        if len(batch.requests) > spec.max_batch:
-            return
         if self.draft_model is not None:
             self._draft_with_model(batch)
             return
+        reqs = batch.requests
         offered = []
-        for req in batch.requests:
+        for req in reqs:
             room = min(spec.max_drafts, self._room(req))
             if req.drafter is None:
                 req.drafter = drafter(spec)
             offered.append(req.drafter.propose(req.all_ids, room) if room > 0 else [])
         if not any(offered):
             return
-        reqs = batch.requests
         alphas = [acceptance(r.spec_drafted, r.spec_accepted) for r in reqs]
         counts = plan_drafts(alphas, [len(d) for d in offered], [r.kv_len for r in reqs], costs)
-        for i, (req, drafts, k) in enumerate(zip(batch.requests, offered, counts, strict=True)):
-            if k and self.scheduler.grow(req, k):
-                batch.new_tokens[i] = batch.new_tokens[i] + drafts[:k]
+        self._attach(batch, [d[:k] for d, k in zip(offered, counts, strict=True)])
+
+    def _attach(self, batch: Batch, drafts: list[list[int]]) -> None:
+        """Each request's drafts fed after its last token, where the pool has pages for
+        them: the batch becomes a verify batch if any request has some."""
+        for i, (req, mine) in enumerate(zip(batch.requests, drafts, strict=True)):
+            if mine and self.scheduler.grow(req, len(mine)):
+                batch.new_tokens[i] = batch.new_tokens[i] + mine
                 batch.verify = True
 
     def _room(self, req: Request) -> int:
@@ -496,11 +506,8 @@ class Engine:
         k = plan_steps(alphas, kv_lens, most, self.step_costs, self.draft_costs)
         if k == 0:
             return
-        for i, (req, drafts) in enumerate(zip(reqs, draft.propose(reqs, k), strict=True)):
-            drafts = drafts[: max(0, rooms[i])]
-            if drafts and self.scheduler.grow(req, len(drafts)):
-                batch.new_tokens[i] = batch.new_tokens[i] + drafts
-                batch.verify = True
+        proposed = draft.propose(reqs, k)
+        self._attach(batch, [d[: max(0, room)] for d, room in zip(proposed, rooms, strict=True)])
 
     def _execute(self, batch: Batch) -> list[tuple[Request, Exception]]:
         """Forward, sample and commit `batch`. If that fails, run each half of it on its
@@ -511,12 +518,13 @@ class Engine:
         try:
             start = time.perf_counter()
             logits = self.runner.forward(batch)
-            if self.step_costs is not None and not batch.is_prefill:
-                fed_rows = kv = 0
-                for req, fed in zip(batch.requests, batch.new_tokens, strict=True):
-                    fed_rows += len(fed)
-                    kv += len(fed) * (req.kv_len + 1) + len(fed) * (len(fed) - 1) // 2
-                self.step_costs.observe(fed_rows, kv, time.perf_counter() - start)
+            costs = self.step_costs
+            # What a decode step of a row count the planner knows cost (a bigger batch's
+            # rows are past its table, and are not summed up for nothing each step).
+            if costs is not None and not batch.is_prefill and len(batch.requests) < costs.size:
+                fed = [len(f) for f in batch.new_tokens]
+                kv = sum(rows_kv(r.kv_len, n) for r, n in zip(batch.requests, fed, strict=True))
+                costs.observe(sum(fed), kv, time.perf_counter() - start)
             if batch.verify:
                 return self._accept(batch, logits)
             rows = [self._sampling_row(r) for r in sampling]

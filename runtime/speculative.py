@@ -171,8 +171,13 @@ class StepCosts:
         slope = self.table[last] - self.table[last - 1] if last > 1 else self.table[last]
         return self.table[last] + slope * (rows - last)
 
+    @property
+    def size(self) -> int:
+        """Row counts below this have an entry of their own."""
+        return len(self.table)
+
     def observe(self, rows: int, kv: int, seconds: float) -> None:
-        if not self.fixed and 0 < rows < len(self.table):
+        if not self.fixed and 0 < rows < self.size:
             self.table[rows] += COST_UPDATE * (seconds - self.per_kv * kv - self.table[rows])
 
 
@@ -184,6 +189,12 @@ def _interpolate(points: list[tuple[int, float]], m: int) -> float:
         return points[0][1] * m
     (m0, t0), (m1, t1) = points[-2], points[-1]
     return t1 + (t1 - t0) / (m1 - m0) * (m - m1)
+
+
+def rows_kv(kv_len: int, rows: int) -> int:
+    """Cached tokens the attention of a request's `rows` decode rows reads in all: row j
+    (from 0) sees its kv_len cached tokens, the fed token and the j fed before it."""
+    return rows * (kv_len + 1) + rows * (rows - 1) // 2
 
 
 def acceptance(drafted: int, kept: int) -> float:
@@ -241,12 +252,11 @@ def plan_steps(
     costs k draft steps of the batch's rows; verifying them, a step of (k + 1) rows a
     request; a request lands 1 + alpha + ... + alpha**k tokens."""
     n = len(alphas)
-    base_kv = sum(kv_lens) + n
-    best, best_k = n / cost(n, base_kv), 0
+    best, best_k = n / cost(n, sum(rows_kv(kv, 1) for kv in kv_lens)), 0
     tokens = float(n)
     for k in range(1, max_steps + 1):
         tokens += sum(a**k for a in alphas)
-        kv = (k + 1) * base_kv + n * k * (k + 1) // 2
+        kv = sum(rows_kv(kv, k + 1) for kv in kv_lens)
         rate = tokens / (k * draft_cost(n) + cost(n * (k + 1), kv))
         if rate > best:
             best, best_k = rate, k
@@ -299,8 +309,8 @@ class DraftModel:
         if max(map(len, fed)) <= CATCH_UP_ROWS:
             batch = Batch(seqs, fed, [True] * len(seqs), is_prefill=False, verify=True)  # type: ignore[arg-type]
             logits = self.runner.forward(batch)
-            last = torch.tensor([sum(map(len, fed[: j + 1])) - 1 for j in range(len(fed))])
-            logits = logits[last]
+            ends = itertools.accumulate(map(len, fed))  # each request's rows end there
+            logits = logits[torch.tensor([end - 1 for end in ends])]
         else:
             batch = Batch(seqs, fed, [True] * len(seqs), is_prefill=True)  # type: ignore[arg-type]
             logits = self.runner.forward(batch)
