@@ -25,7 +25,7 @@ from bench_common import read_bandwidth_gbs
 
 from kiln import Engine
 from kiln.core.ir import Node
-from kiln.runtime.native_step import NativeDecode
+from kiln.runtime.native_step import NativeStep
 
 
 def label(n: Node) -> str:
@@ -62,7 +62,7 @@ def main() -> None:
     bandwidth = ns.bandwidth or read_bandwidth_gbs()
     engine = Engine(ns.artefact)
     decode = engine.runner.decode
-    if not isinstance(decode, NativeDecode):
+    if not isinstance(decode, NativeStep):
         raise SystemExit(f"{ns.artefact}: its decode step is not lowered (kiln inspect says why)")
     prompt = [(7 * i) % 1000 + 10 for i in range(ns.depth)]
     greedy = {"temperature": 0, "max_new_tokens": ns.steps, "ignore_eos": True}

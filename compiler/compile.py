@@ -17,7 +17,7 @@ from tqdm import tqdm
 from kiln.args import ArgError, ServerArgs
 from kiln.compiler.checkpoint import CheckpointReader
 from kiln.compiler.key import CompileKey, draft_args, resolve_dtype
-from kiln.compiler.lower_step import LoweredStep, Refused, lower_decode
+from kiln.compiler.lower_step import LoweredStep, Refused, lower_step
 from kiln.compiler.options import KV_DTYPES, compile_options
 from kiln.compiler.publish import publish, staging_dir
 from kiln.compiler.store import CompileResult, compile_cached
@@ -146,8 +146,8 @@ def _draft_model(args: ServerArgs, cfg: ModelConfig, tmp: Path) -> dict[str, Any
 
 
 def _lower_step(graph: Graph, options: Any, uses_native: bool) -> LoweredStep | None:
-    """The decode step as C when the plan asks for it and the graph lowers; otherwise the
-    plan's decode mode becomes "eager" with the reason recorded (`kiln inspect` shows it)."""
+    """The step as C when the plan asks for it and the graph lowers; otherwise the plan's
+    native modes become "eager" with the reason recorded (`kiln inspect` shows it)."""
     plan = graph.plan
     if plan is None or plan["decode"]["mode"] != "native":
         return None
@@ -158,13 +158,15 @@ def _lower_step(graph: Graph, options: Any, uses_native: bool) -> LoweredStep | 
         why = f"a {options.kv_cache.dtype} KV pool (the step's attention reads float32)"
     else:
         try:
-            return lower_decode(graph)
+            return lower_step(graph)
         except Refused as e:
             why = str(e)
     plan["decode"]["mode"] = "eager"
     plan["decode"]["native_refused"] = why
+    if plan["prefill"]["mode"] == "native":
+        plan["prefill"]["mode"] = "eager"
     if uses_native:  # else the missing compiler's warning has said it
-        log.info("decode steps run in the Python executor: %s", why)
+        log.info("steps run in the Python executor: %s", why)
     return None
 
 

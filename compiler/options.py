@@ -238,9 +238,10 @@ def capture_options(
     elif device == "cuda" and not args.disable_cuda_graph:
         capture.update(decode="cuda_graph", batch_sizes=tuple(buckets))
     elif device == "cpu" and not args.disable_cuda_graph and tp == 1:
-        # kiln's CPU form of a captured step: every decode step as one native call
-        # (compiler/lower_step.py; compile.py falls back to "eager" where it cannot lower).
-        capture.update(decode="native")
+        # kiln's CPU form of a captured step: every step as one native call, a prefill's
+        # tokens as rows of the decode step's code (compiler/lower_step.py; compile.py falls
+        # back to "eager" where it cannot lower).
+        capture.update(decode="native", prefill="native")
     if args.enable_piecewise_cuda_graph:
         tokens = _token_list(args.piecewise_cuda_graph_tokens)
         if tokens is None:

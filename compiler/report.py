@@ -133,13 +133,13 @@ def format_summary(s: dict[str, Any]) -> str:
     step = s.get("native_step")
     if step:
         lines.append(
-            f"step       decode lowered to C: {step['calls']} kernel calls on {step['weights']} "
-            f"weights, an arena of {step['arena_width']} floats a row (build {step['build_id']}; "
-            "`kiln inspect --step` prints it)"
+            f"step       {_lowered(plan)} lowered to C: {step['calls']} kernel calls on "
+            f"{step['weights']} weights, an arena of {step['arena_width']} floats a row "
+            f"(build {step['build_id']}; `kiln inspect --step` prints it)"
         )
     elif plan and plan["decode"].get("native_refused"):
         why = plan["decode"]["native_refused"]
-        lines.append(f"step       decode in the Python executor: {why}")
+        lines.append(f"step       every step in the Python executor: {why}")
     spec = s.get("speculative")
     if spec and spec["algorithm"] == "NGRAM":
         lines.append(
@@ -160,6 +160,13 @@ def format_summary(s: dict[str, Any]) -> str:
         )
     # Names come from the manifest, which anyone can edit: one printed line per line here.
     return "\n".join(map(printable, lines))
+
+
+def _lowered(plan: dict[str, Any] | None) -> str:
+    """Which steps a lowered step runs, by the capture plan."""
+    if plan and plan["prefill"]["mode"] == "native":
+        return "every step (decode, prefill, extend: a row a new token)"
+    return "decode"
 
 
 def _sizes(sizes: list[int]) -> str:

@@ -426,9 +426,10 @@ def _decode(
     return out
 
 
-def _paged_pool(ctx: AttentionBatch, layer: int) -> tuple[int, ...]:
+def _paged_pool(ctx: AttentionBatch, layer: int) -> tuple[int | None, ...]:
     """The decode kernels' pool arguments for one layer: K and V pools, slots per head,
-    the page table, pages per row of it, and each row's KV length."""
+    the page table, pages per row of it, each row's KV length, and which table each row
+    reads (None: a table a row)."""
     assert ctx.kv_index is not None and ctx.kv_lens is not None
     k_cache, v_cache = ctx.k_cache, ctx.v_cache
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -445,6 +446,7 @@ def _paged_pool(ctx: AttentionBatch, layer: int) -> tuple[int, ...]:
         ctx.kv_index.data_ptr(),
         ctx.kv_width // ctx.page_size,
         ctx.kv_lens.data_ptr(),
+        None,
     )
 
 

@@ -28,7 +28,7 @@ BASE_FLAGS = ("-O3", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 # kiln_abi_version() of a library whose exports match _SIGNATURES.
-ABI_VERSION = 9
+ABI_VERSION = 10
 _SIGNATURES = {
     "kiln_abi_version": (_I64, []),
     "kiln_rmsnorm_f32": (None, [_P, _I64, _I64, _P, _P, _I64, _I64, _F32, _INT]),
@@ -55,13 +55,13 @@ _SIGNATURES = {
     "kiln_qembedding_f32": (_INT, [_P, _I64, _P, _P, _INT, _I64, _I64, _I64, _P]),
     "kiln_decode_attention": (
         _INT,
-        [_P, _I64, _P, _P, _I64, _P, _I64, _P, _P]
+        [_P, _I64, _P, _P, _I64, _P, _I64, _P, _P, _P]
         + [_I64] * 5
         + [_I64, _F32, _INT, _F32, _F32, _P, _INT],
     ),
     "kiln_rope_decode_attention_f32": (
         _INT,
-        [_P, _I64, _P, _P, _P, _P, _P, _I64, _P, _I64, _P, _P]
+        [_P, _I64, _P, _P, _P, _P, _P, _I64, _P, _I64, _P, _P, _P]
         + [_I64] * 6
         + [_F32, _F32, _P, _INT],
     ),
@@ -99,7 +99,7 @@ STEP_SIGNATURES = {
     "kiln_step_rope_width": (_I64, [_I64]),
     "kiln_step_calls": (_I64, []),
     "kiln_step_call_node": (_I64, [_I64]),
-    "kiln_step_decode": (_INT, [_P]),
+    "kiln_step_run": (_INT, [_P]),
 }
 
 

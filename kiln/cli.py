@@ -219,7 +219,7 @@ def _inspect_parser(sub: argparse._SubParsersAction) -> None:
     how.add_argument("--graph", action="store_true", help="print the IR")
     how.add_argument("--json", action="store_true", help="the summary as JSON")
     how.add_argument("--dot", action="store_true", help="the graph for graphviz")
-    how.add_argument("--step", action="store_true", help="the decode step lowered to C")
+    how.add_argument("--step", action="store_true", help="the step lowered to C")
     p.set_defaults(func=_cmd_inspect)
     d = sub.add_parser(
         "diff",

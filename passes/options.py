@@ -55,7 +55,7 @@ class Capture:
     decode: Literal["cuda_graph", "compiled", "native", "eager"] = "eager"
     batch_sizes: tuple[int, ...] = ()
     padding: bool = True
-    prefill: Literal["piecewise", "eager"] = "eager"
+    prefill: Literal["piecewise", "native", "eager"] = "eager"
     tokens: tuple[int, ...] = ()
 
 

@@ -26,7 +26,7 @@ from kiln.runtime.capture import (
 )
 from kiln.runtime.executor import Executor
 from kiln.runtime.kv_cache import KVCache, PagePool
-from kiln.runtime.native_step import NativeDecode
+from kiln.runtime.native_step import NativeStep
 from kiln.runtime.parallel import TPGroup
 from kiln.runtime.scheduler import Batch
 from kiln.runtime.step import StepContext, StepInputs
@@ -147,7 +147,7 @@ class ModelRunner:
 
     def _decode_runner(
         self, art: Artefact, context_length: int
-    ) -> CompiledDecode | GraphDecode | NativeDecode | None:
+    ) -> CompiledDecode | GraphDecode | NativeStep | None:
         """How the capture plan's decode buckets run here (runtime/capture.py), or every
         decode step through the native step (runtime/native_step.py)."""
         plan = art.graph.plan
@@ -156,7 +156,7 @@ class ModelRunner:
             if art.step_lib is None:  # not lowered, or not trusted (open_step warned)
                 return None
             info = art.manifest["native_step"]
-            return NativeDecode(art.step_lib, art.lib, info, art.graph, art.weights, self.step)
+            return NativeStep(art.step_lib, art.lib, info, art.graph, art.weights, self.step)
         if plan is None or mode == "eager" or not plan["decode"]["batch_sizes"]:
             return None
         if mode == "compiled":

@@ -1,13 +1,16 @@
-"""Running an artefact's native decode step (compiler/lower_step.py): one C call a step.
+"""Running an artefact's native step (compiler/lower_step.py): one C call a step.
 
-`NativeDecode` binds the step library once per runner: the kernel table from the
-artefact's kiln_cpu library, the weights' addresses in the order the manifest lists them
-(each checked against the byte size the step was generated for), the KV pool (checked to
-hold every layer the step reaches) and an activation arena that grows with the largest
-decode batch seen. A decode step then fills one `kiln_step_args` from the step buffers that
-runtime/step.py wrote and calls `kiln_step_decode`; logits come back in a fresh tensor.
-Every other step (prefill, extend, mixed) runs in the Python executor, as does every step
-of an artefact whose step was not lowered or not loaded.
+`NativeStep` binds the step library once per runner: the kernel table from the artefact's
+kiln_cpu library, the weights' addresses in the order the manifest lists them (each
+checked against the byte size the step was generated for), the KV pool (checked to hold
+every layer the step reaches) and an activation arena that grows with the largest step
+seen. Every step, decode, prefill, extend or mixed, is rows: each new token one row that
+attends to its sequence's keys up to its own (runtime/step.py `plan_rows`), so a prefill
+is the decode step's code over more rows, and the attention kernel scores a sequence's
+rows together (kernels/csrc/cpu_kernels.c, attend_runs). A step fills one
+`kiln_step_args` and calls `kiln_step_run`; logits come back in a fresh tensor. An
+artefact whose step was not lowered or not loaded runs every step in the Python executor,
+which stays the reference.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
+import numpy as np
 import torch
 
 from kiln.core.artefact import ArtefactError
@@ -24,7 +28,7 @@ from kiln.kernels.cpu import KernelError
 from kiln.runtime.executor import bound_kernel
 from kiln.runtime.step import StepContext, StepInputs
 
-STEP_ABI = 2  # compiler/lower_step.py STEP_ABI
+STEP_ABI = 3  # compiler/lower_step.py STEP_ABI
 ROPE_BLOCK = 1024  # positions the rotary tables grow by
 
 
@@ -49,6 +53,7 @@ class StepArgs(ctypes.Structure):
         ("slots", _P),
         ("kv_index", _P),
         ("kv_lens", _P),
+        ("kv_rows", _P),
         ("kv_pages", _I),
         ("page_size", _I),
         ("k_pool", _P),
@@ -63,8 +68,8 @@ class StepArgs(ctypes.Structure):
     ]
 
 
-class NativeDecode:
-    """Every decode step through the step library; `bucket` is None for other steps."""
+class NativeStep:
+    """Every step through the step library."""
 
     def __init__(
         self,
@@ -114,7 +119,10 @@ class NativeDecode:
         self.graph = graph
         self.weights = weights
         self.lib = step_lib
-        self.fn = step_lib.kiln_step_decode
+        self.fn = step_lib.kiln_step_run
+        # Prefill, extend and mixed steps too, where the capture plan says so.
+        plan = graph.plan
+        self.every_step = plan is not None and plan["prefill"]["mode"] == "native"
         self.width = int(step_lib.kiln_step_arena_width())
         self.vocab = int(step_lib.kiln_step_logits_width())
         self._tensors = tensors  # the weights the pointers below point into
@@ -136,7 +144,7 @@ class NativeDecode:
         self._pointer = ctypes.byref(a)
 
     def bucket(self, step: StepInputs) -> int | None:
-        return len(step.ids) if step.decode and step.ids else None
+        return len(step.ids) if step.ids and (step.decode or self.every_step) else None
 
     def warm_up(self, step: StepContext) -> None:
         self._reserve(16)
@@ -168,21 +176,18 @@ class NativeDecode:
             self.args.arena, self.args.cap = self.arena.data_ptr(), cap
 
     def run(self, step: StepContext, inputs: StepInputs, bucket: int) -> torch.Tensor:
-        ctx, ids, positions, rows = step.plan(inputs)
+        buf, sizes = step.plan_rows(inputs)
         m, r = len(inputs.ids), len(inputs.rows)
         self._reserve(m)
         self._rope_reach(max(inputs.positions))
         logits = torch.empty(r, self.vocab)
         a = self.args
         a.rows, a.out_rows = m, r
-        a.ids, a.positions, a.logits_rows = ids.data_ptr(), positions.data_ptr(), rows.data_ptr()
-        assert ctx.kv_index is not None and ctx.kv_lens is not None
-        a.slots, a.kv_index, a.kv_lens = (
-            ctx.out_slots.data_ptr(),
-            ctx.kv_index.data_ptr(),
-            ctx.kv_lens.data_ptr(),
+        at = buf.data_ptr() + 8 * np.concatenate(([0], np.cumsum(sizes)))
+        a.ids, a.positions, a.logits_rows, a.slots, a.kv_lens, a.kv_rows, a.kv_index = (
+            int(p) for p in at[:7]
         )
-        a.kv_pages = ctx.kv_width // ctx.page_size
+        a.kv_pages = sizes[6] // max(1, len(inputs.q_lens))
         a.logits = logits.data_ptr()
         a.threads = torch.get_num_threads()
         a.failed_at = -1

@@ -194,6 +194,35 @@ class StepContext:
             batch.plan_singles()
         return batch, d_ids, d_pos, d_rows
 
+    def plan_rows(self, step: StepInputs) -> tuple[torch.Tensor, np.ndarray]:
+        """Any step as the native step reads it (runtime/native_step.py): every new token a
+        row attending to its sequence's keys up to and including its own, through its
+        sequence's page table. One int64 buffer of ids, positions, logits rows, each row's
+        KV slot, KV length and page table (by sequence), then the tables [seqs, width]; and
+        the sizes of those parts. Host memory only (the native step is a CPU step)."""
+        n, seqs = len(step.ids), len(step.q_lens)
+        width = max(step.page_counts) if step.page_counts else 1
+        q = np.array(step.q_lens, dtype=np.int64)
+        counts = np.array(step.page_counts, dtype=np.int64)
+        pages = np.array(step.pages, dtype=np.int64)
+        seq_ids = np.arange(seqs)
+        owner = np.repeat(seq_ids, counts)
+        column = np.arange(len(pages)) - (np.cumsum(counts) - counts)[owner]
+        table = np.zeros((seqs, width), dtype=np.int64)
+        table[owner, column] = pages
+        row_seq = np.repeat(seq_ids, q)
+        # A row's KV length: its sequence's cached tokens, then the new ones through its own.
+        first = np.cumsum(q) - q
+        kv = (np.array(step.kv_lens, dtype=np.int64) - q)[row_seq] + np.arange(n) - first[row_seq]
+        kv += 1
+        pos = np.array(step.positions, dtype=np.int64)
+        size = self.page_size
+        slots = table[row_seq, (kv - 1) // size] * size + (kv - 1) % size
+        ids = np.array(step.ids, dtype=np.int64)
+        rows = np.array(step.rows, dtype=np.int64)
+        parts = (ids, pos, rows, slots, kv, row_seq, table.ravel())
+        return torch.from_numpy(np.concatenate(parts)), np.array([len(p) for p in parts])
+
     def _spans(self, step: StepInputs, table: torch.Tensor) -> list[SeqSpan]:
         """Per-sequence spans of a prefill or mixed step (its attention runs per sequence)."""
         size = self.page_size

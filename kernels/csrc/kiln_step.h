@@ -1,6 +1,6 @@
 /*
  * The head of every native step (compiler/lower_step.py): what a generated step function
- * `kiln_step_decode` calls and reads. A step is straight-line C that the compiler writes
+ * `kiln_step_run` calls and reads. A step is straight-line C that the compiler writes
  * from the graph, one call a node: every shape, weight index, attribute and arena offset is
  * a literal, and what changes per step (the rows, the step's ids, positions and pages, the
  * KV pool) comes in `kiln_step_args`.
@@ -17,7 +17,7 @@
 #include <stdint.h>
 #include <time.h>
 
-/* The kernels' signatures (kernels/native.py _SIGNATURES, ABI 9). */
+/* The kernels' signatures (kernels/native.py _SIGNATURES, ABI 10). */
 typedef void (*kiln_rmsnorm_fn)(const float *, int64_t, int64_t, const float *, float *,
                                 int64_t, int64_t, float, int);
 typedef void (*kiln_add_rmsnorm_fn)(const float *, const float *, const float *, float *,
@@ -43,12 +43,14 @@ typedef int (*kiln_qembedding_fn)(const int64_t *, int64_t, const void *, const 
                                   int64_t, int64_t, int64_t, float *);
 typedef int (*kiln_decode_attention_fn)(const float *, int64_t, const void *, const void *,
                                         int64_t, const int64_t *, int64_t, const int64_t *,
-                                        float *, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                        int64_t, float, int, float, float, const float *, int);
+                                        const int64_t *, float *, int64_t, int64_t, int64_t,
+                                        int64_t, int64_t, int64_t, float, int, float, float,
+                                        const float *, int);
 typedef int (*kiln_rope_decode_attention_fn)(const float *, int64_t, const float *,
                                              const float *, const int64_t *, float *, float *,
                                              int64_t, const int64_t *, int64_t,
-                                             const int64_t *, float *, int64_t, int64_t,
+                                             const int64_t *, const int64_t *, float *, int64_t,
+                                             int64_t,
                                              int64_t, int64_t, int64_t, int64_t, float, float,
                                              const float *, int);
 
@@ -71,18 +73,21 @@ typedef struct {
     kiln_softcap_fn softcap;
 } kiln_kernels;
 
-/* One decode step (every sequence feeds one token), as runtime/native_step.py fills it. */
+/* One step, as runtime/native_step.py fills it: every row one token, attending to its
+ * sequence's keys up to its own position (a decode step: one row a sequence; a prefill,
+ * extend or verify step: one a new token). */
 typedef struct {
     const kiln_kernels *k;
     const void *const *w;       /* the weights, in the order of the manifest's list */
     float *arena;               /* kiln_step_arena_width() x cap floats */
     int64_t cap;                /* rows the arena holds per value */
-    int64_t rows;               /* tokens (= sequences) this step, <= cap */
+    int64_t rows;               /* tokens this step, <= cap */
     int64_t out_rows;           /* logits rows */
     const int64_t *ids, *positions, *logits_rows;
     const int64_t *slots;       /* each new token's KV slot */
-    const int64_t *kv_index;    /* page table, rows x kv_pages */
-    const int64_t *kv_lens;     /* each sequence's length with its new token */
+    const int64_t *kv_index;    /* page tables, one a sequence, each kv_pages wide */
+    const int64_t *kv_lens;     /* each row's keys: its position + 1 */
+    const int64_t *kv_rows;     /* each row's page table (its sequence) */
     int64_t kv_pages;
     int64_t page_size;
     float *k_pool, *v_pool;     /* [layers, kv_heads, pool_slots, head_dim] */

@@ -18,7 +18,7 @@ from kiln.core.layout import stored_shape
 # How the capture plan (passes/capture_plan.py) may run each kind of step.
 CAPTURE_MODES = {
     "decode": ("cuda_graph", "compiled", "native", "eager"),
-    "prefill": ("piecewise", "eager"),
+    "prefill": ("piecewise", "native", "eager"),
 }
 
 # Runtime-provided graph inputs, in the order the executor passes them.

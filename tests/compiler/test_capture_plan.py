@@ -56,13 +56,15 @@ def test_the_plan_follows_the_flags(checkpoint, tmp_path: Path) -> None:
     for name, flags in runs.items():
         compile_model(ServerArgs(model_path=ckpt, **flags), tmp_path / name)
         got[name] = _plan(tmp_path / name)
-    # a CPU target lowers every decode step to one native call (compiler/lower_step.py);
-    # --disable-cuda-graph turns that off, as it turns off a GPU's recorded steps, and a
-    # tensor-parallel artefact (collectives between the kernels) keeps the executor
+    # a CPU target lowers every step, decode and prefill, to one native call
+    # (compiler/lower_step.py); --disable-cuda-graph turns that off, as it turns off a GPU's
+    # recorded steps, and a tensor-parallel artefact (collectives between the kernels) keeps
+    # the executor
     assert got["cpu"]["decode"] == {"mode": "native", "batch_sizes": [], "padding": True}
-    assert got["cpu-off"]["decode"] == {"mode": "eager", "batch_sizes": [], "padding": True}
-    assert got["cpu-tp2"]["decode"]["mode"] == "eager"
-    assert got["cpu"]["prefill"] == {"mode": "eager", "tokens": []}
+    assert got["cpu"]["prefill"] == {"mode": "native", "tokens": []}
+    for name in ("cpu-off", "cpu-tp2"):
+        assert got[name]["decode"] == {"mode": "eager", "batch_sizes": [], "padding": True}
+        assert got[name]["prefill"] == {"mode": "eager", "tokens": []}
     # one split at each layer's attention: the pieces between are static-shape
     graph = json.loads((tmp_path / "cpu/graph.json").read_text())["nodes"]
     attention = [n["name"] for n in graph if n["op"] in ("attention", "rope_attention")]

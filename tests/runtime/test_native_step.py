@@ -1,8 +1,9 @@
-"""The native decode step (compiler/lower_step.py, runtime/native_step.py): the compiler
-lowers a CPU artefact's decode step to one C function; the runtime calls it once a step.
+"""The native step (compiler/lower_step.py, runtime/native_step.py): the compiler lowers a
+CPU artefact's step to one C function; the runtime calls it once a step, every kind of step.
 
-It must be the Python executor's step to the bit (same kernels, same order, rotary rows
-from the same kernel), for every family and weight format it lowers; refuse by name what it
+A decode step must be the Python executor's to the bit (same kernels, same order, rotary
+rows from the same kernel), and a prefill, extend or mixed step close to it (its attention
+is another kernel), for every family and weight format it lowers; refuse by name what it
 cannot lower (the executor then runs the step); never run a step library this user's kiln
 did not build; and check what it binds (weights, KV pool) before the first call."""
 
@@ -18,13 +19,13 @@ from steps import Seqs, eager
 
 from kiln import Engine
 from kiln.compiler import report
-from kiln.compiler.lower_step import Refused, lower_decode
+from kiln.compiler.lower_step import Refused, lower_step
 from kiln.core.artefact import ArtefactError
 from kiln.kernels import native
 from kiln.kernels.cpu import KernelError
 from kiln.runtime.artefact import Artefact
 from kiln.runtime.model_runner import ModelRunner
-from kiln.runtime.native_step import NativeDecode
+from kiln.runtime.native_step import NativeStep
 
 # (family, compile args): what each brings to the lowering.
 CASES = {
@@ -51,7 +52,7 @@ def test_native_decode_is_the_executors_step_to_the_bit(artefact, case: str) -> 
     family, cargs = CASES[case]
     art = Artefact.open(artefact(family, compile_args=cargs))
     runner = ModelRunner(art, 2048)
-    assert isinstance(runner.decode, NativeDecode), art.graph.plan["decode"]  # lowered
+    assert isinstance(runner.decode, NativeStep), art.graph.plan["decode"]  # lowered
     seqs = Seqs(runner, PROMPTS)
     seqs.prefill()
     for which in (list(range(20)), [3, 0, 17], [5]):
@@ -64,6 +65,30 @@ def test_native_decode_is_the_executors_step_to_the_bit(artefact, case: str) -> 
             seqs.advance(step, which)
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_native_prefill_extend_and_mixed_steps_are_the_executors(artefact, case: str) -> None:
+    """Every kind of step as rows of the lowered step: fresh prompts (runs of rows scored
+    together, past one block of 32), then a mixed step of chunks over cached prefixes and
+    decode rows; every row's logits against the executor's on the same inputs and pool
+    (its prefill attention is another kernel: close, not to the bit)."""
+    family, cargs = CASES[case]
+    art = Artefact.open(artefact(family, compile_args=cargs))
+    runner = ModelRunner(art, 2048)
+    assert isinstance(runner.decode, NativeStep) and runner.decode.every_step
+    seqs = Seqs(runner, [[(5 * i + j) % 90 + 3 for j in range(n)] for i, n in enumerate(LENS)])
+    which = list(range(len(LENS)))
+    for new in (dict(enumerate(seqs.tokens)), {0: [9] * 25, 1: [4], 2: [7] * 5, 3: [8] * 30}):
+        step = seqs.step(which, new)
+        step.rows = list(range(len(step.ids)))  # every row's logits
+        want = eager(runner, step)  # the executor writes the step's K/V, then the native step
+        got = runner.run(step)
+        torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-4)
+        seqs.advance(step, which)
+
+
+LENS = [33, 3, 1, 20]
+
+
 def test_greedy_text_is_the_executors(artefact) -> None:
     """Through the engine: the same tokens with the step lowered and with it turned off."""
     native_art = artefact("llama")
@@ -71,7 +96,7 @@ def test_greedy_text_is_the_executors(artefact) -> None:
     prompts = ["hello world", "the cat sat on", "a"]
     greedy = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
     a, b = Engine(native_art), Engine(off)
-    assert isinstance(a.runner.decode, NativeDecode) and b.runner.decode is None
+    assert isinstance(a.runner.decode, NativeStep) and b.runner.decode is None
     assert [r["text"] for r in a.generate(prompts, greedy)] == [
         r["text"] for r in b.generate(prompts, greedy)
     ]
@@ -85,33 +110,33 @@ def test_what_cannot_be_lowered_runs_in_the_executor_and_says_why(artefact) -> N
     assert plan["decode"]["mode"] == "eager"
     assert "float8_e4m3fn KV pool" in plan["decode"]["native_refused"]
     text = report.format_summary(report.summary(art))
-    assert "step       decode in the Python executor: a float8_e4m3fn KV pool" in text
+    assert "step       every step in the Python executor: a float8_e4m3fn KV pool" in text
     assert report.step_source(art).startswith("no native step: a float8_e4m3fn KV pool")
     assert ModelRunner(Artefact.open(art), 256).decode is None
 
 
 def test_the_lowering_refuses_what_it_cannot_write_as_numbers(artefact) -> None:
     graph = Artefact.open(artefact("llama", compile_args={"page_size": 4})).graph
-    assert lower_decode(graph).calls > 0
+    assert lower_step(graph).calls > 0
     norm = next(n for n in graph.nodes if n.op == "rmsnorm")
     eps = norm.attrs["eps"]
     for bad in ("1.0f); abort(", float("nan"), True):
         norm.attrs["eps"] = bad
         with pytest.raises(Refused, match="eps"):
-            lower_decode(graph)
+            lower_step(graph)
     norm.attrs["eps"] = eps
     norm.meta["backend"] = "torch_native"
     with pytest.raises(Refused, match=f"%{norm.name}: rmsnorm on torch_native has no native"):
-        lower_decode(graph)
+        lower_step(graph)
 
 
 def test_inspect_shows_the_lowered_step(artefact) -> None:
     art = artefact("llama", compile_args={"page_size": 4})
     text = report.format_summary(report.summary(art))
-    assert "capture    decode native;" in text
-    assert "step       decode lowered to C: " in text
+    assert "capture    decode native; prefill native;" in text
+    assert "step       every step (decode, prefill, extend: a row a new token) lowered to C" in text
     source = report.step_source(art)
-    assert "int kiln_step_decode(kiln_step_args *s) {" in source
+    assert "int kiln_step_run(kiln_step_args *s) {" in source
     assert source.count("STEP_CALL(") >= 2 * 4  # two layers of linears and attention
 
 
@@ -147,9 +172,9 @@ def test_the_step_checks_what_it_binds(artefact) -> None:
     short = dict(art.weights)
     short[name] = art.weights[name].flatten()[:-1]
     with pytest.raises(ArtefactError, match=f"weight '{name}'"):
-        NativeDecode(art.step_lib, art.lib, info, art.graph, short, runner.step)
+        NativeStep(art.step_lib, art.lib, info, art.graph, short, runner.step)
     # a token id past the vocabulary: the embedding's own check, named
-    assert isinstance(runner.decode, NativeDecode)
+    assert isinstance(runner.decode, NativeStep)
     seqs = Seqs(runner, [[5, 6, 7]])
     seqs.prefill()
     step = seqs.step([0])
