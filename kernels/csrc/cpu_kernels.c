@@ -1174,92 +1174,67 @@ static inline vlf fp8_e4m3_to_f32(const uint8_t *p) {
     return f * 0x1p120f;
 }
 
-/* One tile: `rows` rows (xt: [k][xrows]) against `np` consecutive panels (panel bytes
- * `pstride` apart, their scales `sstride` floats apart). Always inlined with constant rows
- * and np, so the np x rows accumulators stay in registers. Decode rows take QPANELS panels
- * at once: one accumulator chain per panel would wait on the FMA latency every k, and
- * several weight streams keep more loads in flight; prefill rows take one panel and up to
- * TILE_ROWS rows, where the dequantized vector meets many rows. */
-static inline __attribute__((always_inline)) void qtile(
-    const float *xt, int64_t xrows, int64_t k, const uint8_t *panel, int64_t pstride,
-    const void *sc, int64_t sstride, int fmt, int64_t group, const float *bias, float *out,
-    int64_t n, int64_t cols, const int rows, const int np, const int mode) {
-    vlf acc[TILE_ROWS > QPANELS * QROWS ? TILE_ROWS : QPANELS * QROWS];
-    for (int i = 0; i < rows * np; i++) acc[i] = (vlf){0};
-    const int64_t groups = k / group;
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t k0 = g * group;
-        if (fmt == QFMT_UINT4 || fmt == QFMT_INT8M) {
-            vlf s[QPANELS > 1 ? QPANELS : 1], mn[QPANELS > 1 ? QPANELS : 1];
-            for (int p = 0; p < np; p++) {
-                s[p] = group_scale(scale_at(sc, p * sstride, mode), g, 0, 2, mode);
-                mn[p] = group_scale(scale_at(sc, p * sstride, mode), g, 1, 2, mode);
-            }
-            for (int64_t kk = k0; fmt == QFMT_INT8M && kk < k0 + group; kk++) {
-                const float *xk = xt + kk * xrows;
-                for (int p = 0; p < np; p++) {
-                    const uint8_t *q = panel + p * pstride + kk * LANES;
-                    __builtin_prefetch(q + PREFETCH_BYTES);
-                    const vlf w = to_float(widen_i8(q)) * s[p] + mn[p];
-                    for (int r = 0; r < rows; r++) acc[p * rows + r] += xk[r] * w;
-                }
-            }
-            for (int64_t kk = k0; fmt == QFMT_UINT4 && kk < k0 + group; kk += 2) {
-                const float *x0 = xt + kk * xrows, *x1 = x0 + xrows;
-                for (int p = 0; p < np; p++) {
-                    const uint8_t *q = panel + p * pstride + (kk / 2) * LANES;
-                    __builtin_prefetch(q + PREFETCH_BYTES);
-                    const vli u = widen_u8(q);
-                    const vlf w0 = to_float(u & 0xF) * s[p] + mn[p];
-                    const vlf w1 = to_float(u >> 4) * s[p] + mn[p];
-                    for (int r = 0; r < rows; r++) acc[p * rows + r] += x0[r] * w0 + x1[r] * w1;
-                }
-            }
-        } else if (fmt == QFMT_INT5 || fmt == QFMT_UINT5 || fmt == QFMT_INT6) {
-            /* The nibbles and a plane of top bits: one (5-bit codes, a plane byte per 8 k's)
-             * or two (6-bit, per 4 k's), OR-ed in above each nibble. */
-            const int tb = fmt == QFMT_INT6 ? 2 : 1, span = 8 / tb, top = tb == 2 ? 0x30 : 0x10;
-            vlf s[QPANELS > 1 ? QPANELS : 1], mn[QPANELS > 1 ? QPANELS : 1];
-            for (int p = 0; p < np; p++) {
-                const void *ps = scale_at(sc, p * sstride, mode);
-                s[p] = group_scale(ps, g, 0, scale_planes(fmt), mode);
-                mn[p] = fmt == QFMT_UINT5 ? group_scale(ps, g, 1, 2, mode)
-                                          : s[p] * (float)-code_offset(fmt);
-            }
-            for (int64_t kb = k0; kb < k0 + group; kb += span) {
-                for (int p = 0; p < np; p++) {
-                    const uint8_t *q = panel + p * pstride + (kb / 2) * LANES;
-                    __builtin_prefetch(q + PREFETCH_BYTES);
-                    const vli h = widen_u8(panel + p * pstride + (k / 2 + kb / span) * LANES) << 4;
-                    for (int j = 0; j < span / 2; j++) {
-                        const float *x0 = xt + (kb + 2 * j) * xrows, *x1 = x0 + xrows;
-                        const vli u = widen_u8(q + j * LANES);
-                        const vlf w0 = to_float((u & 0xF) | ((h >> (2 * j * tb)) & top)) * s[p] + mn[p];
-                        const vlf w1 =
-                            to_float((u >> 4) | ((h >> ((2 * j + 1) * tb)) & top)) * s[p] + mn[p];
-                        for (int r = 0; r < rows; r++)
-                            acc[p * rows + r] += x0[r] * w0 + x1[r] * w1;
-                    }
-                }
-            }
-        } else {
-            vlf s[QPANELS > 1 ? QPANELS : 1];
-            for (int p = 0; p < np; p++)
-                s[p] = group_scale(scale_at(sc, p * sstride, mode), g, 0, 1, mode);
-            for (int64_t kk = k0; kk < k0 + group; kk++) {
-                const float *xk = xt + kk * xrows;
-                for (int p = 0; p < np; p++) {
-                    const uint8_t *q = panel + p * pstride + kk * LANES;
-                    __builtin_prefetch(q + PREFETCH_BYTES);
-                    const vlf w = fmt == QFMT_INT8 ? to_float(widen_i8(q)) * s[p]
-                                                   : fp8_e4m3_to_f32(q) * s[p];
-                    for (int r = 0; r < rows; r++) acc[p * rows + r] += xk[r] * w;
-                }
+/* The LANES weights of one panel for inputs [g * group, (g + 1) * group) as floats into
+ * w ([group][LANES]): the codes decoded and scaled (and offset by the min, or the code
+ * offset) as the format stores them. The one decoder of a panel's codes for tall tiles and
+ * the wide path (decode tiles, qtile_decode, keep theirs fused with their FMAs). */
+static inline __attribute__((always_inline)) void dequant_group(
+    const uint8_t *panel, const void *sc, int64_t k, int64_t g, int fmt, int64_t group,
+    int mode, float *w) {
+    const int64_t k0 = g * group;
+    vlf *out = (vlf *)w;
+    if (fmt == QFMT_UINT4 || fmt == QFMT_INT8M) {
+        const vlf s = group_scale(sc, g, 0, 2, mode), mn = group_scale(sc, g, 1, 2, mode);
+        for (int64_t j = 0; fmt == QFMT_INT8M && j < group; j++)
+            out[j] = to_float(widen_i8(panel + (k0 + j) * LANES)) * s + mn;
+        for (int64_t j = 0; fmt == QFMT_UINT4 && j < group; j += 2) {
+            const vli u = widen_u8(panel + ((k0 + j) / 2) * LANES);
+            out[j] = to_float(u & 0xF) * s + mn;
+            out[j + 1] = to_float(u >> 4) * s + mn;
+        }
+    } else if (fmt == QFMT_INT5 || fmt == QFMT_UINT5 || fmt == QFMT_INT6) {
+        /* The nibbles and a plane of top bits: one (5-bit codes, a plane byte per 8 k's)
+         * or two (6-bit, per 4 k's), OR-ed in above each nibble. */
+        const int tb = fmt == QFMT_INT6 ? 2 : 1, span = 8 / tb, top = tb == 2 ? 0x30 : 0x10;
+        const vlf s = group_scale(sc, g, 0, scale_planes(fmt), mode);
+        const vlf mn = fmt == QFMT_UINT5 ? group_scale(sc, g, 1, 2, mode)
+                                         : s * (float)-code_offset(fmt);
+        for (int64_t kb = k0; kb < k0 + group; kb += span) {
+            const uint8_t *q = panel + (kb / 2) * LANES;
+            const vli h = widen_u8(panel + (k / 2 + kb / span) * LANES) << 4;
+            for (int j = 0; j < span / 2; j++) {
+                const vli u = widen_u8(q + j * LANES);
+                out[kb - k0 + 2 * j] = to_float((u & 0xF) | ((h >> (2 * j * tb)) & top)) * s + mn;
+                out[kb - k0 + 2 * j + 1] =
+                    to_float((u >> 4) | ((h >> ((2 * j + 1) * tb)) & top)) * s + mn;
             }
         }
+    } else {
+        const vlf s = group_scale(sc, g, 0, 1, mode);
+        for (int64_t j = 0; j < group; j++) {
+            const uint8_t *q = panel + (k0 + j) * LANES;
+            out[j] = (fmt == QFMT_INT8 ? to_float(widen_i8(q)) : fp8_e4m3_to_f32(q)) * s;
+        }
     }
-    for (int p = 0; p < np && p * LANES < cols; p++)
-        store_panel(&acc[p * rows], 1, rows, p * LANES, bias, out, n, cols);
+}
+
+/* Up to TILE_ROWS rows (xt: [k][xrows]) against one panel, a group dequantized at a time
+ * into `w` ([group][LANES]): the last, short item of a decode-sized call. */
+static inline __attribute__((always_inline)) void qtile(
+    const float *xt, int64_t xrows, int64_t k, const uint8_t *panel, const void *sc, int fmt,
+    int64_t group, const float *bias, float *out, int64_t n, int64_t cols, const int rows,
+    const int mode, float *w) {
+    vlf acc[TILE_ROWS];
+    for (int i = 0; i < rows; i++) acc[i] = (vlf){0};
+    for (int64_t g = 0; g < k / group; g++) {
+        dequant_group(panel, sc, k, g, fmt, group, mode, w);
+        for (int64_t j = 0; j < group; j++) {
+            const float *xk = xt + (g * group + j) * xrows;
+            const vlf wj = *(const vlf *)(w + j * LANES);
+            for (int r = 0; r < rows; r++) acc[r] += xk[r] * wj;
+        }
+    }
+    store_panel(acc, 1, rows, 0, bias, out, n, cols);
 }
 
 /* The decode tile: `rows` rows against QPANELS panels, with each group's scale (and min)
@@ -1367,46 +1342,91 @@ static inline __attribute__((always_inline)) void qtile_decode(
         store_panel(&acc[p * rows], 1, rows, p * LANES, bias, out, n, cols);
 }
 
-#define QTILE_ARGS xt, xrows, k, panel, pstride, sc, sstride, fmt, group, bias, out, n, cols
-#define QWIDE_CASE(R) \
+#define QDECODE_CASE(R) \
     case R: \
-        qtile_decode(xt, xs, xrows, k, panel, pstride, sc, sstride, fmt, group, bias, out, \
-                     n, cols, R, mode); \
+        qtile_decode(xt, xs, QROWS, k, panel, pstride, sc, sstride, fmt, group, bias, out, n, \
+                     cols, R, mode); \
         break;
 #define QTALL_CASE(R) \
-    case R: qtile(QTILE_ARGS, R, 1, mode); break;
+    case R: qtile(xt, QROWS, k, panel, sc, fmt, group, bias, out, n, cols, R, mode, w); break;
 
-/* `np` > 1: up to QROWS rows over QPANELS panels; else up to TILE_ROWS rows, one panel. */
-static void qtile_rows(const float *xt, const float *xs, int64_t xrows, int64_t k,
-                       const uint8_t *panel,
+/* Up to QROWS rows over QPANELS panels (np = QPANELS), or over one panel (the last, short
+ * item), a group at a time through w. */
+static void qtile_rows(const float *xt, const float *xs, int64_t k, const uint8_t *panel,
                        int64_t pstride, const void *sc, int64_t sstride, int fmt,
                        int64_t group, const float *bias, float *out, int64_t n, int64_t cols,
-                       int64_t rows, int np, int mode) {
+                       int64_t rows, int np, int mode, float *w) {
     if (np > 1) {
         switch (rows) {
-            QWIDE_CASE(1) QWIDE_CASE(2)
+            QDECODE_CASE(1) QDECODE_CASE(2)
 #if QROWS == 3
-            QWIDE_CASE(3)
+            QDECODE_CASE(3)
 #endif
             default: break;
         }
         return;
     }
     switch (rows) {
-        QTALL_CASE(1) QTALL_CASE(2) QTALL_CASE(3) QTALL_CASE(4)
-        QTALL_CASE(5) QTALL_CASE(6) QTALL_CASE(7) QTALL_CASE(8)
-#if TILE_ROWS == 16
-        QTALL_CASE(9) QTALL_CASE(10) QTALL_CASE(11) QTALL_CASE(12)
-        QTALL_CASE(13) QTALL_CASE(14) QTALL_CASE(15) QTALL_CASE(16)
+        QTALL_CASE(1) QTALL_CASE(2)
+#if QROWS == 3
+        QTALL_CASE(3)
 #endif
         default: break;
     }
 }
 
-/* x: [m, k] rows `x_stride` apart; q, scales: as above for `fmt`; `group` divides k (and is
- * even for QFMT_UINT4); bias: [n] or NULL; out: [m, n]. Up to QROWS rows run the
- * several-panel tile, more rows the one-panel tile. Returns -1 if the transposed copy of x
- * could not be allocated, -2 for a format or group it does not know, else 0. */
+/* Prefill-sized calls (more than QROWS rows): each item's GROUP_PANELS panels dequantized
+ * once into fp32 panels (`dq`, the packed layout of an fp32 weight), then the fp32 wide
+ * tiles over every row tile. The dequantizing was a tall tile's own work, redone for every
+ * 16 rows and sharing its ports with the FMAs: SmolLM2's Q4_0 linears at 128 rows ran at
+ * ~150 GFLOP/s against ~270 for fp32 weights on this Xeon. */
+static void qlinear_wide(const float *xt, int64_t m, int64_t k, const void *q,
+                         const void *scales, int fmt, int64_t group, int64_t n,
+                         const float *bias, float *out, int mode, int threads, int *failed) {
+    const int64_t panels = (n + LANES - 1) / LANES;
+    const int64_t items = (panels + GROUP_PANELS - 1) / GROUP_PANELS;
+    const int64_t tiles = (m + WIDE_ROWS - 1) / WIDE_ROWS;
+    const int64_t pstride = panel_code_bytes(fmt, k) * LANES;
+    const int64_t sstride = scale_stride(k, group, scale_planes(fmt), mode);
+#pragma omp parallel num_threads(threads) if (m * n * k >= PARALLEL_MIN_ELEMS)
+    {
+        float *dq = malloc((size_t)(GROUP_PANELS * k * LANES) * sizeof(float));
+        if (!dq) {
+#pragma omp atomic write
+            *failed = 1;
+        }
+#pragma omp barrier
+#pragma omp for schedule(guided)
+        for (int64_t it = 0; it < items; it++) {
+            if (*failed) continue;
+            const int64_t p0 = it * GROUP_PANELS, col0 = p0 * LANES;
+            const int64_t cols = n - col0 < GROUP_PANELS * LANES ? n - col0 : GROUP_PANELS * LANES;
+            for (int64_t p = 0; p < GROUP_PANELS; p++) {
+                float *d = dq + p * k * LANES;
+                if (p0 + p >= panels) {
+                    memset(d, 0, (size_t)(k * LANES) * sizeof(float));
+                    continue;
+                }
+                const uint8_t *panel = (const uint8_t *)q + (p0 + p) * pstride;
+                const void *sc = scale_at(scales, (p0 + p) * sstride, mode);
+                for (int64_t g = 0; g < k / group; g++)
+                    dequant_group(panel, sc, k, g, fmt, group, mode, d + g * group * LANES);
+            }
+            /* the next item's codes, a share a tile, as linear_f32 asks for its panels */
+            const int64_t lines = it + 1 < items ? GROUP_PANELS * pstride / 64 : 0;
+            const char *next = lines ? (const char *)q + (p0 + GROUP_PANELS) * pstride : NULL;
+            const int64_t share = (lines + tiles - 1) / tiles;
+            for (int64_t t = 0; t < tiles; t++) {
+                const int64_t rows = m - t * WIDE_ROWS < WIDE_ROWS ? m - t * WIDE_ROWS : WIDE_ROWS;
+                wide_rows(xt + t * k * WIDE_ROWS, k, dq, bias ? bias + col0 : NULL,
+                          out + t * WIDE_ROWS * n + col0, n, cols, rows,
+                          next ? next + t * share * 64 : NULL, share);
+            }
+        }
+        free(dq);
+    }
+}
+
 static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, const void *q,
                        const void *scales, int fmt, int64_t group, int64_t n, const float *bias,
                        float *out, int threads) {
@@ -1417,13 +1437,9 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
         group <= 0 || k % group || (fmt == QFMT_UINT4 && group % 2) || (five && group % 8) ||
         (six && group % 4) || (mode >= 2 && k % (group * mode)))
         return -2;
-    const int np = m <= QROWS ? QPANELS : 1;
-    const int64_t xrows = np > 1 ? QROWS : TILE_ROWS;
-    const int64_t panels = (n + LANES - 1) / LANES;
-    const int64_t items = (panels + np - 1) / np;
+    const int wide = m > QROWS;
+    const int64_t xrows = wide ? WIDE_ROWS : QROWS;
     const int64_t tiles = (m + xrows - 1) / xrows;
-    const int64_t pstride = panel_code_bytes(fmt, k) * LANES;
-    const int64_t sstride = scale_stride(k, group, scale_planes(fmt), mode);
     const int64_t groups = k / group;
     /* x transposed into tiles, then (decode tiles) each group's sum of x per row */
     float *xt = malloc((size_t)(tiles * (k + groups) * xrows) * sizeof(float));
@@ -1431,58 +1447,63 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
     float *xs = xt + tiles * k * xrows;
     /* Decode-sized inputs are copied on this thread: a few thousand floats, where each
      * worksharing loop's barrier would cost more than the copy (121 calls a token). */
-    const int copy_threads = m <= QROWS ? 1 : threads;
-#pragma omp parallel for collapse(2) num_threads(copy_threads)
+#pragma omp parallel for collapse(2) num_threads(wide ? threads : 1)
     for (int64_t t = 0; t < tiles; t++)
         for (int64_t kk = 0; kk < k; kk++)
             for (int64_t r = 0; r < xrows; r++) {
                 const int64_t row = t * xrows + r;
                 xt[(t * k + kk) * xrows + r] = row < m ? x[row * x_stride + kk] : 0.0f;
             }
-    if (np > 1) {
-        for (int64_t t = 0; t < tiles; t++)
-            for (int64_t g = 0; g < groups; g++)
-                for (int64_t r = 0; r < xrows; r++) {
-                    float sum = 0.0f;
-                    for (int64_t kk = g * group; kk < (g + 1) * group; kk++)
-                        sum += xt[(t * k + kk) * xrows + r];
-                    xs[(t * groups + g) * xrows + r] = sum;
-                }
+    int failed = 0;
+    if (wide) {
+        qlinear_wide(xt, m, k, q, scales, fmt, group, n, bias, out, mode, threads, &failed);
+        free(xt);
+        return failed ? -1 : 0;
     }
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t r = 0; r < QROWS; r++) {
+            float sum = 0.0f;
+            for (int64_t kk = g * group; kk < (g + 1) * group; kk++) sum += xt[kk * QROWS + r];
+            xs[g * QROWS + r] = sum;
+        }
+    const int64_t panels = (n + LANES - 1) / LANES;
+    const int64_t items = (panels + QPANELS - 1) / QPANELS;
+    const int64_t pstride = panel_code_bytes(fmt, k) * LANES;
+    const int64_t sstride = scale_stride(k, group, scale_planes(fmt), mode);
 #pragma omp parallel num_threads(threads) if (m * n * k >= PARALLEL_MIN_ELEMS)
     {
+        float *w = NULL; /* a group's weights, for the last item's panels one at a time */
 #pragma omp for schedule(guided)
         for (int64_t it = 0; it < items; it++) {
-            const int64_t p0 = it * np;
+            const int64_t p0 = it * QPANELS;
             const int64_t col0 = p0 * LANES;
-            const int64_t span = (panels - p0 < np ? panels - p0 : np) * LANES;
+            const int64_t span = (panels - p0 < QPANELS ? panels - p0 : QPANELS) * LANES;
             const int64_t cols = n - col0 < span ? n - col0 : span;
-            const int use = (int)((span / LANES) == np ? np : 1);
             const uint8_t *panel = (const uint8_t *)q + p0 * pstride;
             const void *sc = scale_at(scales, p0 * sstride, mode);
             const float *b = bias ? bias + col0 : NULL;
-            for (int64_t t = 0; t < tiles; t++) {
-                const int64_t rows = m - t * xrows < xrows ? m - t * xrows : xrows;
-                const float *xtt = xt + t * k * xrows;
-                float *o = out + t * xrows * n + col0;
-                if (use == np) {
-                    qtile_rows(xtt, xs + t * groups * xrows, xrows, k, panel, pstride, sc,
-                               sstride, fmt, group, b, o, n, cols, rows, np, mode);
-                } else {
-                    /* the last item, short of panels: one panel at a time */
-                    for (int64_t p = 0; p < span / LANES; p++) {
-                        const int64_t c0 = p * LANES;
-                        const int64_t w = cols - c0 < LANES ? cols - c0 : LANES;
-                        qtile_rows(xtt, NULL, xrows, k, panel + p * pstride, pstride,
-                                   scale_at(sc, p * sstride, mode), sstride, fmt, group,
-                                   b ? b + c0 : NULL, o + c0, n, w, rows, 1, mode);
-                    }
-                }
+            if (span / LANES == QPANELS) {
+                qtile_rows(xt, xs, k, panel, pstride, sc, sstride, fmt, group, b, out + col0, n,
+                           cols, m, QPANELS, mode, NULL);
+                continue;
+            }
+            if (!w && !(w = malloc((size_t)(group * LANES) * sizeof(float)))) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            for (int64_t p = 0; p < span / LANES; p++) {
+                const int64_t c0 = p * LANES;
+                const int64_t cw = cols - c0 < LANES ? cols - c0 : LANES;
+                qtile_rows(xt, NULL, k, panel + p * pstride, pstride,
+                           scale_at(sc, p * sstride, mode), sstride, fmt, group,
+                           b ? b + c0 : NULL, out + col0 + c0, n, cw, m, 1, mode, w);
             }
         }
+        free(w);
     }
     free(xt);
-    return 0;
+    return failed ? -1 : 0;
 }
 
 /* Lane c's scale (plane 0) or min (plane 1) of group g in a panel's scales `sc`. */
