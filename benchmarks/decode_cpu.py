@@ -3,6 +3,7 @@ each precision.
 
     python benchmarks/decode_cpu.py --llama-bench PATH/llama-bench          # every row
     python benchmarks/decode_cpu.py --llama-bench ... --rounds 7 --rows Q4_1 "Q4_1 +a8"
+    python benchmarks/decode_cpu.py --llama-bench AVX2_BUILD/llama-bench --target-isa avx2
 
 The model is SmolLM2-135M-Instruct (`python -m kiln.example --fetch smollm2`, a Q4_1 GGUF
 file). For each precision llama.cpp's own `llama-quantize` (found beside llama-bench) writes
@@ -15,9 +16,14 @@ Decode: kiln's engine (its own process) generates --decode-tokens after a --dept
 prompt, its rate (tokens - 1) over the time of that generation minus a one-token one;
 llama-bench runs `-p 0 -n N -d DEPTH -t THREADS -r 1` (N tokens generated at that depth).
 Prefill: kiln's time to the first token of a --prefill-tokens prompt; llama-bench `-p P -n 0`.
-Rounds alternate kiln, llama-bench, kiln, ...; each figure is the median of the rounds with
-the spread (min-max). The roofline is the measured read bandwidth over the weight bytes one
-decode step reads (the artefact's weight file; for llama.cpp its file).
+--target-isa compiles kiln's kernels and step for that x86-64 level (`kiln compile
+--target-isa`); pair it with a llama.cpp built for the same level (for AVX2:
+`-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF`) to
+measure that level's code on a machine that has more (torch's own ops still pick their
+level at run time). Rounds alternate kiln, llama-bench, kiln, ...; each figure is the
+median of the rounds with the spread (min-max). The roofline is the measured read
+bandwidth over the weight bytes one decode step reads (the artefact's weight file; for
+llama.cpp its file).
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ def main() -> None:
     p.add_argument("--prefill-tokens", type=int, default=128)
     p.add_argument("--depth", type=int, default=128, help="context before the decoded tokens")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--target-isa", default="native", help="kiln compile --target-isa")
     args = p.parse_args()
 
     from kiln.args import ServerArgs
@@ -101,7 +108,8 @@ def main() -> None:
                 files[precision] = gguf_for(precision, shipped, work, quantizer)
         gguf = files[peer]
         art = work / f"art-{len(rows)}"
-        compile_model(ServerArgs(model_path=str(files[mine]), **flags), art)
+        spec = ServerArgs(model_path=str(files[mine]), target_isa=args.target_isa, **flags)
+        compile_model(spec, art)
         step_bytes = (art / "weights" / "rank0.safetensors").stat().st_size
         kiln = KilnProcess(art, args.threads)
         got: dict[str, list[tuple[float, float]]] = {"kiln": [], "llama.cpp": []}
@@ -136,7 +144,8 @@ def main() -> None:
 
     print_table(
         f"Batch-1 decode at a {args.depth}-token depth and {args.prefill_tokens}-token "
-        "prefill, SmolLM2-135M-Instruct, kiln against llama-bench",
+        f"prefill, SmolLM2-135M-Instruct, kiln (--target-isa {args.target_isa}) against "
+        f"llama-bench ({args.llama_bench})",
         bw,
         args.rounds,
         args.threads,
