@@ -403,6 +403,23 @@ typedef v8f vaf;
 #define AT_QB 32             /* rows a block */
 #define RUN_MIN 4            /* rows that make a run worth blocking */
 
+/* acc[t][c] += a[t * a_stride] * b[c] for the tile's t_n queries (the rest of the tile
+ * repeats the first; its sums are never stored): the scores' and the output's inner step,
+ * AT_QT broadcast scalars against four vectors. */
+static inline __attribute__((always_inline)) void rank1_tile(vaf acc[AT_QT][4], const float *a,
+                                                             int64_t a_stride, int64_t t_n,
+                                                             const float *b) {
+    const vaf *v = (const vaf *)b;
+    const vaf b0 = v[0], b1 = v[1], b2 = v[2], b3 = v[3];
+    for (int64_t t = 0; t < AT_QT; t++) {
+        const float x = a[(t < t_n ? t : 0) * a_stride];
+        acc[t][0] += x * b0;
+        acc[t][1] += x * b1;
+        acc[t][2] += x * b2;
+        acc[t][3] += x * b3;
+    }
+}
+
 /* One block: rows [b0, b1) of a run read through page table `pt`, query heads of KV head kh
  * (kb / vb: that head's slots). `work` holds attend_block_floats(group, dim) floats. */
 static int64_t attend_block_floats(int64_t group, int64_t dim) {
@@ -452,17 +469,8 @@ static void attend_block(const float *q, int64_t q_stride, const float *kb, cons
         for (int64_t i = 0; i < nq; i += AT_QT) {
             const int64_t t_n = nq - i < AT_QT ? nq - i : AT_QT;
             vaf acc[AT_QT][4] = {{{0}}};
-            for (int64_t d = 0; d < dim; d++) {
-                const vaf *k = (const vaf *)(Kt + d * AT_KC);
-                const vaf k0 = k[0], k1 = k[1], k2 = k[2], k3 = k[3];
-                for (int64_t t = 0; t < AT_QT; t++) {
-                    const float qs = Q[(i + (t < t_n ? t : 0)) * dim + d];
-                    acc[t][0] += qs * k0;
-                    acc[t][1] += qs * k1;
-                    acc[t][2] += qs * k2;
-                    acc[t][3] += qs * k3;
-                }
-            }
+            for (int64_t d = 0; d < dim; d++)
+                rank1_tile(acc, Q + i * dim + d, dim, t_n, Kt + d * AT_KC);
             for (int64_t t = 0; t < t_n; t++)
                 for (int c = 0; c < 4; c++) *(vaf *)(S + (i + t) * AT_KC + c * AT_LANES) = acc[t][c];
         }
@@ -504,17 +512,8 @@ static void attend_block(const float *q, int64_t q_stride, const float *kb, cons
                     for (int c = 0; c < 4; c++)
                         acc[t][c] = *(const vaf *)(O + (i + (t < t_n ? t : 0)) * dim + d0 +
                                                    c * AT_LANES);
-                for (int64_t j = 0; j < kc; j++) {
-                    const vaf *v = (const vaf *)(vb + offs[j] + d0);
-                    const vaf v0 = v[0], v1 = v[1], v2 = v[2], v3 = v[3];
-                    for (int64_t t = 0; t < AT_QT; t++) {
-                        const float p = S[(i + (t < t_n ? t : 0)) * AT_KC + j];
-                        acc[t][0] += p * v0;
-                        acc[t][1] += p * v1;
-                        acc[t][2] += p * v2;
-                        acc[t][3] += p * v3;
-                    }
-                }
+                for (int64_t j = 0; j < kc; j++)
+                    rank1_tile(acc, S + i * AT_KC + j, AT_KC, t_n, vb + offs[j] + d0);
                 for (int64_t t = 0; t < t_n; t++)
                     for (int c = 0; c < 4; c++)
                         *(vaf *)(O + (i + t) * dim + d0 + c * AT_LANES) = acc[t][c];
@@ -916,6 +915,7 @@ static void wide_rows(const float *xt, int64_t k, const float *panel, const floa
 static int linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k,
                       const float *packed, int64_t n, const float *bias, float *out, int wide,
                       int threads) {
+    if (m <= 0) return 0; /* a step's logits of no rows (a prompt chunk that samples none) */
     const int64_t tile = wide ? WIDE_ROWS : TILE_ROWS;
     const int64_t step = wide ? GROUP_PANELS : 1; /* panels per work item */
     const int64_t groups = (n + LANES * GROUP_PANELS - 1) / (LANES * GROUP_PANELS);
@@ -1438,6 +1438,7 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
         group <= 0 || k % group || (fmt == QFMT_UINT4 && group % 2) || (five && group % 8) ||
         (six && group % 4) || (mode >= 2 && k % (group * mode)))
         return -2;
+    if (m <= 0) return 0;
     const int wide = m > QROWS;
     const int64_t xrows = wide ? WIDE_ROWS : QROWS;
     const int64_t tiles = (m + xrows - 1) / xrows;

@@ -74,11 +74,12 @@ def test_rmsnorm_and_add_rmsnorm(backend: str, rows: int) -> None:
 
 
 @pytest.mark.parametrize("backend", NATIVE)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 13, 16, 17, 33, 64, 65])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 8, 9, 13, 16, 17, 33, 64, 65])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_linear_both_micro_kernels(backend: str, rows: int, with_bias: bool) -> None:
     # 1000 outputs: the last panel and the last group are partial; rows across the tiles'
-    # edges of both micro-kernels (narrow_rows [0, 0]: all wide; [1, 128]: all narrow)
+    # edges of both micro-kernels (narrow_rows [0, 0]: all wide; [1, 128]: all narrow); no
+    # rows at all (the logits of a prompt chunk that samples nothing)
     lib = library(backend.partition("/")[2])
     lanes, group = lib.kiln_linear_lanes(), lib.kiln_linear_group_panels()
     x, w = torch.randn(rows, 96), torch.randn(1000, 96)
@@ -154,7 +155,7 @@ QUANT_CASES = [
 
 @BOTH
 @pytest.mark.parametrize(("fmt", "group"), QUANT_CASES)
-@pytest.mark.parametrize("rows", [1, 3, 8, 17, 40])
+@pytest.mark.parametrize("rows", [0, 1, 3, 8, 17, 40])
 def test_quant_linear_matches_its_dequantized_weight(
     backend: str, fmt: str, group: int, rows: int
 ) -> None:
