@@ -2,8 +2,8 @@
 
     python benchmarks/step_profile.py ARTEFACT [--depth 128] [--steps 64] [--threads 2]
 
-Runs kiln's engine on a compiled CPU artefact whose decode step is lowered (`kiln inspect`
-says "decode lowered to C"): a --depth-token prompt, then --steps greedy decode steps at
+Runs kiln's engine on a compiled CPU artefact whose step is lowered (`kiln inspect`
+says "... lowered to C"): a --depth-token prompt, then --steps greedy decode steps at
 batch 1 with the step's clock readings on (runtime/native_step.py `profile`: one reading
 before the first call and after each). Prints, per kind of call (op, weight format, shape),
 the time a step spends in it, the bytes of weights it reads, and the bandwidth that makes,
