@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-import numpy as np
 import torch
 
 from kiln.core.artefact import ArtefactError
@@ -176,18 +175,20 @@ class NativeStep:
             self.args.arena, self.args.cap = self.arena.data_ptr(), cap
 
     def run(self, step: StepContext, inputs: StepInputs, bucket: int) -> torch.Tensor:
-        buf, sizes = step.plan_rows(inputs)
+        buf, width = step.plan_rows(inputs)
         m, r = len(inputs.ids), len(inputs.rows)
         self._reserve(m)
         self._rope_reach(max(inputs.positions))
         logits = torch.empty(r, self.vocab)
         a = self.args
         a.rows, a.out_rows = m, r
-        at = buf.data_ptr() + 8 * np.concatenate(([0], np.cumsum(sizes)))
-        a.ids, a.positions, a.logits_rows, a.slots, a.kv_lens, a.kv_rows, a.kv_index = (
-            int(p) for p in at[:7]
-        )
-        a.kv_pages = sizes[6] // max(1, len(inputs.q_lens))
+        # plan_rows' parts, 8 bytes an entry: ids, positions (m each), logits rows (r), then
+        # slots, KV lengths, page-table rows (m each), then the tables
+        base = buf.data_ptr()
+        a.ids, a.positions, a.logits_rows = base, base + 8 * m, base + 16 * m
+        at = base + 8 * (2 * m + r)
+        a.slots, a.kv_lens, a.kv_rows, a.kv_index = (at + 8 * m * i for i in range(4))
+        a.kv_pages = width
         a.logits = logits.data_ptr()
         a.threads = torch.get_num_threads()
         a.failed_at = -1

@@ -40,8 +40,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from kiln.runtime.scheduler import Batch
 
 if TYPE_CHECKING:
@@ -272,11 +270,6 @@ class DraftSeq:
     kv_len: int = 0
 
 
-# A draft model's catch-up at most this many tokens a request runs as decode rows of the
-# native step; more (a new prompt) as a prefill.
-CATCH_UP_ROWS = 16
-
-
 class DraftModel:
     """A STANDALONE artefact's draft model: its own runner and KV pool, a DraftSeq per
     request (`req.draft`). `propose` first feeds the draft every token of the request it
@@ -306,14 +299,10 @@ class DraftModel:
             return drafts
         fed = [req.all_ids[seq.kv_len :] for _, req, seq in live]
         seqs = [seq for _, _, seq in live]
-        if max(map(len, fed)) <= CATCH_UP_ROWS:
-            batch = Batch(seqs, fed, [True] * len(seqs), is_prefill=False, verify=True)  # type: ignore[arg-type]
-            logits = self.runner.forward(batch)
-            ends = itertools.accumulate(map(len, fed))  # each request's rows end there
-            logits = logits[torch.tensor([end - 1 for end in ends])]
-        else:
-            batch = Batch(seqs, fed, [True] * len(seqs), is_prefill=True)  # type: ignore[arg-type]
-            logits = self.runner.forward(batch)
+        # The catch-up, whatever its length, is one step (a prefill's form: the last row of
+        # each request comes back); a CPU artefact runs it as rows of the native step.
+        batch = Batch(seqs, fed, [True] * len(seqs), is_prefill=True)  # type: ignore[arg-type]
+        logits = self.runner.forward(batch)
         for seq, tokens in zip(seqs, fed, strict=True):
             seq.kv_len += len(tokens)
         nxt = logits.argmax(dim=-1).tolist()

@@ -162,15 +162,9 @@ class StepContext:
         rows = np.array(step.rows + list(range(n, total)) if pad else step.rows, dtype=np.int64)
         q = np.array(step.q_lens + [1] * pad, dtype=np.int64)
         kv = np.array(step.kv_lens + [1] * pad, dtype=np.int64)
-        counts = np.array(step.page_counts + [1] * pad, dtype=np.int64)
-        pages = np.array(step.pages + [self.pad_page] * pad, dtype=np.int64)
-        seq_ids = np.arange(nseq)
-        owner = np.repeat(seq_ids, counts)
-        column = np.arange(len(pages)) - (np.cumsum(counts) - counts)[owner]
-        table = np.zeros((nseq, width), dtype=np.int64)
-        table[owner, column] = pages
+        table = page_table(step.page_counts + [1] * pad, step.pages + [self.pad_page] * pad, width)
         size = self.page_size
-        slots = table[np.repeat(seq_ids, q), pos // size] * size + pos % size
+        slots = table[np.repeat(np.arange(nseq), q), pos // size] * size + pos % size
         host = np.concatenate((ids, pos, rows, slots, kv, q, np.cumsum(q) - q, table.ravel()))
         arena = self.fixed if fixed else self.arena
         arena[: len(host)].copy_(torch.from_numpy(host), non_blocking=True)
@@ -194,23 +188,17 @@ class StepContext:
             batch.plan_singles()
         return batch, d_ids, d_pos, d_rows
 
-    def plan_rows(self, step: StepInputs) -> tuple[torch.Tensor, np.ndarray]:
+    def plan_rows(self, step: StepInputs) -> tuple[torch.Tensor, int]:
         """Any step as the native step reads it (runtime/native_step.py): every new token a
         row attending to its sequence's keys up to and including its own, through its
         sequence's page table. One int64 buffer of ids, positions, logits rows, each row's
         KV slot, KV length and page table (by sequence), then the tables [seqs, width]; and
-        the sizes of those parts. Host memory only (the native step is a CPU step)."""
-        n, seqs = len(step.ids), len(step.q_lens)
+        the tables' width. Host memory only (the native step is a CPU step)."""
+        n = len(step.ids)
         width = max(step.page_counts) if step.page_counts else 1
         q = np.array(step.q_lens, dtype=np.int64)
-        counts = np.array(step.page_counts, dtype=np.int64)
-        pages = np.array(step.pages, dtype=np.int64)
-        seq_ids = np.arange(seqs)
-        owner = np.repeat(seq_ids, counts)
-        column = np.arange(len(pages)) - (np.cumsum(counts) - counts)[owner]
-        table = np.zeros((seqs, width), dtype=np.int64)
-        table[owner, column] = pages
-        row_seq = np.repeat(seq_ids, q)
+        table = page_table(step.page_counts, step.pages, width)
+        row_seq = np.repeat(np.arange(len(q)), q)
         # A row's KV length: its sequence's cached tokens, then the new ones through its own.
         first = np.cumsum(q) - q
         kv = (np.array(step.kv_lens, dtype=np.int64) - q)[row_seq] + np.arange(n) - first[row_seq]
@@ -221,7 +209,7 @@ class StepContext:
         ids = np.array(step.ids, dtype=np.int64)
         rows = np.array(step.rows, dtype=np.int64)
         parts = (ids, pos, rows, slots, kv, row_seq, table.ravel())
-        return torch.from_numpy(np.concatenate(parts)), np.array([len(p) for p in parts])
+        return torch.from_numpy(np.concatenate(parts)), width
 
     def _spans(self, step: StepInputs, table: torch.Tensor) -> list[SeqSpan]:
         """Per-sequence spans of a prefill or mixed step (its attention runs per sequence)."""
@@ -234,3 +222,14 @@ class StepContext:
             spans.append(SeqSpan(start, q, kv, slots[i, :kv], table[i, :count]))
             start += q
         return spans
+
+
+def page_table(counts: list[int], pages: list[int], width: int) -> np.ndarray:
+    """Sequences' pages (back to back, `counts` each) as a table [sequences, width],
+    zero-padded."""
+    count = np.array(counts, dtype=np.int64)
+    owner = np.repeat(np.arange(len(count)), count)
+    column = np.arange(len(pages)) - (np.cumsum(count) - count)[owner]
+    table = np.zeros((len(count), width), dtype=np.int64)
+    table[owner, column] = np.array(pages, dtype=np.int64)
+    return table

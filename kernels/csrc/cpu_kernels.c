@@ -1444,7 +1444,7 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
     const int64_t tiles = (m + xrows - 1) / xrows;
     const int64_t groups = k / group;
     /* x transposed into tiles, then (decode tiles) each group's sum of x per row */
-    float *xt = malloc((size_t)(tiles * (k + groups) * xrows) * sizeof(float));
+    float *xt = malloc((size_t)(tiles * k * xrows + (wide ? 0 : groups * xrows)) * sizeof(float));
     if (!xt) return -1;
     float *xs = xt + tiles * k * xrows;
     /* Decode-sized inputs are copied on this thread: a few thousand floats, where each

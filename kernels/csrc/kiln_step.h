@@ -50,9 +50,8 @@ typedef int (*kiln_rope_decode_attention_fn)(const float *, int64_t, const float
                                              const float *, const int64_t *, float *, float *,
                                              int64_t, const int64_t *, int64_t,
                                              const int64_t *, const int64_t *, float *, int64_t,
-                                             int64_t,
-                                             int64_t, int64_t, int64_t, int64_t, float, float,
-                                             const float *, int);
+                                             int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                                             float, const float *, int);
 
 /* In kernels/native.py STEP_KERNELS order. */
 typedef struct {
