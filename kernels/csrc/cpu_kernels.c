@@ -1751,8 +1751,18 @@ static int a8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k,
  * for GA8_INT5 and GA8_INT6. */
 enum { GA8_UINT4 = 0, GA8_INT8 = 1, GA8_UINT5 = 2, GA8_INT5 = 3, GA8_INT6 = 4, GA8_INT8H = 5,
        GA8_INT8MH = 6 };
+/* The tile over many rows: with VNNI 4 rows x 2 panels; without it 8 rows x 1 panel, each
+ * block's nibble decode (and the bit planes' spread, the dear part on AVX2) shared by 8
+ * rows where the AVX2 registers hold no second panel's sums (SmolLM2's 576 x 1536 at 128
+ * rows, one core, AVX2 build: Q4_0 37 -> 56, Q6_K 28 -> 36, Q8_0 29 -> 38 GMAC/s; 4 x 2
+ * with the int16 sums was slower than before them, its 16 accumulators spilled). */
+#if A8_VNNI
 #define GA8_ROWS 4
 #define GA8_PANELS 2
+#else
+#define GA8_ROWS 8
+#define GA8_PANELS 1
+#endif
 
 /* The 4-byte dot product per int32 lane, acc += sum_j u[j] s[j] (u unsigned, s signed
  * bytes), at the build's vector width: vpdpbusd with VNNI; else vpmaddubsw (pairs into
@@ -1777,6 +1787,8 @@ typedef __m512i vbyte;
 #define GA8_DOT(acc, u, s) \
     _mm512_add_epi32((acc), _mm512_madd_epi16(_mm512_maddubs_epi16((u), (s)), \
                                               _mm512_set1_epi16(1)))
+#define GA8_DOT16(acc, u, s) _mm512_add_epi16((acc), _mm512_maddubs_epi16((u), (s)))
+#define GA8_WIDEN(acc, s16) _mm512_add_epi32((acc), _mm512_madd_epi16((s16), _mm512_set1_epi16(1)))
 #define GA8_ABS(q) _mm512_abs_epi8(q)
 #define GA8_SIGN(x, q) \
     _mm512_mask_sub_epi8((x), _mm512_movepi8_mask(q), _mm512_setzero_si512(), (x))
@@ -1794,6 +1806,8 @@ typedef __m256i vbyte;
 #define GA8_DOT(acc, u, s) \
     _mm256_add_epi32((acc), _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), \
                                               _mm256_set1_epi16(1)))
+#define GA8_DOT16(acc, u, s) _mm256_add_epi16((acc), _mm256_maddubs_epi16((u), (s)))
+#define GA8_WIDEN(acc, s16) _mm256_add_epi32((acc), _mm256_madd_epi16((s16), _mm256_set1_epi16(1)))
 #define GA8_ABS(q) _mm256_abs_epi8(q)
 #define GA8_SIGN(x, q) _mm256_sign_epi8((x), (q))
 #define GA8_FLIP(x) _mm256_xor_si256((x), _mm256_set1_epi8((char)0x80))
@@ -1844,6 +1858,14 @@ static inline int64_t ga8_code_bytes(int kind, int64_t k) {
                                 : k / 2 + k / 8;
 }
 
+/* Without VNNI, the blocks of nibble codes whose maddubs pairs sum in int16 before they
+ * are widened: a block adds two pairs a lane, each at most 2 qmax 127 (|xq| <= 127), so
+ * 4 blocks of 4-bit codes (8 x 3810 = 30480), 2 of 5-bit (4 x 7874), 1 of 6-bit (2 x
+ * 16002) stay under 32767. A power of two. */
+static inline int64_t ga8_span(int kind) {
+    return kind == GA8_UINT4 ? 4 : kind == GA8_INT6 ? 1 : 2;
+}
+
 /* x rows -> int8 codes per group (xq, or xq + 128 for GA8_INT8) and per group GA8_XG
  * floats: sx, sx * sum xq, and sum xq itself (an integer, exact in a float). */
 #define GA8_XG 3
@@ -1887,6 +1909,11 @@ static inline __attribute__((always_inline)) void ga8_tile(
 #if GA8_SIMD
         vbyte ia[GA8_PANELS * GA8_ROWS];
         for (int i = 0; i < np * rows; i++) ia[i] = GA8_ZERO();
+#if GA8_SIGNED_INT8
+        vbyte s16[GA8_PANELS * GA8_ROWS];
+        for (int i = 0; i < np * rows; i++) s16[i] = GA8_ZERO();
+        const int64_t span = ga8_span(kind);
+#endif
         for (int64_t b = 0; b < blocks; b++) {
             for (int p = 0; p < np; p++) {
                 const uint8_t *q = panel + p * pstride + (g * blocks + b) * LANES * 4;
@@ -1915,11 +1942,36 @@ static inline __attribute__((always_inline)) void ga8_tile(
                             hi = ga8_plane(hi, bits + sixth - fifth, 1, 0x20);
                         }
                     }
+#if GA8_SIGNED_INT8
+                    /* maddubs' int16 pairs summed in int16 for `span` blocks (ga8_span),
+                     * widened to int32 once: two instructions a pair of bytes fewer, where
+                     * a tile has the rows to fill the vector ports (a row or two gained
+                     * nothing and lost 20% in cache: the one accumulator's chain) */
+                    if (rows < 4) {
+                        for (int r = 0; r < rows; r++) {
+                            const uint32_t *xr = xw + r * kw + 2 * b;
+                            ia[p * rows + r] = GA8_DOT(ia[p * rows + r], lo, GA8_SET1((int)xr[0]));
+                            ia[p * rows + r] = GA8_DOT(ia[p * rows + r], hi, GA8_SET1((int)xr[1]));
+                        }
+                        continue;
+                    }
+                    for (int r = 0; r < rows; r++) {
+                        const uint32_t *xr = xw + r * kw + 2 * b;
+                        vbyte t = GA8_DOT16(s16[p * rows + r], lo, GA8_SET1((int)xr[0]));
+                        s16[p * rows + r] = GA8_DOT16(t, hi, GA8_SET1((int)xr[1]));
+                    }
+                    if (((b + 1) & (span - 1)) == 0 || b + 1 == blocks)
+                        for (int r = 0; r < rows; r++) {
+                            ia[p * rows + r] = GA8_WIDEN(ia[p * rows + r], s16[p * rows + r]);
+                            s16[p * rows + r] = GA8_ZERO();
+                        }
+#else
                     for (int r = 0; r < rows; r++) {
                         const uint32_t *xr = xw + r * kw + 2 * b;
                         ia[p * rows + r] = GA8_DOT(ia[p * rows + r], lo, GA8_SET1((int)xr[0]));
                         ia[p * rows + r] = GA8_DOT(ia[p * rows + r], hi, GA8_SET1((int)xr[1]));
                     }
+#endif
                 } else {
 #if GA8_SIGNED_INT8
                     const vbyte aw = GA8_ABS(w);
@@ -2003,6 +2055,13 @@ static inline __attribute__((always_inline)) void ga8_tile(
     case R: \
         ga8_tile(xb, k, xg, group, pp, pstride, sp, sstride, kind, mode, bp, op, n, w, R, NP); \
         break;
+#if GA8_ROWS == 8
+#define GA8_CASES(NP) \
+    GA8_CASE(1, NP) GA8_CASE(2, NP) GA8_CASE(3, NP) GA8_CASE(4, NP) GA8_CASE(5, NP) \
+    GA8_CASE(6, NP) GA8_CASE(7, NP) GA8_CASE(8, NP)
+#else
+#define GA8_CASES(NP) GA8_CASE(1, NP) GA8_CASE(2, NP) GA8_CASE(3, NP) GA8_CASE(4, NP)
+#endif
 
 /* x: [m, k] rows `x_stride` apart; codes, scales as above; out: [m, n]. Returns -1
  * without scratch memory, -2 for a kind it does not know or a group it cannot take
@@ -2041,18 +2100,20 @@ static int ga8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k
              * faster than two interleaved (SmolLM2 Q8_0 +a8, all linears of a step in order
              * on 2 Zen 4 cores: 5.5 -> 3.6 ms, 26 -> 40 GB/s); the last, short item one at
              * a time always */
-            const int both = have == GA8_PANELS && m > GA8_ROWS;
+            const int both = GA8_PANELS > 1 && have == GA8_PANELS && m > GA8_ROWS;
             for (int64_t p = 0; p < have; p += (both ? GA8_PANELS : 1)) {
                 const int64_t c0 = p * LANES, w = span - c0;
                 const uint8_t *pp = codes + (p0 + p) * pstride;
                 const void *sp = scale_at(scales, (p0 + p) * sstride, mode);
                 const float *bp = bias ? bias + col0 + c0 : NULL;
                 float *op = out + r0 * n + col0 + c0;
+#if GA8_PANELS > 1
                 if (both) {
-                    switch (rows) { GA8_CASE(1, 2) GA8_CASE(2, 2) GA8_CASE(3, 2) GA8_CASE(4, 2) default: break; }
-                } else {
-                    switch (rows) { GA8_CASE(1, 1) GA8_CASE(2, 1) GA8_CASE(3, 1) GA8_CASE(4, 1) default: break; }
+                    switch (rows) { GA8_CASES(GA8_PANELS) default: break; }
+                    continue;
                 }
+#endif
+                switch (rows) { GA8_CASES(1) default: break; }
             }
         }
     }

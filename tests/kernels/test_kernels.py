@@ -244,6 +244,29 @@ def test_super_block_linear_matches_its_dequantized_weight(
 
 
 @BOTH
+@SUPER_BLOCKS
+def test_int8_activation_sums_at_their_bound_do_not_wrap(backend: str, fmt: str) -> None:
+    """Without VNNI the maddubs pairs of 4-, 5- and 6-bit codes are summed in int16 over
+    several blocks before they are widened: every code at its top and every activation at
+    +-127 (a constant row) is the largest those sums get; a tile of 8 rows and one of 9
+    (8 + 1) give the float64 reference's numbers, nothing wrapped or saturated."""
+    lanes, form = _lanes(backend), FORMATS[fmt]
+    q, records = random_super_blocks(fmt, 64, 512)
+    q.fill_({"uint4k": 15, "uint5k": 31, "int6k": 63}[fmt])
+    a8, group = FORMATS[f"{fmt}_a8"], form.gguf[0][1]
+    codes = pack_qpanels(q, f"{a8.layout}panels{lanes}")
+    scales = pack_qpanels(records, f"kpanels{lanes}")
+    w = dequantize(q, records, fmt).double()
+    x = torch.full((9, 512), 3.0)
+    x[4:] = -3.0
+    ref = (quantize_group_activations(x, group) @ w.T).float()
+    kw = {"format": a8.name, "group": group, "out_features": 64}
+    for rows in (8, 9):
+        got = k("quant_linear", backend)(x[:rows], codes, scales, **kw)
+        torch.testing.assert_close(got, ref[:rows], atol=2e-4, rtol=1e-5)
+
+
+@BOTH
 @pytest.mark.parametrize("rows", [1, 3, 5, 17])
 def test_w8a8_linear_sums_int8_activations_exactly(backend: str, rows: int) -> None:
     """Per-token int8 activations times per-row int8 weights, summed exactly, then both
