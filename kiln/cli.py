@@ -261,9 +261,19 @@ def _cmd_diff(ns: argparse.Namespace) -> int:
 
 
 def _cmd_serve(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kiln.core.artefact import ArtefactError, FileCheck, read_manifest
+
+    # The artefact's checksums start before the server's imports (torch's ~1 s) and run
+    # beside them; a manifest that cannot be read is left for the server to report.
+    try:
+        check = FileCheck(Path(ns.artefact), read_manifest(Path(ns.artefact)))
+    except (ArtefactError, OSError):
+        check = None
     from kiln.serve.server import serve
 
-    serve(ns.artefact, explicit_values(ns))
+    serve(ns.artefact, explicit_values(ns), check)
     return 0
 
 

@@ -106,13 +106,18 @@ class Artefact:
         rank: int = 0,
         device: str | None = None,
         manifest: dict[str, Any] | None = None,
+        file_check: fmt.FileCheck | None = None,
     ) -> Artefact:
         """Load and check an artefact (tensor-parallel rank `rank`'s graph and weights, onto
         `device`: by default the target's); raises ArtefactError with one line naming the
-        problem. `manifest`: one `checked_manifest(root, verify=False)` already read."""
+        problem. `manifest`: one `checked_manifest(root, verify=False)` already read;
+        `file_check`: its files' checksums already under way, waited for if it covers the
+        manifest (else they are computed here)."""
         root = Path(root)
         if manifest is None:
             manifest = checked_manifest(root, verify)
+        elif verify and file_check is not None and file_check.covers(root, manifest):
+            file_check.wait()
         elif verify:
             fmt.verify_files(root, manifest)
         device = device or manifest["target"]["device"]

@@ -74,7 +74,11 @@ class Engine:
     Keyword arguments are server arguments by field name (`max_total_tokens=...`). Runtime
     ones take effect; compile-time ones must agree with the artefact, else ArgError."""
 
-    def __init__(self, artefact: str | Path, **server_args: Any) -> None:
+    def __init__(
+        self, artefact: str | Path, file_check: fmt.FileCheck | None = None, **server_args: Any
+    ) -> None:
+        """`file_check`: the artefact's checksums already under way (`kiln serve` starts
+        them before its imports); used where it covers the manifest read here."""
         self.args = ServerArgs(**server_args)
         if self.args.dp_size > 1:
             raise ArgError(
@@ -122,6 +126,7 @@ class Engine:
             trust_remote_code=self.args.trust_remote_code,
             device=self.placement.device,
             manifest=manifest,
+            file_check=file_check,
         )
         refuse_compile_time_changes(server_args, self.art.manifest)
         if self.args.nnodes > 1:

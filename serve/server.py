@@ -25,6 +25,7 @@ from typing import Any
 import uvicorn
 
 from kiln.args import ServerArgs
+from kiln.core.artefact import FileCheck
 from kiln.serve.context import ServingContext
 
 log = logging.getLogger("kiln.serve")
@@ -141,8 +142,9 @@ def _follow(artefact: Path, args: ServerArgs, explicit: dict[str, Any]) -> int:
     )
 
 
-def serve(artefact: str | Path, explicit: dict[str, Any]) -> None:
-    """Serve `artefact`; `explicit` are the server arguments the user gave."""
+def serve(artefact: str | Path, explicit: dict[str, Any], check: FileCheck | None = None) -> None:
+    """Serve `artefact`; `explicit` are the server arguments the user gave; `check`, the
+    artefact's checksums already under way (kiln/cli.py)."""
     from kiln.runtime.engine import Engine
     from kiln.serve.app import create_app
 
@@ -156,7 +158,7 @@ def serve(artefact: str | Path, explicit: dict[str, Any]) -> None:
         sys.exit(serve_replicas(Path(artefact), args, explicit))
     sock = bind(args.host, args.port)
     try:
-        engine = Engine(artefact, **explicit)
+        engine = Engine(artefact, file_check=check, **explicit)
         app = create_app(engine, args)
         level = (args.log_level_http or args.log_level).lower()
         config = uvicorn.Config(app, log_level=level, timeout_graceful_shutdown=_FLUSH_SECONDS)

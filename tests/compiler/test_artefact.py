@@ -14,7 +14,7 @@ from kiln import Engine
 from kiln.args import ArgError, ServerArgs
 from kiln.compiler.checkpoint import CheckpointError
 from kiln.compiler.compile import compile_model
-from kiln.core.artefact import FORMAT_VERSION, ArtefactError
+from kiln.core.artefact import FORMAT_VERSION, ArtefactError, FileCheck, read_manifest
 from kiln.core.target import host_cpu_level
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
@@ -95,6 +95,17 @@ def test_damaged_weights_and_missing_manifest_are_clear_errors(artefact, tmp_pat
     weights.write_bytes(bytes(data))
     with pytest.raises(ArtefactError, match=r"weights/rank0.safetensors is damaged \(checksum"):
         Engine(art)
+    # the same through a check started before the engine (as `kiln serve` starts it); one of
+    # another manifest is not taken for this one's
+    with pytest.raises(ArtefactError, match=r"weights/rank0.safetensors is damaged \(checksum"):
+        Engine(art, file_check=FileCheck(art, read_manifest(art)))
+    other = read_manifest(art)
+    other["files"] = {}
+    passed = FileCheck(art, other)
+    passed.wait()
+    assert not passed.covers(art, read_manifest(art))
+    with pytest.raises(ArtefactError, match=r"weights/rank0.safetensors is damaged \(checksum"):
+        Engine(art, file_check=passed)
     weights.write_bytes(bytes(data[:100]))
     with pytest.raises(ArtefactError, match="is damaged"):
         Engine(art)

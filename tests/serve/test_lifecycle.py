@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import signal
 import socket
 import subprocess
@@ -106,6 +107,29 @@ def test_a_port_in_use_is_one_line_before_loading_anything(artefact):
     ]
     assert "startup complete" not in r.stdout + r.stderr
     assert time.perf_counter() - t0 < 10
+
+
+def test_a_damaged_artefact_is_one_line_with_its_checksums_checked_early(artefact, tmp_path):
+    """`kiln serve` checks the files' checksums on a thread beside its imports (kiln/cli.py):
+    a damaged weight file still stops it with one line, before it listens."""
+    art = tmp_path / "art"
+    shutil.copytree(artefact("llama"), art)
+    weights = art / "weights/rank0.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    port = free_port()
+    r = subprocess.run(
+        [sys.executable, "-m", "kiln", "serve", str(art), "--port", str(port)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines()[-1:] == [
+        f"kiln serve: error: {art}: weights/rank0.safetensors is damaged (checksum mismatch)"
+    ], r.stderr
+    assert "startup complete" not in r.stdout + r.stderr
 
 
 def _rss_mb(pid: int) -> float:
