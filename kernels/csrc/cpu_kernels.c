@@ -1238,6 +1238,25 @@ static inline __attribute__((always_inline)) void qtile(
     store_panel(acc, 1, rows, 0, bias, out, n, cols);
 }
 
+/* The low nibble of each lane as a float. AVX-512: a 16-float table indexed by the lane's
+ * low four bits (vpermps reads only those), one instruction for a mask and a convert. */
+static inline vlf nibble_float(vli u) {
+#if LANES == 16 && defined(__AVX512F__)
+    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return (vlf)_mm512_permutexvar_ps((__m512i)u, codes);
+#else
+    return to_float(u & 0xF);
+#endif
+}
+
+/* acc + a fa + b fb as two FMAs into the accumulator: written as one sum, it compiled to
+ * a multiply, an FMA and an add (a third more vector work in the decode tile's loop). */
+static inline vlf qfma2(vlf acc, float a, vlf fa, float b, vlf fb) {
+    acc += a * fa;
+    acc += b * fb;
+    return acc;
+}
+
 /* The decode tile: `rows` rows against QPANELS panels, with each group's scale (and min)
  * applied once per group instead of once per k: per group, g = sum_k x_k q_k, then
  * acc += s g (+ m sum_k x_k, the group sums of x precomputed in xs: [groups][xrows]).
@@ -1261,8 +1280,9 @@ static inline __attribute__((always_inline)) void qtile_decode(
                     const uint8_t *q = panel + p * pstride + (kk / 2) * LANES;
                     __builtin_prefetch(q + PREFETCH_BYTES);
                     const vli u = widen_u8(q);
-                    const vlf f0 = to_float(u & 0xF), f1 = to_float(u >> 4);
-                    for (int r = 0; r < rows; r++) ga[p * rows + r] += x0[r] * f0 + x1[r] * f1;
+                    const vlf f0 = nibble_float(u), f1 = nibble_float(u >> 4);
+                    for (int r = 0; r < rows; r++)
+                        ga[p * rows + r] = qfma2(ga[p * rows + r], x0[r], f0, x1[r], f1);
                 }
             }
         } else if (fmt == QFMT_INT5 || fmt == QFMT_UINT5) {
@@ -1295,7 +1315,7 @@ static inline __attribute__((always_inline)) void qtile_decode(
                         const vlf f1 = to_float((u >> 4) | ((h >> (2 * j + 1)) & 16));
 #endif
                         for (int r = 0; r < rows; r++)
-                            ga[p * rows + r] += x0[r] * f0 + x1[r] * f1;
+                            ga[p * rows + r] = qfma2(ga[p * rows + r], x0[r], f0, x1[r], f1);
                     }
                 }
             }
@@ -1312,7 +1332,7 @@ static inline __attribute__((always_inline)) void qtile_decode(
                         const vlf f0 = to_float((u & 0xF) | ((h >> (4 * j)) & 0x30));
                         const vlf f1 = to_float((u >> 4) | ((h >> (4 * j + 2)) & 0x30));
                         for (int r = 0; r < rows; r++)
-                            ga[p * rows + r] += x0[r] * f0 + x1[r] * f1;
+                            ga[p * rows + r] = qfma2(ga[p * rows + r], x0[r], f0, x1[r], f1);
                     }
                 }
             }
