@@ -1257,39 +1257,52 @@ static inline vlf qfma2(vlf acc, float a, vlf fa, float b, vlf fb) {
     return acc;
 }
 
-/* The decode tile: `rows` rows against QPANELS panels, with each group's scale (and min)
+/* The decode tile: `rows` rows against `np` panels, with each group's scale (and min)
  * applied once per group instead of once per k: per group, g = sum_k x_k q_k, then
  * acc += s g (+ m sum_k x_k, the group sums of x precomputed in xs: [groups][xrows]).
  * Per weight vector that leaves widen, convert and one FMA; dequantizing each vector first
  * (the prefill tile above) costs another FMA, and on this kind of CPU the vector ports,
- * not the memory, bound the decode GEMV (10.7 GB/s cache-hot on one core before). */
+ * not the memory, bound the decode GEMV (10.7 GB/s cache-hot on one core before).
+ * One row runs a panel at a time (np = 1), its group sums spread over QSLOTS accumulators
+ * by k (the FMA chain of a single one would bound it): one weight stream read in order,
+ * which the hardware prefetchers keep ahead, where QPANELS interleaved streams ran at half
+ * the bandwidth (SmolLM2's 576 x 3072 Q4_0 from DRAM, 2 cores: 21 -> 36 GMAC/s). */
+#define QSLOTS 4
 static inline __attribute__((always_inline)) void qtile_decode(
     const float *xt, const float *xs, int64_t xrows, int64_t k, const uint8_t *panel,
     int64_t pstride, const void *sc, int64_t sstride, int fmt, int64_t group,
-    const float *bias, float *out, int64_t n, int64_t cols, const int rows, const int mode) {
-    vlf acc[QPANELS * QROWS], ga[QPANELS * QROWS];
-    for (int i = 0; i < rows * QPANELS; i++) acc[i] = (vlf){0};
+    const float *bias, float *out, int64_t n, int64_t cols, const int rows, const int mode,
+    const int np) {
+    /* slots: accumulators a (panel, row) sum into, by k; ga[slot][p * rows + r] */
+    const int slots = np == 1 && rows == 1 ? QSLOTS : 1;
+    vlf acc[QPANELS * QROWS], ga[QSLOTS][QPANELS * QROWS];
+    for (int i = 0; i < rows * np; i++) acc[i] = (vlf){0};
     const int64_t groups = k / group;
     for (int64_t g = 0; g < groups; g++) {
         const int64_t k0 = g * group;
-        for (int i = 0; i < rows * QPANELS; i++) ga[i] = (vlf){0};
+        for (int t = 0; t < slots; t++)
+            for (int i = 0; i < rows * np; i++) ga[t][i] = (vlf){0};
         if (fmt == QFMT_UINT4) {
-            for (int64_t kk = k0; kk < k0 + group; kk += 2) {
-                const float *x0 = xt + kk * xrows, *x1 = x0 + xrows;
-                for (int p = 0; p < QPANELS; p++) {
-                    const uint8_t *q = panel + p * pstride + (kk / 2) * LANES;
+            /* slots code pairs at a time where the group holds them, else one */
+            const int64_t step = group % (2 * slots) ? 2 : 2 * slots;
+            for (int64_t kb = k0; kb < k0 + group; kb += step) {
+                for (int p = 0; p < np; p++) {
+                    const uint8_t *q = panel + p * pstride + (kb / 2) * LANES;
                     __builtin_prefetch(q + PREFETCH_BYTES);
-                    const vli u = widen_u8(q);
-                    const vlf f0 = nibble_float(u), f1 = nibble_float(u >> 4);
-                    for (int r = 0; r < rows; r++)
-                        ga[p * rows + r] = qfma2(ga[p * rows + r], x0[r], f0, x1[r], f1);
+                    for (int t = 0; t < (step == 2 ? 1 : slots); t++) {
+                        const float *x0 = xt + (kb + 2 * t) * xrows, *x1 = x0 + xrows;
+                        const vli u = widen_u8(q + t * LANES);
+                        const vlf f0 = nibble_float(u), f1 = nibble_float(u >> 4);
+                        for (int r = 0; r < rows; r++)
+                            ga[t][p * rows + r] = qfma2(ga[t][p * rows + r], x0[r], f0, x1[r], f1);
+                    }
                 }
             }
         } else if (fmt == QFMT_INT5 || fmt == QFMT_UINT5) {
             /* Eight k's at a time: their fifth bits are one byte a lane, moved up to bit 4
              * of each nibble's code pair by pair. */
             for (int64_t k8 = k0; k8 < k0 + group; k8 += 8) {
-                for (int p = 0; p < QPANELS; p++) {
+                for (int p = 0; p < np; p++) {
                     const uint8_t *q = panel + p * pstride + (k8 / 2) * LANES;
                     __builtin_prefetch(q + PREFETCH_BYTES);
                     const uint8_t *hp = panel + p * pstride + (k / 2 + k8 / 8) * LANES;
@@ -1314,15 +1327,17 @@ static inline __attribute__((always_inline)) void qtile_decode(
                         const vlf f0 = to_float((u & 0xF) | ((h >> (2 * j)) & 16));
                         const vlf f1 = to_float((u >> 4) | ((h >> (2 * j + 1)) & 16));
 #endif
+                        const int t = j % slots;
                         for (int r = 0; r < rows; r++)
-                            ga[p * rows + r] = qfma2(ga[p * rows + r], x0[r], f0, x1[r], f1);
+                            ga[t][p * rows + r] = qfma2(ga[t][p * rows + r], x0[r], f0, x1[r], f1);
                     }
                 }
             }
         } else if (fmt == QFMT_INT6) {
             /* Four k's at a time: their top bit pairs are one byte a lane. */
             for (int64_t k4 = k0; k4 < k0 + group; k4 += 4) {
-                for (int p = 0; p < QPANELS; p++) {
+                const int half = (int)((k4 - k0) / 4) & 1; /* alternate blocks, other slots */
+                for (int p = 0; p < np; p++) {
                     const uint8_t *q = panel + p * pstride + (k4 / 2) * LANES;
                     __builtin_prefetch(q + PREFETCH_BYTES);
                     const vli h = widen_u8(panel + p * pstride + (k / 2 + k4 / 4) * LANES) << 4;
@@ -1331,42 +1346,50 @@ static inline __attribute__((always_inline)) void qtile_decode(
                         const vli u = widen_u8(q + j * LANES);
                         const vlf f0 = to_float((u & 0xF) | ((h >> (4 * j)) & 0x30));
                         const vlf f1 = to_float((u >> 4) | ((h >> (4 * j + 2)) & 0x30));
+                        const int t = slots > 1 ? 2 * half + j : 0;
                         for (int r = 0; r < rows; r++)
-                            ga[p * rows + r] = qfma2(ga[p * rows + r], x0[r], f0, x1[r], f1);
+                            ga[t][p * rows + r] = qfma2(ga[t][p * rows + r], x0[r], f0, x1[r], f1);
                     }
                 }
             }
         } else {
-            for (int64_t kk = k0; kk < k0 + group; kk++) {
-                const float *xk = xt + kk * xrows;
-                for (int p = 0; p < QPANELS; p++) {
-                    const uint8_t *q = panel + p * pstride + kk * LANES;
+            const int64_t step = group % slots ? 1 : slots;
+            for (int64_t kb = k0; kb < k0 + group; kb += step) {
+                for (int p = 0; p < np; p++) {
+                    const uint8_t *q = panel + p * pstride + kb * LANES;
                     __builtin_prefetch(q + PREFETCH_BYTES);
-                    const vlf w = fmt == QFMT_FP8_E4M3 ? fp8_e4m3_to_f32(q) : to_float(widen_i8(q));
-                    for (int r = 0; r < rows; r++) ga[p * rows + r] += xk[r] * w;
+                    for (int t = 0; t < (step == 1 ? 1 : slots); t++) {
+                        const float *xk = xt + (kb + t) * xrows;
+                        const vlf w = fmt == QFMT_FP8_E4M3 ? fp8_e4m3_to_f32(q + t * LANES)
+                                                           : to_float(widen_i8(q + t * LANES));
+                        for (int r = 0; r < rows; r++) ga[t][p * rows + r] += xk[r] * w;
+                    }
                 }
             }
         }
+        for (int t = 1; t < slots; t++)
+            for (int i = 0; i < rows * np; i++) ga[0][i] += ga[t][i];
         /* The group's scale, and its min times the group's sum of x where there is one. */
         const int planes = scale_planes(fmt);
         const int mins = planes == 2 || code_offset(fmt);
-        for (int p = 0; p < QPANELS; p++) {
+        for (int p = 0; p < np; p++) {
             const void *ps = scale_at(sc, p * sstride, mode);
             const vlf sv = group_scale(ps, g, 0, planes, mode);
             const vlf mv = planes == 2 ? group_scale(ps, g, 1, 2, mode)
                                        : sv * (float)-code_offset(fmt);
             for (int r = 0; r < rows; r++)
-                acc[p * rows + r] += ga[p * rows + r] * sv + (mins ? xs[g * xrows + r] * mv : (vlf){0});
+                acc[p * rows + r] +=
+                    ga[0][p * rows + r] * sv + (mins ? xs[g * xrows + r] * mv : (vlf){0});
         }
     }
-    for (int p = 0; p < QPANELS && p * LANES < cols; p++)
+    for (int p = 0; p < np && p * LANES < cols; p++)
         store_panel(&acc[p * rows], 1, rows, p * LANES, bias, out, n, cols);
 }
 
 #define QDECODE_CASE(R) \
     case R: \
         qtile_decode(xt, xs, QROWS, k, panel, pstride, sc, sstride, fmt, group, bias, out, n, \
-                     cols, R, mode); \
+                     cols, R, mode, QPANELS); \
         break;
 #define QTALL_CASE(R) \
     case R: qtile(xt, QROWS, k, panel, sc, fmt, group, bias, out, n, cols, R, mode, w); break;
@@ -1377,6 +1400,14 @@ static void qtile_rows(const float *xt, const float *xs, int64_t k, const uint8_
                        int64_t pstride, const void *sc, int64_t sstride, int fmt,
                        int64_t group, const float *bias, float *out, int64_t n, int64_t cols,
                        int64_t rows, int np, int mode, float *w) {
+    if (np > 1 && rows == 1) { /* a panel at a time (qtile_decode) */
+        for (int p = 0; p < np && p * LANES < cols; p++)
+            qtile_decode(xt, xs, QROWS, k, panel + p * pstride, pstride,
+                         scale_at(sc, p * sstride, mode), sstride, fmt, group,
+                         bias ? bias + p * LANES : NULL, out + p * LANES, n, cols - p * LANES, 1,
+                         mode, 1);
+        return;
+    }
     if (np > 1) {
         switch (rows) {
             QDECODE_CASE(1) QDECODE_CASE(2)
