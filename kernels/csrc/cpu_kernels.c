@@ -1268,11 +1268,54 @@ static inline vlf qfma2(vlf acc, float a, vlf fa, float b, vlf fb) {
  * which the hardware prefetchers keep ahead, where QPANELS interleaved streams ran at half
  * the bandwidth (SmolLM2's 576 x 3072 Q4_0 from DRAM, 2 cores: 21 -> 36 GMAC/s). */
 #define QSLOTS 4
+
+/* Top-bit tables (AVX-512, one row): a 5- or 6-bit code's bits above its nibble add
+ * 16 x top x_k, and for one row x is the same in every lane, so a byte of a bit plane (a
+ * lane's top bits of 8 k's, or of 4 for 6-bit codes) adds the same sum wherever it occurs:
+ * two 16-entry tables a block (its low and high four bits) computed once a call and read
+ * with vpermps for every panel, in place of each code's mask, shift and OR. 5-bit: a block
+ * is 8 k's, bit i of the byte k + i; 6-bit: 4 k's, bits 2i and 2i + 1 k + i's pair.
+ * xb: [blocks][2][16] floats. */
+#if LANES == 16 && defined(__AVX512F__)
+#define QTOP_TABLES 1
+#else
+#define QTOP_TABLES 0
+#endif
+static void top_bit_tables(const float *x, int64_t k, int six, float *xb) {
+#if QTOP_TABLES
+    /* entry v of a table: sum_i x_i c_i(v), c_i 16 x (bit i of v; 6-bit: v's i-th pair) */
+    vlf c[4];
+    for (int i = 0; i < 4; i++)
+        for (int v = 0; v < 16; v++)
+            c[i][v] = 16.0f * (float)(six ? (i < 2 ? (v >> (2 * i)) & 3 : 0) : (v >> i) & 1);
+    const int64_t span = six ? 4 : 8, terms = six ? 2 : 4;
+    for (int64_t b = 0; b < k / span; b++) {
+        const float *xk = x + b * span;
+        for (int half = 0; half < 2; half++) {
+            vlf t = (vlf){0};
+            for (int i = 0; i < terms; i++) t += xk[half * terms + i] * c[i];
+            *(vlf *)(xb + (b * 2 + half) * 16) = t;
+        }
+    }
+#else
+    (void)x, (void)k, (void)six, (void)xb;
+#endif
+}
+
+#if QTOP_TABLES
+/* The top bits' sum for a block's plane bytes h (a lane's byte each) from its tables. */
+static inline vlf top_bits(vli h, const float *t) {
+    return (vlf)_mm512_permutexvar_ps((__m512i)h, _mm512_loadu_ps(t)) +
+           (vlf)_mm512_permutexvar_ps((__m512i)(h >> 4), _mm512_loadu_ps(t + 16));
+}
+#endif
+
 static inline __attribute__((always_inline)) void qtile_decode(
     const float *xt, const float *xs, int64_t xrows, int64_t k, const uint8_t *panel,
     int64_t pstride, const void *sc, int64_t sstride, int fmt, int64_t group,
     const float *bias, float *out, int64_t n, int64_t cols, const int rows, const int mode,
-    const int np) {
+    const int np, const float *xb) {
+    (void)xb; /* read by the AVX-512 one-row path only */
     /* slots: accumulators a (panel, row) sum into, by k; ga[slot][p * rows + r] */
     const int slots = np == 1 && rows == 1 ? QSLOTS : 1;
     vlf acc[QPANELS * QROWS], ga[QSLOTS][QPANELS * QROWS];
@@ -1298,6 +1341,23 @@ static inline __attribute__((always_inline)) void qtile_decode(
                     }
                 }
             }
+#if QTOP_TABLES
+        } else if (xb && np == 1 && rows == 1 && (fmt == QFMT_INT5 || fmt == QFMT_UINT5 ||
+                                                    fmt == QFMT_INT6)) {
+            /* the nibbles as floats, the top bits from the tables (top_bit_tables) */
+            const int64_t span = fmt == QFMT_INT6 ? 4 : 8;
+            for (int64_t kb = k0; kb < k0 + group; kb += span) {
+                const uint8_t *q = panel + (kb / 2) * LANES;
+                __builtin_prefetch(q + PREFETCH_BYTES);
+                const vli h = widen_u8(panel + (k / 2 + kb / span) * LANES);
+                ga[3][0] += top_bits(h, xb + (kb / span) * 32);
+                for (int j = 0; j < span / 2; j++) {
+                    const vli u = widen_u8(q + j * LANES);
+                    const float *x0 = xt + (kb + 2 * j) * xrows;
+                    ga[j][0] = qfma2(ga[j][0], x0[0], nibble_float(u), x0[xrows], nibble_float(u >> 4));
+                }
+            }
+#endif
         } else if (fmt == QFMT_INT5 || fmt == QFMT_UINT5) {
             /* Eight k's at a time: their fifth bits are one byte a lane, moved up to bit 4
              * of each nibble's code pair by pair. */
@@ -1334,21 +1394,26 @@ static inline __attribute__((always_inline)) void qtile_decode(
                 }
             }
         } else if (fmt == QFMT_INT6) {
-            /* Four k's at a time: their top bit pairs are one byte a lane. */
-            for (int64_t k4 = k0; k4 < k0 + group; k4 += 4) {
-                const int half = (int)((k4 - k0) / 4) & 1; /* alternate blocks, other slots */
+            /* Four k's at a time: their top bit pairs are one byte a lane (two blocks a
+             * step, in other slots, where the group holds them). */
+            const int64_t step = slots > 1 && group % 8 == 0 ? 8 : 4;
+            for (int64_t kb = k0; kb < k0 + group; kb += step) {
                 for (int p = 0; p < np; p++) {
-                    const uint8_t *q = panel + p * pstride + (k4 / 2) * LANES;
-                    __builtin_prefetch(q + PREFETCH_BYTES);
-                    const vli h = widen_u8(panel + p * pstride + (k / 2 + k4 / 4) * LANES) << 4;
-                    for (int j = 0; j < 2; j++) {
-                        const float *x0 = xt + (k4 + 2 * j) * xrows, *x1 = x0 + xrows;
-                        const vli u = widen_u8(q + j * LANES);
-                        const vlf f0 = to_float((u & 0xF) | ((h >> (4 * j)) & 0x30));
-                        const vlf f1 = to_float((u >> 4) | ((h >> (4 * j + 2)) & 0x30));
-                        const int t = slots > 1 ? 2 * half + j : 0;
-                        for (int r = 0; r < rows; r++)
-                            ga[t][p * rows + r] = qfma2(ga[t][p * rows + r], x0[r], f0, x1[r], f1);
+                    for (int half = 0; half < (step == 8 ? 2 : 1); half++) {
+                        const int64_t k4 = kb + 4 * half;
+                        const uint8_t *q = panel + p * pstride + (k4 / 2) * LANES;
+                        __builtin_prefetch(q + PREFETCH_BYTES);
+                        const vli h = widen_u8(panel + p * pstride + (k / 2 + k4 / 4) * LANES) << 4;
+                        for (int j = 0; j < 2; j++) {
+                            const float *x0 = xt + (k4 + 2 * j) * xrows, *x1 = x0 + xrows;
+                            const vli u = widen_u8(q + j * LANES);
+                            const vlf f0 = to_float((u & 0xF) | ((h >> (4 * j)) & 0x30));
+                            const vlf f1 = to_float((u >> 4) | ((h >> (4 * j + 2)) & 0x30));
+                            const int t = slots > 1 ? 2 * half + j : 0;
+                            for (int r = 0; r < rows; r++)
+                                ga[t][p * rows + r] =
+                                    qfma2(ga[t][p * rows + r], x0[r], f0, x1[r], f1);
+                        }
                     }
                 }
             }
@@ -1389,23 +1454,20 @@ static inline __attribute__((always_inline)) void qtile_decode(
 #define QDECODE_CASE(R) \
     case R: \
         qtile_decode(xt, xs, QROWS, k, panel, pstride, sc, sstride, fmt, group, bias, out, n, \
-                     cols, R, mode, QPANELS); \
+                     cols, R, mode, QPANELS, NULL); \
         break;
 #define QTALL_CASE(R) \
     case R: qtile(xt, QROWS, k, panel, sc, fmt, group, bias, out, n, cols, R, mode, w); break;
 
 /* Up to QROWS rows over QPANELS panels (np = QPANELS), or over one panel (the last, short
  * item), a group at a time through w. */
-static void qtile_rows(const float *xt, const float *xs, int64_t k, const uint8_t *panel,
-                       int64_t pstride, const void *sc, int64_t sstride, int fmt,
-                       int64_t group, const float *bias, float *out, int64_t n, int64_t cols,
-                       int64_t rows, int np, int mode, float *w) {
-    if (np > 1 && rows == 1) { /* a panel at a time (qtile_decode) */
-        for (int p = 0; p < np && p * LANES < cols; p++)
-            qtile_decode(xt, xs, QROWS, k, panel + p * pstride, pstride,
-                         scale_at(sc, p * sstride, mode), sstride, fmt, group,
-                         bias ? bias + p * LANES : NULL, out + p * LANES, n, cols - p * LANES, 1,
-                         mode, 1);
+static void qtile_rows(const float *xt, const float *xs, const float *xb, int64_t k,
+                       const uint8_t *panel, int64_t pstride, const void *sc, int64_t sstride,
+                       int fmt, int64_t group, const float *bias, float *out, int64_t n,
+                       int64_t cols, int64_t rows, int np, int mode, float *w) {
+    if (np == 1 && rows == 1) { /* one row: a panel an item (qlinear_f32) */
+        qtile_decode(xt, xs, QROWS, k, panel, pstride, sc, sstride, fmt, group, bias, out, n,
+                     cols, 1, mode, 1, xb);
         return;
     }
     if (np > 1) {
@@ -1495,9 +1557,15 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
     const int64_t tiles = (m + xrows - 1) / xrows;
     const int64_t groups = k / group;
     /* x transposed into tiles, then (decode tiles) each group's sum of x per row */
-    float *xt = malloc((size_t)(tiles * k * xrows + (wide ? 0 : groups * xrows)) * sizeof(float));
+    /* one row of 5- or 6-bit codes: their top-bit tables (top_bit_tables), 8k floats */
+    const int tables = QTOP_TABLES && m == 1 && (five || six);
+    float *xt = malloc((size_t)(tiles * k * xrows + (wide ? 0 : groups * xrows) +
+                                (tables ? 8 * k : 0)) *
+                       sizeof(float));
     if (!xt) return -1;
     float *xs = xt + tiles * k * xrows;
+    float *xb = tables ? xs + groups * xrows : NULL;
+    if (tables) top_bit_tables(x, k, six, xb);
     /* Decode-sized inputs are copied on this thread: a few thousand floats, where each
      * worksharing loop's barrier would cost more than the copy (121 calls a token). */
 #pragma omp parallel for collapse(2) num_threads(wide ? threads : 1)
@@ -1519,8 +1587,12 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
             for (int64_t kk = g * group; kk < (g + 1) * group; kk++) sum += xt[kk * QROWS + r];
             xs[g * QROWS + r] = sum;
         }
+    /* panels an item: one row reads one panel at a time (qtile_decode), so its items are
+     * single panels, which also share out evenly (SmolLM2's 576 outputs: 36 panels, 9
+     * items of 4 for 2 threads) */
+    const int64_t per = m == 1 ? 1 : QPANELS;
     const int64_t panels = (n + LANES - 1) / LANES;
-    const int64_t items = (panels + QPANELS - 1) / QPANELS;
+    const int64_t items = (panels + per - 1) / per;
     const int64_t pstride = panel_code_bytes(fmt, k) * LANES;
     const int64_t sstride = scale_stride(k, group, scale_planes(fmt), mode);
 #pragma omp parallel num_threads(threads) if (m * n * k >= PARALLEL_MIN_ELEMS)
@@ -1528,16 +1600,21 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
         float *w = NULL; /* a group's weights, for the last item's panels one at a time */
 #pragma omp for schedule(guided)
         for (int64_t it = 0; it < items; it++) {
-            const int64_t p0 = it * QPANELS;
+            const int64_t p0 = it * per;
             const int64_t col0 = p0 * LANES;
-            const int64_t span = (panels - p0 < QPANELS ? panels - p0 : QPANELS) * LANES;
+            const int64_t span = (panels - p0 < per ? panels - p0 : per) * LANES;
             const int64_t cols = n - col0 < span ? n - col0 : span;
             const uint8_t *panel = (const uint8_t *)q + p0 * pstride;
             const void *sc = scale_at(scales, p0 * sstride, mode);
             const float *b = bias ? bias + col0 : NULL;
+            if (per == 1) {
+                qtile_rows(xt, xs, xb, k, panel, pstride, sc, sstride, fmt, group, b, out + col0,
+                           n, cols, 1, 1, mode, NULL);
+                continue;
+            }
             if (span / LANES == QPANELS) {
-                qtile_rows(xt, xs, k, panel, pstride, sc, sstride, fmt, group, b, out + col0, n,
-                           cols, m, QPANELS, mode, NULL);
+                qtile_rows(xt, xs, xb, k, panel, pstride, sc, sstride, fmt, group, b, out + col0,
+                           n, cols, m, QPANELS, mode, NULL);
                 continue;
             }
             if (!w && !(w = malloc((size_t)(group * LANES) * sizeof(float)))) {
@@ -1548,7 +1625,7 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
             for (int64_t p = 0; p < span / LANES; p++) {
                 const int64_t c0 = p * LANES;
                 const int64_t cw = cols - c0 < LANES ? cols - c0 : LANES;
-                qtile_rows(xt, NULL, k, panel + p * pstride, pstride,
+                qtile_rows(xt, NULL, NULL, k, panel + p * pstride, pstride,
                            scale_at(sc, p * sstride, mode), sstride, fmt, group,
                            b ? b + c0 : NULL, out + col0 + c0, n, cw, m, 1, mode, w);
             }
