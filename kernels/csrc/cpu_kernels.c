@@ -1337,7 +1337,8 @@ static inline __attribute__((always_inline)) void qtile_decode(
                         const vli u = widen_u8(q + t * LANES);
                         const vlf f0 = nibble_float(u), f1 = nibble_float(u >> 4);
                         for (int r = 0; r < rows; r++)
-                            ga[t][p * rows + r] = qfma2(ga[t][p * rows + r], x0[r], f0, x1[r], f1);
+                            ga[t][p * rows + r] =
+                                qfma2(ga[t][p * rows + r], x0[r], f0, x1[r], f1);
                     }
                 }
             }
@@ -1354,7 +1355,8 @@ static inline __attribute__((always_inline)) void qtile_decode(
                 for (int j = 0; j < span / 2; j++) {
                     const vli u = widen_u8(q + j * LANES);
                     const float *x0 = xt + (kb + 2 * j) * xrows;
-                    ga[j][0] = qfma2(ga[j][0], x0[0], nibble_float(u), x0[xrows], nibble_float(u >> 4));
+                    ga[j][0] = qfma2(ga[j][0], x0[0], nibble_float(u), x0[xrows],
+                                     nibble_float(u >> 4));
                 }
             }
 #endif
@@ -2169,7 +2171,8 @@ static inline __attribute__((always_inline)) void ga8_tile(
                 if (kind != GA8_INT8 && planes == 1) /* no min: mc is 0 */
                     acc[p * rows + r] += ((off != 0.0f ? f - off * t[2] : f) * t[0]) * s;
                 else if (kind != GA8_INT8) /* off is 0 where a kind has none */
-                    acc[p * rows + r] += ((off != 0.0f ? f - off * t[2] : f) * t[0]) * s + mc * t[1];
+                    acc[p * rows + r] +=
+                        ((off != 0.0f ? f - off * t[2] : f) * t[0]) * s + mc * t[1];
                 else if (GA8_SIGNED_INT8)
                     acc[p * rows + r] += (f * t[0]) * s;
                 else
