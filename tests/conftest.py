@@ -62,6 +62,19 @@ def artefact(
 
 
 @pytest.fixture
+def damaged_llama(artefact: Callable[..., Path], tmp_path: Path) -> Path:
+    """A copy of the llama artefact with one byte of its weight file flipped (its manifest
+    untouched): its checksum no longer matches."""
+    art = tmp_path / "art"
+    shutil.copytree(artefact("llama"), art)
+    weights = art / "weights/rank0.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    return art
+
+
+@pytest.fixture
 def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty kiln cache for this test (and the processes it starts), but for the kernel
     store, which is the session's: kernel builds are keyed by source, flags and compiler, and
