@@ -1175,6 +1175,17 @@ static inline vlf fp8_e4m3_to_f32(const uint8_t *p) {
     return f * 0x1p120f;
 }
 
+/* The low nibble of each lane as a float. AVX-512: a 16-float table indexed by the lane's
+ * low four bits (vpermps reads only those), one instruction for a mask and a convert. */
+static inline vlf nibble_float(vli u) {
+#if LANES == 16 && defined(__AVX512F__)
+    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return (vlf)_mm512_permutexvar_ps((__m512i)u, codes);
+#else
+    return to_float(u & 0xF);
+#endif
+}
+
 /* The LANES weights of one panel for inputs [g * group, (g + 1) * group) as floats into
  * w ([group][LANES]): the codes decoded and scaled (and offset by the min, or the code
  * offset) as the format stores them. The one decoder of a panel's codes for tall tiles and
@@ -1190,7 +1201,7 @@ static inline __attribute__((always_inline)) void dequant_group(
             out[j] = to_float(widen_i8(panel + (k0 + j) * LANES)) * s + mn;
         for (int64_t j = 0; fmt == QFMT_UINT4 && j < group; j += 2) {
             const vli u = widen_u8(panel + ((k0 + j) / 2) * LANES);
-            out[j] = to_float(u & 0xF) * s + mn;
+            out[j] = nibble_float(u) * s + mn;
             out[j + 1] = to_float(u >> 4) * s + mn;
         }
     } else if (fmt == QFMT_INT5 || fmt == QFMT_UINT5 || fmt == QFMT_INT6) {
@@ -1236,17 +1247,6 @@ static inline __attribute__((always_inline)) void qtile(
         }
     }
     store_panel(acc, 1, rows, 0, bias, out, n, cols);
-}
-
-/* The low nibble of each lane as a float. AVX-512: a 16-float table indexed by the lane's
- * low four bits (vpermps reads only those), one instruction for a mask and a convert. */
-static inline vlf nibble_float(vli u) {
-#if LANES == 16 && defined(__AVX512F__)
-    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    return (vlf)_mm512_permutexvar_ps((__m512i)u, codes);
-#else
-    return to_float(u & 0xF);
-#endif
 }
 
 /* acc + a fa + b fb as two FMAs into the accumulator: written as one sum, it compiled to
@@ -1463,15 +1463,10 @@ static inline __attribute__((always_inline)) void qtile_decode(
 
 /* Up to QROWS rows over QPANELS panels (np = QPANELS), or over one panel (the last, short
  * item), a group at a time through w. */
-static void qtile_rows(const float *xt, const float *xs, const float *xb, int64_t k,
-                       const uint8_t *panel, int64_t pstride, const void *sc, int64_t sstride,
-                       int fmt, int64_t group, const float *bias, float *out, int64_t n,
-                       int64_t cols, int64_t rows, int np, int mode, float *w) {
-    if (np == 1 && rows == 1) { /* one row: a panel an item (qlinear_f32) */
-        qtile_decode(xt, xs, QROWS, k, panel, pstride, sc, sstride, fmt, group, bias, out, n,
-                     cols, 1, mode, 1, xb);
-        return;
-    }
+static void qtile_rows(const float *xt, const float *xs, int64_t k, const uint8_t *panel,
+                       int64_t pstride, const void *sc, int64_t sstride, int fmt,
+                       int64_t group, const float *bias, float *out, int64_t n, int64_t cols,
+                       int64_t rows, int np, int mode, float *w) {
     if (np > 1) {
         switch (rows) {
             QDECODE_CASE(1) QDECODE_CASE(2)
@@ -1610,13 +1605,13 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
             const void *sc = scale_at(scales, p0 * sstride, mode);
             const float *b = bias ? bias + col0 : NULL;
             if (per == 1) {
-                qtile_rows(xt, xs, xb, k, panel, pstride, sc, sstride, fmt, group, b, out + col0,
-                           n, cols, 1, 1, mode, NULL);
+                qtile_decode(xt, xs, QROWS, k, panel, pstride, sc, sstride, fmt, group, b,
+                             out + col0, n, cols, 1, mode, 1, xb);
                 continue;
             }
             if (span / LANES == QPANELS) {
-                qtile_rows(xt, xs, xb, k, panel, pstride, sc, sstride, fmt, group, b, out + col0,
-                           n, cols, m, QPANELS, mode, NULL);
+                qtile_rows(xt, xs, k, panel, pstride, sc, sstride, fmt, group, b, out + col0, n,
+                           cols, m, QPANELS, mode, NULL);
                 continue;
             }
             if (!w && !(w = malloc((size_t)(group * LANES) * sizeof(float)))) {
@@ -1627,7 +1622,7 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
             for (int64_t p = 0; p < span / LANES; p++) {
                 const int64_t c0 = p * LANES;
                 const int64_t cw = cols - c0 < LANES ? cols - c0 : LANES;
-                qtile_rows(xt, NULL, NULL, k, panel + p * pstride, pstride,
+                qtile_rows(xt, NULL, k, panel + p * pstride, pstride,
                            scale_at(sc, p * sstride, mode), sstride, fmt, group,
                            b ? b + c0 : NULL, out + col0 + c0, n, cw, m, 1, mode, w);
             }
@@ -2077,31 +2072,25 @@ static inline __attribute__((always_inline)) void ga8_tile(
                      * widened to int32 once: two instructions a pair of bytes fewer, where
                      * a tile has the rows to fill the vector ports (a row or two gained
                      * nothing and lost 20% in cache: the one accumulator's chain) */
-                    if (rows < 4) {
+                    if (rows >= 4) {
                         for (int r = 0; r < rows; r++) {
                             const uint32_t *xr = xw + r * kw + 2 * b;
-                            ia[p * rows + r] = GA8_DOT(ia[p * rows + r], lo, GA8_SET1((int)xr[0]));
-                            ia[p * rows + r] = GA8_DOT(ia[p * rows + r], hi, GA8_SET1((int)xr[1]));
+                            vbyte t = GA8_DOT16(s16[p * rows + r], lo, GA8_SET1((int)xr[0]));
+                            s16[p * rows + r] = GA8_DOT16(t, hi, GA8_SET1((int)xr[1]));
                         }
+                        if (((b + 1) & (span - 1)) == 0 || b + 1 == blocks)
+                            for (int r = 0; r < rows; r++) {
+                                ia[p * rows + r] = GA8_WIDEN(ia[p * rows + r], s16[p * rows + r]);
+                                s16[p * rows + r] = GA8_ZERO();
+                            }
                         continue;
                     }
-                    for (int r = 0; r < rows; r++) {
-                        const uint32_t *xr = xw + r * kw + 2 * b;
-                        vbyte t = GA8_DOT16(s16[p * rows + r], lo, GA8_SET1((int)xr[0]));
-                        s16[p * rows + r] = GA8_DOT16(t, hi, GA8_SET1((int)xr[1]));
-                    }
-                    if (((b + 1) & (span - 1)) == 0 || b + 1 == blocks)
-                        for (int r = 0; r < rows; r++) {
-                            ia[p * rows + r] = GA8_WIDEN(ia[p * rows + r], s16[p * rows + r]);
-                            s16[p * rows + r] = GA8_ZERO();
-                        }
-#else
+#endif
                     for (int r = 0; r < rows; r++) {
                         const uint32_t *xr = xw + r * kw + 2 * b;
                         ia[p * rows + r] = GA8_DOT(ia[p * rows + r], lo, GA8_SET1((int)xr[0]));
                         ia[p * rows + r] = GA8_DOT(ia[p * rows + r], hi, GA8_SET1((int)xr[1]));
                     }
-#endif
                 } else {
 #if GA8_SIGNED_INT8
                     const vbyte aw = GA8_ABS(w);
