@@ -31,7 +31,7 @@ from kiln.runtime.parallel import TPGroup, check_nodes
 from kiln.runtime.placement import KVDemand, Placement, available_ram, gpu_memory, place
 from kiln.runtime.radix_cache import RadixCache
 from kiln.runtime.request import Request, RequestOutput
-from kiln.runtime.sampler import SamplingRow, sample
+from kiln.runtime.sampler import SamplingRow, argmax_rows, sample
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Batch, Scheduler, SchedulerConfig
 from kiln.runtime.speculative import (
@@ -577,7 +577,7 @@ class Engine:
         )
         # Rows a greedy request without penalties, grammar or logprobs would sample to
         # their argmax all at once: the sampler's own choice for each.
-        argmax = logits.float().argmax(dim=-1).tolist() if plain else None
+        argmax = argmax_rows(logits.float()) if plain else None
         for j in range(len(fed)):
             if argmax is not None:
                 token, lp = argmax[j], None

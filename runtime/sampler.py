@@ -12,6 +12,16 @@ from kiln.runtime.grammar import apply_bitmask, token_bitmask
 from kiln.runtime.sampling_params import SamplingParams
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax (its first maximum; a NaN counts as the maximum, as in torch).
+    Host logits go through numpy: torch's CPU argmax is scalar, 0.12 ms a row of SmolLM2's
+    49152 logits against numpy's 0.01 (2-core Xeon), a step's worth of the batch-1 decode
+    time at 16 rows."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return logits.numpy().argmax(axis=-1).tolist()  # type: ignore[no-any-return]
+    return logits.argmax(dim=-1).tolist()  # type: ignore[no-any-return]
+
+
 @dataclass(frozen=True)
 class SamplingRow:
     """What the sampler needs to know about one request."""
@@ -57,7 +67,7 @@ def sample(
             logits[i, ids] = float("-inf")
             if kept is not None and not torch.isfinite(logits[i]).any():
                 logits[i, ids] = kept  # the grammar can only end here
-    tokens = logits.argmax(dim=-1).tolist()
+    tokens = argmax_rows(logits)
     for i, r in enumerate(rows):
         if not r.params.greedy:
             probs = _filtered_probs(logits[i], r.params)

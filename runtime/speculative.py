@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kiln.runtime.sampler import argmax_rows
 from kiln.runtime.scheduler import Batch
 
 if TYPE_CHECKING:
@@ -305,12 +306,12 @@ class DraftModel:
         logits = self.runner.forward(batch)
         for seq, tokens in zip(seqs, fed, strict=True):
             seq.kv_len += len(tokens)
-        nxt = logits.argmax(dim=-1).tolist()
+        nxt = argmax_rows(logits)
         for (i, _, _), t in zip(live, nxt, strict=True):
             drafts[i].append(t)
         for _ in range(k - 1):
             batch = Batch(seqs, [[drafts[i][-1]] for i, _, _ in live], [True] * len(seqs), False)  # type: ignore[arg-type]
-            nxt = self.runner.forward(batch).argmax(dim=-1).tolist()
+            nxt = argmax_rows(self.runner.forward(batch))
             for seq in seqs:
                 seq.kv_len += 1
             for (i, _, _), t in zip(live, nxt, strict=True):

@@ -5,7 +5,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kiln.runtime.sampler import SamplingRow, sample
+from kiln.runtime.sampler import SamplingRow, argmax_rows, sample
 from kiln.runtime.sampling_params import SamplingParams
 
 
@@ -38,6 +38,22 @@ def test_greedy_and_degenerate_filters_take_the_argmax() -> None:
         row(temperature=0.0, top_k=5),
     ]
     assert tokens(logits, rows) == logits.argmax(-1).tolist()
+
+
+def test_argmax_rows_picks_torch_argmax_ties_and_nans_included() -> None:
+    """Host float32 rows go through numpy: the first maximum of ties, a NaN over any
+    number, as torch picks them; a view of a wider buffer and bfloat16 rows (torch's
+    own) too."""
+    logits = torch.randn(5, 49152)
+    logits[1, [7, 9000]] = 50.0  # a tie: the first
+    logits[2, 123] = float("nan")
+    logits[3, :] = 0.0  # all equal: 0
+    logits[4, [10, 20]] = float("inf")
+    expect = [int(logits[0].argmax()), 7, 123, 0, 10]
+    assert argmax_rows(logits) == expect == logits.argmax(-1).tolist()
+    assert argmax_rows(logits[1:3, :10000]) == [7, 123]
+    half = logits.bfloat16()
+    assert argmax_rows(half) == half.argmax(-1).tolist()
 
 
 def test_seeded_sampling_is_reproducible_and_varies_with_the_seed() -> None:
