@@ -1186,6 +1186,16 @@ static inline vlf nibble_float(vli u) {
 #endif
 }
 
+/* The high nibble of each lane's byte (u: bytes widened) as a float: without a table, the
+ * shift leaves nothing above the nibble, so no mask (a vector op of seven a code pair). */
+static inline vlf high_nibble_float(vli u) {
+#if LANES == 16 && defined(__AVX512F__)
+    return nibble_float(u >> 4);
+#else
+    return to_float(u >> 4);
+#endif
+}
+
 /* The LANES weights of one panel for inputs [g * group, (g + 1) * group) as floats into
  * w ([group][LANES]): the codes decoded and scaled (and offset by the min, or the code
  * offset) as the format stores them. The one decoder of a panel's codes for tall tiles and
@@ -1269,53 +1279,122 @@ static inline vlf qfma2(vlf acc, float a, vlf fa, float b, vlf fb) {
  * the bandwidth (SmolLM2's 576 x 3072 Q4_0 from DRAM, 2 cores: 21 -> 36 GMAC/s). */
 #define QSLOTS 4
 
-/* Top-bit tables (AVX-512, one row): a 5- or 6-bit code's bits above its nibble add
- * 16 x top x_k, and for one row x is the same in every lane, so a byte of a bit plane (a
- * lane's top bits of 8 k's, or of 4 for 6-bit codes) adds the same sum wherever it occurs:
- * two 16-entry tables a block (its low and high four bits) computed once a call and read
- * with vpermps for every panel, in place of each code's mask, shift and OR. 5-bit: a block
- * is 8 k's, bit i of the byte k + i; 6-bit: 4 k's, bits 2i and 2i + 1 k + i's pair.
- * xb: [blocks][2][16] floats. */
+/* Top-bit tables (one row, AVX2 and AVX-512): a 5- or 6-bit code's bits above its nibble
+ * add 16 x top x_k, and for one row x is the same in every lane, so a byte of a bit plane
+ * (a lane's top bits of 8 k's, or of 4 for 6-bit codes) adds the same sum wherever it
+ * occurs: a block's byte is cut into parts of QTOP_BITS bits, each part's sum read from a
+ * table of its 2^QTOP_BITS values computed once a call, one permute for every panel, in
+ * place of each code's shift, mask and OR. AVX-512: two 16-entry tables (vpermps, 4 bits
+ * an index); AVX2: three 8-entry ones (its vpermps indexes 8 floats: bits 0-2, 3-5, 6-7).
+ * 5-bit: a block is 8 k's, bit i of the byte k + i's; 6-bit: 4 k's, bits 2i and 2i + 1
+ * k + i's pair (weights 16 and 32). xb: [blocks][QTOP_PARTS][QTOP_ENTRIES] floats. */
 #if LANES == 16 && defined(__AVX512F__)
 #define QTOP_TABLES 1
+#define QTOP_BITS 4
+#define QTOP_PARTS 2
+#elif LANES == 8 && defined(__AVX2__)
+#define QTOP_TABLES 1
+#define QTOP_BITS 3
+#define QTOP_PARTS 3
 #else
 #define QTOP_TABLES 0
+#define QTOP_BITS 4
+#define QTOP_PARTS 2
 #endif
+#define QTOP_ENTRIES (1 << QTOP_BITS)
+#define QTOP_FLOATS (QTOP_PARTS * QTOP_ENTRIES) /* a block's tables */
+
 static void top_bit_tables(const float *x, int64_t k, int six, float *xb) {
-#if QTOP_TABLES
-    /* entry v of a table: sum_i x_i c_i(v), c_i 16 x (bit i of v; 6-bit: v's i-th pair) */
-    vlf c[4];
-    for (int i = 0; i < 4; i++)
-        for (int v = 0; v < 16; v++)
-            c[i][v] = 16.0f * (float)(six ? (i < 2 ? (v >> (2 * i)) & 3 : 0) : (v >> i) & 1);
-    const int64_t span = six ? 4 : 8, terms = six ? 2 : 4;
+    const int64_t span = six ? 4 : 8;
     for (int64_t b = 0; b < k / span; b++) {
-        const float *xk = x + b * span;
-        for (int half = 0; half < 2; half++) {
-            vlf t = (vlf){0};
-            for (int i = 0; i < terms; i++) t += xk[half * terms + i] * c[i];
-            *(vlf *)(xb + (b * 2 + half) * 16) = t;
-        }
+        float w[8]; /* each bit of the block's byte, weighed */
+        for (int j = 0; j < 8; j++)
+            w[j] = six ? (j & 1 ? 32.0f : 16.0f) * x[b * span + j / 2] : 16.0f * x[b * span + j];
+        for (int part = 0; part < QTOP_PARTS; part++)
+            for (int v = 0; v < QTOP_ENTRIES; v++) {
+                float t = 0.0f;
+                for (int i = 0; i < QTOP_BITS && part * QTOP_BITS + i < 8; i++)
+                    if ((v >> i) & 1) t += w[part * QTOP_BITS + i];
+                xb[(b * QTOP_PARTS + part) * QTOP_ENTRIES + v] = t;
+            }
     }
+}
+
+/* The top bits' sum for a block's plane bytes h (a lane's byte each) from its tables
+ * (each permute reads only its index's low QTOP_BITS bits: no masks). */
+static inline vlf top_bits(vli h, const float *t) {
+#if LANES == 16 && defined(__AVX512F__)
+    return (vlf)_mm512_permutexvar_ps((__m512i)h, _mm512_loadu_ps(t)) +
+           (vlf)_mm512_permutexvar_ps((__m512i)(h >> 4), _mm512_loadu_ps(t + 16));
+#elif QTOP_TABLES
+    return ((vlf)_mm256_permutevar8x32_ps(_mm256_loadu_ps(t), (__m256i)h) +
+            (vlf)_mm256_permutevar8x32_ps(_mm256_loadu_ps(t + 8), (__m256i)(h >> 3))) +
+           (vlf)_mm256_permutevar8x32_ps(_mm256_loadu_ps(t + 16), (__m256i)(h >> 6));
 #else
-    (void)x, (void)k, (void)six, (void)xb;
+    (void)h, (void)t;
+    return (vlf){0};
 #endif
 }
 
-#if QTOP_TABLES
-/* The top bits' sum for a block's plane bytes h (a lane's byte each) from its tables. */
-static inline vlf top_bits(vli h, const float *t) {
-    return (vlf)_mm512_permutexvar_ps((__m512i)h, _mm512_loadu_ps(t)) +
-           (vlf)_mm512_permutexvar_ps((__m512i)(h >> 4), _mm512_loadu_ps(t + 16));
+/* One row against one panel of 4-, 5-, 6- or 8-bit codes (fmt: UINT4, INT5, UINT5, INT6,
+ * INT8, INT8M, FP8_E4M3), groups a multiple of 8 (every format that stores them: GGUF's
+ * blocks of 32 and K-quant groups of 32 and 16, kiln's of 32 and up): qtile_decode's
+ * arithmetic for np = rows = 1 (two FMAs a code pair, four accumulators by k, the group's
+ * scale and min once), the top bits of 5- and 6-bit codes from their tables (xb,
+ * top_bit_tables), over the row itself and moving pointers, eight k's an iteration. The
+ * general loop's index arithmetic, x's tile stride and its checks of the step were a
+ * third of its vector work (576 x 3072 Q4_0 cache-hot on one AVX2 core: 11.9 -> 16.5
+ * GMAC/s); AVX2's 5-bit codes had cost five more vector ops a code pair. */
+static inline __attribute__((always_inline)) void qrow_codes(
+    const float *x, const float *xs, const float *xb, int64_t k, const uint8_t *panel,
+    const void *sc, int64_t group, const float *bias, float *out, int64_t n, int64_t cols,
+    const int fmt, const int mode) {
+    const int bytes = fmt == QFMT_INT8 || fmt == QFMT_INT8M || fmt == QFMT_FP8_E4M3;
+    const int five = fmt == QFMT_INT5 || fmt == QFMT_UINT5;
+    const int blocks = fmt == QFMT_INT6 ? 2 : five ? 1 : 0; /* plane bytes per 8 k's */
+    const int planes = scale_planes(fmt);
+    vlf acc = (vlf){0};
+    const uint8_t *q = panel, *hp = panel + (bytes ? 0 : k / 2) * LANES;
+    const float *xk = x, *tb = xb;
+    for (int64_t g = 0; g < k / group; g++) {
+        vlf a[4] = {(vlf){0}, (vlf){0}, (vlf){0}, (vlf){0}}, top = (vlf){0};
+        for (int64_t j = 0; j < group; j += 8, q += (bytes ? 8 : 4) * LANES, xk += 8) {
+            __builtin_prefetch(q + PREFETCH_BYTES);
+            if (bytes && LANES == 16) __builtin_prefetch(q + PREFETCH_BYTES + 64);
+            for (int i = 0; i < blocks; i++, hp += LANES, tb += QTOP_FLOATS)
+                top += top_bits(widen_u8(hp), tb);
+            for (int t = 0; t < 4; t++) {
+                if (bytes) { /* a byte a code: two k's an accumulator */
+                    const uint8_t *b0 = q + 2 * t * LANES, *b1 = b0 + LANES;
+                    a[t] = fmt == QFMT_FP8_E4M3
+                               ? qfma2(a[t], xk[2 * t], fp8_e4m3_to_f32(b0), xk[2 * t + 1],
+                                       fp8_e4m3_to_f32(b1))
+                               : qfma2(a[t], xk[2 * t], to_float(widen_i8(b0)), xk[2 * t + 1],
+                                       to_float(widen_i8(b1)));
+                    continue;
+                }
+                const vli u = widen_u8(q + t * LANES);
+                a[t] = qfma2(a[t], xk[2 * t], nibble_float(u), xk[2 * t + 1],
+                             high_nibble_float(u));
+            }
+        }
+        const vlf s = group_scale(sc, g, 0, planes, mode);
+        const vlf sum = ((a[0] + a[1]) + (a[2] + a[3])) + top;
+        if (planes == 2)
+            acc += sum * s + xs[g * QROWS] * group_scale(sc, g, 1, 2, mode);
+        else if (code_offset(fmt))
+            acc += sum * s + xs[g * QROWS] * (s * (float)-code_offset(fmt));
+        else
+            acc += sum * s;
+    }
+    store_panel(&acc, 1, 1, 0, bias, out, n, cols);
 }
-#endif
 
 static inline __attribute__((always_inline)) void qtile_decode(
     const float *xt, const float *xs, int64_t xrows, int64_t k, const uint8_t *panel,
     int64_t pstride, const void *sc, int64_t sstride, int fmt, int64_t group,
     const float *bias, float *out, int64_t n, int64_t cols, const int rows, const int mode,
-    const int np, const float *xb) {
-    (void)xb; /* read by the AVX-512 one-row path only */
+    const int np) {
     /* slots: accumulators a (panel, row) sum into, by k; ga[slot][p * rows + r] */
     const int slots = np == 1 && rows == 1 ? QSLOTS : 1;
     vlf acc[QPANELS * QROWS], ga[QSLOTS][QPANELS * QROWS];
@@ -1335,31 +1414,13 @@ static inline __attribute__((always_inline)) void qtile_decode(
                     for (int t = 0; t < (step == 2 ? 1 : slots); t++) {
                         const float *x0 = xt + (kb + 2 * t) * xrows, *x1 = x0 + xrows;
                         const vli u = widen_u8(q + t * LANES);
-                        const vlf f0 = nibble_float(u), f1 = nibble_float(u >> 4);
+                        const vlf f0 = nibble_float(u), f1 = high_nibble_float(u);
                         for (int r = 0; r < rows; r++)
                             ga[t][p * rows + r] =
                                 qfma2(ga[t][p * rows + r], x0[r], f0, x1[r], f1);
                     }
                 }
             }
-#if QTOP_TABLES
-        } else if (xb && np == 1 && rows == 1 && (fmt == QFMT_INT5 || fmt == QFMT_UINT5 ||
-                                                    fmt == QFMT_INT6)) {
-            /* the nibbles as floats, the top bits from the tables (top_bit_tables) */
-            const int64_t span = fmt == QFMT_INT6 ? 4 : 8;
-            for (int64_t kb = k0; kb < k0 + group; kb += span) {
-                const uint8_t *q = panel + (kb / 2) * LANES;
-                __builtin_prefetch(q + PREFETCH_BYTES);
-                const vli h = widen_u8(panel + (k / 2 + kb / span) * LANES);
-                ga[3][0] += top_bits(h, xb + (kb / span) * 32);
-                for (int j = 0; j < span / 2; j++) {
-                    const vli u = widen_u8(q + j * LANES);
-                    const float *x0 = xt + (kb + 2 * j) * xrows;
-                    ga[j][0] = qfma2(ga[j][0], x0[0], nibble_float(u), x0[xrows],
-                                     nibble_float(u >> 4));
-                }
-            }
-#endif
         } else if (fmt == QFMT_INT5 || fmt == QFMT_UINT5) {
             /* Eight k's at a time: their fifth bits are one byte a lane, moved up to bit 4
              * of each nibble's code pair by pair. */
@@ -1456,7 +1517,7 @@ static inline __attribute__((always_inline)) void qtile_decode(
 #define QDECODE_CASE(R) \
     case R: \
         qtile_decode(xt, xs, QROWS, k, panel, pstride, sc, sstride, fmt, group, bias, out, n, \
-                     cols, R, mode, QPANELS, NULL); \
+                     cols, R, mode, QPANELS); \
         break;
 #define QTALL_CASE(R) \
     case R: qtile(xt, QROWS, k, panel, sc, fmt, group, bias, out, n, cols, R, mode, w); break;
@@ -1554,7 +1615,7 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
     const int64_t tiles = (m + xrows - 1) / xrows;
     const int64_t groups = k / group;
     /* x transposed into tiles, then (decode tiles) each group's sum of x per row */
-    /* one row of 5- or 6-bit codes: their top-bit tables (top_bit_tables), 8k floats */
+    /* one row of 5- or 6-bit codes: their top-bit tables (top_bit_tables), up to 8k floats */
     const int tables = QTOP_TABLES && m == 1 && (five || six);
     float *xt = malloc((size_t)(tiles * k * xrows + (wide ? 0 : groups * xrows) +
                                 (tables ? 8 * k : 0)) *
@@ -1604,9 +1665,35 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
             const uint8_t *panel = (const uint8_t *)q + p0 * pstride;
             const void *sc = scale_at(scales, p0 * sstride, mode);
             const float *b = bias ? bias + col0 : NULL;
+            if (per == 1 && group % 8 == 0 && (!(five || six) || tables)) {
+                /* each format and scale mode its own copy, their branches folded */
+#define QROW(F, M) qrow_codes(x, xs, xb, k, panel, sc, group, b, out + col0, n, cols, F, M)
+#define QROW_MODES(F) \
+    if (mode == SC_F16) QROW(F, SC_F16); \
+    else if (mode == SC_F32) QROW(F, SC_F32); \
+    else QROW(F, mode);
+                if (fmt == QFMT_UINT4) {
+                    QROW_MODES(QFMT_UINT4)
+                } else if (fmt == QFMT_INT5) {
+                    QROW_MODES(QFMT_INT5)
+                } else if (fmt == QFMT_UINT5) {
+                    QROW_MODES(QFMT_UINT5)
+                } else if (fmt == QFMT_INT8) {
+                    QROW_MODES(QFMT_INT8)
+                } else if (fmt == QFMT_INT8M) {
+                    QROW_MODES(QFMT_INT8M)
+                } else if (fmt == QFMT_FP8_E4M3) {
+                    QROW(QFMT_FP8_E4M3, SC_F32);
+                } else {
+                    QROW(QFMT_INT6, mode);
+                }
+#undef QROW_MODES
+#undef QROW
+                continue;
+            }
             if (per == 1) {
                 qtile_decode(xt, xs, QROWS, k, panel, pstride, sc, sstride, fmt, group, b,
-                             out + col0, n, cols, 1, mode, 1, xb);
+                             out + col0, n, cols, 1, mode, 1);
                 continue;
             }
             if (span / LANES == QPANELS) {
