@@ -1671,6 +1671,7 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
 #define QROW_MODES(F) \
     if (mode == SC_F16) QROW(F, SC_F16); \
     else if (mode == SC_F32) QROW(F, SC_F32); \
+    else if (mode == 8) QROW(F, 8); /* Q4_K / Q5_K records */ \
     else QROW(F, mode);
                 if (fmt == QFMT_UINT4) {
                     QROW_MODES(QFMT_UINT4)
@@ -1684,6 +1685,8 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
                     QROW_MODES(QFMT_INT8M)
                 } else if (fmt == QFMT_FP8_E4M3) {
                     QROW(QFMT_FP8_E4M3, SC_F32);
+                } else if (mode == 16) { /* Q6_K records */
+                    QROW(QFMT_INT6, 16);
                 } else {
                     QROW(QFMT_INT6, mode);
                 }
