@@ -1336,6 +1336,24 @@ static inline vlf top_bits(vli h, const float *t) {
 #endif
 }
 
+/* 8-lane builds, one row of nibble codes: a code pair's byte u = lo + 16 hi gives its
+ * high code as u & 0xF0 (16 hi) against the odd inputs scaled by 1/16 once a call
+ * (pair_row), a mask where the high nibble took a shift. Both are exact (x / 16 and 16 hi
+ * are), so the sums are the bits they were; the shift ran on an Intel core's two FMA
+ * ports beside the converts and FMAs, the mask on any of three (one row from DRAM on
+ * AVX2: Q4_0 1.05x, Q5_0 1.09x, Q5_K 1.17x, Q6_K 1.26x). */
+#if LANES == 8
+#define QPAIR_BYTE 1
+#else
+#define QPAIR_BYTE 0
+#endif
+static void pair_row(const float *x, int64_t k, float *xp) {
+    for (int64_t i = 0; i < k; i += 2) {
+        xp[i] = x[i];
+        xp[i + 1] = x[i + 1] * 0.0625f;
+    }
+}
+
 /* One row against one panel of 4-, 5-, 6- or 8-bit codes (fmt: UINT4, INT5, UINT5, INT6,
  * INT8, INT8M, FP8_E4M3), groups a multiple of 8 (every format that stores them: GGUF's
  * blocks of 32 and K-quant groups of 32 and 16, kiln's of 32 and up): qtile_decode's
@@ -1344,7 +1362,8 @@ static inline vlf top_bits(vli h, const float *t) {
  * top_bit_tables), over the row itself and moving pointers, eight k's an iteration. The
  * general loop's index arithmetic, x's tile stride and its checks of the step were a
  * third of its vector work (576 x 3072 Q4_0 cache-hot on one AVX2 core: 11.9 -> 16.5
- * GMAC/s); AVX2's 5-bit codes had cost five more vector ops a code pair. */
+ * GMAC/s); AVX2's 5-bit codes had cost five more vector ops a code pair. x: the row, or
+ * (8-lane builds, nibble codes) pair_row's copy of it. */
 static inline __attribute__((always_inline)) void qrow_codes(
     const float *x, const float *xs, const float *xb, int64_t k, const uint8_t *panel,
     const void *sc, int64_t group, const float *bias, float *out, int64_t n, int64_t cols,
@@ -1374,8 +1393,10 @@ static inline __attribute__((always_inline)) void qrow_codes(
                     continue;
                 }
                 const vli u = widen_u8(q + t * LANES);
-                a[t] = qfma2(a[t], xk[2 * t], nibble_float(u), xk[2 * t + 1],
-                             high_nibble_float(u));
+                a[t] = QPAIR_BYTE ? qfma2(a[t], xk[2 * t], to_float(u & 0xF), xk[2 * t + 1],
+                                          to_float(u & 0xF0))
+                                  : qfma2(a[t], xk[2 * t], nibble_float(u), xk[2 * t + 1],
+                                          high_nibble_float(u));
             }
         }
         const vlf s = group_scale(sc, g, 0, planes, mode);
@@ -1617,13 +1638,17 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
     /* x transposed into tiles, then (decode tiles) each group's sum of x per row */
     /* one row of 5- or 6-bit codes: their top-bit tables (top_bit_tables), up to 8k floats */
     const int tables = QTOP_TABLES && m == 1 && (five || six);
+    /* and (8-lane builds) the row with its odd inputs / 16 for nibble codes (pair_row) */
+    const int pairs = QPAIR_BYTE && m == 1 && (fmt == QFMT_UINT4 || five || six);
     float *xt = malloc((size_t)(tiles * k * xrows + (wide ? 0 : groups * xrows) +
-                                (tables ? 8 * k : 0)) *
+                                (tables ? 8 * k : 0) + (pairs ? k : 0)) *
                        sizeof(float));
     if (!xt) return -1;
     float *xs = xt + tiles * k * xrows;
     float *xb = tables ? xs + groups * xrows : NULL;
+    float *xp = pairs ? xs + groups * xrows + (tables ? 8 * k : 0) : NULL;
     if (tables) top_bit_tables(x, k, six, xb);
+    if (pairs) pair_row(x, k, xp);
     /* Decode-sized inputs are copied on this thread: a few thousand floats, where each
      * worksharing loop's barrier would cost more than the copy (121 calls a token). */
 #pragma omp parallel for collapse(2) num_threads(wide ? threads : 1)
@@ -1667,7 +1692,8 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
             const float *b = bias ? bias + col0 : NULL;
             if (per == 1 && group % 8 == 0 && (!(five || six) || tables)) {
                 /* each format and scale mode its own copy, their branches folded */
-#define QROW(F, M) qrow_codes(x, xs, xb, k, panel, sc, group, b, out + col0, n, cols, F, M)
+#define QROW(F, M) \
+    qrow_codes(xp ? xp : x, xs, xb, k, panel, sc, group, b, out + col0, n, cols, F, M)
 #define QROW_MODES(F) \
     if (mode == SC_F16) QROW(F, SC_F16); \
     else if (mode == SC_F32) QROW(F, SC_F32); \
