@@ -204,6 +204,8 @@ static inline v8f hsum8x8(const v8f *a) {
 
 /* Rows ahead of use that decode attention asks the memory for. */
 #define KV_AHEAD 16
+#define DECODE_PART_MIN 64  /* keys a part of a split decode row at least */
+#define DECODE_PARTS_MAX 16 /* parts a split decode row at most */
 
 /* Pool element formats of decode attention: fp32, or one byte per element (fp8 e4m3 /
  * e5m2, as torch's float8_e4m3fn / float8_e5m2 lay them out). */
@@ -357,7 +359,7 @@ static inline __attribute__((always_inline)) void weigh_values(const float *p, c
 /* s[i] = exp(s[i] - max(s)) in place; returns 1 / sum, folded into the output later. With
  * a sink (GPT-OSS: a learned logit per head that attends to nothing) the sum also counts
  * exp(sink - max), so the keys share what the sink leaves; sink = -INFINITY: none. */
-static float softmax_unnormalised(float *s, int64_t n, float sink) {
+static float softmax_unnormalised(float *s, int64_t n, float sink, float *max_out) {
     float m = sink;
 #pragma omp simd reduction(max : m)
     for (int64_t i = 0; i < n; i++) m = s[i] > m ? s[i] : m;
@@ -367,6 +369,7 @@ static float softmax_unnormalised(float *s, int64_t n, float sink) {
         s[i] = kexp(s[i] - m);
         sum += s[i];
     }
+    if (max_out) *max_out = m;
     return 1.0f / sum;
 }
 
@@ -660,7 +663,30 @@ static inline __attribute__((always_inline)) int decode_attention(
         }
     }
 
-#pragma omp parallel num_threads(threads) if (batch * kv_heads > 1)
+    /* Fewer (sequence, KV head) items than two a thread (a batch of one: 3 KV heads on 2
+     * threads ran 2 against 1) split each sequence's keys into parts of at least
+     * DECODE_PART_MIN, each part's softmax kept with its own max and sum and the parts
+     * merged after (part_out: [batch][heads][parts][dim], then [..][parts] maxima and
+     * sums). */
+    int64_t parts = 1;
+    if (batch * kv_heads < 2 * threads && !in_run) {
+        parts = (2 * threads + batch * kv_heads - 1) / (batch * kv_heads);
+        const int64_t fit = longest / DECODE_PART_MIN;
+        parts = parts < fit ? parts : fit > 1 ? fit : 1;
+        parts = parts < DECODE_PARTS_MAX ? parts : DECODE_PARTS_MAX;
+    }
+    float *part_out = NULL;
+    if (parts > 1) {
+        part_out = malloc((size_t)(batch * heads * parts * (dim + 2)) * sizeof(float));
+        if (!part_out) {
+            free(in_run);
+            return -1;
+        }
+    }
+    float *part_max = part_out ? part_out + batch * heads * parts * dim : NULL;
+    float *part_sum = part_out ? part_max + batch * heads * parts : NULL;
+
+#pragma omp parallel num_threads(threads) if (batch * kv_heads * parts > 1)
     {
         float *scores = malloc((size_t)longest * sizeof(float));
         int64_t *offs = malloc((size_t)longest * sizeof(int64_t));
@@ -670,33 +696,52 @@ static inline __attribute__((always_inline)) int decode_attention(
             failed = 1;
         }
 #pragma omp barrier
-#pragma omp for collapse(2) schedule(dynamic, 1)
+#pragma omp for collapse(3) schedule(dynamic, 1)
         for (int64_t b = 0; b < batch; b++) {
             for (int64_t kh = 0; kh < kv_heads; kh++) {
-                if (failed || (in_run && in_run[b])) continue;
-                const int64_t len = kv_lens[b];
-                const int64_t start = (window > 0 && len > window) ? len - window : 0;
-                const int64_t n = len - start;
-                const int64_t *pages = page_table + TABLE_ROW(b) * max_pages;
-                /* Row offset of every visible key within one head's slots. */
-                for (int64_t j = start, i = 0; j < len; j++, i++)
-                    offs[i] = (pages[j / page_size] * page_size + j % page_size) * dim;
-                const int64_t head = kh * slots * dim * (fmt == KV_F32 ? 4 : 1);
-                const void *kb = (const char *)k_cache + head;
-                const void *vb = (const char *)v_cache + head;
-                /* The group's query heads one after another: the K/V rows the first one
-                 * brought into cache serve the others. */
-                for (int64_t g = 0; g < group; g++) {
-                    const int64_t h = kh * group + g;
-                    const float *src = q + b * q_stride + h * dim;
+                for (int64_t part = 0; part < parts; part++) {
+                    if (failed || (in_run && in_run[b])) continue;
+                    const int64_t len = kv_lens[b];
+                    const int64_t first = (window > 0 && len > window) ? len - window : 0;
+                    const int64_t start = first + (len - first) * part / parts;
+                    const int64_t end = first + (len - first) * (part + 1) / parts;
+                    const int64_t n = end - start;
+                    const int64_t *pages = page_table + TABLE_ROW(b) * max_pages;
+                    /* Row offset of every visible key within one head's slots. */
+                    for (int64_t j = start, i = 0; j < end; j++, i++)
+                        offs[i] = (pages[j / page_size] * page_size + j % page_size) * dim;
+                    const int64_t head = kh * slots * dim * (fmt == KV_F32 ? 4 : 1);
+                    const void *kb = (const char *)k_cache + head;
+                    const void *vb = (const char *)v_cache + head;
+                    /* The group's query heads one after another: the K/V rows the first one
+                     * brought into cache serve the others. */
+                    for (int64_t g = 0; g < group; g++) {
+                        const int64_t h = kh * group + g;
+                        const float *src = q + b * q_stride + h * dim;
 #pragma omp simd
-                    for (int64_t i = 0; i < dim; i++) qs[i] = src[i] * (scale * kv_scale);
-                    score_keys(qs, kb, offs, n, dim, scores, fmt);
-                    if (softcap > 0.0f) soft_cap(scores, n, softcap);
-                    const float sink = sinks ? sinks[h] : -INFINITY;
-                    const float inv = softmax_unnormalised(scores, n, sink) * kv_scale;
-                    weigh_values(scores, vb, offs, n, dim, inv, out + (b * heads + h) * dim,
-                                 fmt);
+                        for (int64_t i = 0; i < dim; i++) qs[i] = src[i] * (scale * kv_scale);
+                        if (n <= 0) { /* an empty part (a window's): weighs nothing */
+                            const int64_t at = (b * heads + h) * parts + part;
+                            part_max[at] = -INFINITY;
+                            part_sum[at] = 0.0f;
+                            memset(part_out + at * dim, 0, (size_t)dim * sizeof(float));
+                            continue;
+                        }
+                        score_keys(qs, kb, offs, n, dim, scores, fmt);
+                        if (softcap > 0.0f) soft_cap(scores, n, softcap);
+                        if (parts == 1) {
+                            const float sink = sinks ? sinks[h] : -INFINITY;
+                            const float inv = softmax_unnormalised(scores, n, sink, NULL);
+                            weigh_values(scores, vb, offs, n, dim, inv * kv_scale,
+                                         out + (b * heads + h) * dim, fmt);
+                            continue;
+                        }
+                        const int64_t at = (b * heads + h) * parts + part;
+                        const float inv =
+                            softmax_unnormalised(scores, n, -INFINITY, part_max + at);
+                        part_sum[at] = 1.0f / inv;
+                        weigh_values(scores, vb, offs, n, dim, inv, part_out + at * dim, fmt);
+                    }
                 }
             }
         }
@@ -704,6 +749,31 @@ static inline __attribute__((always_inline)) int decode_attention(
         free(offs);
         free(qs);
     }
+    if (part_out && !failed) {
+        /* out = sum_p w_p o_p / (sum_p w_p + sink), w_p = sum_p e^(max_p - M) */
+        for (int64_t b = 0; b < batch; b++)
+            for (int64_t h = 0; h < heads; h++) {
+                if (in_run && in_run[b]) continue;
+                const int64_t at = (b * heads + h) * parts;
+                float mx = sinks ? sinks[h] : -INFINITY;
+                for (int64_t p = 0; p < parts; p++)
+                    mx = part_max[at + p] > mx ? part_max[at + p] : mx;
+                float w[DECODE_PARTS_MAX], total = sinks ? kexp(sinks[h] - mx) : 0.0f;
+                for (int64_t p = 0; p < parts; p++) {
+                    const float sum = part_sum[at + p];
+                    w[p] = sum > 0.0f ? sum * kexp(part_max[at + p] - mx) : 0.0f;
+                    total += w[p];
+                }
+                float *dst = out + (b * heads + h) * dim;
+                for (int64_t d = 0; d < dim; d++) {
+                    float acc = 0.0f;
+                    for (int64_t p = 0; p < parts; p++)
+                        acc += w[p] * part_out[(at + p) * dim + d];
+                    dst[d] = acc / total * kv_scale;
+                }
+            }
+    }
+    free(part_out);
     free(in_run);
     return failed ? -1 : 0;
 }

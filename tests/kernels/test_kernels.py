@@ -668,19 +668,26 @@ def test_rope_attention_is_rope_qkv_then_attention(backend: str, pool: torch.dty
 
 
 @pytest.mark.parametrize("backend", NATIVE)
-@pytest.mark.parametrize("capped, sunk", [(True, False), (False, True), (True, True)])
-def test_native_decode_attention_caps_scores_and_counts_sinks(backend, capped, sunk) -> None:
+@pytest.mark.parametrize(
+    "capped, sunk, long",
+    [(True, False, False), (False, True, False), (True, True, False), (True, True, True)],
+)
+def test_native_decode_attention_caps_scores_and_counts_sinks(backend, capped, sunk, long) -> None:
     """Gemma 2's soft cap and GPT-OSS's per-head sinks in kiln's C decode kernel: against
-    the reference on a decode step over scattered pages, windowed and not."""
+    the reference on a decode step over scattered pages, windowed and not. `long`: one
+    sequence of 300 keys, 2 KV heads, whose keys the kernel splits into parts merged by
+    their maxima and sums (fewer items than two a thread; 2 threads or more)."""
     from kiln.core.ops.attention import Attention
 
     torch.manual_seed(3)
     heads, kv_heads, d, page = 4, 2, 16, 4
-    lens = [7, 13, 1]
-    for window in (None, 5):
-        pools = [torch.zeros(1, kv_heads, 16 * page, d) for _ in range(4)]
-        order = torch.randperm(16)
-        pages = [order[4 * i : 4 * i + 4] for i in range(len(lens))]
+    lens = [300] if long else [7, 13, 1]
+    per_seq = 75 if long else 4  # pages a sequence
+    for window in (None, 100 if long else 5):
+        count = per_seq * len(lens) + 1
+        pools = [torch.zeros(1, kv_heads, count * page, d) for _ in range(4)]
+        order = torch.randperm(count)
+        pages = [order[per_seq * i : per_seq * (i + 1)] for i in range(len(lens))]
         slots = [(p[:, None] * page + torch.arange(page)).reshape(-1) for p in pages]
         for pool in pools:
             pool.normal_()  # cached keys and values, the same in every pool
