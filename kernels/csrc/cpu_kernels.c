@@ -1375,19 +1375,27 @@ static inline vlf qfma2(vlf acc, float a, vlf fa, float b, vlf fb) {
 #define QTOP_FLOATS (QTOP_PARTS * QTOP_ENTRIES) /* a block's tables */
 
 static void top_bit_tables(const float *x, int64_t k, int six, float *xb) {
+#if QTOP_TABLES
+    /* a part's table is one vector (QTOP_ENTRIES == LANES): sum_i w_i bit_i(v), with
+     * bit_i(v) as 0 / 1 vectors built once (a scalar loop over entries and bits had cost
+     * a third of a Q6_K GEMV at 1536 inputs) */
+    vlf bit[QTOP_BITS];
+    for (int i = 0; i < QTOP_BITS; i++)
+        for (int v = 0; v < QTOP_ENTRIES; v++) bit[i][v] = (float)((v >> i) & 1);
     const int64_t span = six ? 4 : 8;
     for (int64_t b = 0; b < k / span; b++) {
-        float w[8]; /* each bit of the block's byte, weighed */
+        float w[QTOP_PARTS * QTOP_BITS] = {0}; /* each bit of the block's byte, weighed */
         for (int j = 0; j < 8; j++)
             w[j] = six ? (j & 1 ? 32.0f : 16.0f) * x[b * span + j / 2] : 16.0f * x[b * span + j];
-        for (int part = 0; part < QTOP_PARTS; part++)
-            for (int v = 0; v < QTOP_ENTRIES; v++) {
-                float t = 0.0f;
-                for (int i = 0; i < QTOP_BITS && part * QTOP_BITS + i < 8; i++)
-                    if ((v >> i) & 1) t += w[part * QTOP_BITS + i];
-                xb[(b * QTOP_PARTS + part) * QTOP_ENTRIES + v] = t;
-            }
+        for (int part = 0; part < QTOP_PARTS; part++) {
+            vlf t = (vlf){0};
+            for (int i = 0; i < QTOP_BITS; i++) t += w[part * QTOP_BITS + i] * bit[i];
+            *(vlf *)(xb + (b * QTOP_PARTS + part) * QTOP_ENTRIES) = t;
+        }
     }
+#else
+    (void)x, (void)k, (void)six, (void)xb;
+#endif
 }
 
 /* The top bits' sum for a block's plane bytes h (a lane's byte each) from its tables
