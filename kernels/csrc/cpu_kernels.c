@@ -750,7 +750,8 @@ static inline __attribute__((always_inline)) int decode_attention(
         free(qs);
     }
     if (part_out && !failed) {
-        /* out = sum_p w_p o_p / (sum_p w_p + sink), w_p = sum_p e^(max_p - M) */
+        /* out = sum_p w_p o_p / (sum_p w_p + e^(sink - M)), w_p = l_p e^(max_p - M): part
+         * p's sum l_p and max max_p, M the largest of them and the sink */
         for (int64_t b = 0; b < batch; b++)
             for (int64_t h = 0; h < heads; h++) {
                 if (in_run && in_run[b]) continue;
