@@ -117,12 +117,13 @@ def main() -> None:
     nodes = engine.art.graph.nodes
     # calls, ns, bytes of weights, multiply-adds (a step's)
     table: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0, 0])
-    for c, node_index in enumerate(decode.call_nodes()):
+    calls = decode.call_nodes()
+    for c, node_index in enumerate(calls):
         n = nodes[node_index]
         r = table[label(n)]
         r[0] += 1
         r[1] += float(spent[c]) / steps
-        first_call = decode.call_nodes().index(node_index) == c
+        first_call = calls.index(node_index) == c
         r[2] += weight_bytes(engine, n) if first_call else 0
         # a prompt step's rows, but the lm_head's: the sampled row only
         rows = 1 if n.attrs.get("out_features") == decode.vocab else rows_wanted

@@ -1790,10 +1790,8 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
                     QROW_MODES(QFMT_INT8M)
                 } else if (fmt == QFMT_FP8_E4M3) {
                     QROW(QFMT_FP8_E4M3, SC_F32);
-                } else if (mode == 16) { /* Q6_K records */
-                    QROW(QFMT_INT6, 16);
                 } else {
-                    QROW(QFMT_INT6, mode);
+                    QROW(QFMT_INT6, 16); /* INT6K's records, the only 6-bit codes */
                 }
 #undef QROW_MODES
 #undef QROW
