@@ -788,6 +788,7 @@ class Engine:
             nnodes,
             self.placement,
             self.context_length,
+            self.args.trust_remote_code,
         )
 
 

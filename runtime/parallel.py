@@ -109,10 +109,19 @@ def _send(step: StepInputs | None, device: str) -> None:
 
 
 def _spawn(
-    artefact: Path, ranks: range, size: int, method: str, threads: int, timeout_s: int
+    artefact: Path,
+    ranks: range,
+    size: int,
+    method: str,
+    threads: int,
+    timeout_s: int,
+    trust_remote_code: bool,
 ) -> list[subprocess.Popen[bytes]]:
     """The rank processes of `ranks`, this node's: their local ranks count from 0 at the
-    node's first rank (each its own GPU on CUDA targets)."""
+    node's first rank (each its own GPU on CUDA targets). `trust_remote_code`: the user's
+    --trust-remote-code, which each rank needs to load native code built elsewhere just as
+    rank 0 does."""
+    trust = ["--trust-remote-code"] if trust_remote_code else []
     return [
         subprocess.Popen(
             [
@@ -132,6 +141,7 @@ def _spawn(
                 str(threads),
                 "--timeout",
                 str(timeout_s),
+                *trust,
             ]
         )
         for rank in ranks
@@ -218,6 +228,7 @@ class TPGroup:
         nnodes: int = 1,
         placement: Placement | None = None,
         context_length: int = 0,
+        trust_remote_code: bool = False,
     ) -> None:
         if dist.is_initialized():
             raise RuntimeError(
@@ -231,7 +242,15 @@ class TPGroup:
         method = f"tcp://{host}:{port}"
         timeout = datetime.timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
         local = node_ranks(size, nnodes, 0)[1:]
-        self.procs = _spawn(artefact, local, size, method, threads, int(timeout.total_seconds()))
+        self.procs = _spawn(
+            artefact,
+            local,
+            size,
+            method,
+            threads,
+            int(timeout.total_seconds()),
+            trust_remote_code,
+        )
         try:
             init_group(backend, method, 0, size, timeout.total_seconds())
             sizes = torch.tensor([max_total_tokens, context_length], device=self.device)
@@ -349,6 +368,7 @@ def follow(
     init_addr: str | None,
     timeout_s: int | None,
     threads: int | None,
+    trust_remote_code: bool = False,
 ) -> int:
     """Node `node_rank` (> 0) of a multi-node group: run this node's ranks until rank 0
     stops them (0), or one fails or rank 0 is gone (1); SIGTERM / SIGINT stop them (0).
@@ -357,7 +377,9 @@ def follow(
     ranks = node_ranks(size, nnodes, node_rank)
     per_rank = max(1, (threads or torch.get_num_threads()) // len(ranks))
     timeout = timeout_s or DEFAULT_TIMEOUT_S
-    procs = _spawn(artefact, ranks, size, f"tcp://{init_addr}", per_rank, timeout)
+    procs = _spawn(
+        artefact, ranks, size, f"tcp://{init_addr}", per_rank, timeout, trust_remote_code
+    )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -43,7 +43,13 @@ def _worker(args: argparse.Namespace) -> int:
     sizes = torch.zeros(2, dtype=torch.long, device=device)  # KV pool tokens, context length
     dist.broadcast(sizes, src=0)
     # This node's `kiln serve` (rank 0, or `follow`) checked every file's checksum.
-    art = Artefact.open(args.artefact, verify=False, rank=args.rank, device=device)
+    art = Artefact.open(
+        args.artefact,
+        verify=False,
+        trust_remote_code=args.trust_remote_code,
+        rank=args.rank,
+        device=device,
+    )
     runner = ModelRunner(art, int(sizes[0]), int(sizes[1]) or None)
     runner.warm_up()
     with torch.inference_mode():
@@ -62,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--init-method", required=True)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S)
+    p.add_argument("--trust-remote-code", action="store_true")
     args = p.parse_args(argv)
     configure_logging(os.environ.get("KILN_LOG_LEVEL", "WARNING"))
     try:

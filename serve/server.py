@@ -139,6 +139,7 @@ def _follow(artefact: Path, args: ServerArgs, explicit: dict[str, Any]) -> int:
         args.dist_init_addr,
         args.dist_timeout,
         args.threads,
+        args.trust_remote_code,
     )
 
 

@@ -113,3 +113,24 @@ print("loaded:", art.lib._name)
     assert "were not built by kiln on this machine" in refused
     assert "--trust-remote-code" in refused and "kiln compile --model-path" in refused
     assert loaded == f"loaded: {copy / 'kernels/cpu_kernels.so'}"
+
+
+def test_trust_remote_code_reaches_every_tensor_parallel_rank(artefact, tmp_path) -> None:
+    """The other ranks load the same artefact's native code in their own processes: with
+    --trust-remote-code they load it as rank 0 does (they once refused, and the engine
+    died at its first step)."""
+    env = dict(os.environ, CC=str(tmp_path / "no-cc"), KILN_CACHE_DIR=str(tmp_path / "fresh"))
+
+    def generate(art: Path) -> str:
+        argv = ["generate", str(art), "--prompt", "Hello", "--max-new-tokens", "6"]
+        done = subprocess.run(
+            [sys.executable, "-m", "kiln", *argv, "--trust-remote-code"],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, done.stderr
+        assert "built elsewhere (--trust-remote-code)" in done.stderr
+        return done.stdout
+
+    assert generate(artefact("llama", compile_args={"tp_size": 2})) == generate(artefact("llama"))
