@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from kiln.core import artefact as fmt
 from kiln.runtime.artefact import Artefact
+from kiln.runtime.engine_thread import freeze_startup_heap
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.parallel import DEFAULT_TIMEOUT_S, beat, init_group, receive, rendezvous_store
 from kiln.terminal import configure_logging
@@ -52,6 +53,7 @@ def _worker(args: argparse.Namespace) -> int:
     )
     runner = ModelRunner(art, int(sizes[0]), int(sizes[1]) or None)
     runner.warm_up()
+    freeze_startup_heap()  # a full collection here would stall every rank's step
     with torch.inference_mode():
         while (step := receive(device)) is not None:
             runner.run(step)

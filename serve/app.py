@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException
 
 from kiln.args import ServerArgs
 from kiln.runtime.engine import Engine
+from kiln.runtime.engine_thread import freeze_startup_heap
 from kiln.serve import native_api, openai_api
 from kiln.serve.context import ServingContext
 from kiln.serve.middleware import FrontDoor, error_body
@@ -31,6 +32,7 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
         await ctx.async_engine.start()
         if not args.skip_server_warmup:
             await _warmup(ctx)
+        log.debug("%d objects at startup, exempt from garbage collection", freeze_startup_heap())
         log.info("kiln serving %s on http://%s:%s", ctx.model_name, args.host, args.port)
         yield
         ctx.async_engine.stop()
