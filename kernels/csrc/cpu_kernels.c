@@ -980,6 +980,21 @@ static void wide_rows(const float *xt, int64_t k, const float *panel, const floa
     }
 }
 
+/* Parts to split each work item's row tiles into, so that `items` items (each a column
+ * span over every row) share out evenly over `threads`: the fewest parts, of at least
+ * `min_tiles` tiles each and at most 8, that fill at least 95% of the threads' rounds.
+ * SmolLM2's 576 outputs are 9 panel groups: on 2 threads one ran 5 while the other ran 4
+ * (at best 90% of both cores). A part rereads its item's weights (from cache at prompt
+ * sizes) and, quantized, dequantizes them again. */
+static int64_t row_parts(int64_t items, int64_t tiles, int threads, int64_t min_tiles) {
+    if (threads <= 1) return 1;
+    for (int64_t parts = 1; parts * min_tiles <= tiles && parts <= 8; parts++) {
+        const int64_t total = items * parts, rounds = (total + threads - 1) / threads;
+        if (total * 100 >= rounds * threads * 95) return parts;
+    }
+    return 1;
+}
+
 /* x: [m, k] rows `x_stride` apart; packed: [N_pad / LANES][k][LANES] (N_pad a multiple of
  * LANES * GROUP_PANELS); bias: [n] or NULL; out: [m, n]. `wide`: 0 narrow tiles, 1 wide.
  * Returns -1 if the transposed copy of x could not be allocated, else 0. */
@@ -992,6 +1007,8 @@ static int linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k,
     const int64_t groups = (n + LANES * GROUP_PANELS - 1) / (LANES * GROUP_PANELS);
     const int64_t items = groups * (GROUP_PANELS / step);
     const int64_t tiles = (m + tile - 1) / tile;
+    const int64_t parts = row_parts(items, tiles, threads, 1);
+    const int64_t per = (tiles + parts - 1) / parts; /* tiles a part */
     float *xt = malloc((size_t)(tiles * k * tile) * sizeof(float));
     if (!xt) return -1;
 #pragma omp parallel num_threads(threads) if (m * n * k >= PARALLEL_MIN_ELEMS)
@@ -1004,20 +1021,23 @@ static int linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k,
                     xt[(t * k + kk) * tile + r] = row < m ? x[row * x_stride + kk] : 0.0f;
                 }
 #pragma omp for schedule(guided)
-        for (int64_t it = 0; it < items; it++) {
+        for (int64_t job = 0; job < items * parts; job++) {
+            const int64_t it = job / parts, t0 = job % parts * per;
+            const int64_t t1 = t0 + per < tiles ? t0 + per : tiles;
             const int64_t col0 = it * step * LANES;
-            if (col0 >= n) continue; /* a padding panel */
+            if (col0 >= n || t0 >= t1) continue; /* a padding panel, or an empty part */
             const float *panel = packed + it * step * k * LANES;
             const int64_t span = step * LANES;
             const int64_t cols = n - col0 < span ? n - col0 : span;
             const float *b = bias ? bias + col0 : NULL;
             /* The next group's panels, a share a tile: read from memory once a group, they
              * are its first tile's stall where nothing asked for them ahead (cold weights:
-             * 257 against 310 GFLOP/s hot, SmolLM2's linears at 128 rows). */
+             * 257 against 310 GFLOP/s hot, SmolLM2's linears at 128 rows). Each part asks
+             * for its tiles' shares. */
             const int64_t group_lines = step * k * LANES * (int64_t)sizeof(float) / 64;
             const char *next = it + 1 < items ? (const char *)(panel + step * k * LANES) : NULL;
             const int64_t share = (group_lines + tiles - 1) / tiles;
-            for (int64_t t = 0; t < tiles; t++) {
+            for (int64_t t = t0; t < t1; t++) {
                 const int64_t rows = m - t * tile < tile ? m - t * tile : tile;
                 const float *xtt = xt + t * k * tile;
                 float *o = out + t * tile * n + col0;
@@ -1652,12 +1672,17 @@ static void qtile_rows(const float *xt, const float *xs, int64_t k, const uint8_
  * tiles over every row tile. The dequantizing was a tall tile's own work, redone for every
  * 16 rows and sharing its ports with the FMAs: SmolLM2's Q4_0 linears at 128 rows ran at
  * ~150 GFLOP/s against ~270 for fp32 weights on this Xeon. */
+#define QPART_TILES (48 / WIDE_ROWS)
 static void qlinear_wide(const float *xt, int64_t m, int64_t k, const void *q,
                          const void *scales, int fmt, int64_t group, int64_t n,
                          const float *bias, float *out, int mode, int threads, int *failed) {
     const int64_t panels = (n + LANES - 1) / LANES;
     const int64_t items = (panels + GROUP_PANELS - 1) / GROUP_PANELS;
     const int64_t tiles = (m + WIDE_ROWS - 1) / WIDE_ROWS;
+    /* each part of an item's rows dequantizes the item's codes again, worth it from 48
+     * rows a part (17 rows in 2 parts ran 15% slower, 128 in 2 parts 4% faster) */
+    const int64_t parts = row_parts(items, tiles, threads, QPART_TILES);
+    const int64_t per = (tiles + parts - 1) / parts;
     const int64_t pstride = panel_code_bytes(fmt, k) * LANES;
     const int64_t sstride = scale_stride(k, group, scale_planes(fmt), mode);
 #pragma omp parallel num_threads(threads) if (m * n * k >= PARALLEL_MIN_ELEMS)
@@ -1669,8 +1694,10 @@ static void qlinear_wide(const float *xt, int64_t m, int64_t k, const void *q,
         }
 #pragma omp barrier
 #pragma omp for schedule(guided)
-        for (int64_t it = 0; it < items; it++) {
-            if (*failed) continue;
+        for (int64_t job = 0; job < items * parts; job++) {
+            const int64_t it = job / parts, t0 = job % parts * per;
+            const int64_t t1 = t0 + per < tiles ? t0 + per : tiles;
+            if (*failed || t0 >= t1) continue;
             const int64_t p0 = it * GROUP_PANELS, col0 = p0 * LANES;
             const int64_t cols = n - col0 < GROUP_PANELS * LANES ? n - col0 : GROUP_PANELS * LANES;
             for (int64_t p = 0; p < GROUP_PANELS; p++) {
@@ -1688,7 +1715,7 @@ static void qlinear_wide(const float *xt, int64_t m, int64_t k, const void *q,
             const int64_t lines = it + 1 < items ? GROUP_PANELS * pstride / 64 : 0;
             const char *next = lines ? (const char *)q + (p0 + GROUP_PANELS) * pstride : NULL;
             const int64_t share = (lines + tiles - 1) / tiles;
-            for (int64_t t = 0; t < tiles; t++) {
+            for (int64_t t = t0; t < t1; t++) {
                 const int64_t rows = m - t * WIDE_ROWS < WIDE_ROWS ? m - t * WIDE_ROWS : WIDE_ROWS;
                 wide_rows(xt + t * k * WIDE_ROWS, k, dq, bias ? bias + col0 : NULL,
                           out + t * WIDE_ROWS * n + col0, n, cols, rows,

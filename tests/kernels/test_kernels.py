@@ -183,6 +183,29 @@ def test_quant_linear_matches_its_dequantized_weight(
     torch.testing.assert_close(out, F.linear(h, dequantize(q, s, fmt), b), atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend", NATIVE)
+def test_prompt_linears_split_rows_where_column_groups_share_out_unevenly(backend: str) -> None:
+    # 150 outputs: 3 column groups at 16 lanes, 7 at 8 lanes, both odd: on 2 threads each
+    # group's 100 rows are split in two parts (runs whose sums must be the unsplit ones).
+    # The quantized path splits from 48 rows a part.
+    torch.manual_seed(5)
+    x, w, b = torch.randn(100, 96), torch.randn(150, 96), torch.randn(150)
+    lib = library(backend.partition("/")[2])
+    packed = pack_panels(w, panels_name(lib.kiln_linear_lanes(), lib.kiln_linear_group_panels()))
+    q, s, codes, scales = _stored(w, "uint4h", 32, backend)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = k("packed_linear", backend)(x, packed, b, out_features=150, narrow_rows=[0, 0])
+        torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+        kw = {"format": "uint4h", "group": 32, "out_features": 150}
+        out = k("quant_linear", backend)(x, codes, scales, b, **kw)
+        ref = F.linear(x, dequantize(q, s, "uint4h"), b)
+        torch.testing.assert_close(out, ref, atol=2e-4, rtol=1e-4)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def random_super_blocks(fmt: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
     """Codes and scale records of a super-block format (GGUF K-quants: kiln cannot make
     them from floats) drawn at random over their whole ranges: (codes [n, k], records)."""
