@@ -117,20 +117,20 @@ def main() -> None:
     nodes = engine.art.graph.nodes
     # calls, ns, bytes of weights, multiply-adds (a step's)
     table: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0, 0])
-    calls = decode.call_nodes()
-    for c, node_index in enumerate(calls):
+    seen: set[int] = set()  # nodes called before: their weights are counted once
+    for c, node_index in enumerate(decode.call_nodes()):
         n = nodes[node_index]
         r = table[label(n)]
         r[0] += 1
         r[1] += float(spent[c]) / steps
-        first_call = calls.index(node_index) == c
-        r[2] += weight_bytes(engine, n) if first_call else 0
+        r[2] += weight_bytes(engine, n) if node_index not in seen else 0
+        seen.add(node_index)
         # a prompt step's rows, but the lm_head's: the sampled row only
         rows = 1 if n.attrs.get("out_features") == decode.vocab else rows_wanted
         r[3] += rows * linear_macs(engine, n)
     step_ns = sum(r[1] for r in table.values())
     if ns.prefill:
-        print_prefill(ns, engine, table, step_ns, steps, wall)
+        print_prefill(ns, table, step_ns, steps, wall)
         return
     between = [b[0] - a[1] for a, b in itertools.pairwise(bounds)]
     between_ms = sorted(between)[len(between) // 2] / 1e6
@@ -158,12 +158,7 @@ def main() -> None:
 
 
 def print_prefill(
-    ns: argparse.Namespace,
-    engine: Engine,
-    table: dict[str, list[float]],
-    step_ns: float,
-    steps: int,
-    wall: float,
+    ns: argparse.Namespace, table: dict[str, list[float]], step_ns: float, steps: int, wall: float
 ) -> None:
     print(f"\n## Native prefill step of {ns.artefact.name}, a {ns.prefill}-token prompt")
     peak = f", cores' peak {ns.peak:.0f} GFLOP/s" if ns.peak else ""

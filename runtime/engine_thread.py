@@ -8,7 +8,6 @@ RequestOutput goes to the `on_output` callback, called on this thread.
 from __future__ import annotations
 
 import ctypes
-import gc
 import logging
 import queue
 import threading
@@ -39,18 +38,6 @@ def release_openmp_pool() -> None:
         return
     pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
     pause(2)  # omp_pause_hard
-
-
-def freeze_startup_heap() -> int:
-    """Exempt what a long-running engine process built at startup (the modules, the
-    model's graph, the tokenizer, the app: ~215,000 objects serving the tiny test model)
-    from the cyclic garbage collector, and return how many objects that is. Every full
-    collection walked them all holding the GIL, 66-180 ms on a Xeon core and over half a
-    second on a slow CI machine: a stall of the HTTP loop (/health included) and of the
-    engine's step alike. Objects made later are collected as before."""
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
 
 
 class EngineThread:

@@ -17,8 +17,7 @@ import torch.distributed as dist
 
 from kiln.core import artefact as fmt
 from kiln.runtime.artefact import Artefact
-from kiln.runtime.engine_thread import freeze_startup_heap
-from kiln.runtime.model_runner import ModelRunner
+from kiln.runtime.model_runner import ModelRunner, freeze_startup_heap
 from kiln.runtime.parallel import DEFAULT_TIMEOUT_S, beat, init_group, receive, rendezvous_store
 from kiln.terminal import configure_logging
 

@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException
 
 from kiln.args import ServerArgs
 from kiln.runtime.engine import Engine
-from kiln.runtime.engine_thread import freeze_startup_heap
+from kiln.runtime.model_runner import freeze_startup_heap
 from kiln.serve import native_api, openai_api
 from kiln.serve.context import ServingContext
 from kiln.serve.middleware import FrontDoor, error_body

@@ -706,6 +706,15 @@ static inline __attribute__((always_inline)) int decode_attention(
                     const int64_t start = first + (len - first) * part / parts;
                     const int64_t end = first + (len - first) * (part + 1) / parts;
                     const int64_t n = end - start;
+                    if (n <= 0 && part_out) { /* an empty part (a window's): weighs nothing */
+                        for (int64_t g = 0; g < group; g++) {
+                            const int64_t at = (b * heads + kh * group + g) * parts + part;
+                            part_max[at] = -INFINITY;
+                            part_sum[at] = 0.0f;
+                            memset(part_out + at * dim, 0, (size_t)dim * sizeof(float));
+                        }
+                        continue;
+                    }
                     const int64_t *pages = page_table + TABLE_ROW(b) * max_pages;
                     /* Row offset of every visible key within one head's slots. */
                     for (int64_t j = start, i = 0; j < end; j++, i++)
@@ -720,13 +729,6 @@ static inline __attribute__((always_inline)) int decode_attention(
                         const float *src = q + b * q_stride + h * dim;
 #pragma omp simd
                         for (int64_t i = 0; i < dim; i++) qs[i] = src[i] * (scale * kv_scale);
-                        if (n <= 0) { /* an empty part (a window's): weighs nothing */
-                            const int64_t at = (b * heads + h) * parts + part;
-                            part_max[at] = -INFINITY;
-                            part_sum[at] = 0.0f;
-                            memset(part_out + at * dim, 0, (size_t)dim * sizeof(float));
-                            continue;
-                        }
                         score_keys(qs, kb, offs, n, dim, scores, fmt);
                         if (softcap > 0.0f) soft_cap(scores, n, softcap);
                         if (parts == 1) {

@@ -239,7 +239,7 @@ def test_the_startup_heap_is_frozen_and_later_garbage_still_collected() -> None:
     import gc
     import weakref
 
-    from kiln.runtime.engine_thread import freeze_startup_heap
+    from kiln.runtime.model_runner import freeze_startup_heap
 
     class Node:
         pass
