@@ -406,9 +406,13 @@ def test_quantized_weights_are_close_to_the_floats() -> None:
 @BOTH
 @pytest.mark.parametrize("rows", [4, 64])
 def test_silu_and_mul(backend: str, rows: int) -> None:
-    x = torch.randn(rows, 2 * 1536) * 6  # wide range: exp's clamps and both tails
+    x = torch.randn(rows, 2 * 1536) * 6  # wide range: both tails
+    # past exp's clamps at -87 and 88 (kexp clamps on the bits), and a NaN that must stay one
+    x[:, 5:13] = torch.tensor([-1e4, -100.0, -88.0, -87.5, 88.5, 100.0, 1e4, float("nan")])
     d = x.shape[1] // 2
-    torch.testing.assert_close(k("silu_and_mul", backend)(x), F.silu(x[:, :d]) * x[:, d:])
+    got = k("silu_and_mul", backend)(x)
+    torch.testing.assert_close(got, F.silu(x[:, :d]) * x[:, d:], equal_nan=True)
+    assert got[:, 12].isnan().all() and not got[:, 13:].isnan().any()
 
 
 @BOTH
@@ -422,8 +426,12 @@ def test_gelu_tanh(backend: str, rows: int) -> None:
 @BOTH
 def test_softcap(backend: str) -> None:
     x = torch.randn(5, 3000) * 40  # both saturated tails and the near-linear middle
+    x[:, 7] = float("nan")  # stays a NaN (exp's clamp would make it a finite +-cap)
     got = k("softcap", backend)(x, 30.0)
-    torch.testing.assert_close(got, torch.tanh(x / 30.0) * 30.0, rtol=1e-6, atol=4e-6)
+    torch.testing.assert_close(
+        got, torch.tanh(x / 30.0) * 30.0, rtol=1e-6, atol=4e-6, equal_nan=True
+    )
+    assert got[:, 7].isnan().all()
 
 
 @BOTH
