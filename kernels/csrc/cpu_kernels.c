@@ -246,6 +246,21 @@ static inline __attribute__((always_inline)) v8f kv_load8(const void *base, int6
     return f * (fmt == KV_E4M3 ? 0x1p120f : 0x1p112f);
 }
 
+/* Row offsets (in elements of one head's slots) of n consecutive keys from position
+ * `start` of a sequence, through its page table: one division for the lot (a division a
+ * key, by a page size known only at run time, was an eighth of a 129-key decode row). */
+static inline void key_rows(const int64_t *pages, int64_t page_size, int64_t start, int64_t n,
+                            int64_t dim, int64_t *offs) {
+    int64_t page = start / page_size, at = start % page_size;
+    for (int64_t i = 0; i < n; i++) {
+        offs[i] = (pages[page] * page_size + at) * dim;
+        if (++at == page_size) {
+            at = 0;
+            page++;
+        }
+    }
+}
+
 /* Ask for the row `off` elements into base (dim elements of the format) ahead of its use:
  * rows of a sequence sit on scattered pages, where the hardware prefetcher, which follows
  * one address stream, waits for each page's first miss. */
@@ -273,13 +288,26 @@ static inline v8f hsum16x8(const v16f *a) {
 }
 #endif
 
-/* scores[i] = dot(qh, base + offs[i]) for n key rows of width dim (a multiple of 8).
- * Eight keys at a time: one dot is a chain of dim/8 dependent FMAs, so eight independent
- * chains keep the FMA units busy where one would wait on latency. An fp32 pool on
- * AVX-512 (dim a multiple of 16) takes 16 lanes a FMA: a verify step's rows each attend to
- * their request's whole cache, and that arithmetic, not memory, was their cost (1.7 us per
- * cached token a row for SmolLM2 at 8 lanes on a 2-core Xeon). */
-static inline __attribute__((always_inline)) void score_keys(const float *qh, const void *base,
+/* Vectors of fp32 K/V rows: 16 lanes on AVX-512, else 8. */
+#ifdef __AVX512F__
+#define AT_LANES 16
+typedef v16f vaf;
+#else
+#define AT_LANES 8
+typedef v8f vaf;
+#endif
+
+/* scores[g * n + i] = dot(qs + g * dim, base + offs[i]) for the hn query heads of one KV
+ * head against its n key rows of width dim (a multiple of 8). Eight keys at a time: one dot
+ * is a chain of dim/8 dependent FMAs, so eight independent chains keep the FMA units busy
+ * where one would wait on latency; each query head takes its turn on those eight rows
+ * while they sit in L1 (head after head over all the keys read every key from L2 again for
+ * each: a KV head's 129 keys of SmolLM2 are 33 KB). An fp32 pool on AVX-512 (dim a
+ * multiple of 16) takes 16 lanes a FMA: a verify step's rows each attend to their
+ * request's whole cache, and that arithmetic, not memory, was their cost (1.7 us per cached
+ * token a row for SmolLM2 at 8 lanes on a 2-core Xeon). */
+static inline __attribute__((always_inline)) void score_keys(const float *qs, int64_t hn,
+                                                             const void *base,
                                                              const int64_t *offs, int64_t n,
                                                              int64_t dim, float *scores,
                                                              int fmt) {
@@ -290,81 +318,129 @@ static inline __attribute__((always_inline)) void score_keys(const float *qh, co
         for (; i + 8 <= n; i += 8) {
             for (int64_t j = i + KV_AHEAD; j < i + KV_AHEAD + 8 && j < n; j++)
                 prefetch_row(base, offs[j], dim, fmt);
-            v16f a[8] = {{0}};
-            for (int64_t d = 0; d < dim; d += 16) {
-                const v16f qv = *(const v16f *)(qh + d);
-                for (int c = 0; c < 8; c++) a[c] += qv * *(const v16f *)(kb + offs[i + c] + d);
+            for (int64_t g = 0; g < hn; g++) {
+                v16f a[8] = {{0}};
+                for (int64_t d = 0; d < dim; d += 16) {
+                    const v16f qv = *(const v16f *)(qs + g * dim + d);
+                    for (int c = 0; c < 8; c++)
+                        a[c] += qv * *(const v16f *)(kb + offs[i + c] + d);
+                }
+                *(v8f *)(scores + g * n + i) = hsum16x8(a);
             }
-            *(v8f *)(scores + i) = hsum16x8(a);
         }
     }
 #endif
     for (; i + 8 <= n; i += 8) {
         for (int64_t j = i + KV_AHEAD; j < i + KV_AHEAD + 8 && j < n; j++)
             prefetch_row(base, offs[j], dim, fmt);
-        v8f a[8] = {{0}};
-        for (int64_t d = 0; d < dim; d += 8) {
-            const v8f qv = *(const v8f *)(qh + d);
-            for (int c = 0; c < 8; c++) a[c] += qv * kv_load8(base, offs[i + c] + d, fmt);
+        for (int64_t g = 0; g < hn; g++) {
+            v8f a[8] = {{0}};
+            for (int64_t d = 0; d < dim; d += 8) {
+                const v8f qv = *(const v8f *)(qs + g * dim + d);
+                for (int c = 0; c < 8; c++) a[c] += qv * kv_load8(base, offs[i + c] + d, fmt);
+            }
+            *(v8f *)(scores + g * n + i) = hsum8x8(a);
         }
-        *(v8f *)(scores + i) = hsum8x8(a);
     }
-    for (; i < n; i++) {
-        v8f a = {0};
-        for (int64_t d = 0; d < dim; d += 8)
-            a += *(const v8f *)(qh + d) * kv_load8(base, offs[i] + d, fmt);
-        scores[i] = hsum8(a);
-    }
+    for (; i < n; i++)
+        for (int64_t g = 0; g < hn; g++) {
+            v8f a = {0};
+            for (int64_t d = 0; d < dim; d += 8)
+                a += *(const v8f *)(qs + g * dim + d) * kv_load8(base, offs[i] + d, fmt);
+            scores[g * n + i] = hsum8(a);
+        }
 }
 
+/* Value heads a pass of weigh_values over an fp32 pool, and output vectors a head: */
 #ifdef __AVX512F__
-/* weigh_values' out[d, d + 16 acc) on an fp32 pool, in `acc` (at most 8) zmm accumulators. */
-static inline __attribute__((always_inline)) void weigh16(const float *p, const void *base,
-                                                          const int64_t *offs, int64_t n,
-                                                          int64_t dim, int64_t d, int acc,
-                                                          float scale, float *out) {
-    const float *vb = (const float *)base;
-    v16f a[8] = {{0}};
+#define WH 3 /* 3 x 4 accumulators + 4 value vectors + a broadcast of 32 registers */
+#define WV 4
+#else
+#define WH 3 /* 3 x 2 + 2 + 1 of 16 */
+#define WV 2
+#endif
+
+/* th (at most WH) heads' out[d, d + WV vectors) over an fp32 pool, in registers across all
+ * n rows: each value vector loaded once for all of them. */
+static inline __attribute__((always_inline)) void weigh_heads(const float *p, const float *vb,
+                                                              const int64_t *offs, int64_t n,
+                                                              int64_t dim, int64_t d,
+                                                              const float *scale, float *out,
+                                                              int64_t out_stride, const int th,
+                                                              int ahead) {
+    vaf a[WH][WV];
+    for (int t = 0; t < th; t++)
+        for (int c = 0; c < WV; c++) a[t][c] = (vaf){0};
     for (int64_t i = 0; i < n; i++) {
-        if (d == 0 && i + KV_AHEAD < n) prefetch_row(base, offs[i + KV_AHEAD], dim, KV_F32);
-        const v16f w = (v16f)_mm512_set1_ps(p[i]);
-        for (int c = 0; c < acc; c++) a[c] += w * *(const v16f *)(vb + offs[i] + d + 16 * c);
+        if (ahead && i + KV_AHEAD < n) prefetch_row(vb, offs[i + KV_AHEAD], dim, KV_F32);
+        vaf v[WV];
+        for (int c = 0; c < WV; c++) v[c] = *(const vaf *)(vb + offs[i] + d + c * AT_LANES);
+        for (int t = 0; t < th; t++) {
+            const float w = p[t * n + i];
+            for (int c = 0; c < WV; c++) a[t][c] += w * v[c];
+        }
     }
-    for (int c = 0; c < acc; c++) *(v16f *)(out + d + 16 * c) = a[c] * scale;
+    for (int t = 0; t < th; t++)
+        for (int c = 0; c < WV; c++)
+            *(vaf *)(out + t * out_stride + d + c * AT_LANES) = a[t][c] * scale[t];
 }
-#endif
 
-/* out = scale * sum_i p[i] * row_i over n value rows at base + offs[i]. The output is
- * built 64 floats at a time in eight registers across all rows (an accumulator kept in
- * memory would put a store-to-load round trip on every row). */
-static inline __attribute__((always_inline)) void weigh_values(const float *p, const void *base,
+/* out + g * out_stride = scale[g] * sum_i p[g * n + i] * row_i for the hn query heads of
+ * one KV head over its n value rows at base + offs[i]. The output is built in registers
+ * across all rows (an accumulator kept in memory would put a store-to-load round trip on
+ * every row), WH heads at a time on an fp32 pool so that a value vector serves them all. */
+static inline __attribute__((always_inline)) void weigh_values(const float *p, int64_t hn,
+                                                               const void *base,
                                                                const int64_t *offs, int64_t n,
-                                                               int64_t dim, float scale,
-                                                               float *out, int fmt) {
-    int64_t d = 0;
-#ifdef __AVX512F__
-    if (fmt == KV_F32) {
-        /* 128 floats at a time in eight zmm accumulators, then 64 in four. */
-        for (; d + 128 <= dim; d += 128) weigh16(p, base, offs, n, dim, d, 8, scale, out);
-        for (; d + 64 <= dim; d += 64) weigh16(p, base, offs, n, dim, d, 4, scale, out);
+                                                               int64_t dim, const float *scale,
+                                                               float *out, int64_t out_stride,
+                                                               int fmt) {
+    if (fmt == KV_F32 && dim % AT_LANES == 0) {
+        const float *vb = (const float *)base;
+        int64_t d = 0;
+        for (; d + WV * AT_LANES <= dim; d += WV * AT_LANES)
+            for (int64_t g = 0; g < hn; g += WH) {
+                const float *pg = p + g * n;
+                float *og = out + g * out_stride;
+                const int ahead = d == 0 && g == 0;
+                if (hn - g >= 3)
+                    weigh_heads(pg, vb, offs, n, dim, d, scale + g, og, out_stride, 3, ahead);
+                else if (hn - g == 2)
+                    weigh_heads(pg, vb, offs, n, dim, d, scale + g, og, out_stride, 2, ahead);
+                else
+                    weigh_heads(pg, vb, offs, n, dim, d, scale + g, og, out_stride, 1, ahead);
+            }
+        for (; d < dim; d += AT_LANES)
+            for (int64_t g = 0; g < hn; g++) {
+                vaf a = (vaf){0};
+                for (int64_t i = 0; i < n; i++)
+                    a += p[g * n + i] * *(const vaf *)(vb + offs[i] + d);
+                *(vaf *)(out + g * out_stride + d) = a * scale[g];
+            }
+        return;
     }
-#endif
-    for (; d + 64 <= dim; d += 64) {
-        v8f a[8] = {{0}};
-        for (int64_t i = 0; i < n; i++) {
-            if (d == 0 && i + KV_AHEAD < n) prefetch_row(base, offs[i + KV_AHEAD], dim, fmt);
-            const v8f w = {p[i], p[i], p[i], p[i], p[i], p[i], p[i], p[i]};
-            for (int c = 0; c < 8; c++) a[c] += w * kv_load8(base, offs[i] + d + 8 * c, fmt);
+    for (int64_t g = 0; g < hn; g++) {
+        const float *pg = p + g * n;
+        float *og = out + g * out_stride;
+        int64_t d = 0;
+        for (; d + 64 <= dim; d += 64) {
+            v8f a[8] = {{0}};
+            for (int64_t i = 0; i < n; i++) {
+                if (g == 0 && d == 0 && i + KV_AHEAD < n)
+                    prefetch_row(base, offs[i + KV_AHEAD], dim, fmt);
+                const v8f w = {pg[i], pg[i], pg[i], pg[i], pg[i], pg[i], pg[i], pg[i]};
+                for (int c = 0; c < 8; c++) a[c] += w * kv_load8(base, offs[i] + d + 8 * c, fmt);
+            }
+            for (int c = 0; c < 8; c++) *(v8f *)(og + d + 8 * c) = a[c] * scale[g];
         }
-        for (int c = 0; c < 8; c++) *(v8f *)(out + d + 8 * c) = a[c] * scale;
-    }
-    for (; d < dim; d += 8) {
-        v8f a = {0};
-        for (int64_t i = 0; i < n; i++) {
-            const v8f w = {p[i], p[i], p[i], p[i], p[i], p[i], p[i], p[i]};
-            a += w * kv_load8(base, offs[i] + d, fmt);
+        for (; d < dim; d += 8) {
+            v8f a = {0};
+            for (int64_t i = 0; i < n; i++) {
+                const v8f w = {pg[i], pg[i], pg[i], pg[i], pg[i], pg[i], pg[i], pg[i]};
+                a += w * kv_load8(base, offs[i] + d, fmt);
+            }
+            *(v8f *)(og + d) = a * scale[g];
         }
-        *(v8f *)(out + d) = a * scale;
     }
 }
 
@@ -406,17 +482,13 @@ static void soft_cap(float *s, int64_t n, float cap) {
  * last (longest) table up to its own length, whichever request the rows belong to, so the
  * result does not depend on the step telling which rows are whose. An fp32 pool only. */
 #ifdef __AVX512F__
-#define AT_LANES 16
 #define AT_QT 4 /* queries a tile: 4 x 4 accumulators + 4 key vectors of 32 registers */
 #define AT_NV 4
-typedef v16f vaf;
 #else
-#define AT_LANES 8
 /* 6 x 2 accumulators + 2 key vectors + a broadcast of 16 registers: 8 loads feed 12 FMAs
  * (2 x 4 made 10 loads feed 8: 55 -> 60 GFLOP/s at 128 rows, 76 -> 83 at 512, two cores) */
 #define AT_QT 6
 #define AT_NV 2
-typedef v8f vaf;
 #endif
 #define AT_KC (4 * AT_LANES) /* keys a chunk: four vectors */
 #define AT_QB 32             /* rows a block */
@@ -451,7 +523,7 @@ static void attend_block(const float *q, int64_t q_stride, const float *kb, cons
     const int64_t nq = (b1 - b0) * group;
     float *Q = work, *O = Q + AT_QB * group * dim, *Kt = O + AT_QB * group * dim;
     float *S = Kt + dim * AT_KC, *m = S + AT_QB * group * AT_KC, *l = m + AT_QB * group;
-    int64_t offs[AT_KC];
+    int64_t offs[AT_KC], next_offs[AT_KC];
     int64_t kmin = INT64_MAX, kmax = 0;
     for (int64_t i = 0; i < nq; i++) {
         const int64_t r = b0 + i / group, h = kh * group + i % group;
@@ -469,13 +541,14 @@ static void attend_block(const float *q, int64_t q_stride, const float *kb, cons
     for (int64_t c0 = kmin; c0 < kmax; c0 += AT_KC) {
         const int64_t kc = kmax - c0 < AT_KC ? kmax - c0 : AT_KC;
         /* The chunk's keys transposed, [dim][AT_KC], zeros past kc. */
-        for (int64_t j = 0; j < AT_KC; j++) {
-            const int64_t pos = c0 + j;
-            offs[j] = j < kc ? (pt[pos / page_size] * page_size + pos % page_size) * dim : -1;
-            const int64_t next = pos + AT_KC; /* the next chunk's key, asked for now */
-            if (next < kmax)
-                prefetch_row(kb, (pt[next / page_size] * page_size + next % page_size) * dim,
-                             dim, KV_F32);
+        /* this chunk's rows were found (and asked for) as the chunk before's next */
+        if (c0 == kmin) key_rows(pt, page_size, c0, kc, dim, offs);
+        else memcpy(offs, next_offs, (size_t)kc * sizeof(int64_t));
+        for (int64_t j = kc; j < AT_KC; j++) offs[j] = -1;
+        if (c0 + AT_KC < kmax) { /* the next chunk's keys, asked for now */
+            const int64_t next = kmax - c0 - AT_KC < AT_KC ? kmax - c0 - AT_KC : AT_KC;
+            key_rows(pt, page_size, c0 + AT_KC, next, dim, next_offs);
+            for (int64_t j = 0; j < next; j++) prefetch_row(kb, next_offs[j], dim, KV_F32);
         }
         for (int64_t j = 0; j < AT_KC; j++) {
             const float *row = offs[j] >= 0 ? kb + offs[j] : NULL;
@@ -705,9 +778,9 @@ static inline __attribute__((always_inline)) int decode_attention(
 
 #pragma omp parallel num_threads(threads) if (batch * kv_heads * parts > 1)
     {
-        float *scores = malloc((size_t)longest * sizeof(float));
+        float *scores = malloc((size_t)(group * longest) * sizeof(float));
         int64_t *offs = malloc((size_t)longest * sizeof(int64_t));
-        float *qs = malloc((size_t)dim * sizeof(float));
+        float *qs = malloc((size_t)(group * (dim + 1)) * sizeof(float));
         if (!scores || !offs || !qs) {
 #pragma omp atomic write
             failed = 1;
@@ -734,33 +807,41 @@ static inline __attribute__((always_inline)) int decode_attention(
                     }
                     const int64_t *pages = page_table + TABLE_ROW(b) * max_pages;
                     /* Row offset of every visible key within one head's slots. */
-                    for (int64_t j = start, i = 0; j < end; j++, i++)
-                        offs[i] = (pages[j / page_size] * page_size + j % page_size) * dim;
+                    key_rows(pages, page_size, start, n, dim, offs);
                     const int64_t head = kh * slots * dim * (fmt == KV_F32 ? 4 : 1);
                     const void *kb = (const char *)k_cache + head;
                     const void *vb = (const char *)v_cache + head;
-                    /* The group's query heads one after another: the K/V rows the first one
-                     * brought into cache serve the others. */
+                    /* The group's query heads together: a K/V row read for one serves all
+                     * (score_keys, weigh_values); qs holds their scaled queries, then each
+                     * head's output scale. */
+                    float *inv = qs + group * dim;
+                    for (int64_t g = 0; g < group; g++) {
+                        const float *src = q + b * q_stride + (kh * group + g) * dim;
+#pragma omp simd
+                        for (int64_t i = 0; i < dim; i++)
+                            qs[g * dim + i] = src[i] * (scale * kv_scale);
+                    }
+                    score_keys(qs, group, kb, offs, n, dim, scores, fmt);
                     for (int64_t g = 0; g < group; g++) {
                         const int64_t h = kh * group + g;
-                        const float *src = q + b * q_stride + h * dim;
-#pragma omp simd
-                        for (int64_t i = 0; i < dim; i++) qs[i] = src[i] * (scale * kv_scale);
-                        score_keys(qs, kb, offs, n, dim, scores, fmt);
-                        if (softcap > 0.0f) soft_cap(scores, n, softcap);
+                        float *s = scores + g * n;
+                        if (softcap > 0.0f) soft_cap(s, n, softcap);
                         if (parts == 1) {
                             const float sink = sinks ? sinks[h] : -INFINITY;
-                            const float inv = softmax_unnormalised(scores, n, sink, NULL);
-                            weigh_values(scores, vb, offs, n, dim, inv * kv_scale,
-                                         out + (b * heads + h) * dim, fmt);
+                            inv[g] = softmax_unnormalised(s, n, sink, NULL) * kv_scale;
                             continue;
                         }
                         const int64_t at = (b * heads + h) * parts + part;
-                        const float inv =
-                            softmax_unnormalised(scores, n, -INFINITY, part_max + at);
-                        part_sum[at] = 1.0f / inv;
-                        weigh_values(scores, vb, offs, n, dim, inv, part_out + at * dim, fmt);
+                        inv[g] = softmax_unnormalised(s, n, -INFINITY, part_max + at);
+                        part_sum[at] = 1.0f / inv[g];
                     }
+                    if (parts == 1)
+                        weigh_values(scores, group, vb, offs, n, dim, inv,
+                                     out + (b * heads + kh * group) * dim, dim, fmt);
+                    else
+                        weigh_values(scores, group, vb, offs, n, dim, inv,
+                                     part_out + ((b * heads + kh * group) * parts + part) * dim,
+                                     parts * dim, fmt);
                 }
             }
         }
