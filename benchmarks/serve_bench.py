@@ -18,7 +18,9 @@ share a first token and neither server's prefix cache serves anything.
 Servers take turns, one at a time on the machine: for each precision, round and
 concurrency, kiln then llama-server (the order flips every round), each started fresh with
 as many slots as the largest concurrency (`kiln serve --max-running-requests C`,
-`llama-server -np C -c C*(input+output+64) -t T -tb T`). Start to first token is the
+`llama-server -np C -c C*(input+output+64) -t T -tb T --flash-attn off`: llama-bench's
+faster setting at batch 1 on CPU, see --llama-flash-attn; the serving tables in RESULTS.md
+before 2026-11-26's fourth session ran its default, auto). Start to first token is the
 wall time from launching the server to the first answer of a one-token completion.
 Reported: the median and spread (min-max) over rounds of output throughput, TTFT p50/p99
 and ITL p50/p99, and the ratios kiln / llama-server of the medians.
@@ -171,6 +173,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--kiln-args", default="", help="extra `kiln serve` flags")
     p.add_argument(
+        "--llama-flash-attn",
+        choices=("on", "off", "auto"),
+        default="off",
+        help="llama-server's --flash-attn (default off). Its own default, auto, turns it on "
+        "for this CPU, where llama-bench decoded 25-70%% slower with it on at batch 1 "
+        "(bench_common.llama_bench_rate)",
+    )
+    p.add_argument(
         "--kv-cache-dtype", default="auto", help="kiln's KV pool (compile flag), as SGLang's"
     )
     p.add_argument(
@@ -225,6 +235,8 @@ def main() -> None:
                 str(args.threads),
                 "-tb",
                 str(args.threads),
+                "--flash-attn",
+                args.llama_flash_attn,
                 "--log-disable",
             ],
         }

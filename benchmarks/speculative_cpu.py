@@ -166,6 +166,8 @@ def main() -> None:
             compile_model(ServerArgs(model_path=str(gguf), **flags, **extra), arts[name])
         llama = [str(args.llama_server), "-m", str(gguf), "-np", "1", "-c", str(context)]
         llama += ["-t", str(args.threads), "-tb", str(args.threads), "--log-disable"]
+        # its faster setting at batch 1 on CPU (bench_common.llama_bench_rate); auto is on
+        llama += ["--flash-attn", "off"]
         kiln = [sys.executable, "-m", "kiln", "serve", "--log-level", "warning"]
         cmds = {name: [*kiln, str(art)] for name, art in arts.items()}
         cmds["llama-server"] = llama
