@@ -360,28 +360,29 @@ static inline __attribute__((always_inline)) void score_keys(const float *qs, in
 #define WV 2
 #endif
 
-/* th (at most WH) heads' out[d, d + WV vectors) over an fp32 pool, in registers across all
- * n rows: each value vector loaded once for all of them. */
+/* th (at most WH) heads' out[d, d + wv vectors) over an fp32 pool, in registers across all
+ * n rows: each value vector loaded once for all of them. One head alone takes 8 vectors a
+ * pass (128 floats on AVX-512: a 128-wide head's values read once, not twice). */
 static inline __attribute__((always_inline)) void weigh_heads(const float *p, const float *vb,
                                                               const int64_t *offs, int64_t n,
                                                               int64_t dim, int64_t d,
                                                               const float *scale, float *out,
                                                               int64_t out_stride, const int th,
-                                                              int ahead) {
-    vaf a[WH][WV];
+                                                              const int wv, int ahead) {
+    vaf a[WH][8];
     for (int t = 0; t < th; t++)
-        for (int c = 0; c < WV; c++) a[t][c] = (vaf){0};
+        for (int c = 0; c < wv; c++) a[t][c] = (vaf){0};
     for (int64_t i = 0; i < n; i++) {
         if (ahead && i + KV_AHEAD < n) prefetch_row(vb, offs[i + KV_AHEAD], dim, KV_F32);
-        vaf v[WV];
-        for (int c = 0; c < WV; c++) v[c] = *(const vaf *)(vb + offs[i] + d + c * AT_LANES);
+        vaf v[8];
+        for (int c = 0; c < wv; c++) v[c] = *(const vaf *)(vb + offs[i] + d + c * AT_LANES);
         for (int t = 0; t < th; t++) {
             const float w = p[t * n + i];
-            for (int c = 0; c < WV; c++) a[t][c] += w * v[c];
+            for (int c = 0; c < wv; c++) a[t][c] += w * v[c];
         }
     }
     for (int t = 0; t < th; t++)
-        for (int c = 0; c < WV; c++)
+        for (int c = 0; c < wv; c++)
             *(vaf *)(out + t * out_stride + d + c * AT_LANES) = a[t][c] * scale[t];
 }
 
@@ -398,17 +399,19 @@ static inline __attribute__((always_inline)) void weigh_values(const float *p, i
     if (fmt == KV_F32 && dim % AT_LANES == 0) {
         const float *vb = (const float *)base;
         int64_t d = 0;
+        for (; hn == 1 && d + 8 * AT_LANES <= dim; d += 8 * AT_LANES)
+            weigh_heads(p, vb, offs, n, dim, d, scale, out, out_stride, 1, 8, d == 0);
         for (; d + WV * AT_LANES <= dim; d += WV * AT_LANES)
             for (int64_t g = 0; g < hn; g += WH) {
                 const float *pg = p + g * n;
                 float *og = out + g * out_stride;
                 const int ahead = d == 0 && g == 0;
                 if (hn - g >= 3)
-                    weigh_heads(pg, vb, offs, n, dim, d, scale + g, og, out_stride, 3, ahead);
+                    weigh_heads(pg, vb, offs, n, dim, d, scale + g, og, out_stride, 3, WV, ahead);
                 else if (hn - g == 2)
-                    weigh_heads(pg, vb, offs, n, dim, d, scale + g, og, out_stride, 2, ahead);
+                    weigh_heads(pg, vb, offs, n, dim, d, scale + g, og, out_stride, 2, WV, ahead);
                 else
-                    weigh_heads(pg, vb, offs, n, dim, d, scale + g, og, out_stride, 1, ahead);
+                    weigh_heads(pg, vb, offs, n, dim, d, scale + g, og, out_stride, 1, WV, ahead);
             }
         for (; d < dim; d += AT_LANES)
             for (int64_t g = 0; g < hn; g++) {

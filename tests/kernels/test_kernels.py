@@ -524,8 +524,9 @@ def test_registry_lists_backends_per_device() -> None:
 @BOTH
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("d", [8, 64, 80, 128])  # AVX-512: 16-lane scores, 64/128-wide values
-# query heads a KV head: the C kernel weighs values 3 heads a pass (3; 3 + 1; 3 + 3 + 2)
-@pytest.mark.parametrize("group", [3, 4, 8])
+# query heads a KV head: the C kernel weighs values 3 heads a pass (3; 3 + 1; 3 + 3 + 2), a
+# lone head 8 vectors a pass
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
 def test_decode_reads_whole_pages(backend: str, window, d: int, group: int) -> None:
     torch.manual_seed(1)
     heads, kv_heads, page = 2 * group, 2, 4
