@@ -526,7 +526,7 @@ static void attend_block(const float *q, int64_t q_stride, const float *kb, cons
     const int64_t nq = (b1 - b0) * group;
     float *Q = work, *O = Q + AT_QB * group * dim, *Kt = O + AT_QB * group * dim;
     float *S = Kt + dim * AT_KC, *m = S + AT_QB * group * AT_KC, *l = m + AT_QB * group;
-    int64_t offs[AT_KC], next_offs[AT_KC];
+    int64_t rows_a[AT_KC], rows_b[AT_KC], *offs = rows_a, *next_offs = rows_b;
     int64_t kmin = INT64_MAX, kmax = 0;
     for (int64_t i = 0; i < nq; i++) {
         const int64_t r = b0 + i / group, h = kh * group + i % group;
@@ -545,8 +545,13 @@ static void attend_block(const float *q, int64_t q_stride, const float *kb, cons
         const int64_t kc = kmax - c0 < AT_KC ? kmax - c0 : AT_KC;
         /* The chunk's keys transposed, [dim][AT_KC], zeros past kc. */
         /* this chunk's rows were found (and asked for) as the chunk before's next */
-        if (c0 == kmin) key_rows(pt, page_size, c0, kc, dim, offs);
-        else memcpy(offs, next_offs, (size_t)kc * sizeof(int64_t));
+        if (c0 == kmin) {
+            key_rows(pt, page_size, c0, kc, dim, offs);
+        } else {
+            int64_t *was = offs;
+            offs = next_offs;
+            next_offs = was;
+        }
         for (int64_t j = kc; j < AT_KC; j++) offs[j] = -1;
         if (c0 + AT_KC < kmax) { /* the next chunk's keys, asked for now */
             const int64_t next = kmax - c0 - AT_KC < AT_KC ? kmax - c0 - AT_KC : AT_KC;
@@ -1095,19 +1100,24 @@ static inline __attribute__((always_inline)) void tile_inputs(const float *x, in
         for (int64_t r = 0; r < rows; r++) dst[kk * rows + r] = x[r * x_stride + kk];
 }
 
+#define X_TILE_INPUTS 256 /* inputs a copy job */
 static void x_tile(const float *x, int64_t x_stride, int64_t m, int64_t k, int64_t rows,
-                   int64_t t, int64_t k0, int64_t k1, float *xt) {
+                   int64_t t, int64_t k0, float *xt) {
+    const int64_t k1 = k0 + X_TILE_INPUTS < k ? k0 + X_TILE_INPUTS : k;
     const float *src = x + t * rows * x_stride;
     float *dst = xt + t * k * rows;
-    if ((t + 1) * rows <= m) {
-        if (rows == WIDE_ROWS) return tile_inputs(src, x_stride, k0, k1, WIDE_ROWS, dst);
-        if (rows == TILE_ROWS) return tile_inputs(src, x_stride, k0, k1, TILE_ROWS, dst);
+    if ((t + 1) * rows <= m && rows == WIDE_ROWS) {
+        tile_inputs(src, x_stride, k0, k1, WIDE_ROWS, dst);
+        return;
+    }
+    if ((t + 1) * rows <= m && rows == TILE_ROWS) {
+        tile_inputs(src, x_stride, k0, k1, TILE_ROWS, dst);
+        return;
     }
     for (int64_t kk = k0; kk < k1; kk++)
         for (int64_t r = 0; r < rows; r++)
             dst[kk * rows + r] = t * rows + r < m ? src[r * x_stride + kk] : 0.0f;
 }
-#define X_TILE_INPUTS 256 /* inputs a copy job */
 
 /* Parts to split each work item's row tiles into, so that `items` items (each a column
  * span over every row) share out evenly over `threads`: the fewest parts, of at least
@@ -1145,8 +1155,7 @@ static int linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k,
 #pragma omp for collapse(2)
         for (int64_t t = 0; t < tiles; t++)
             for (int64_t k0 = 0; k0 < k; k0 += X_TILE_INPUTS)
-                x_tile(x, x_stride, m, k, tile, t, k0,
-                       k0 + X_TILE_INPUTS < k ? k0 + X_TILE_INPUTS : k, xt);
+                x_tile(x, x_stride, m, k, tile, t, k0, xt);
 #pragma omp for schedule(guided)
         for (int64_t job = 0; job < items * parts; job++) {
             const int64_t it = job / parts, t0 = job % parts * per;
@@ -1887,8 +1896,7 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
 #pragma omp parallel for collapse(2) num_threads(wide ? threads : 1)
     for (int64_t t = 0; t < tiles; t++)
         for (int64_t k0 = 0; k0 < k; k0 += X_TILE_INPUTS)
-            x_tile(x, x_stride, m, k, xrows, t, k0, k0 + X_TILE_INPUTS < k ? k0 + X_TILE_INPUTS : k,
-                   xt);
+            x_tile(x, x_stride, m, k, xrows, t, k0, xt);
     int failed = 0;
     if (wide) {
         qlinear_wide(xt, m, k, q, scales, fmt, group, n, bias, out, mode, threads, &failed);
