@@ -273,7 +273,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         check = None
     from kiln.serve.server import serve
 
-    serve(ns.artefact, explicit_values(ns), check)
+    serve(ns.artefact, explicit_values(ns), check, clean_start=True)
     return 0
 
 
@@ -284,7 +284,7 @@ def _cmd_launch(ns: argparse.Namespace) -> int:
     explicit = explicit_values(ns)
     result = compile_cached(ServerArgs(**explicit), _build, ns.artefact_dir)
     _report(result)
-    serve(result.path, explicit)
+    serve(result.path, explicit, clean_start=result.cache_hit)
     return 0
 
 

@@ -52,7 +52,7 @@ def _worker(args: argparse.Namespace) -> int:
     )
     runner = ModelRunner(art, int(sizes[0]), int(sizes[1]) or None)
     runner.warm_up()
-    freeze_startup_heap()  # a full collection here would stall every rank's step
+    freeze_startup_heap(collect=False)  # a full collection here would stall every step
     with torch.inference_mode():
         while (step := receive(device)) is not None:
             runner.run(step)

@@ -24,7 +24,10 @@ from kiln.serve.streams import ApiError
 log = logging.getLogger("kiln.serve")
 
 
-def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
+def create_app(engine: Engine, args: ServerArgs, clean_start: bool = False) -> FastAPI:
+    """`clean_start`: this process only imported kiln and opened the artefact (`kiln
+    serve`), so its startup heap is frozen without a full collection first
+    (model_runner.freeze_startup_heap)."""
     ctx = ServingContext(engine, args)
 
     @asynccontextmanager
@@ -32,7 +35,8 @@ def create_app(engine: Engine, args: ServerArgs) -> FastAPI:
         await ctx.async_engine.start()
         if not args.skip_server_warmup:
             await _warmup(ctx)
-        log.debug("%d objects at startup, exempt from garbage collection", freeze_startup_heap())
+        frozen = freeze_startup_heap(collect=not clean_start)
+        log.debug("%d objects at startup, exempt from garbage collection", frozen)
         log.info("kiln serving %s on http://%s:%s", ctx.model_name, args.host, args.port)
         yield
         ctx.async_engine.stop()

@@ -143,9 +143,15 @@ def _follow(artefact: Path, args: ServerArgs, explicit: dict[str, Any]) -> int:
     )
 
 
-def serve(artefact: str | Path, explicit: dict[str, Any], check: FileCheck | None = None) -> None:
+def serve(
+    artefact: str | Path,
+    explicit: dict[str, Any],
+    check: FileCheck | None = None,
+    clean_start: bool = False,
+) -> None:
     """Serve `artefact`; `explicit` are the server arguments the user gave; `check`, the
-    artefact's checksums already under way (kiln/cli.py)."""
+    artefact's checksums already under way (kiln/cli.py); `clean_start`, nothing but
+    imports ran in this process before (no compile): see create_app."""
     from kiln.runtime.engine import Engine
     from kiln.serve.app import create_app
 
@@ -160,7 +166,7 @@ def serve(artefact: str | Path, explicit: dict[str, Any], check: FileCheck | Non
     sock = bind(args.host, args.port)
     try:
         engine = Engine(artefact, file_check=check, **explicit)
-        app = create_app(engine, args)
+        app = create_app(engine, args, clean_start)
         level = (args.log_level_http or args.log_level).lower()
         config = uvicorn.Config(app, log_level=level, timeout_graceful_shutdown=_FLUSH_SECONDS)
         server = KilnServer(config, app.state.kiln, args.shutdown_timeout)

@@ -232,10 +232,12 @@ def test_a_plain_tokenizer_is_served_without_transformers(artefact) -> None:
     assert run.stdout.strip().splitlines()[-1] == "[]"
 
 
-def test_the_startup_heap_is_frozen_and_later_garbage_still_collected() -> None:
+@pytest.mark.parametrize("collect", [True, False])
+def test_the_startup_heap_is_frozen_and_later_garbage_still_collected(collect: bool) -> None:
     """A serving process exempts its startup objects from full collections (each walked
     them all holding the GIL: a stall of /health and of the step); cycles made after
-    that are still freed."""
+    that are still freed. Without `collect` (a clean `kiln serve` start) the startup's own
+    unreachable cycles are frozen with it rather than freed first."""
     import gc
     import weakref
 
@@ -244,17 +246,25 @@ def test_the_startup_heap_is_frozen_and_later_garbage_still_collected() -> None:
     class Node:
         pass
 
-    before = Node()
-    before.me = before  # type: ignore[attr-defined]
+    enabled = gc.isenabled()
+    gc.disable()  # no automatic collection between here and the freeze
+    startup_garbage = Node()
+    startup_garbage.me = startup_garbage  # type: ignore[attr-defined]
+    earlier = weakref.ref(startup_garbage)
+    del startup_garbage
     try:
-        count = freeze_startup_heap()
+        count = freeze_startup_heap(collect=collect)
         assert count == gc.get_freeze_count() > 1000
-        assert not any(o is before for o in gc.get_objects())  # no collection walks it
+        assert (earlier() is None) == collect
+        assert earlier() is None or not any(o is earlier() for o in gc.get_objects())
         later = Node()
         later.me = later  # type: ignore[attr-defined]
         gone = weakref.ref(later)
         del later
         gc.collect()
         assert gone() is None
+        assert (earlier() is None) == collect  # frozen: no collection walks it
     finally:
         gc.unfreeze()
+        if enabled:
+            gc.enable()
