@@ -8,6 +8,11 @@ compile killed mid-way leaves no entry, and its staging folder is swept later). 
 hard links to the entry's files (copies across file systems), published the same way, so
 two compiles into one `-o` never leave a mix. A miss is explained against the nearest
 entry, factor by factor.
+
+The cache is bounded: after each miss it removes the least recently used entries (a hit
+marks its entry used) until the rest fit in `$KILN_CACHE_MAX_SIZE` (default 20G; `none`
+keeps everything), never the entry just built. An `-o` copy is hard links or a copy, so it
+outlives its entry; a server started from an entry keeps the files it opened.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -31,6 +37,27 @@ from kiln.core import artefact as fmt
 from kiln.paths import cache_dir
 
 log = logging.getLogger("kiln.compile")
+
+MAX_SIZE_ENV = "KILN_CACHE_MAX_SIZE"
+DEFAULT_MAX_SIZE = "20G"
+_SIZES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str, what: str) -> int:
+    """Bytes of a size such as 20G, 500M, 1.5T, 4096 (binary units); `what` names the flag
+    or variable in the error."""
+    hit = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?", text.strip(), re.IGNORECASE)
+    if not hit:
+        raise ValueError(f"{what} {text!r}: expected a size such as 20G, 500M or 1T")
+    return int(float(hit.group(1)) * _SIZES[hit.group(2).upper()])
+
+
+def max_cache_bytes() -> int | None:
+    """The cache's bound from $KILN_CACHE_MAX_SIZE (None: `none`, unbounded)."""
+    text = os.environ.get(MAX_SIZE_ENV, DEFAULT_MAX_SIZE)
+    if text.strip().lower() == "none":
+        return None
+    return parse_size(text, MAX_SIZE_ENV)
 
 
 @dataclass(frozen=True)
@@ -108,14 +135,17 @@ class Store:
         with contextlib.suppress(OSError):
             (self.root / f".{key}.lock").unlink()
 
-    def gc(self, max_bytes: int) -> list[Entry]:
-        """Remove least recently used entries until the rest fit in `max_bytes`."""
+    def gc(self, max_bytes: int, keep: str | None = None) -> list[Entry]:
+        """Remove least recently used entries until the rest fit in `max_bytes`; never the
+        entry of `keep`."""
         entries = sorted(self.entries(), key=lambda e: e.last_used)
         total = sum(e.bytes for e in entries)
         removed = []
         for e in entries:
             if total <= max_bytes:
                 break
+            if e.key == keep:
+                continue
             self.remove(e.key)
             total -= e.bytes
             removed.append(e)
@@ -159,6 +189,7 @@ def compile_cached(
     artefact there. (The driver is passed in, not imported: it loads torch, which a hit
     never needs.)"""
     t0 = time.perf_counter()
+    limit = max_cache_bytes()  # a bad value fails before the compile, not after
     ck = compile_key(args, rehash=rehash)
     store = Store()
     path = store.lookup(ck.key)
@@ -175,6 +206,16 @@ def compile_cached(
                 path = store.entry(ck.key)
                 build(args, ck, path)
                 built = True
+        if limit is not None:
+            for e in store.gc(limit, keep=ck.key):
+                log.info(
+                    "cache over %s=%s: removed %s (%s, %.1f MB, least recently used)",
+                    MAX_SIZE_ENV,
+                    os.environ.get(MAX_SIZE_ENV, DEFAULT_MAX_SIZE),
+                    e.key[:16],
+                    e.summary,
+                    e.bytes / 1e6,
+                )
     if out is not None:
         out = Path(out)
         if not _whole(out, ck.key):

@@ -156,25 +156,20 @@ def _cache_parser(sub: argparse._SubParsersAction) -> None:
     gc = actions.add_parser(
         "gc", help="remove least recently used entries past a size", prog="kiln cache gc"
     )
-    gc.add_argument("--max-size", required=True, help="e.g. 20G, 500M, 1T (bytes if no suffix)")
+    gc.add_argument(
+        "--max-size",
+        required=True,
+        help="e.g. 20G, 500M, 1T (bytes if no suffix); every compile that misses also "
+        "trims the cache to $KILN_CACHE_MAX_SIZE (default 20G; none: no limit)",
+    )
     p.set_defaults(func=_cmd_cache)
-
-
-_SIZES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def _size(text: str) -> int:
-    hit = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?", text.strip(), re.IGNORECASE)
-    if not hit:
-        raise ValueError(f"--max-size {text!r}: expected a size such as 20G, 500M or 1T")
-    return int(float(hit.group(1)) * _SIZES[hit.group(2).upper()])
 
 
 def _cmd_cache(ns: argparse.Namespace) -> int:
     import time
 
     from kiln.compiler.key import compile_key
-    from kiln.compiler.store import Store
+    from kiln.compiler.store import Store, parse_size
 
     store = Store()
     if ns.action == "key":
@@ -195,7 +190,7 @@ def _cmd_cache(ns: argparse.Namespace) -> int:
             store.remove(found[0].key)
             print(f"removed {found[0].key[:16]} ({found[0].summary})")
     else:
-        for e in store.gc(_size(ns.max_size)):
+        for e in store.gc(parse_size(ns.max_size, "--max-size")):
             print(f"removed {e.key[:16]} ({e.summary}, {e.bytes / 1e6:.1f} MB)")
     return 0
 

@@ -264,3 +264,46 @@ print(sorted(m for m, f in ran.items() if f not in hashed))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_miss_trims_the_cache_to_its_bound(checkpoint, tmp_path, fresh_cache) -> None:
+    """$KILN_CACHE_MAX_SIZE bounds the cache: a compile that misses removes the least
+    recently used entries past it, never the one it built; an -o copy outlives its entry."""
+    ckpt = checkpoint("llama")
+    first = kiln("compile", "--model-path", str(ckpt), "-o", str(tmp_path / "a"))
+    assert first.returncode == 0, first.stderr
+    (entry,) = Store().entries()
+    room = {**os.environ, "KILN_CACHE_MAX_SIZE": str(int(entry.bytes * 1.5))}
+    bad = kiln(
+        "compile",
+        "--model-path",
+        str(ckpt),
+        "--page-size",
+        "4",
+        env={**room, "KILN_CACHE_MAX_SIZE": "lots"},
+    )
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == (
+        "kiln compile: error: KILN_CACHE_MAX_SIZE 'lots': expected a size such as 20G, 500M or 1T"
+    )
+    assert [e.key for e in Store().entries()] == [entry.key]  # refused before compiling
+    second = kiln("compile", "--model-path", str(ckpt), "--page-size", "4", env=room)
+    assert second.returncode == 0, second.stderr
+    assert f"removed {entry.key[:16]}" in second.stderr
+    (kept,) = Store().entries()
+    assert kept.key != entry.key
+    verify_files(tmp_path / "a", read_manifest(tmp_path / "a"))  # the -o copy is whole
+    # One entry over the bound on its own stays: the entry just built is never removed.
+    alone = kiln(
+        "compile",
+        "--model-path",
+        str(ckpt),
+        "--page-size",
+        "8",
+        env={**room, "KILN_CACHE_MAX_SIZE": "1"},
+    )
+    assert alone.returncode == 0, alone.stderr
+    assert [e.manifest["cache_key"] for e in Store().entries()] == [key(ckpt, page_size=8)]
+    unbounded = {**room, "KILN_CACHE_MAX_SIZE": "none"}
+    assert kiln("compile", "--model-path", str(ckpt), env=unbounded).returncode == 0
+    assert len(Store().entries()) == 2
