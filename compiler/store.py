@@ -120,10 +120,14 @@ class Store:
         for path in sorted(self.root.glob("[0-9a-f]" * 8 + "*")) if self.root.is_dir() else []:
             try:
                 manifest = fmt.read_manifest(path)
-            except fmt.ArtefactError:
+            except (fmt.ArtefactError, OSError):
                 continue
-            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-            out.append(Entry(path.name, path, size, path.stat().st_mtime, manifest))
+            try:
+                size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+                used = path.stat().st_mtime
+            except OSError:  # removed while we looked (another compile trimming the cache)
+                continue
+            out.append(Entry(path.name, path, size, used, manifest))
         return out
 
     def find(self, prefix: str) -> list[Entry]:
