@@ -52,10 +52,15 @@ def parse_size(text: str, what: str) -> int:
     return int(float(hit.group(1)) * _SIZES[hit.group(2).upper()])
 
 
+def max_cache_setting() -> str:
+    """$KILN_CACHE_MAX_SIZE as given, or its default."""
+    return os.environ.get(MAX_SIZE_ENV, DEFAULT_MAX_SIZE).strip()
+
+
 def max_cache_bytes() -> int | None:
     """The cache's bound from $KILN_CACHE_MAX_SIZE (None: `none`, unbounded)."""
-    text = os.environ.get(MAX_SIZE_ENV, DEFAULT_MAX_SIZE)
-    if text.strip().lower() == "none":
+    text = max_cache_setting()
+    if text.lower() == "none":
         return None
     return parse_size(text, MAX_SIZE_ENV)
 
@@ -215,7 +220,7 @@ def compile_cached(
                 log.info(
                     "cache over %s=%s: removed %s (%s, %.1f MB, least recently used)",
                     MAX_SIZE_ENV,
-                    os.environ.get(MAX_SIZE_ENV, DEFAULT_MAX_SIZE),
+                    max_cache_setting(),
                     e.key[:16],
                     e.summary,
                     e.bytes / 1e6,

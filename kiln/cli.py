@@ -169,18 +169,19 @@ def _cmd_cache(ns: argparse.Namespace) -> int:
     import time
 
     from kiln.compiler.key import compile_key
-    from kiln.compiler.store import Store, parse_size
+    from kiln.compiler.store import Store, max_cache_bytes, max_cache_setting, parse_size
 
     store = Store()
     if ns.action == "key":
         print(compile_key(ServerArgs.from_namespace(ns), rehash=ns.rehash).key)
     elif ns.action == "ls":
+        bound = "no bound" if max_cache_bytes() is None else f"bound {max_cache_setting()}"
         entries = sorted(store.entries(), key=lambda e: e.last_used)
         for e in entries:
             age = time.time() - e.last_used
             print(f"{e.key[:16]}  {e.bytes / 1e6:9.1f} MB  used {_ago(age):>9}  {e.summary}")
         total = sum(e.bytes for e in entries)
-        print(f"{len(entries)} entries, {total / 1e6:.1f} MB in {store.root}")
+        print(f"{len(entries)} entries, {total / 1e6:.1f} MB in {store.root} ({bound})")
     elif ns.action == "rm":
         for prefix in ns.keys:
             found = store.find(prefix)

@@ -307,3 +307,6 @@ def test_a_miss_trims_the_cache_to_its_bound(checkpoint, tmp_path, fresh_cache) 
     unbounded = {**room, "KILN_CACHE_MAX_SIZE": "none"}
     assert kiln("compile", "--model-path", str(ckpt), env=unbounded).returncode == 0
     assert len(Store().entries()) == 2
+    assert kiln("cache", "ls", env=unbounded).stdout.rstrip().endswith("(no bound)")
+    listing = kiln("cache", "ls", env={**room, "KILN_CACHE_MAX_SIZE": "1M"}).stdout
+    assert listing.rstrip().endswith("(bound 1M)")
