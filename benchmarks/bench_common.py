@@ -145,8 +145,8 @@ def llama_bench_rate(bench: Path, gguf: Path, threads: int, *flags: str) -> floa
     `-fa 0,1` runs both and the faster counts. Its default (auto) turned flash attention on
     for this CPU, and that decoded SmolLM2 Q4_0 at 132 tok/s where `-fa 0` ran 174 (a
     128-token depth; 30 against 91 at 1536): the default alone is a handicapped peer."""
-    cmd = [str(bench), "-m", str(gguf), "-t", str(threads), "-r", "1", "-fa", "0,1"]
-    done = subprocess.run([*cmd, "-o", "json", *flags], check=True, capture_output=True, text=True)
+    cmd = [str(bench), "-m", str(gguf), "-t", str(threads), "-r", "1", "-fa", "0,1", "-o", "json"]
+    done = subprocess.run([*cmd, *flags], check=True, capture_output=True, text=True)
     return max(float(run["avg_ts"]) for run in json.loads(done.stdout))
 
 

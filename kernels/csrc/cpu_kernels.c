@@ -1106,13 +1106,15 @@ static void x_tile(const float *x, int64_t x_stride, int64_t m, int64_t k, int64
     const int64_t k1 = k0 + X_TILE_INPUTS < k ? k0 + X_TILE_INPUTS : k;
     const float *src = x + t * rows * x_stride;
     float *dst = xt + t * k * rows;
-    if ((t + 1) * rows <= m && rows == WIDE_ROWS) {
-        tile_inputs(src, x_stride, k0, k1, WIDE_ROWS, dst);
-        return;
-    }
-    if ((t + 1) * rows <= m && rows == TILE_ROWS) {
-        tile_inputs(src, x_stride, k0, k1, TILE_ROWS, dst);
-        return;
+    if ((t + 1) * rows <= m) { /* a whole tile: the copy with its height a constant */
+        if (rows == WIDE_ROWS) {
+            tile_inputs(src, x_stride, k0, k1, WIDE_ROWS, dst);
+            return;
+        }
+        if (rows == TILE_ROWS) {
+            tile_inputs(src, x_stride, k0, k1, TILE_ROWS, dst);
+            return;
+        }
     }
     for (int64_t kk = k0; kk < k1; kk++)
         for (int64_t r = 0; r < rows; r++)
