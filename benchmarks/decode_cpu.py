@@ -23,7 +23,9 @@ measure that level's code on a machine that has more (torch's own ops still pick
 level at run time). Rounds alternate kiln, llama-bench, kiln, ...; each figure is the
 median of the rounds with the spread (min-max). The roofline is the measured read
 bandwidth over the weight bytes one decode step reads (the artefact's weight file; for
-llama.cpp its file).
+llama.cpp its file). A second table puts each GGUF file's two kiln modes beside llama-bench
+and takes kiln's faster one (llama.cpp itself quantizes the activations to 8 bits against
+these blocks).
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ def main() -> None:
     long_prompt = list(range(2000, 2000 + args.prefill_tokens))
     bw = read_bandwidth_gbs()
     rows = []
+    medians: dict[str, tuple[float, list[float]]] = {}
     files: dict[str, Path] = {}
     for row in args.rows:
         peer, mine, flags = ROWS[row]
@@ -133,6 +136,8 @@ def main() -> None:
         ld = [d for d, _ in got["llama.cpp"]]
         kp = [q for _, q in got["kiln"]]
         lp = [q for _, q in got["llama.cpp"]]
+        if peer == mine:
+            medians[row] = (statistics.median(kd), ld)
         rows.append(
             f"| {row} | {step_bytes / 1e6:.0f} / {gguf.stat().st_size / 1e6:.0f} | "
             f"{spread(kd)} | {spread(ld)} | "
@@ -162,6 +167,35 @@ def main() -> None:
         ],
         rows,
     )
+    summary = best_of_modes(medians)
+    if summary:
+        print(
+            "\nEach GGUF file at kiln's faster activation mode (fp32, or int8 where an"
+            ' "+a8" row ran), decode tok/s; llama-bench: the median of every round run on'
+            " that file\n"
+        )
+        header = ["file", "kiln, fp32 activations", "kiln, int8 activations", "llama-bench"]
+        print("| " + " | ".join([*header, "best ratio"]) + " |")
+        print("|" + " --- |" * (len(header) + 1))
+        print("\n".join(summary))
+
+
+def best_of_modes(medians: dict[str, tuple[float, list[float]]]) -> list[str]:
+    """The issue-28 table: a row per GGUF file that ran, kiln's decode median with fp32 and
+    with int8 activations ("-" where that row did not run), llama-bench's median over the
+    rounds of every row on that file, and kiln's better mode over it."""
+    out = []
+    for precision in PRECISIONS:
+        runs = [medians[r] for r in (precision, f"{precision} +a8") if r in medians]
+        if not runs:
+            continue
+        peer = statistics.median([x for _, ld in runs for x in ld])
+        cells = [
+            f"{medians[r][0]:.1f}" if r in medians else "-" for r in (precision, f"{precision} +a8")
+        ]
+        best = max(d for d, _ in runs)
+        out.append(f"| {precision} | {' | '.join(cells)} | {peer:.1f} | {best / peer:.2f}x |")
+    return out
 
 
 if __name__ == "__main__":
