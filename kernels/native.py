@@ -40,7 +40,7 @@ BASE_FLAGS = (
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 # kiln_abi_version() of a library whose exports match _SIGNATURES.
-ABI_VERSION = 10
+ABI_VERSION = 11
 _SIGNATURES = {
     "kiln_abi_version": (_I64, []),
     "kiln_rmsnorm_f32": (None, [_P, _I64, _I64, _P, _P, _I64, _I64, _F32, _INT]),

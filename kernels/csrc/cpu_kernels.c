@@ -1004,7 +1004,7 @@ int64_t kiln_linear_lanes(void) { return LANES; }
 
 /* The exported functions' signatures, as kernels/native.py declares them: bumped with any
  * change, so a library built from another kiln's source is refused, not misread. */
-int64_t kiln_abi_version(void) { return 10; }
+int64_t kiln_abi_version(void) { return 11; }
 int64_t kiln_linear_group_panels(void) { return GROUP_PANELS; }
 
 /* One narrow tile: `rows` rows (xt: [k][TILE_ROWS]) against one panel. Always inlined with
@@ -2223,16 +2223,18 @@ static int a8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k,
  *             the maddubs path multiplies |q| by sign(q) xq, and the plain one signed bytes.
  *   GA8_INT8MH (int8mh_a8, Q8_0 and Q5_1 parts of one fused weight): w = q s + m, q int8:
  *             GA8_INT8H's sums, then m sx sum_k xq as GA8_UINT4's min.
- * codes: GA8_UINT4's nibbles [N_pad / L][K / 8][L][4], then a plane of fifth bits, and
- * for GA8_INT6 another of sixth bits, each [N_pad / L][K / 8][L] bytes: per block of 8 k's
- * the bits of its low nibbles, then of its high ones, in code-byte order (ga8_plane). The kind's
+ * codes: GA8_UINT4's nibbles [N_pad / L][K / 8][L][4], then the bits above them as top
+ * bytes [N_pad / L][K / (8 U)][L][4] (ga8_top_blocks: U = 4 blocks of 5-bit codes, 2 of
+ * 6-bit ones; K a multiple of 8 U): byte j of lane c of a unit holds the top bits of the
+ * codes at that byte of its U blocks, w = 1 or 2 bits each, block i's low nibble's at bit
+ * i w and its high nibble's at 4 + i w. The kind's
  * bits from 8 up say how the scales are stored (scale_mode: 1 float16, 8 or 16 super-block
  * records of that many groups); scales [N_pad / L][K / group][P][L] or those records, P = 1
  * for GA8_INT5 and GA8_INT6. */
 enum { GA8_UINT4 = 0, GA8_INT8 = 1, GA8_UINT5 = 2, GA8_INT5 = 3, GA8_INT6 = 4, GA8_INT8H = 5,
        GA8_INT8MH = 6 };
 /* The tile over many rows: with VNNI 4 rows x 2 panels; without it 8 rows x 1 panel, each
- * block's nibble decode (and the bit planes' spread, the dear part on AVX2) shared by 8
+ * block's nibble decode (and its top bits, the dear part on AVX2) shared by 8
  * rows where the AVX2 registers hold no second panel's sums (SmolLM2's 576 x 1536 at 128
  * rows, one core, AVX2 build: Q4_0 37 -> 56, Q6_K 28 -> 36, Q8_0 29 -> 38 GMAC/s; 4 x 2
  * with the int16 sums was slower than before them, its 16 accumulators spilled). */
@@ -2296,31 +2298,26 @@ typedef __m256i vbyte;
 #define GA8_SIGNED_INT8 0
 #endif
 
-/* A bit plane's block (LANES bytes: the bits of the block's low nibbles, then of its high
- * ones, each in code-byte order, bit 4c + j for lane c's byte j) spread over the code bytes
- * of GA8_UINT4's layout: `value` OR-ed into `w` (the low or high nibbles, `high`) where the
- * byte's bit is set. AVX-512: the half is a byte mask as it is; AVX2: each byte picks its
- * bit from the broadcast half. */
+/* A unit's top bytes t (ga8_top_blocks), shifted right by w for each block before this
+ * one, OR-ed into the block's nibbles: `mask` (0x10, or 0x30 for 6-bit codes) takes the
+ * high nibbles' bits where they are and the low nibbles' moved up by 4. The shifts run on
+ * 16-bit lanes: the bits that cross into a byte from its neighbour land outside the mask.
+ * Per block six instructions on AVX2 (four on AVX-512, its AND and OR one ternary op)
+ * where bit planes had cost AVX2 ten for 5-bit codes and twenty for 6-bit ones, five
+ * each a nibble vector to spread a plane's bits over its bytes. 768 x 1536 x 24 layers,
+ * one core, GMAC/s, alternating builds: AVX2 one row Q5_K 14.0 -> 15.5, Q6_K 10.1-11.0 ->
+ * 13.4, 128 rows Q6_K 33-34 -> 36; VNNI one row Q5_K 23.3-23.8 -> 22.5 (AVX-512 had set
+ * a plane's bits as a byte mask read from memory, one instruction fewer), Q6_K 18.1 ->
+ * 19.5. */
 #if GA8_SIMD && defined(__AVX512BW__)
-static inline vbyte ga8_plane(vbyte w, const uint8_t *plane, int high, char value) {
-    uint64_t bits;
-    memcpy(&bits, plane + high * 8, sizeof bits);
-    return _mm512_mask_add_epi8(w, _cvtu64_mask64(bits), w, _mm512_set1_epi8(value));
-}
+#define GA8_TOP(w, t, mask) \
+    _mm512_ternarylogic_epi32((w), (t), _mm512_set1_epi8(mask), 0xF8) /* w | (t & mask) */
+#define GA8_TOP_UP(t) _mm512_slli_epi16((t), 4)
+#define GA8_TOP_NEXT(t, w) _mm512_srli_epi16((t), (w))
 #elif GA8_SIMD
-static inline vbyte ga8_plane(vbyte w, const uint8_t *plane, int high, char value) {
-    static const uint8_t spread[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                       2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
-    static const uint8_t bit[32] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128,
-                                    1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
-    int32_t half;
-    memcpy(&half, plane + high * 4, sizeof half);
-    const __m256i rep = _mm256_shuffle_epi8(_mm256_set1_epi32(half),
-                                            _mm256_loadu_si256((const __m256i *)spread));
-    const __m256i b = _mm256_loadu_si256((const __m256i *)bit);
-    return _mm256_or_si256(w, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(rep, b), b),
-                                               _mm256_set1_epi8(value)));
-}
+#define GA8_TOP(w, t, mask) _mm256_or_si256((w), _mm256_and_si256((t), _mm256_set1_epi8(mask)))
+#define GA8_TOP_UP(t) _mm256_slli_epi16((t), 4)
+#define GA8_TOP_NEXT(t, w) _mm256_srli_epi16((t), (w))
 #endif
 
 /* A kind's codes a byte each (4 k's a block of a lane; else nibbles, 8 k's a block), its
@@ -2331,6 +2328,9 @@ static inline int ga8_byte_codes(int kind) {
 static inline int ga8_planes(int kind) {
     return kind == GA8_INT5 || kind == GA8_INT6 || kind == GA8_INT8H ? 1 : 2;
 }
+/* Blocks of 8 k's whose top bits share a unit of top bytes: 4 for 5-bit codes, 2 for
+ * 6-bit ones (a unit's bytes are each a whole byte of bits). */
+static inline int64_t ga8_top_blocks(int kind) { return kind == GA8_INT6 ? 2 : 4; }
 static inline int64_t ga8_code_bytes(int kind, int64_t k) {
     return ga8_byte_codes(kind) ? k
            : kind == GA8_UINT4  ? k / 2
@@ -2380,8 +2380,12 @@ static inline __attribute__((always_inline)) void ga8_tile(
     const int signed_q = kind == GA8_INT8H || kind == GA8_INT8MH;
     const int64_t blocks = ga8_byte_codes(kind) ? group / 4 : group / 8; /* blocks a group */
     const int planes = ga8_planes(kind);
-    const int64_t fifth = k / 2 * LANES, sixth = fifth + k / 8 * LANES; /* bit planes */
+    const int64_t tops = k / 2 * LANES; /* the top bytes' offset in a panel */
+    const int64_t unit = ga8_top_blocks(kind), width = kind == GA8_INT6 ? 2 : 1;
     vlf acc[GA8_PANELS * GA8_ROWS];
+#if GA8_SIMD
+    vbyte top[GA8_PANELS]; /* each panel's unit of top bytes, shifted to the block's bits */
+#endif
     for (int i = 0; i < np * rows; i++) acc[i] = (vlf){0};
     for (int64_t g = 0; g < groups; g++) {
         const uint32_t *xw = xb + g * (group / 4);
@@ -2414,13 +2418,13 @@ static inline __attribute__((always_inline)) void ga8_tile(
                 } else if (kind != GA8_INT8) {
                     vbyte lo = GA8_LOW_NIBBLES(w), hi = GA8_HIGH_NIBBLES(w);
                     if (kind != GA8_UINT4) {
-                        const uint8_t *bits = panel + p * pstride + fifth + (g * blocks + b) * LANES;
-                        lo = ga8_plane(lo, bits, 0, 0x10);
-                        hi = ga8_plane(hi, bits, 1, 0x10);
-                        if (kind == GA8_INT6) {
-                            lo = ga8_plane(lo, bits + sixth - fifth, 0, 0x20);
-                            hi = ga8_plane(hi, bits + sixth - fifth, 1, 0x20);
-                        }
+                        const int64_t gb = g * blocks + b;
+                        if (gb % unit == 0)
+                            top[p] = GA8_LOAD(panel + p * pstride + tops + gb / unit * LANES * 4);
+                        const char mask = kind == GA8_INT6 ? 0x30 : 0x10;
+                        lo = GA8_TOP(lo, GA8_TOP_UP(top[p]), mask);
+                        hi = GA8_TOP(hi, top[p], mask);
+                        top[p] = GA8_TOP_NEXT(top[p], (int)width);
                     }
 #if GA8_SIGNED_INT8
                     /* maddubs' int16 pairs summed in int16 for `span` blocks (ga8_span),
@@ -2467,8 +2471,9 @@ static inline __attribute__((always_inline)) void ga8_tile(
         for (int64_t b = 0; b < blocks; b++) {
             for (int p = 0; p < np; p++) {
                 const uint8_t *q = panel + p * pstride + (g * blocks + b) * LANES * 4;
-                const uint8_t *f5 = panel + p * pstride + fifth + (g * blocks + b) * LANES;
-                const uint8_t *f6 = f5 + sixth - fifth;
+                const int64_t gb = g * blocks + b;
+                const uint8_t *tb = panel + p * pstride + tops + gb / unit * LANES * 4;
+                const int shift = (int)(gb % unit * width), bits = (1 << width) - 1;
                 for (int r = 0; r < rows; r++) {
                     const uint8_t *xr = (const uint8_t *)(xw + r * kw);
                     for (int c = 0; c < LANES; c++) {
@@ -2479,14 +2484,10 @@ static inline __attribute__((always_inline)) void ga8_tile(
                             } else if (kind != GA8_INT8) {
                                 const uint8_t byte = q[c * 4 + j];
                                 int lo = byte & 0xF, hi = byte >> 4;
-                                const int at = 4 * c + j, half = LANES / 2;
                                 if (kind != GA8_UINT4) {
-                                    lo |= ((f5[at / 8] >> (at % 8)) & 1) << 4;
-                                    hi |= ((f5[half + at / 8] >> (at % 8)) & 1) << 4;
-                                }
-                                if (kind == GA8_INT6) {
-                                    lo |= ((f6[at / 8] >> (at % 8)) & 1) << 5;
-                                    hi |= ((f6[half + at / 8] >> (at % 8)) & 1) << 5;
+                                    const int t = tb[c * 4 + j] >> shift;
+                                    lo |= (t & bits) << 4;
+                                    hi |= t & (bits << 4);
                                 }
                                 s += lo * (int8_t)xr[8 * b + j] + hi * (int8_t)xr[8 * b + 4 + j];
                             } else {
@@ -2560,14 +2561,17 @@ static inline __attribute__((always_inline)) void ga8_tile(
 
 /* x: [m, k] rows `x_stride` apart; codes, scales as above; out: [m, n]. Returns -1
  * without scratch memory, -2 for a kind it does not know or a group it cannot take
- * (a multiple of 8 for GA8_UINT4, of 4 for GA8_INT8, dividing k), else 0. */
+ * (a multiple of 8 for GA8_UINT4, of 4 for GA8_INT8, dividing k) or a k that is not whole
+ * units of top bytes (5- and 6-bit codes), else 0. */
 static int ga8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k,
                           const uint8_t *codes, const void *scales, int kind, int64_t group,
                           int64_t n, const float *bias, float *out, int threads) {
     const int mode = kind >> 8;
     kind &= 0xFF;
     if (kind < GA8_UINT4 || kind > GA8_INT8MH || group <= 0 || k % group ||
-        group % (ga8_byte_codes(kind) ? 4 : 8) || (mode != SC_F32 && mode != SC_F16 && mode != 8 &&
+        group % (ga8_byte_codes(kind) ? 4 : 8) ||
+        (kind >= GA8_UINT5 && kind <= GA8_INT6 && k % (8 * ga8_top_blocks(kind))) ||
+        (mode != SC_F32 && mode != SC_F16 && mode != 8 &&
                                                mode != 16) || (mode >= 2 && k % (group * mode)))
         return -2;
     const int64_t groups = k / group, panels = (n + LANES - 1) / LANES;

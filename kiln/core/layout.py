@@ -21,10 +21,11 @@ the loader (no torch import: the loader checks shapes from the graph alone).
   bytes: byte j of a lane's 4 holds k = 8b + j in its low nibble, 8b + 4 + j in its high.
 - "a5panels{L}" / "a6panels{L}": 5- and 6-bit codes for those dot products (the int8-
   activation forms of the GGUF 5-bit, Q5_K and Q6_K formats): a4's nibbles [N_pad / L][K / 8]
-  [L][4], then one plane of fifth bits (a5) or two planes, the fifth bits then the sixth
-  (a6), each [N_pad / L][K / 8][L] bytes: per block of 8 k's, the bits of its low nibbles
-  then of its high ones, each half in code-byte order (bit 4c + j for lane c's byte j: an
-  AVX-512 byte mask as stored); one uint8 tensor [N_pad / L][K / 2 + K / 8 (a6: + K / 4)][L].
+  [L][4], then the bits above them as top bytes [N_pad / L][K / 8U][L][4], a unit of U
+  blocks of 8 k's (a5: U = 4, one bit a code; a6: U = 2, two bits) a byte for each code
+  byte: block i's low-nibble code's top bits at bit iw, its high-nibble code's at 4 + iw
+  (w the bits a code); one uint8 tensor [N_pad / L][K / 2 + K / 8 (a6: K / 4)][L], K a
+  multiple of 8U.
 - "spanels{L}": the scales (and mins) of those codes, logical [N, K / group, P] with P = 1
   (scale) or 2 (scale, min), stored [N_pad / L][K / group][P][L].
 """
@@ -139,8 +140,7 @@ def pack_qpanels(t: torch.Tensor, layout: str) -> torch.Tensor:
         if kind == "a4":
             return packed.contiguous()
         nibbles = packed.reshape(tiles.shape[0], -1, lanes)  # [T, K / 2, L] bytes
-        planes = [_bit_plane(tiles, 4)] + ([_bit_plane(tiles, 5)] if kind == "a6" else [])
-        return torch.cat([nibbles, *planes], dim=1).contiguous()
+        return torch.cat([nibbles, _top_bytes(tiles, 2 if kind == "a6" else 1)], dim=1)
     panels = tiles.transpose(1, 2).contiguous()  # [T, K, L]
     if kind == "q8":
         return panels
@@ -156,24 +156,33 @@ def pack_qpanels(t: torch.Tensor, layout: str) -> torch.Tensor:
     return torch.cat([nibbles, packed], dim=1).contiguous()
 
 
-def _bit_plane(tiles: torch.Tensor, bit: int) -> torch.Tensor:
-    """Bit `bit` of codes [T, L, K] as a5 / a6's plane [T, K / 8, L] bytes: per block of 8
-    k's, the bits of its low nibbles (k = 8b + j, j < 4), then of its high ones (8b + 4 + j),
-    each in code-byte order (bit 4c + j of the half for lane c), packed little-endian."""
+def _top_shifts(width: int) -> torch.Tensor:
+    """Where block i's low (h = 0) and high (h = 1) nibble's top bits sit in a top byte of a
+    unit of 4 / width blocks: bit 4h + i width, as [U, 2, 1]."""
+    unit = 4 // width
+    blocks = torch.arange(unit, dtype=torch.uint8).view(unit, 1, 1) * width
+    return blocks + torch.tensor([0, 4], dtype=torch.uint8).view(1, 2, 1)
+
+
+def _top_bytes(tiles: torch.Tensor, width: int) -> torch.Tensor:
+    """The bits of codes [T, L, K] above their nibbles (`width` of them) as a5 / a6's top
+    bytes [T, K / 8U * 4, L] ([T][K / 8U][L][4] in memory)."""
     t, lanes, k = tiles.shape
-    bits = ((tiles >> bit) & 1).view(t, lanes, k // 8, 2, 4).permute(0, 2, 3, 1, 4)
-    octets = bits.reshape(t, k // 8, 2, lanes // 2, 8)
-    weights = (1 << torch.arange(8, dtype=torch.uint8)).view(1, 1, 1, 1, 8)
-    return (octets * weights).sum(-1, dtype=torch.uint8).reshape(t, k // 8, lanes)
+    unit = 4 // width
+    if k % (8 * unit):
+        raise ValueError(f"{k} inputs: 5- and 6-bit codes need a multiple of {8 * unit}")
+    top = (tiles >> 4).view(t, lanes, k // (8 * unit), unit, 2, 4) << _top_shifts(width)
+    packed = top.sum((3, 4), dtype=torch.uint8)  # [T, L, K / 8U, 4]
+    return packed.permute(0, 2, 1, 3).reshape(t, -1, lanes).contiguous()
 
 
-def _unpack_bit_plane(plane: torch.Tensor) -> torch.Tensor:
-    """a5 / a6's plane [T, K / 8, L] bytes -> bits [T, K, L]."""
-    t, blocks, lanes = plane.shape
-    shifts = torch.arange(8, dtype=torch.uint8).view(1, 1, 1, 1, 8)
-    octets = (plane.view(t, blocks, 2, lanes // 2, 1) >> shifts) & 1  # [T, B, 2, L/2, 8]
-    bits = octets.reshape(t, blocks, 2, lanes, 4).permute(0, 1, 2, 4, 3)  # [T, B, 2, 4, L]
-    return bits.reshape(t, blocks * 8, lanes)
+def _unpack_top_bytes(stored: torch.Tensor, width: int, k: int) -> torch.Tensor:
+    """a5 / a6's top bytes [T, K / 8U * 4, L] -> each code's top bits [T, K, L]."""
+    t, _, lanes = stored.shape
+    unit = 4 // width
+    units = stored.view(t, k // (8 * unit), lanes, 1, 1, 4)
+    bits = (units >> _top_shifts(width)) & ((1 << width) - 1)  # [T, K / 8U, L, U, 2, 4]
+    return bits.permute(0, 1, 3, 4, 5, 2).reshape(t, k, lanes)
 
 
 def unpack_codes(codes: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
@@ -181,16 +190,14 @@ def unpack_codes(codes: torch.Tensor, kind: str, rows: int) -> torch.Tensor:
     element (4-, 5- and 6-bit codes as 0..15 / 0..31 / 0..63), as `pack_qpanels` had them."""
     if kind == "a8":  # [T, K/4, L, 4] -> [T, K, L]
         codes = codes.permute(0, 1, 3, 2).reshape(codes.shape[0], -1, codes.shape[2])
-    elif kind in ("a5", "a6"):  # a4's nibbles [T, K/2, L] as [T, K/8, L, 4], then bit planes
+    elif kind in ("a5", "a6"):  # a4's nibbles [T, K/2, L] as [T, K/8, L, 4], then top bytes
         tiles, stored, lanes = codes.shape
         k = stored * (8 if kind == "a5" else 4) // (5 if kind == "a5" else 3)
         nib = codes[:, : k // 2].reshape(tiles, k // 8, lanes, 4)
         low = unpack_codes(nib, "a4", tiles * lanes)  # [T * L, K]
         low = low.view(tiles, lanes, k).transpose(1, 2)
-        high = _unpack_bit_plane(codes[:, k // 2 : k // 2 + k // 8]) << 4
-        if kind == "a6":
-            high = high | (_unpack_bit_plane(codes[:, k // 2 + k // 8 :]) << 5)
-        codes = low | high
+        width = 2 if kind == "a6" else 1
+        codes = low | (_unpack_top_bytes(codes[:, k // 2 :], width, k) << 4)
     elif kind == "a4":  # [T, K/8, L, 4] bytes -> [T, K, L], 4 low nibbles first
         t, blocks, lanes, _ = codes.shape
         nibbles = torch.stack([codes & 0xF, codes >> 4], dim=3)  # [T, K/8, L, 2, 4]

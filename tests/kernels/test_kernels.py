@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from native_libs import HOST_LEVELS, library
 
-from kiln.core.layout import pack_panels, pack_qpanels, panels_name
+from kiln.core.layout import pack_panels, pack_qpanels, panels_name, unpack_codes
 from kiln.core.opdef import with_attrs
 from kiln.core.ops.attention import AttentionBatch, SeqSpan
 from kiln.core.quant import (
@@ -264,6 +264,19 @@ def test_super_block_linear_matches_its_dequantized_weight(
     got = k("quant_linear", backend)(x, codes, scales, b, **kw)
     torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-5)
     assert (got - F.linear(x, w, b)).abs().max() > 0
+
+
+@pytest.mark.parametrize(("layout", "top", "unit"), [("a5", 32, 32), ("a6", 64, 16)])
+def test_top_bytes_round_trip_and_need_whole_units(layout: str, top: int, unit: int) -> None:
+    """5- and 6-bit codes for int8 activations keep the bits above their nibbles in top
+    bytes shared by 4 (5-bit) or 2 (6-bit) blocks of 8 k's: every code comes back from both
+    lane widths, and an input count that is not whole units is refused when packing."""
+    q = torch.randint(0, top, (37, 3 * unit), dtype=torch.uint8)
+    for lanes in (8, 16):
+        stored = pack_qpanels(q, f"{layout}panels{lanes}")
+        assert torch.equal(unpack_codes(stored, layout, 37), q)
+    with pytest.raises(ValueError, match=f"multiple of {unit}"):
+        pack_qpanels(q[:, : unit + 8], f"{layout}panels8")
 
 
 @BOTH
