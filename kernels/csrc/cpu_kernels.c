@@ -2571,8 +2571,8 @@ static int ga8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k
     if (kind < GA8_UINT4 || kind > GA8_INT8MH || group <= 0 || k % group ||
         group % (ga8_byte_codes(kind) ? 4 : 8) ||
         (kind >= GA8_UINT5 && kind <= GA8_INT6 && k % (8 * ga8_top_blocks(kind))) ||
-        (mode != SC_F32 && mode != SC_F16 && mode != 8 &&
-                                               mode != 16) || (mode >= 2 && k % (group * mode)))
+        (mode != SC_F32 && mode != SC_F16 && mode != 8 && mode != 16) ||
+        (mode >= 2 && k % (group * mode)))
         return -2;
     const int64_t groups = k / group, panels = (n + LANES - 1) / LANES;
     const int64_t items = (panels + GA8_PANELS - 1) / GA8_PANELS;
