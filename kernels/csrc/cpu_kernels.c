@@ -1340,8 +1340,12 @@ static inline int64_t scale_stride(int64_t k, int64_t group, int planes, int mod
     return (k / group) * planes * LANES;
 }
 #ifdef __AVX512F__
-#define QPANELS 4 /* decode: 4 panels x up to 3 rows, two accumulators each */
-#define QROWS 3
+/* decode: 2 panels x up to 6 rows, two accumulators each. It was 4 panels x 3 rows, and 4
+ * rows went to the prompt path (every panel dequantized to fp32 first): SmolLM2's 121
+ * linears, uint4, ms: 4 rows 15.8-16.8 -> 9.9-10.7, 6 rows 16.2-16.7 -> 13.1-13.6, 2-3
+ * rows 8-15% faster with half the interleaved weight streams; one row its own loop. */
+#define QPANELS 2
+#define QROWS 6
 #else
 #define QPANELS 2 /* of 16 registers: 2 panels x 2 rows, weights, scales and mins */
 #define QROWS 2
@@ -1789,8 +1793,8 @@ static void qtile_rows(const float *xt, const float *xs, int64_t k, const uint8_
     if (np > 1) {
         switch (rows) {
             QDECODE_CASE(1) QDECODE_CASE(2)
-#if QROWS == 3
-            QDECODE_CASE(3)
+#if QROWS == 6
+            QDECODE_CASE(3) QDECODE_CASE(4) QDECODE_CASE(5) QDECODE_CASE(6)
 #endif
             default: break;
         }
@@ -1798,8 +1802,8 @@ static void qtile_rows(const float *xt, const float *xs, int64_t k, const uint8_
     }
     switch (rows) {
         QTALL_CASE(1) QTALL_CASE(2)
-#if QROWS == 3
-        QTALL_CASE(3)
+#if QROWS == 6
+        QTALL_CASE(3) QTALL_CASE(4) QTALL_CASE(5) QTALL_CASE(6)
 #endif
         default: break;
     }
