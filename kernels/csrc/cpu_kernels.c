@@ -1788,8 +1788,8 @@ static inline __attribute__((always_inline)) void qtile_decode(
 #define QTALL_CASE(R) \
     case R: qtile(xt, QROWS, k, panel, sc, fmt, group, bias, out, n, cols, R, mode, w); break;
 
-/* Up to QROWS rows over QPANELS panels (np = QPANELS), or over one panel (the last, short
- * item), a group at a time through w. */
+/* Up to QROWS rows: without w, the decode tile over the item's QPANELS panels; with it,
+ * one panel (the last, short item), a group at a time through w. */
 static void qtile_rows(const float *xt, const float *xs, int64_t k, const uint8_t *panel,
                        int64_t pstride, const void *sc, int64_t sstride, int fmt,
                        int64_t group, const float *bias, float *out, int64_t n, int64_t cols,
