@@ -186,13 +186,12 @@ def best_of_modes(medians: dict[str, tuple[float, list[float]]]) -> list[str]:
     rounds of every row on that file, and kiln's better mode over it."""
     out = []
     for precision in PRECISIONS:
-        runs = [medians[r] for r in (precision, f"{precision} +a8") if r in medians]
+        names = (precision, f"{precision} +a8")
+        runs = [medians[r] for r in names if r in medians]
         if not runs:
             continue
         peer = statistics.median([x for _, ld in runs for x in ld])
-        cells = [
-            f"{medians[r][0]:.1f}" if r in medians else "-" for r in (precision, f"{precision} +a8")
-        ]
+        cells = [f"{medians[r][0]:.1f}" if r in medians else "-" for r in names]
         best = max(d for d, _ in runs)
         out.append(f"| {precision} | {' | '.join(cells)} | {peer:.1f} | {best / peer:.2f}x |")
     return out

@@ -125,13 +125,10 @@ class Store:
         for path in sorted(self.root.glob("[0-9a-f]" * 8 + "*")) if self.root.is_dir() else []:
             try:
                 manifest = fmt.read_manifest(path)
-            except (fmt.ArtefactError, OSError):
-                continue
-            try:
                 size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
                 used = path.stat().st_mtime
-            except OSError:  # removed while we looked (another compile trimming the cache)
-                continue
+            except (fmt.ArtefactError, OSError):  # not an entry, or removed while we looked
+                continue  # (another compile trimming the cache)
             out.append(Entry(path.name, path, size, used, manifest))
         return out
 

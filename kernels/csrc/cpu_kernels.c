@@ -2342,9 +2342,10 @@ static inline int ga8_byte_codes(int kind) {
 static inline int ga8_planes(int kind) {
     return kind == GA8_INT5 || kind == GA8_INT6 || kind == GA8_INT8H ? 1 : 2;
 }
-/* Blocks of 8 k's whose top bits share a unit of top bytes: 4 for 5-bit codes, 2 for
- * 6-bit ones (a unit's bytes are each a whole byte of bits). */
-static inline int64_t ga8_top_blocks(int kind) { return kind == GA8_INT6 ? 2 : 4; }
+/* Top bits a code (5- and 6-bit codes), and the blocks of 8 k's whose top bits share a
+ * unit of top bytes: 4 / width, so each of a unit's bytes is a whole byte of bits. */
+static inline int ga8_top_width(int kind) { return kind == GA8_INT6 ? 2 : 1; }
+static inline int64_t ga8_top_blocks(int kind) { return 4 / ga8_top_width(kind); }
 static inline int64_t ga8_code_bytes(int kind, int64_t k) {
     return ga8_byte_codes(kind) ? k
            : kind == GA8_UINT4  ? k / 2
@@ -2395,7 +2396,10 @@ static inline __attribute__((always_inline)) void ga8_tile(
     const int64_t blocks = ga8_byte_codes(kind) ? group / 4 : group / 8; /* blocks a group */
     const int planes = ga8_planes(kind);
     const int64_t tops = k / 2 * LANES; /* the top bytes' offset in a panel */
-    const int64_t unit = ga8_top_blocks(kind), width = kind == GA8_INT6 ? 2 : 1;
+    /* a unit of top bytes is 1 << unit_log2 blocks (ga8_top_blocks): a mask and a shift,
+     * not a division, where a short tile's copy has the kind at run time */
+    const int width = ga8_top_width(kind), unit_log2 = 3 - width;
+    const int64_t unit_mask = (1 << unit_log2) - 1;
     vlf acc[GA8_PANELS * GA8_ROWS];
 #if GA8_SIMD
     vbyte top[GA8_PANELS]; /* each panel's unit of top bytes, shifted to the block's bits */
@@ -2433,12 +2437,13 @@ static inline __attribute__((always_inline)) void ga8_tile(
                     vbyte lo = GA8_LOW_NIBBLES(w), hi = GA8_HIGH_NIBBLES(w);
                     if (kind != GA8_UINT4) {
                         const int64_t gb = g * blocks + b;
-                        if (gb % unit == 0)
-                            top[p] = GA8_LOAD(panel + p * pstride + tops + gb / unit * LANES * 4);
+                        if ((gb & unit_mask) == 0)
+                            top[p] = GA8_LOAD(panel + p * pstride + tops +
+                                              (gb >> unit_log2) * LANES * 4);
                         const char mask = kind == GA8_INT6 ? 0x30 : 0x10;
                         lo = GA8_TOP(lo, GA8_TOP_UP(top[p]), mask);
                         hi = GA8_TOP(hi, top[p], mask);
-                        top[p] = GA8_TOP_NEXT(top[p], (int)width);
+                        top[p] = GA8_TOP_NEXT(top[p], width);
                     }
 #if GA8_SIGNED_INT8
                     /* maddubs' int16 pairs summed in int16 for `span` blocks (ga8_span),
@@ -2486,8 +2491,8 @@ static inline __attribute__((always_inline)) void ga8_tile(
             for (int p = 0; p < np; p++) {
                 const uint8_t *q = panel + p * pstride + (g * blocks + b) * LANES * 4;
                 const int64_t gb = g * blocks + b;
-                const uint8_t *tb = panel + p * pstride + tops + gb / unit * LANES * 4;
-                const int shift = (int)(gb % unit * width), bits = (1 << width) - 1;
+                const uint8_t *tb = panel + p * pstride + tops + (gb >> unit_log2) * LANES * 4;
+                const int shift = (int)(gb & unit_mask) * width, bits = (1 << width) - 1;
                 for (int r = 0; r < rows; r++) {
                     const uint8_t *xr = (const uint8_t *)(xw + r * kw);
                     for (int c = 0; c < LANES; c++) {
