@@ -53,3 +53,19 @@ def test_piecewise_prefill_graphs_match_eager_prefill(artefact) -> None:
         want = eager.generate(input_ids=prompts, sampling_params=GREEDY)
         assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
     assert prefill.recordings == recorded
+
+
+def test_torch_native_attention_on_the_gpu_matches_the_cpu(artefact) -> None:
+    """Gemma 2's soft-capped attention, which the Triton kernel refuses, runs torch's on the
+    GPU: prefill, extend and decode masks made on the device, and its decode recorded in
+    CUDA graphs, against the same checkpoint on the CPU."""
+    graphs = Engine(
+        artefact("gemma2", compile_args={"device": "cuda", "cuda_graph_max_bs": 8}),
+        max_total_tokens=1024,
+    )
+    assert graphs.runner.decode is not None and graphs.runner.decode.ready
+    cpu = Engine(artefact("gemma2"), max_total_tokens=1024)
+    for prompts in [*BATCHES, [list(range(3, 40)), [4, 4]]]:
+        got = graphs.generate(input_ids=prompts, sampling_params=GREEDY)
+        want = cpu.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]

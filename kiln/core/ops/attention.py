@@ -95,7 +95,9 @@ class AttentionBatch:
         if single:
             self._page_table([self.seqs[i] for i in single])
             self.single_seqs = single
-            self.single_rows = torch.tensor([self.seqs[i].q_start for i in single])
+            self.single_rows = torch.tensor(
+                [self.seqs[i].q_start for i in single], device=self.k_cache.device
+            )
 
     def _page_table(self, seqs: list[SeqSpan]) -> None:
         page_size = self.page_size
@@ -104,11 +106,11 @@ class AttentionBatch:
         if len(seqs) == 1:
             index = pages[0][: used[0]]
         else:
-            index = torch.zeros(len(seqs), max(used), dtype=torch.long)
+            index = torch.zeros(len(seqs), max(used), dtype=torch.long, device=pages[0].device)
             for i, (p, n) in enumerate(zip(pages, used, strict=True)):
                 index[i, :n] = p[:n]
         self.kv_index = index.reshape(-1).contiguous()
-        self.kv_lens = torch.tensor([s.kv_len for s in seqs])
+        self.kv_lens = torch.tensor([s.kv_len for s in seqs], device=self.kv_index.device)
         self.kv_width = max(used) * page_size
         self.max_kv_len = max(s.kv_len for s in seqs)
 
@@ -123,7 +125,7 @@ class AttentionBatch:
         mask: torch.Tensor | None = None
         cut = width > self.max_kv_len or (window is not None and width > window)
         if self.num_seqs > 1 or cut:
-            j = torch.arange(width)[None, :]
+            j = torch.arange(width, device=lens.device)[None, :]
             mask = j < lens
             if window is not None:
                 mask &= j > lens - 1 - window
@@ -203,9 +205,9 @@ def rope_then_attend(
     return attend(ctx, q, k, v, a=a)
 
 
-def _causal_mask(q_len: int, kv_len: int, window: int | None) -> torch.Tensor:
-    qpos = torch.arange(kv_len - q_len, kv_len)[:, None]
-    j = torch.arange(kv_len)[None, :]
+def _causal_mask(q_len: int, kv_len: int, window: int | None, device: torch.device) -> torch.Tensor:
+    qpos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    j = torch.arange(kv_len, device=device)[None, :]
     mask = j <= qpos
     if window is not None:
         mask &= j > qpos - window
@@ -300,7 +302,8 @@ def attend_one(
     if s.kv_len == s.q_len and window is None:
         o = _sdpa(qs, ks, vs, a, causal=True, sinks=sink)
     else:
-        o = _sdpa(qs, ks, vs, a, mask=_causal_mask(s.q_len, s.kv_len, window), sinks=sink)
+        mask = _causal_mask(s.q_len, s.kv_len, window, q.device)
+        o = _sdpa(qs, ks, vs, a, mask=mask, sinks=sink)
     return o[0].transpose(0, 1).reshape(s.q_len, heads * d)
 
 
@@ -331,7 +334,7 @@ def _sdpa(
         scores = torch.tanh(scores / a.softcap) * a.softcap
     if causal:
         rows, keys = scores.shape[-2:]
-        mask = torch.ones(rows, keys, dtype=torch.bool).tril(keys - rows)
+        mask = torch.ones(rows, keys, dtype=torch.bool, device=scores.device).tril(keys - rows)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is None:

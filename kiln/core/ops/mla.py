@@ -121,8 +121,8 @@ def _pooled(ctx: AttentionBatch, a: MLA, slots: torch.Tensor, dtype: torch.dtype
     return from_pool(ctx.k_cache[a.layer][0].index_select(0, slots), dtype, a.kv_scale)
 
 
-def _causal(q_len: int, kv_len: int) -> torch.Tensor:
-    return torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+def _causal(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
 
 
 def _spans(
@@ -137,7 +137,7 @@ def _spans(
             (
                 slice(s.q_start, s.q_start + s.q_len),
                 _pooled(ctx, a, s.kv_slots, dtype).unsqueeze(0),
-                _causal(s.q_len, s.kv_len)[None, None],
+                _causal(s.q_len, s.kv_len, s.kv_slots.device)[None, None],
             )
             for s in ctx.seqs
         ]
