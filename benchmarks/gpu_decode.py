@@ -1,15 +1,18 @@
 """Decode on a GPU: CUDA-graph replay against eager steps, on a real shape with dummy weights.
 
-    python benchmarks/gpu_decode.py                        # llama-3-8b, bf16, batch 1/16/64
-    python benchmarks/gpu_decode.py --config qwen2.5-0.5b --batches 1 8
+    python benchmarks/gpu_decode.py                        # llama-3.2-1b, bf16, batch 1/16/64
+    python benchmarks/gpu_decode.py --config qwen2.5-0.5b --batches 1 8 --profile
 
-Run by benchmarks/gpu_check.sh on a machine with an NVIDIA GPU; it has not run yet (no GPU
-has been lent to this project so far). The model is a shape from ../shared/model-configs,
-compiled for the host's GPU (`--device cuda`, `--load-format dummy`: a step's speed does not
-depend on the weights' values). Two artefacts: the default plan (decode replayed from CUDA
-graphs at SGLang's batch-size buckets) and `--disable-cuda-graph`. For B requests, decode
-step time is (time of T + 1 tokens - time of 1 token) / T, alternating rounds, median
-(min-max); the roofline is the GPU's nominal bandwidth over the weight bytes a step reads.
+Run by benchmarks/gpu_check.sh on a machine with an NVIDIA GPU (first run 2026-11-26 on an
+H100: benchmarks/RESULTS.md, "GPU"). The model is a shape from ../shared/model-configs (or
+a config.json path), compiled for the host's GPU (`--device cuda`, `--load-format dummy`: a
+step's speed does not depend on the weights' values). Two artefacts: the default plan
+(decode replayed from CUDA graphs at SGLang's batch-size buckets) and
+`--disable-cuda-graph`. For B requests, decode step time is (time of T + 1 tokens - time of
+1 token) / T, alternating rounds, median (min-max); the roofline is the GPU's nominal
+bandwidth over the weight bytes a step reads. `--profile` adds the GPU kernels a batch-1
+step launches and the kernels the GPU spends its time in. An 8B shape writes two 16 GB
+artefacts first: over 200 s on the H100 machine, so the default is a 1B shape.
 """
 
 from __future__ import annotations
@@ -28,10 +31,19 @@ NOMINAL_GBS = {"H100": 3350.0, "H200": 4800.0}  # HBM3 / HBM3e, the vendor's fig
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="llama-3-8b", help="a name in ../shared/model-configs")
+    p.add_argument(
+        "--config",
+        default="llama-3.2-1b",
+        help="a name in ../shared/model-configs, or the path of a config.json",
+    )
     p.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=32)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="then profile batch-1 decode of each artefact: GPU kernels a step, top kernels",
+    )
     args = p.parse_args()
 
     import torch
@@ -43,9 +55,11 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("gpu_decode: no CUDA device here")
     name = torch.cuda.get_device_name()
-    cfg_path = CONFIGS / f"{args.config}.json"
+    cfg_path = Path(args.config)
+    if not cfg_path.is_file():
+        cfg_path = CONFIGS / f"{args.config}.json"
     work = Path(tempfile.mkdtemp(prefix="kiln-gpu-"))
-    ckpt = work / args.config
+    ckpt = work / cfg_path.stem
     ckpt.mkdir()
     shutil.copy(cfg_path, ckpt / "config.json")
     arts = {}
@@ -53,15 +67,21 @@ def main() -> None:
         arts[label] = work / label.replace(" ", "-")
         flags = {"load_format": "dummy", "dtype": "bfloat16", "device": "cuda", **extra}
         compile_model(ServerArgs(model_path=str(ckpt), **flags), arts[label])
+    prompt = list(range(100, 132))
+    # Two engines share the GPU: each KV pool holds what the largest batch needs, not a
+    # fraction of the whole card (the first would leave the second too little).
+    tokens = max(args.batches) * (len(prompt) + args.tokens + 2)
     engines = {}
     for label, art in arts.items():
         t = time.perf_counter()
         engines[label] = Engine(
-            art, skip_tokenizer_init=True, max_running_requests=max(args.batches)
+            art,
+            skip_tokenizer_init=True,
+            max_running_requests=max(args.batches),
+            max_total_tokens=tokens,
         )
         print(f"{label}: started in {time.perf_counter() - t:.1f}s", flush=True)
     weight_bytes = (arts["eager"] / "weights" / "rank0.safetensors").stat().st_size
-    prompt = list(range(100, 132))
 
     def run(engine: Engine, batch: int, new: int) -> float:
         params = {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}
@@ -81,7 +101,7 @@ def main() -> None:
                 got.setdefault((label, b), []).append((full - first) / args.tokens * 1e3)
     bw = next((v for k, v in NOMINAL_GBS.items() if k in name), None)
     floor = weight_bytes / (bw * 1e9) * 1e3 if bw else None
-    print(f"\n{args.config} bf16 on {name}; torch {torch.__version__}")
+    print(f"\n{cfg_path.stem} bf16 on {name}; torch {torch.__version__}")
     print("| batch | cuda graphs ms/step | eager ms/step | speed-up | tok/s (graphs) | roofline |")
     print("| --- | --- | --- | --- | --- | --- |")
     for b in args.batches:
@@ -93,7 +113,32 @@ def main() -> None:
             f" | {me / mg:.2f}x | {b / mg * 1e3:.0f} | {roof} |"
         )
     print(json.dumps({"weights_gb": weight_bytes / 1e9}))
+    if args.profile:
+        for label, engine in engines.items():
+            profile(label, lambda e=engine, n=args.tokens: run(e, 1, n + 1), args.tokens)
     shutil.rmtree(work, ignore_errors=True)
+
+
+def profile(label: str, fn, steps: int) -> None:
+    """GPU kernels a decode step and where the GPU time goes (torch.profiler over one
+    request's whole generation: a prefill and `steps` decode steps)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    fn()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall = fn()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    busy = sum(e.device_time for e in kernels) / 1e3
+    print(
+        f"\n{label}, batch 1: {len(kernels) / (steps + 1):.0f} GPU kernels a step,"
+        f" GPU busy {busy:.1f} of {wall * 1e3:.1f} ms"
+    )
+    print(
+        prof.key_averages().table(
+            sort_by="device_time_total", row_limit=12, max_name_column_width=60
+        )
+    )
 
 
 if __name__ == "__main__":
