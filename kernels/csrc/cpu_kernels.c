@@ -1691,32 +1691,42 @@ static inline __attribute__((always_inline)) void qtile_decode(
             /* Eight k's at a time: their fifth bits are one byte a lane, moved up to bit 4
              * of each nibble's code pair by pair. */
             for (int64_t k8 = k0; k8 < k0 + group; k8 += 8) {
-                for (int p = 0; p < np; p++) {
-                    const uint8_t *q = panel + p * pstride + (k8 / 2) * LANES;
-                    __builtin_prefetch(q + PREFETCH_BYTES);
-                    const uint8_t *hp = panel + p * pstride + (k / 2 + k8 / 8) * LANES;
+                /* the panels' fifth-bit bytes first, then each code pair of every panel in
+                 * turn: each accumulator's FMAs interleave with the other panel's */
 #if LANES == 16 && defined(__AVX512BW__) && defined(__AVX512VL__)
-                    /* each fifth bit as a lane mask, OR-ed into its code where set */
-                    const __m128i hb = _mm_loadu_si128((const __m128i *)hp);
-                    const __m512i sixteen = _mm512_set1_epi32(16);
+                /* each fifth bit as a lane mask, OR-ed into its code where set */
+                __m128i hb[QPANELS];
+                const __m512i sixteen = _mm512_set1_epi32(16);
 #else
-                    const vli h = widen_u8(hp) << 4;
+                vli h[QPANELS];
 #endif
-                    for (int j = 0; j < 4; j++) {
-                        const float *x0 = xt + (k8 + 2 * j) * xrows, *x1 = x0 + xrows;
-                        const vli u = widen_u8(q + j * LANES);
+                for (int p = 0; p < np; p++) {
+                    const uint8_t *base = panel + p * pstride;
+                    __builtin_prefetch(base + (k8 / 2) * LANES + PREFETCH_BYTES);
+                    const uint8_t *hp = base + (k / 2 + k8 / 8) * LANES;
 #if LANES == 16 && defined(__AVX512BW__) && defined(__AVX512VL__)
-                        const __mmask16 m0 = _mm_test_epi8_mask(hb, _mm_set1_epi8((char)(1 << (2 * j))));
+                    hb[p] = _mm_loadu_si128((const __m128i *)hp);
+#else
+                    h[p] = widen_u8(hp) << 4;
+#endif
+                }
+                for (int j = 0; j < 4; j++) {
+                    const float *x0 = xt + (k8 + 2 * j) * xrows, *x1 = x0 + xrows;
+                    const int t = j % slots;
+                    for (int p = 0; p < np; p++) {
+                        const vli u = widen_u8(panel + p * pstride + (k8 / 2 + j) * LANES);
+#if LANES == 16 && defined(__AVX512BW__) && defined(__AVX512VL__)
+                        const __mmask16 m0 =
+                            _mm_test_epi8_mask(hb[p], _mm_set1_epi8((char)(1 << (2 * j))));
                         const __mmask16 m1 =
-                            _mm_test_epi8_mask(hb, _mm_set1_epi8((char)(1 << (2 * j + 1))));
+                            _mm_test_epi8_mask(hb[p], _mm_set1_epi8((char)(1 << (2 * j + 1))));
                         const __m512i lo = (__m512i)(u & 0xF), hi = (__m512i)(u >> 4);
                         const vlf f0 = to_float((vli)_mm512_mask_or_epi32(lo, m0, lo, sixteen));
                         const vlf f1 = to_float((vli)_mm512_mask_or_epi32(hi, m1, hi, sixteen));
 #else
-                        const vlf f0 = to_float((u & 0xF) | ((h >> (2 * j)) & 16));
-                        const vlf f1 = to_float((u >> 4) | ((h >> (2 * j + 1)) & 16));
+                        const vlf f0 = to_float((u & 0xF) | ((h[p] >> (2 * j)) & 16));
+                        const vlf f1 = to_float((u >> 4) | ((h[p] >> (2 * j + 1)) & 16));
 #endif
-                        const int t = j % slots;
                         for (int r = 0; r < rows; r++)
                             ga[t][p * rows + r] = qfma2(ga[t][p * rows + r], x0[r], f0, x1[r], f1);
                     }
@@ -1727,18 +1737,23 @@ static inline __attribute__((always_inline)) void qtile_decode(
              * step, in other slots, where the group holds them). */
             const int64_t step = slots > 1 && group % 8 == 0 ? 8 : 4;
             for (int64_t kb = k0; kb < k0 + group; kb += step) {
-                for (int p = 0; p < np; p++) {
-                    for (int half = 0; half < (step == 8 ? 2 : 1); half++) {
-                        const int64_t k4 = kb + 4 * half;
-                        const uint8_t *q = panel + p * pstride + (k4 / 2) * LANES;
-                        __builtin_prefetch(q + PREFETCH_BYTES);
-                        const vli h = widen_u8(panel + p * pstride + (k / 2 + k4 / 4) * LANES) << 4;
-                        for (int j = 0; j < 2; j++) {
-                            const float *x0 = xt + (k4 + 2 * j) * xrows, *x1 = x0 + xrows;
-                            const vli u = widen_u8(q + j * LANES);
-                            const vlf f0 = to_float((u & 0xF) | ((h >> (4 * j)) & 0x30));
-                            const vlf f1 = to_float((u >> 4) | ((h >> (4 * j + 2)) & 0x30));
-                            const int t = slots > 1 ? 2 * half + j : 0;
+                for (int half = 0; half < (step == 8 ? 2 : 1); half++) {
+                    /* the panels' top-bit bytes first, then code pairs panel by panel
+                     * (each accumulator's FMAs interleave with the other panel's) */
+                    const int64_t k4 = kb + 4 * half;
+                    vli h[QPANELS];
+                    for (int p = 0; p < np; p++) {
+                        const uint8_t *base = panel + p * pstride;
+                        __builtin_prefetch(base + (k4 / 2) * LANES + PREFETCH_BYTES);
+                        h[p] = widen_u8(base + (k / 2 + k4 / 4) * LANES) << 4;
+                    }
+                    for (int j = 0; j < 2; j++) {
+                        const float *x0 = xt + (k4 + 2 * j) * xrows, *x1 = x0 + xrows;
+                        const int t = slots > 1 ? 2 * half + j : 0;
+                        for (int p = 0; p < np; p++) {
+                            const vli u = widen_u8(panel + p * pstride + (k4 / 2 + j) * LANES);
+                            const vlf f0 = to_float((u & 0xF) | ((h[p] >> (4 * j)) & 0x30));
+                            const vlf f1 = to_float((u >> 4) | ((h[p] >> (4 * j + 2)) & 0x30));
                             for (int r = 0; r < rows; r++)
                                 ga[t][p * rows + r] =
                                     qfma2(ga[t][p * rows + r], x0[r], f0, x1[r], f1);
