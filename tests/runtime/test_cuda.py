@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kiln import Engine
+from kiln.example import FAMILIES
 from kiln.runtime.capture import GraphDecode, PiecewisePrefill
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -55,17 +56,47 @@ def test_piecewise_prefill_graphs_match_eager_prefill(artefact) -> None:
     assert prefill.recordings == recorded
 
 
-def test_torch_native_attention_on_the_gpu_matches_the_cpu(artefact) -> None:
-    """Gemma 2's soft-capped attention, which the Triton kernel refuses, runs torch's on the
-    GPU: prefill, extend and decode masks made on the device, and its decode recorded in
-    CUDA graphs, against the same checkpoint on the CPU."""
-    graphs = Engine(
-        artefact("gemma2", compile_args={"device": "cuda", "cuda_graph_max_bs": 8}),
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_on_the_gpu_decodes_as_on_the_cpu(artefact, family: str) -> None:
+    """Each family's tiny checkpoint compiled for the GPU, decode replayed from CUDA graphs
+    (buckets 1, 2, 4): greedy tokens of a batch of three, one prompt longer than the
+    sliding windows (16), against the same checkpoint on the CPU. The families reach
+    torch_native attention (Gemma 2's soft cap, GPT-OSS's sinks), MLA, MoE routing and
+    every rope scaling on the GPU."""
+    gpu = Engine(
+        artefact(family, compile_args={"device": "cuda", "cuda_graph_max_bs": 4}),
         max_total_tokens=1024,
     )
-    assert graphs.runner.decode is not None and graphs.runner.decode.ready
-    cpu = Engine(artefact("gemma2"), max_total_tokens=1024)
-    for prompts in [*BATCHES, [list(range(3, 40)), [4, 4]]]:
-        got = graphs.generate(input_ids=prompts, sampling_params=GREEDY)
-        want = cpu.generate(input_ids=prompts, sampling_params=GREEDY)
-        assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    assert gpu.runner.decode is not None and gpu.runner.decode.ready
+    cpu = Engine(artefact(family), max_total_tokens=1024)
+    prompts = [[1, 5, 9], [3], list(range(4, 27))]
+    got = gpu.generate(input_ids=prompts, sampling_params=GREEDY)
+    want = cpu.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+
+
+def test_sampling_penalties_and_logprobs_on_the_gpu(artefact) -> None:
+    """Seeded sampling with every filter and penalty, and logprobs, run on the GPU's
+    logits: the same seed gives the same tokens, each a token the filters allow."""
+    gpu = Engine(artefact("llama", compile_args={"device": "cuda"}), max_total_tokens=1024)
+    params = {
+        "temperature": 0.8,
+        "top_p": 0.9,
+        "top_k": 20,
+        "min_p": 0.05,
+        "repetition_penalty": 1.1,
+        "frequency_penalty": 0.5,
+        "presence_penalty": 0.5,
+        "max_new_tokens": 8,
+        "ignore_eos": True,
+        "seed": 7,
+    }
+    prompts = [[1, 2, 3], [4, 5]]
+    kw = {"return_logprob": True, "top_logprobs_num": 3}
+    first = gpu.generate(input_ids=prompts, sampling_params=params, **kw)
+    again = gpu.generate(input_ids=prompts, sampling_params=params, **kw)
+    assert [o["output_ids"] for o in first] == [o["output_ids"] for o in again]
+    for out in first:
+        assert len(out["output_ids"]) == 8
+        logprobs = out["meta_info"]["output_token_logprobs"]
+        assert len(logprobs) == 8 and all(lp <= 0.0 for lp, *_ in logprobs)
