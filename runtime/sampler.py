@@ -100,19 +100,21 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 def _penalise(row: torch.Tensor, r: SamplingRow) -> None:
     p = r.params
-    vocab = row.numel()
+    vocab, device = row.numel(), row.device  # the logits' device: the GPU's on a GPU
     if p.logit_bias:  # token ids were checked against the vocabulary at admission
-        row[torch.tensor([t for t, _ in p.logit_bias])] += torch.tensor(
-            [b for _, b in p.logit_bias]
+        row[torch.tensor([t for t, _ in p.logit_bias], device=device)] += torch.tensor(
+            [b for _, b in p.logit_bias], device=device
         )
     if p.repetition_penalty != 1.0:
         # As transformers and vLLM: over prompt and output tokens, shrink positive logits
         # and grow negative ones.
-        seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.long)
+        ids = sorted(set(r.prompt_ids) | set(r.output_ids))
+        seen = torch.tensor(ids, dtype=torch.long, device=device)
         vals = row[seen]
         row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if r.output_ids and (p.frequency_penalty or p.presence_penalty):
-        counts = torch.bincount(torch.tensor(list(r.output_ids)), minlength=vocab)[:vocab]
+        out = torch.tensor(list(r.output_ids), device=device)
+        counts = torch.bincount(out, minlength=vocab)[:vocab]
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
 

@@ -6,6 +6,8 @@ benchmarks/gpu_check.sh runs it where there is one."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -87,6 +89,7 @@ def test_sampling_penalties_and_logprobs_on_the_gpu(artefact) -> None:
         "repetition_penalty": 1.1,
         "frequency_penalty": 0.5,
         "presence_penalty": 0.5,
+        "logit_bias": {"5": 3.0, "6": -100},
         "max_new_tokens": 8,
         "ignore_eos": True,
         "seed": 7,
@@ -97,6 +100,16 @@ def test_sampling_penalties_and_logprobs_on_the_gpu(artefact) -> None:
     again = gpu.generate(input_ids=prompts, sampling_params=params, **kw)
     assert [o["output_ids"] for o in first] == [o["output_ids"] for o in again]
     for out in first:
-        assert len(out["output_ids"]) == 8
+        assert len(out["output_ids"]) == 8 and 6 not in out["output_ids"]
         logprobs = out["meta_info"]["output_token_logprobs"]
         assert len(logprobs) == 8 and all(lp <= 0.0 for lp, *_ in logprobs)
+
+
+def test_a_grammar_on_the_gpu(artefact) -> None:
+    """A regex-constrained request on the GPU: the grammar's token mask applied to GPU
+    logits, greedy and sampled; the text matches."""
+    gpu = Engine(artefact("llama", compile_args={"device": "cuda"}), max_total_tokens=1024)
+    for temperature in (0.0, 1.0):
+        params = {"regex": "(ab|ba){3}", "max_new_tokens": 16, "temperature": temperature}
+        out = gpu.generate(input_ids=[[1, 2, 3], [7]], sampling_params=params)
+        assert all(re.fullmatch("(ab|ba){3}", o["text"]) for o in out), out
