@@ -11,7 +11,7 @@ from kiln.compiler.store import explain
 from kiln.core import artefact as fmt
 from kiln.core.graph_json import load_graph
 from kiln.core.ir import Graph, Node
-from kiln.core.ops import STRUCTURAL_OPS
+from kiln.core.ops import ATTENTION_OPS, HOST_SYNC_OPS, STRUCTURAL_OPS
 from kiln.terminal import printable
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "int32": 4}
@@ -49,6 +49,8 @@ def summary(root: Path) -> dict[str, Any]:
     kv_per_token = 2 * rt["num_layers"] * rt["num_kv_heads"] * rt["head_dim"]
     kv_per_token *= _DTYPE_BYTES[rt["kv_dtype"]]
     native = manifest.get("native")
+    cuts = set((graph.plan or {}).get("split_at", []))
+    cut_nodes = [n for n in graph.nodes if n.name in cuts]
     return {
         "path": str(root),
         "model": {
@@ -78,6 +80,11 @@ def summary(root: Path) -> dict[str, Any]:
             "bytes_per_token": kv_per_token,
         },
         "capture_plan": graph.plan,
+        # the nodes a piecewise capture cuts at: attentions, and MoEs (a prefill's)
+        "capture_cuts": {
+            "attention": sum(n.op in ATTENTION_OPS for n in cut_nodes),
+            "moe": sum(n.op in HOST_SYNC_OPS for n in cut_nodes),
+        },
         "native_step": None
         if manifest.get("native_step") is None
         else {k: manifest["native_step"][k] for k in ("build_id", "calls", "arena_width")}
@@ -128,8 +135,12 @@ def format_summary(s: dict[str, Any]) -> str:
             + f"; prefill {p['mode']}"
             + (f" at tokens {_sizes(p['tokens'])}" if p["tokens"] else "")
             + (f" (eager from %{p['eager_from']})" if p.get("eager_from") else "")
-            + f"; {len(plan['split_at']) + 1} pieces between {len(plan['split_at'])} attentions"
+            + f"; {len(plan['split_at']) + 1} pieces between {s['capture_cuts']['attention']}"
+            + " attentions"
+            + (f" and {s['capture_cuts']['moe']} MoEs" if s["capture_cuts"]["moe"] else "")
         )
+        if d.get("graphs_refused"):
+            lines.append(f"graphs     decode without CUDA graphs: {d['graphs_refused']}")
     step = s.get("native_step")
     if step:
         lines.append(

@@ -17,7 +17,7 @@ from kiln.core.artefact import MAX_CONTEXT
 from kiln.core.ir import CAPTURE_MODES, Graph, IRError, Node, WeightSpec
 from kiln.core.layout import LAYOUT
 from kiln.core.opdef import NAME
-from kiln.core.ops import ATTENTION_OPS, OPS
+from kiln.core.ops import ATTENTION_OPS, HOST_SYNC_OPS, OPS
 
 NODE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 WEIGHT_NAME = NAME
@@ -164,11 +164,13 @@ def _decode_plan(plan: Any, by_name: dict[str, Node]) -> dict[str, Any]:
         keys = {"mode", sizes, "padding"} if part == "decode" else {"mode", sizes}
         if part == "prefill" and isinstance(p, dict) and p.get("mode") == "piecewise":
             keys.add("eager_from")
-        if part == "decode" and isinstance(p, dict) and "native_refused" in p:
-            keys.add("native_refused")  # why the compiler did not lower the step
-            why = p["native_refused"]
-            if not isinstance(why, str) or len(why) > 500:
-                raise _fail(f"{where}.decode.native_refused", f"expected a line, got {_show(why)}")
+        # why the compiler did not lower the step, or record it in CUDA graphs
+        for reason in ("native_refused", "graphs_refused"):
+            if part == "decode" and isinstance(p, dict) and reason in p:
+                keys.add(reason)
+                why = p[reason]
+                if not isinstance(why, str) or len(why) > 500:
+                    raise _fail(f"{where}.decode.{reason}", f"expected a line, got {_show(why)}")
         if not isinstance(p, dict) or set(p) != keys or p["mode"] not in modes:
             raise _fail(f"{where}.{part}", f"expected {sorted(keys)} with a mode of {modes}")
         got = p[sizes]
@@ -177,10 +179,13 @@ def _decode_plan(plan: Any, by_name: dict[str, Node]) -> dict[str, Any]:
         if part == "decode" and not isinstance(p["padding"], bool):
             raise _fail(f"{where}.decode.padding", f"expected true or false, got {_show(p)}")
     split = plan["split_at"]
+    cuts = (*ATTENTION_OPS, *HOST_SYNC_OPS)
     if not isinstance(split, list) or not all(
-        isinstance(x, str) and x in by_name and by_name[x].op in ATTENTION_OPS for x in split
+        isinstance(x, str) and x in by_name and by_name[x].op in cuts for x in split
     ):
-        raise _fail(f"{where}.split_at", f"expected attention node names, got {_show(split)}")
+        raise _fail(
+            f"{where}.split_at", f"expected attention or moe node names, got {_show(split)}"
+        )
     tail = plan["prefill"].get("eager_from")
     if tail is not None and not (isinstance(tail, str) and tail in by_name):
         raise _fail(f"{where}.prefill.eager_from", f"expected a node name, got {_show(tail)}")

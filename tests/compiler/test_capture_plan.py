@@ -148,7 +148,7 @@ def test_inspect_shows_it_and_a_tampered_plan_is_refused(checkpoint, tmp_path: P
     with pytest.raises(IRError, match="eager_from: expected a node name"):
         graph_from_json(broken)
     for path, bad, message in (
-        (("split_at",), ["v1"], "expected attention node names"),
+        (("split_at",), ["v1"], "expected attention or moe node names"),
         (("decode", "batch_sizes"), [4, -1], "expected positive integers"),
         (("decode", "mode"), "__import__('os')", "with a mode of"),
     ):
@@ -160,3 +160,29 @@ def test_inspect_shows_it_and_a_tampered_plan_is_refused(checkpoint, tmp_path: P
         target[last] = bad
         with pytest.raises(IRError, match=message):
             graph_from_json(tampered)
+
+
+def test_a_moe_graph_decodes_without_cuda_graphs_and_cuts_its_prefill_at_the_moes(
+    checkpoint, tmp_path: Path
+) -> None:
+    """The MoE's kernel loops over the experts its tokens chose, read back to the host, which
+    a CUDA graph cannot record (found on an H200): a CUDA decode runs eagerly with the reason
+    in the plan and in `kiln inspect`; a piecewise prefill runs the MoEs between its pieces.
+    A dense model keeps its graphs."""
+    art = tmp_path / "moe"
+    flags = {"enable_piecewise_cuda_graph": True, "piecewise_cuda_graph_tokens": "8,16"}
+    compile_model(ServerArgs(model_path=str(checkpoint("mixtral")), **flags, **CUDA), art)
+    plan = _plan(art)
+    assert plan["decode"]["mode"] == "eager" and plan["decode"]["batch_sizes"] == []
+    assert "moe (%" in plan["decode"]["graphs_refused"]
+    assert "CUDA graph cannot record" in plan["decode"]["graphs_refused"]
+    nodes = json.loads((art / "graph.json").read_text())["nodes"]
+    cuts = [n["name"] for n in nodes if n["op"] in ("attention", "rope_attention", "moe")]
+    assert plan["split_at"] == cuts and sum(n["op"] == "moe" for n in nodes) == 2
+    shown = subprocess.run(
+        [sys.executable, "-m", "kiln", "inspect", str(art)], capture_output=True, text=True
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "5 pieces between 2 attentions and 2 MoEs" in shown.stdout
+    assert "graphs     decode without CUDA graphs: moe (%" in shown.stdout
+    assert graph_from_json(json.loads((art / "graph.json").read_text())).plan == plan

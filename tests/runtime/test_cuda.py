@@ -61,15 +61,19 @@ def test_piecewise_prefill_graphs_match_eager_prefill(artefact) -> None:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_family_on_the_gpu_decodes_as_on_the_cpu(artefact, family: str) -> None:
     """Each family's tiny checkpoint compiled for the GPU, decode replayed from CUDA graphs
-    (buckets 1, 2, 4): greedy tokens of a batch of three, one prompt longer than the
-    sliding windows (16), against the same checkpoint on the CPU. The families reach
-    torch_native attention (Gemma 2's soft cap, GPT-OSS's sinks), MLA, MoE routing and
-    every rope scaling on the GPU."""
+    (buckets 1, 2, 4; eager for MoE models, whose expert loop no graph can record): greedy
+    tokens of a batch of three, one prompt longer than the sliding windows (16), against
+    the same checkpoint on the CPU. The families reach torch_native attention (Gemma 2's
+    soft cap, GPT-OSS's sinks), MLA, MoE routing and every rope scaling on the GPU."""
     gpu = Engine(
         artefact(family, compile_args={"device": "cuda", "cuda_graph_max_bs": 4}),
         max_total_tokens=1024,
     )
-    assert gpu.runner.decode is not None and gpu.runner.decode.ready
+    if any(n.op == "moe" for n in gpu.art.graph.nodes):
+        # the MoE's expert loop reads its routing on the host: decode runs eagerly
+        assert gpu.runner.decode is None
+    else:
+        assert gpu.runner.decode is not None and gpu.runner.decode.ready
     cpu = Engine(artefact(family), max_total_tokens=1024)
     prompts = [[1, 5, 9], [3], list(range(4, 27))]
     got = gpu.generate(input_ids=prompts, sampling_params=GREEDY)

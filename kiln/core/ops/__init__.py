@@ -64,6 +64,11 @@ OPS: dict[str, OpDef] = {
 }
 # The ops that attend over one layer's KV pool (their attributes have `Attention`'s fields).
 ATTENTION_OPS = tuple(d.name for d in (*_POOL_ATTENTION, _mla.mla_attention, _mla.latent_attention))
+# Ops whose torch_native kernel reads device values back to the host mid-step (the MoE's
+# loop over the experts its tokens chose), which a CUDA graph cannot record: a CUDA decode
+# runs eagerly where the graph has one, and a piecewise prefill runs them between its
+# recorded pieces, as it runs the attentions.
+HOST_SYNC_OPS = ("moe",)
 # Ops whose output feature j depends on input feature j alone.
 ELEMENTWISE = frozenset(d.name for d in _elementwise.ELEMENTWISE)
 
@@ -112,6 +117,7 @@ def constant(name: str, value: torch.Tensor) -> Value:
 __all__ = [
     "ATTENTION_OPS",
     "ELEMENTWISE",
+    "HOST_SYNC_OPS",
     "OPS",
     "PROLOGUES",
     "STRUCTURAL_OPS",
