@@ -2262,18 +2262,16 @@ static int a8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k,
  * for GA8_INT5 and GA8_INT6. */
 enum { GA8_UINT4 = 0, GA8_INT8 = 1, GA8_UINT5 = 2, GA8_INT5 = 3, GA8_INT6 = 4, GA8_INT8H = 5,
        GA8_INT8MH = 6 };
-/* The tile over many rows: with VNNI 4 rows x 2 panels; without it 8 rows x 1 panel, each
- * block's nibble decode (and its top bits, the dear part on AVX2) shared by 8
- * rows where the AVX2 registers hold no second panel's sums (SmolLM2's 576 x 1536 at 128
- * rows, one core, AVX2 build: Q4_0 37 -> 56, Q6_K 28 -> 36, Q8_0 29 -> 38 GMAC/s; 4 x 2
- * with the int16 sums was slower than before them, its 16 accumulators spilled). */
-#if A8_VNNI
-#define GA8_ROWS 4
-#define GA8_PANELS 2
-#else
+/* The tile over many rows: 8 rows x 1 panel, each block's nibble decode (and its top bits,
+ * the dear part on AVX2) shared by 8 rows (SmolLM2's 576 x 1536 at 128 rows, one core,
+ * AVX2 build: Q4_0 37 -> 56, Q6_K 28 -> 36, Q8_0 29 -> 38 GMAC/s against 4 rows; 4 x 2 with
+ * the int16 sums was slower than before them, its 16 accumulators spilled). VNNI had kept
+ * 4 rows x 2 panels: 8 x 1 (with the 2- and 4-row tiles specialised per kind, below) ran,
+ * same shape, GMAC/s 4 x 2 -> 8 x 1: Q4_0 2 rows 44 -> 50, 6 rows 67 -> 77, 128 rows 101 ->
+ * 104; Q5_K 34 -> 39, 52 -> 63, 76 -> 86; Q6_K 29 -> 33, 42 -> 50, 59 -> 65; Q8_0 48 -> 54,
+ * 74 -> 87, 124 -> 120. */
 #define GA8_ROWS 8
 #define GA8_PANELS 1
-#endif
 
 /* The 4-byte dot product per int32 lane, acc += sum_j u[j] s[j] (u unsigned, s signed
  * bytes), at the build's vector width: vpdpbusd with VNNI; else vpmaddubsw (pairs into
@@ -2563,19 +2561,20 @@ static inline __attribute__((always_inline)) void ga8_tile(
         store_panel(&acc[p * rows], 1, rows, p * LANES, bias, out, n, cols);
 }
 
-/* A full tile (every tile of a prefill but its last) and a one-row tile (a batch-1 decode)
- * run a copy of ga8_tile for their kind, where the kind's branches and the epilogue's
- * unused terms fold away; the other short tiles share one. SmolLM2's 576 x 1536, one core,
- * GMAC/s, generic -> per kind: AVX2 build, 128 rows: 4-bit 56 -> 63, 5-bit 43 -> 48, int6
- * 36 -> 43, Q8_0 40 -> 48; one row: 4-bit 25 -> 36, int6 13 -> 16; VNNI build, 128 rows:
- * 4-bit 107 -> 135, int6 82 -> 101; one row: 42 -> 54, 32 -> 36. */
+/* A full tile (every tile of a prefill but its last) and the tiles of a batch-1, 2 and 4
+ * decode run a copy of ga8_tile for their kind, where the kind's branches and the
+ * epilogue's unused terms fold away; the other short tiles share one. SmolLM2's 576 x
+ * 1536, one core, GMAC/s, generic -> per kind: AVX2 build, 128 rows: 4-bit 56 -> 63, 5-bit
+ * 43 -> 48, int6 36 -> 43, Q8_0 40 -> 48; one row: 4-bit 25 -> 36, int6 13 -> 16; VNNI
+ * build, 128 rows: 4-bit 107 -> 135, int6 82 -> 101; one row: 42 -> 54, 32 -> 36; AVX2, 2
+ * and 4 rows: 4-bit 31 -> 35, 41 -> 46, Q6_K 19 -> 22, 24 -> 29, Q8_0 26 -> 31, 34 -> 36. */
 #define GA8_KIND(R, NP, KIND) \
     case KIND: \
         ga8_tile(xb, k, xg, group, pp, pstride, sp, sstride, KIND, mode, bp, op, n, w, R, NP); \
         break;
 #define GA8_CASE(R, NP) \
     case R: \
-        if (R == GA8_ROWS || R == 1) { \
+        if (R == GA8_ROWS || R == 1 || R == 2 || R == 4) { \
             switch (kind) { \
                 GA8_KIND(R, NP, GA8_UINT4) GA8_KIND(R, NP, GA8_INT8) GA8_KIND(R, NP, GA8_UINT5) \
                 GA8_KIND(R, NP, GA8_INT5) GA8_KIND(R, NP, GA8_INT6) GA8_KIND(R, NP, GA8_INT8H) \
@@ -2609,7 +2608,6 @@ static int ga8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k
         (mode >= 2 && k % (group * mode)))
         return -2;
     const int64_t groups = k / group, panels = (n + LANES - 1) / LANES;
-    const int64_t items = (panels + GA8_PANELS - 1) / GA8_PANELS;
     const int64_t pstride = ga8_code_bytes(kind, k) * LANES;
     const int64_t sstride = scale_stride(k, group, ga8_planes(kind), mode);
     uint8_t *xball = malloc((size_t)(m * k) + (size_t)(m * groups * GA8_XG) * sizeof(float));
@@ -2619,35 +2617,21 @@ static int ga8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k
     for (int64_t r = 0; r < m; r++)
         ga8_quantize_row(x + r * x_stride, k, group, kind, xball + r * k,
                          xgall + r * groups * GA8_XG);
+    /* A panel at a time, every tile of rows over it: one weight stream read in order (two
+     * interleaved ran 35% slower: SmolLM2 Q8_0 +a8, all linears of a step in order on 2 Zen
+     * 4 cores, 5.5 -> 3.6 ms, 26 -> 40 GB/s), a prefill's later tiles from the cache. */
 #pragma omp parallel for schedule(guided) num_threads(threads) if (m * n * k >= PARALLEL_MIN_ELEMS)
-    for (int64_t it = 0; it < items; it++) {
-        const int64_t p0 = it * GA8_PANELS, col0 = p0 * LANES;
-        const int64_t have = panels - p0 < GA8_PANELS ? panels - p0 : GA8_PANELS;
-        const int64_t span = n - col0 < have * LANES ? n - col0 : have * LANES;
+    for (int64_t p = 0; p < panels; p++) {
+        const int64_t col0 = p * LANES, w = n - col0 < LANES ? n - col0 : LANES;
+        const uint8_t *pp = codes + p * pstride;
+        const void *sp = scale_at(scales, p * sstride, mode);
+        const float *bp = bias ? bias + col0 : NULL;
         for (int64_t r0 = 0; r0 < m; r0 += GA8_ROWS) {
             const int64_t rows = m - r0 < GA8_ROWS ? m - r0 : GA8_ROWS;
             const uint32_t *xb = (const uint32_t *)(xball + r0 * k);
             const float *xg = xgall + r0 * groups * GA8_XG;
-            /* whole items take both panels at once, but at one tile of rows (a decode step
-             * of a few rows) a panel at a time: one weight stream read in order ran 35%
-             * faster than two interleaved (SmolLM2 Q8_0 +a8, all linears of a step in order
-             * on 2 Zen 4 cores: 5.5 -> 3.6 ms, 26 -> 40 GB/s); the last, short item one at
-             * a time always */
-            const int both = GA8_PANELS > 1 && have == GA8_PANELS && m > GA8_ROWS;
-            for (int64_t p = 0; p < have; p += (both ? GA8_PANELS : 1)) {
-                const int64_t c0 = p * LANES, w = span - c0;
-                const uint8_t *pp = codes + (p0 + p) * pstride;
-                const void *sp = scale_at(scales, (p0 + p) * sstride, mode);
-                const float *bp = bias ? bias + col0 + c0 : NULL;
-                float *op = out + r0 * n + col0 + c0;
-#if GA8_PANELS > 1
-                if (both) {
-                    switch (rows) { GA8_CASES(GA8_PANELS) default: break; }
-                    continue;
-                }
-#endif
-                switch (rows) { GA8_CASES(1) default: break; }
-            }
+            float *op = out + r0 * n + col0;
+            switch (rows) { GA8_CASES(GA8_PANELS) default: break; }
         }
     }
     free(xball);
