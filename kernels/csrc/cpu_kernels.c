@@ -1345,15 +1345,15 @@ static inline int64_t scale_stride(int64_t k, int64_t group, int planes, int mod
  * linears, uint4, ms: 4 rows 15.8-16.8 -> 9.9-10.7, 6 rows 16.2-16.7 -> 13.1-13.6, 2-3
  * rows 8-15% faster with half the interleaved weight streams; one row its own loop. */
 #define QPANELS 2
-#define QROWS 6
 #else
-/* of 16 registers: 1 panel x 4 rows, weights, scales and mins. It was 2 panels x 2 rows,
- * and 3 rows went to the prompt path: 121 linears, uint4, ms: 3 rows 18.0 -> 12.4, 4 rows
- * 19.0 -> 14.1 (6 rows in this tile ran 17.5 against the prompt path's 25, but 2-4 rows
- * 5-10% slower than here). */
+/* of 16 registers: 1 panel x up to 6 rows, weights, scales and mins. It was 2 panels x 2
+ * rows, and 3 rows went to the prompt path: 121 linears, uint4, ms: 3 rows 18.0 -> 12.4,
+ * 4 rows 19.0 -> 14.1; then 4 rows, 5-6 going to the prompt path: 576 x 1536 cache-hot,
+ * one core, GMAC/s, 5 rows 14.9 -> 23.4, 6 rows 16.6 -> 25.7 (2-4 rows unchanged once the
+ * x tile held only the call's rows, qlinear_f32). */
 #define QPANELS 1
-#define QROWS 4
 #endif
+#define QROWS 6
 typedef int32_t vli __attribute__((vector_size(LANES * 4), aligned(4)));
 
 /* LANES bytes widened to int32 lanes, and int32 lanes to floats. With AVX-512 / AVX2 one
@@ -1647,9 +1647,9 @@ static inline __attribute__((always_inline)) void qrow_codes(
         const vlf s = group_scale(sc, g, 0, planes, mode);
         const vlf sum = ((a[0] + a[1]) + (a[2] + a[3])) + top;
         if (planes == 2)
-            acc += sum * s + xs[g * QROWS] * group_scale(sc, g, 1, 2, mode);
+            acc += sum * s + xs[g] * group_scale(sc, g, 1, 2, mode);
         else if (code_offset(fmt))
-            acc += sum * s + xs[g * QROWS] * (s * (float)-code_offset(fmt));
+            acc += sum * s + xs[g] * (s * (float)-code_offset(fmt));
         else
             acc += sum * s;
     }
@@ -1797,39 +1797,29 @@ static inline __attribute__((always_inline)) void qtile_decode(
 
 #define QDECODE_CASE(R) \
     case R: \
-        qtile_decode(xt, xs, QROWS, k, panel, pstride, sc, sstride, fmt, group, bias, out, n, \
-                     cols, R, mode, QPANELS); \
+        qtile_decode(xt, xs, R, k, panel, pstride, sc, sstride, fmt, group, bias, out, n, cols, \
+                     R, mode, QPANELS); \
         break;
 #define QTALL_CASE(R) \
-    case R: qtile(xt, QROWS, k, panel, sc, fmt, group, bias, out, n, cols, R, mode, w); break;
+    case R: qtile(xt, R, k, panel, sc, fmt, group, bias, out, n, cols, R, mode, w); break;
 
-/* Up to QROWS rows: without w, the decode tile over the item's QPANELS panels; with it,
- * one panel (the last, short item), a group at a time through w. */
+/* Up to QROWS rows, xt and xs holding exactly those rows (their stride a constant in each
+ * case): without w, the decode tile over the item's QPANELS panels; with it, one panel
+ * (the last, short item), a group at a time through w. */
 static void qtile_rows(const float *xt, const float *xs, int64_t k, const uint8_t *panel,
                        int64_t pstride, const void *sc, int64_t sstride, int fmt,
                        int64_t group, const float *bias, float *out, int64_t n, int64_t cols,
                        int64_t rows, int np, int mode, float *w) {
     if (!w) {
         switch (rows) {
-            QDECODE_CASE(1) QDECODE_CASE(2)
-#if QROWS >= 4
-            QDECODE_CASE(3) QDECODE_CASE(4)
-#endif
-#if QROWS == 6
-            QDECODE_CASE(5) QDECODE_CASE(6)
-#endif
+            QDECODE_CASE(1) QDECODE_CASE(2) QDECODE_CASE(3) QDECODE_CASE(4) QDECODE_CASE(5)
+            QDECODE_CASE(6)
             default: break;
         }
         return;
     }
     switch (rows) {
-        QTALL_CASE(1) QTALL_CASE(2)
-#if QROWS >= 4
-        QTALL_CASE(3) QTALL_CASE(4)
-#endif
-#if QROWS == 6
-        QTALL_CASE(5) QTALL_CASE(6)
-#endif
+        QTALL_CASE(1) QTALL_CASE(2) QTALL_CASE(3) QTALL_CASE(4) QTALL_CASE(5) QTALL_CASE(6)
         default: break;
     }
 }
@@ -1905,7 +1895,10 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
         return -2;
     if (m <= 0) return 0;
     const int wide = m > QROWS;
-    const int64_t xrows = wide ? WIDE_ROWS : QROWS;
+    /* a decode call's tile holds its m rows and no padding, the tiles taking that stride as
+     * a constant (qtile_rows): the copy below and the group sums are scalar, per row (padded
+     * to QROWS = 6, AVX2's 2-3 rows ran 5-12% slower; a stride read at run time, 5%) */
+    const int64_t xrows = wide ? WIDE_ROWS : m;
     const int64_t tiles = (m + xrows - 1) / xrows;
     const int64_t groups = k / group;
     /* x transposed into tiles, then (decode tiles) each group's sum of x per row */
@@ -1935,10 +1928,10 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
         return failed ? -1 : 0;
     }
     for (int64_t g = 0; g < groups; g++)
-        for (int64_t r = 0; r < QROWS; r++) {
+        for (int64_t r = 0; r < xrows; r++) {
             float sum = 0.0f;
-            for (int64_t kk = g * group; kk < (g + 1) * group; kk++) sum += xt[kk * QROWS + r];
-            xs[g * QROWS + r] = sum;
+            for (int64_t kk = g * group; kk < (g + 1) * group; kk++) sum += xt[kk * xrows + r];
+            xs[g * xrows + r] = sum;
         }
     /* panels an item: one row reads one panel at a time (qtile_decode), so its items are
      * single panels, which also share out evenly (SmolLM2's 576 outputs: 36 panels, 9
@@ -1989,7 +1982,7 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
                 continue;
             }
             if (m == 1) {
-                qtile_decode(xt, xs, QROWS, k, panel, pstride, sc, sstride, fmt, group, b,
+                qtile_decode(xt, xs, 1, k, panel, pstride, sc, sstride, fmt, group, b,
                              out + col0, n, cols, 1, mode, 1);
                 continue;
             }
