@@ -1906,21 +1906,27 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
     const int tables = QTOP_TABLES && m == 1 && (five || six);
     /* and (8-lane builds) the row with its odd inputs / 16 for nibble codes (pair_row) */
     const int pairs = QPAIR_BYTE && m == 1 && (fmt == QFMT_UINT4 || five || six);
-    float *xt = malloc((size_t)(tiles * k * xrows + (wide ? 0 : groups * xrows) +
-                                (tables ? 8 * k : 0) + (pairs ? k : 0)) *
+    /* one row is its own tile (k contiguous inputs): read in place, not copied (a batch-1
+     * decode's 121 calls a token) */
+    const int64_t copied = m == 1 ? 0 : tiles * k * xrows;
+    float *xt = malloc((size_t)(copied + (wide ? 0 : groups * xrows) + (tables ? 8 * k : 0) +
+                                (pairs ? k : 0) + 1) *
                        sizeof(float));
     if (!xt) return -1;
-    float *xs = xt + tiles * k * xrows;
+    float *xs = xt + copied;
     float *xb = tables ? xs + groups * xrows : NULL;
     float *xp = pairs ? xs + groups * xrows + (tables ? 8 * k : 0) : NULL;
     if (tables) top_bit_tables(x, k, six, xb);
     if (pairs) pair_row(x, k, xp);
     /* Decode-sized inputs are copied on this thread: a few thousand floats, where each
      * worksharing loop's barrier would cost more than the copy (121 calls a token). */
+    if (copied) {
 #pragma omp parallel for collapse(2) num_threads(wide ? threads : 1)
-    for (int64_t t = 0; t < tiles; t++)
-        for (int64_t k0 = 0; k0 < k; k0 += X_TILE_INPUTS)
-            x_tile(x, x_stride, m, k, xrows, t, k0, xt);
+        for (int64_t t = 0; t < tiles; t++)
+            for (int64_t k0 = 0; k0 < k; k0 += X_TILE_INPUTS)
+                x_tile(x, x_stride, m, k, xrows, t, k0, xt);
+    }
+    const float *xtile = copied ? xt : x;
     int failed = 0;
     if (wide) {
         qlinear_wide(xt, m, k, q, scales, fmt, group, n, bias, out, mode, threads, &failed);
@@ -1930,7 +1936,8 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
     for (int64_t g = 0; g < groups; g++)
         for (int64_t r = 0; r < xrows; r++) {
             float sum = 0.0f;
-            for (int64_t kk = g * group; kk < (g + 1) * group; kk++) sum += xt[kk * xrows + r];
+            for (int64_t kk = g * group; kk < (g + 1) * group; kk++)
+                sum += xtile[kk * xrows + r];
             xs[g * xrows + r] = sum;
         }
     /* panels an item: one row reads one panel at a time (qtile_decode), so its items are
@@ -1982,7 +1989,7 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
                 continue;
             }
             if (m == 1) {
-                qtile_decode(xt, xs, 1, k, panel, pstride, sc, sstride, fmt, group, b,
+                qtile_decode(xtile, xs, 1, k, panel, pstride, sc, sstride, fmt, group, b,
                              out + col0, n, cols, 1, mode, 1);
                 continue;
             }
