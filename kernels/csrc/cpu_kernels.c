@@ -1477,10 +1477,10 @@ static inline __attribute__((always_inline)) void dequant_group(
     }
 }
 
-/* Up to TILE_ROWS rows (xt: [k][xrows]) against one panel, a group dequantized at a time
+/* Up to TILE_ROWS rows (xt: [k][rows]) against one panel, a group dequantized at a time
  * into `w` ([group][LANES]): the last, short item of a decode-sized call. */
 static inline __attribute__((always_inline)) void qtile(
-    const float *xt, int64_t xrows, int64_t k, const uint8_t *panel, const void *sc, int fmt,
+    const float *xt, int64_t k, const uint8_t *panel, const void *sc, int fmt,
     int64_t group, const float *bias, float *out, int64_t n, int64_t cols, const int rows,
     const int mode, float *w) {
     vlf acc[TILE_ROWS];
@@ -1488,7 +1488,7 @@ static inline __attribute__((always_inline)) void qtile(
     for (int64_t g = 0; g < k / group; g++) {
         dequant_group(panel, sc, k, g, fmt, group, mode, w);
         for (int64_t j = 0; j < group; j++) {
-            const float *xk = xt + (g * group + j) * xrows;
+            const float *xk = xt + (g * group + j) * rows;
             const vlf wj = *(const vlf *)(w + j * LANES);
             for (int r = 0; r < rows; r++) acc[r] += xk[r] * wj;
         }
@@ -1506,7 +1506,7 @@ static inline vlf qfma2(vlf acc, float a, vlf fa, float b, vlf fb) {
 
 /* The decode tile: `rows` rows against `np` panels, with each group's scale (and min)
  * applied once per group instead of once per k: per group, g = sum_k x_k q_k, then
- * acc += s g (+ m sum_k x_k, the group sums of x precomputed in xs: [groups][xrows]).
+ * acc += s g (+ m sum_k x_k, the group sums of x precomputed in xs: [groups][rows]).
  * Per weight vector that leaves widen, convert and one FMA; dequantizing each vector first
  * (the prefill tile above) costs another FMA, and on this kind of CPU the vector ports,
  * not the memory, bound the decode GEMV (10.7 GB/s cache-hot on one core before).
@@ -1657,8 +1657,8 @@ static inline __attribute__((always_inline)) void qrow_codes(
 }
 
 static inline __attribute__((always_inline)) void qtile_decode(
-    const float *xt, const float *xs, int64_t xrows, int64_t k, const uint8_t *panel,
-    int64_t pstride, const void *sc, int64_t sstride, int fmt, int64_t group,
+    const float *xt, const float *xs, int64_t k, const uint8_t *panel, int64_t pstride,
+    const void *sc, int64_t sstride, int fmt, int64_t group,
     const float *bias, float *out, int64_t n, int64_t cols, const int rows, const int mode,
     const int np) {
     /* slots: accumulators a (panel, row) sum into, by k; ga[slot][p * rows + r] */
@@ -1678,7 +1678,7 @@ static inline __attribute__((always_inline)) void qtile_decode(
                     const uint8_t *q = panel + p * pstride + (kb / 2) * LANES;
                     __builtin_prefetch(q + PREFETCH_BYTES);
                     for (int t = 0; t < (step == 2 ? 1 : slots); t++) {
-                        const float *x0 = xt + (kb + 2 * t) * xrows, *x1 = x0 + xrows;
+                        const float *x0 = xt + (kb + 2 * t) * rows, *x1 = x0 + rows;
                         const vli u = widen_u8(q + t * LANES);
                         const vlf f0 = nibble_float(u), f1 = high_nibble_float(u);
                         for (int r = 0; r < rows; r++)
@@ -1711,7 +1711,7 @@ static inline __attribute__((always_inline)) void qtile_decode(
 #endif
                 }
                 for (int j = 0; j < 4; j++) {
-                    const float *x0 = xt + (k8 + 2 * j) * xrows, *x1 = x0 + xrows;
+                    const float *x0 = xt + (k8 + 2 * j) * rows, *x1 = x0 + rows;
                     const int t = j % slots;
                     for (int p = 0; p < np; p++) {
                         const vli u = widen_u8(panel + p * pstride + (k8 / 2 + j) * LANES);
@@ -1748,7 +1748,7 @@ static inline __attribute__((always_inline)) void qtile_decode(
                         h[p] = widen_u8(base + (k / 2 + k4 / 4) * LANES) << 4;
                     }
                     for (int j = 0; j < 2; j++) {
-                        const float *x0 = xt + (k4 + 2 * j) * xrows, *x1 = x0 + xrows;
+                        const float *x0 = xt + (k4 + 2 * j) * rows, *x1 = x0 + rows;
                         const int t = slots > 1 ? 2 * half + j : 0;
                         for (int p = 0; p < np; p++) {
                             const vli u = widen_u8(panel + p * pstride + (k4 / 2 + j) * LANES);
@@ -1768,7 +1768,7 @@ static inline __attribute__((always_inline)) void qtile_decode(
                     const uint8_t *q = panel + p * pstride + kb * LANES;
                     __builtin_prefetch(q + PREFETCH_BYTES);
                     for (int t = 0; t < (step == 1 ? 1 : slots); t++) {
-                        const float *xk = xt + (kb + t) * xrows;
+                        const float *xk = xt + (kb + t) * rows;
                         const vlf w = fmt == QFMT_FP8_E4M3 ? fp8_e4m3_to_f32(q + t * LANES)
                                                            : to_float(widen_i8(q + t * LANES));
                         for (int r = 0; r < rows; r++) ga[t][p * rows + r] += xk[r] * w;
@@ -1788,7 +1788,7 @@ static inline __attribute__((always_inline)) void qtile_decode(
                                        : sv * (float)-code_offset(fmt);
             for (int r = 0; r < rows; r++)
                 acc[p * rows + r] +=
-                    ga[0][p * rows + r] * sv + (mins ? xs[g * xrows + r] * mv : (vlf){0});
+                    ga[0][p * rows + r] * sv + (mins ? xs[g * rows + r] * mv : (vlf){0});
         }
     }
     for (int p = 0; p < np && p * LANES < cols; p++)
@@ -1797,19 +1797,19 @@ static inline __attribute__((always_inline)) void qtile_decode(
 
 #define QDECODE_CASE(R) \
     case R: \
-        qtile_decode(xt, xs, R, k, panel, pstride, sc, sstride, fmt, group, bias, out, n, cols, \
-                     R, mode, QPANELS); \
+        qtile_decode(xt, xs, k, panel, pstride, sc, sstride, fmt, group, bias, out, n, cols, R, \
+                     mode, QPANELS); \
         break;
 #define QTALL_CASE(R) \
-    case R: qtile(xt, R, k, panel, sc, fmt, group, bias, out, n, cols, R, mode, w); break;
+    case R: qtile(xt, k, panel, sc, fmt, group, bias, out, n, cols, R, mode, w); break;
 
-/* Up to QROWS rows, xt and xs holding exactly those rows (their stride a constant in each
- * case): without w, the decode tile over the item's QPANELS panels; with it, one panel
+/* Up to QROWS rows, xt and xs holding exactly those rows (each case's stride a constant,
+ * its row count): without w, the decode tile over the item's QPANELS panels; with it, one panel
  * (the last, short item), a group at a time through w. */
 static void qtile_rows(const float *xt, const float *xs, int64_t k, const uint8_t *panel,
                        int64_t pstride, const void *sc, int64_t sstride, int fmt,
                        int64_t group, const float *bias, float *out, int64_t n, int64_t cols,
-                       int64_t rows, int np, int mode, float *w) {
+                       int64_t rows, int mode, float *w) {
     if (!w) {
         switch (rows) {
             QDECODE_CASE(1) QDECODE_CASE(2) QDECODE_CASE(3) QDECODE_CASE(4) QDECODE_CASE(5)
@@ -1910,7 +1910,7 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
      * decode's 121 calls a token) */
     const int64_t copied = m == 1 ? 0 : tiles * k * xrows;
     float *xt = malloc((size_t)(copied + (wide ? 0 : groups * xrows) + (tables ? 8 * k : 0) +
-                                (pairs ? k : 0) + 1) *
+                                (pairs ? k : 0)) *
                        sizeof(float));
     if (!xt) return -1;
     float *xs = xt + copied;
@@ -1989,13 +1989,13 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
                 continue;
             }
             if (m == 1) {
-                qtile_decode(xtile, xs, 1, k, panel, pstride, sc, sstride, fmt, group, b,
-                             out + col0, n, cols, 1, mode, 1);
+                qtile_decode(xtile, xs, k, panel, pstride, sc, sstride, fmt, group, b, out + col0,
+                             n, cols, 1, mode, 1);
                 continue;
             }
             if (span / LANES == QPANELS) {
                 qtile_rows(xt, xs, k, panel, pstride, sc, sstride, fmt, group, b, out + col0, n,
-                           cols, m, QPANELS, mode, NULL);
+                           cols, m, mode, NULL);
                 continue;
             }
             if (!w && !(w = malloc((size_t)(group * LANES) * sizeof(float)))) {
@@ -2008,7 +2008,7 @@ static int qlinear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k, c
                 const int64_t cw = cols - c0 < LANES ? cols - c0 : LANES;
                 qtile_rows(xt, NULL, k, panel + p * pstride, pstride,
                            scale_at(sc, p * sstride, mode), sstride, fmt, group,
-                           b ? b + c0 : NULL, out + col0 + c0, n, cw, m, 1, mode, w);
+                           b ? b + c0 : NULL, out + col0 + c0, n, cw, m, mode, w);
             }
         }
         free(w);
@@ -2271,7 +2271,6 @@ enum { GA8_UINT4 = 0, GA8_INT8 = 1, GA8_UINT5 = 2, GA8_INT5 = 3, GA8_INT6 = 4, G
  * 104; Q5_K 34 -> 39, 52 -> 63, 76 -> 86; Q6_K 29 -> 33, 42 -> 50, 59 -> 65; Q8_0 48 -> 54,
  * 74 -> 87, 124 -> 120. */
 #define GA8_ROWS 8
-#define GA8_PANELS 1
 
 /* The 4-byte dot product per int32 lane, acc += sum_j u[j] s[j] (u unsigned, s signed
  * bytes), at the build's vector width: vpdpbusd with VNNI; else vpmaddubsw (pairs into
@@ -2398,11 +2397,11 @@ static void ga8_quantize_row(const float *x, int64_t k, int64_t group, int kind,
 }
 
 /* `rows` rows (codes xb: [rows][k / 4] dwords, group terms xg: [rows][groups][2]) against
- * `np` panels. Always inlined with constant rows and np. */
+ * one panel. Always inlined with constant rows. */
 static inline __attribute__((always_inline)) void ga8_tile(
     const uint32_t *xb, int64_t k, const float *xg, int64_t group, const uint8_t *panel,
-    int64_t pstride, const void *sc, int64_t sstride, int kind, int mode, const float *bias,
-    float *out, int64_t n, int64_t cols, const int rows, const int np) {
+    const void *sc, int kind, int mode, const float *bias, float *out, int64_t n, int64_t cols,
+    const int rows) {
     const int64_t groups = k / group, kw = k / 4;
     /* signed codes read with signed x (GA8_INT8 reads x + 128) */
     const int signed_q = kind == GA8_INT8H || kind == GA8_INT8MH;
@@ -2413,152 +2412,139 @@ static inline __attribute__((always_inline)) void ga8_tile(
      * not a division, where a short tile's copy has the kind at run time */
     const int width = ga8_top_width(kind), unit_log2 = 3 - width;
     const int64_t unit_mask = (1 << unit_log2) - 1;
-    vlf acc[GA8_PANELS * GA8_ROWS];
+    vlf acc[GA8_ROWS];
 #if GA8_SIMD
-    vbyte top[GA8_PANELS]; /* each panel's unit of top bytes, shifted to the block's bits */
+    vbyte top; /* the panel's unit of top bytes, shifted to the block's bits */
 #endif
-    for (int i = 0; i < np * rows; i++) acc[i] = (vlf){0};
+    for (int i = 0; i < rows; i++) acc[i] = (vlf){0};
     for (int64_t g = 0; g < groups; g++) {
         const uint32_t *xw = xb + g * (group / 4);
-        vli isum[GA8_PANELS * GA8_ROWS];
+        vli isum[GA8_ROWS];
 #if GA8_SIMD
-        vbyte ia[GA8_PANELS * GA8_ROWS];
-        for (int i = 0; i < np * rows; i++) ia[i] = GA8_ZERO();
+        vbyte ia[GA8_ROWS];
+        for (int i = 0; i < rows; i++) ia[i] = GA8_ZERO();
 #if GA8_SIGNED_INT8
-        vbyte s16[GA8_PANELS * GA8_ROWS];
-        for (int i = 0; i < np * rows; i++) s16[i] = GA8_ZERO();
+        vbyte s16[GA8_ROWS];
+        for (int i = 0; i < rows; i++) s16[i] = GA8_ZERO();
         const int64_t span = ga8_span(kind);
 #endif
         for (int64_t b = 0; b < blocks; b++) {
-            for (int p = 0; p < np; p++) {
-                const uint8_t *q = panel + p * pstride + (g * blocks + b) * LANES * 4;
-                __builtin_prefetch(q + PREFETCH_BYTES);
-                const vbyte w = GA8_LOAD(q);
-                if (signed_q) {
+            const uint8_t *q = panel + (g * blocks + b) * LANES * 4;
+            __builtin_prefetch(q + PREFETCH_BYTES);
+            const vbyte w = GA8_LOAD(q);
+            if (signed_q) {
 #if GA8_SIGNED_INT8
-                    const vbyte aw = GA8_ABS(w);
-                    for (int r = 0; r < rows; r++)
-                        ia[p * rows + r] = GA8_DOT(ia[p * rows + r], aw,
-                                                   GA8_SIGN(GA8_SET1((int)xw[r * kw + b]), w));
+                const vbyte aw = GA8_ABS(w);
+                for (int r = 0; r < rows; r++)
+                    ia[r] = GA8_DOT(ia[r], aw, GA8_SIGN(GA8_SET1((int)xw[r * kw + b]), w));
 #else
-                    const vbyte u = GA8_FLIP(w);
-                    for (int r = 0; r < rows; r++)
-                        ia[p * rows + r] =
-                            GA8_DOT(ia[p * rows + r], u, GA8_SET1((int)xw[r * kw + b]));
+                const vbyte u = GA8_FLIP(w);
+                for (int r = 0; r < rows; r++)
+                    ia[r] = GA8_DOT(ia[r], u, GA8_SET1((int)xw[r * kw + b]));
 #endif
-                } else if (kind != GA8_INT8) {
-                    vbyte lo = GA8_LOW_NIBBLES(w), hi = GA8_HIGH_NIBBLES(w);
-                    if (kind != GA8_UINT4) {
-                        const int64_t gb = g * blocks + b;
-                        if ((gb & unit_mask) == 0)
-                            top[p] = GA8_LOAD(panel + p * pstride + tops +
-                                              (gb >> unit_log2) * LANES * 4);
-                        const char mask = kind == GA8_INT6 ? 0x30 : 0x10;
-                        lo = GA8_TOP(lo, GA8_TOP_UP(top[p]), mask);
-                        hi = GA8_TOP(hi, top[p], mask);
-                        top[p] = GA8_TOP_NEXT(top[p], width);
-                    }
+            } else if (kind != GA8_INT8) {
+                vbyte lo = GA8_LOW_NIBBLES(w), hi = GA8_HIGH_NIBBLES(w);
+                if (kind != GA8_UINT4) {
+                    const int64_t gb = g * blocks + b;
+                    if ((gb & unit_mask) == 0)
+                        top = GA8_LOAD(panel + tops + (gb >> unit_log2) * LANES * 4);
+                    const char mask = kind == GA8_INT6 ? 0x30 : 0x10;
+                    lo = GA8_TOP(lo, GA8_TOP_UP(top), mask);
+                    hi = GA8_TOP(hi, top, mask);
+                    top = GA8_TOP_NEXT(top, width);
+                }
 #if GA8_SIGNED_INT8
-                    /* maddubs' int16 pairs summed in int16 for `span` blocks (ga8_span),
-                     * widened to int32 once: two instructions a pair of bytes fewer, where
-                     * a tile has the rows to fill the vector ports (a row or two gained
-                     * nothing and lost 20% in cache: the one accumulator's chain) */
-                    if (rows >= 4) {
-                        for (int r = 0; r < rows; r++) {
-                            const uint32_t *xr = xw + r * kw + 2 * b;
-                            vbyte t = GA8_DOT16(s16[p * rows + r], lo, GA8_SET1((int)xr[0]));
-                            s16[p * rows + r] = GA8_DOT16(t, hi, GA8_SET1((int)xr[1]));
-                        }
-                        if (((b + 1) & (span - 1)) == 0 || b + 1 == blocks)
-                            for (int r = 0; r < rows; r++) {
-                                ia[p * rows + r] = GA8_WIDEN(ia[p * rows + r], s16[p * rows + r]);
-                                s16[p * rows + r] = GA8_ZERO();
-                            }
-                        continue;
-                    }
-#endif
+                /* maddubs' int16 pairs summed in int16 for `span` blocks (ga8_span),
+                 * widened to int32 once: two instructions a pair of bytes fewer, where
+                 * a tile has the rows to fill the vector ports (a row or two gained
+                 * nothing and lost 20% in cache: the one accumulator's chain) */
+                if (rows >= 4) {
                     for (int r = 0; r < rows; r++) {
                         const uint32_t *xr = xw + r * kw + 2 * b;
-                        ia[p * rows + r] = GA8_DOT(ia[p * rows + r], lo, GA8_SET1((int)xr[0]));
-                        ia[p * rows + r] = GA8_DOT(ia[p * rows + r], hi, GA8_SET1((int)xr[1]));
+                        vbyte t = GA8_DOT16(s16[r], lo, GA8_SET1((int)xr[0]));
+                        s16[r] = GA8_DOT16(t, hi, GA8_SET1((int)xr[1]));
                     }
-                } else {
-#if GA8_SIGNED_INT8
-                    const vbyte aw = GA8_ABS(w);
-                    for (int r = 0; r < rows; r++) {
-                        const vbyte xs = GA8_FLIP(GA8_SET1((int)xw[r * kw + b]));
-                        ia[p * rows + r] = GA8_DOT(ia[p * rows + r], aw, GA8_SIGN(xs, w));
-                    }
-#else
-                    for (int r = 0; r < rows; r++)
-                        ia[p * rows + r] =
-                            GA8_DOT(ia[p * rows + r], GA8_SET1((int)xw[r * kw + b]), w);
-#endif
-                }
-            }
-        }
-        for (int i = 0; i < np * rows; i++) isum[i] = (vli)ia[i];
-#else
-        for (int i = 0; i < np * rows; i++) isum[i] = (vli){0};
-        for (int64_t b = 0; b < blocks; b++) {
-            for (int p = 0; p < np; p++) {
-                const uint8_t *q = panel + p * pstride + (g * blocks + b) * LANES * 4;
-                const int64_t gb = g * blocks + b;
-                const uint8_t *tb = panel + p * pstride + tops + (gb >> unit_log2) * LANES * 4;
-                const int shift = (int)(gb & unit_mask) * width, bits = (1 << width) - 1;
-                for (int r = 0; r < rows; r++) {
-                    const uint8_t *xr = (const uint8_t *)(xw + r * kw);
-                    for (int c = 0; c < LANES; c++) {
-                        int32_t s = 0;
-                        for (int j = 0; j < 4; j++) {
-                            if (signed_q) {
-                                s += (int8_t)q[c * 4 + j] * (int8_t)xr[4 * b + j];
-                            } else if (kind != GA8_INT8) {
-                                const uint8_t byte = q[c * 4 + j];
-                                int lo = byte & 0xF, hi = byte >> 4;
-                                if (kind != GA8_UINT4) {
-                                    const int t = tb[c * 4 + j] >> shift;
-                                    lo |= (t & bits) << 4;
-                                    hi |= t & (bits << 4);
-                                }
-                                s += lo * (int8_t)xr[8 * b + j] + hi * (int8_t)xr[8 * b + 4 + j];
-                            } else {
-                                s += (int8_t)q[c * 4 + j] * xr[4 * b + j];
-                            }
+                    if (((b + 1) & (span - 1)) == 0 || b + 1 == blocks)
+                        for (int r = 0; r < rows; r++) {
+                            ia[r] = GA8_WIDEN(ia[r], s16[r]);
+                            s16[r] = GA8_ZERO();
                         }
-                        isum[p * rows + r][c] += s;
+                    continue;
+                }
+#endif
+                for (int r = 0; r < rows; r++) {
+                    const uint32_t *xr = xw + r * kw + 2 * b;
+                    ia[r] = GA8_DOT(ia[r], lo, GA8_SET1((int)xr[0]));
+                    ia[r] = GA8_DOT(ia[r], hi, GA8_SET1((int)xr[1]));
+                }
+            } else {
+#if GA8_SIGNED_INT8
+                const vbyte aw = GA8_ABS(w);
+                for (int r = 0; r < rows; r++) {
+                    const vbyte xs = GA8_FLIP(GA8_SET1((int)xw[r * kw + b]));
+                    ia[r] = GA8_DOT(ia[r], aw, GA8_SIGN(xs, w));
+                }
+#else
+                for (int r = 0; r < rows; r++)
+                    ia[r] = GA8_DOT(ia[r], GA8_SET1((int)xw[r * kw + b]), w);
+#endif
+            }
+        }
+        for (int i = 0; i < rows; i++) isum[i] = (vli)ia[i];
+#else
+        for (int i = 0; i < rows; i++) isum[i] = (vli){0};
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *q = panel + (g * blocks + b) * LANES * 4;
+            const int64_t gb = g * blocks + b;
+            const uint8_t *tb = panel + tops + (gb >> unit_log2) * LANES * 4;
+            const int shift = (int)(gb & unit_mask) * width, bits = (1 << width) - 1;
+            for (int r = 0; r < rows; r++) {
+                const uint8_t *xr = (const uint8_t *)(xw + r * kw);
+                for (int c = 0; c < LANES; c++) {
+                    int32_t s = 0;
+                    for (int j = 0; j < 4; j++) {
+                        if (signed_q) {
+                            s += (int8_t)q[c * 4 + j] * (int8_t)xr[4 * b + j];
+                        } else if (kind != GA8_INT8) {
+                            const uint8_t byte = q[c * 4 + j];
+                            int lo = byte & 0xF, hi = byte >> 4;
+                            if (kind != GA8_UINT4) {
+                                const int t = tb[c * 4 + j] >> shift;
+                                lo |= (t & bits) << 4;
+                                hi |= t & (bits << 4);
+                            }
+                            s += lo * (int8_t)xr[8 * b + j] + hi * (int8_t)xr[8 * b + 4 + j];
+                        } else {
+                            s += (int8_t)q[c * 4 + j] * xr[4 * b + j];
+                        }
                     }
+                    isum[r][c] += s;
                 }
             }
         }
 #endif
-        for (int p = 0; p < np; p++) {
-            const void *ps = scale_at(sc, p * sstride, mode);
-            const vlf s = group_scale(ps, g, 0, planes, mode);
-            /* The codes' offset (INT5 16, INT6 32; INT8H 128 where VNNI read its codes as
-             * q + 128) comes off the integer sum exactly, before any rounding, as GA8_INT8
-             * takes its plane c off: offset * sum xq is an integer too. */
-            const float off = kind == GA8_INT5   ? 16.0f
-                              : kind == GA8_INT6 ? 32.0f
-                              : (signed_q && GA8_SIMD && !GA8_SIGNED_INT8) ? 128.0f : 0.0f;
-            const vlf mc = planes == 2 ? group_scale(ps, g, 1, 2, mode) : (vlf){0};
-            for (int r = 0; r < rows; r++) {
-                const float *t = xg + (r * groups + g) * GA8_XG;
-                const vlf f = to_float(isum[p * rows + r]);
-                if (kind != GA8_INT8 && planes == 1) /* no min: mc is 0 */
-                    acc[p * rows + r] += ((off != 0.0f ? f - off * t[2] : f) * t[0]) * s;
-                else if (kind != GA8_INT8) /* off is 0 where a kind has none */
-                    acc[p * rows + r] +=
-                        ((off != 0.0f ? f - off * t[2] : f) * t[0]) * s + mc * t[1];
-                else if (GA8_SIGNED_INT8)
-                    acc[p * rows + r] += (f * t[0]) * s;
-                else
-                    acc[p * rows + r] += ((f - mc) * t[0]) * s;
-            }
+        const vlf s = group_scale(sc, g, 0, planes, mode);
+        /* The codes' offset (INT5 16, INT6 32; INT8H 128 where VNNI read its codes as
+         * q + 128) comes off the integer sum exactly, before any rounding, as GA8_INT8
+         * takes its plane c off: offset * sum xq is an integer too. */
+        const float off = kind == GA8_INT5   ? 16.0f
+                          : kind == GA8_INT6 ? 32.0f
+                          : (signed_q && GA8_SIMD && !GA8_SIGNED_INT8) ? 128.0f : 0.0f;
+        const vlf mc = planes == 2 ? group_scale(sc, g, 1, 2, mode) : (vlf){0};
+        for (int r = 0; r < rows; r++) {
+            const float *t = xg + (r * groups + g) * GA8_XG;
+            const vlf f = to_float(isum[r]);
+            if (kind != GA8_INT8 && planes == 1) /* no min: mc is 0 */
+                acc[r] += ((off != 0.0f ? f - off * t[2] : f) * t[0]) * s;
+            else if (kind != GA8_INT8) /* off is 0 where a kind has none */
+                acc[r] += ((off != 0.0f ? f - off * t[2] : f) * t[0]) * s + mc * t[1];
+            else if (GA8_SIGNED_INT8)
+                acc[r] += (f * t[0]) * s;
+            else
+                acc[r] += ((f - mc) * t[0]) * s;
         }
     }
-    for (int p = 0; p < np && p * LANES < cols; p++)
-        store_panel(&acc[p * rows], 1, rows, p * LANES, bias, out, n, cols);
+    store_panel(acc, 1, rows, 0, bias, out, n, cols);
 }
 
 /* A full tile (every tile of a prefill but its last) and the tiles of a batch-1, 2 and 4
@@ -2568,29 +2554,20 @@ static inline __attribute__((always_inline)) void ga8_tile(
  * 43 -> 48, int6 36 -> 43, Q8_0 40 -> 48; one row: 4-bit 25 -> 36, int6 13 -> 16; VNNI
  * build, 128 rows: 4-bit 107 -> 135, int6 82 -> 101; one row: 42 -> 54, 32 -> 36; AVX2, 2
  * and 4 rows: 4-bit 31 -> 35, 41 -> 46, Q6_K 19 -> 22, 24 -> 29, Q8_0 26 -> 31, 34 -> 36. */
-#define GA8_KIND(R, NP, KIND) \
-    case KIND: \
-        ga8_tile(xb, k, xg, group, pp, pstride, sp, sstride, KIND, mode, bp, op, n, w, R, NP); \
-        break;
-#define GA8_CASE(R, NP) \
+#define GA8_KIND(R, KIND) \
+    case KIND: ga8_tile(xb, k, xg, group, pp, sp, KIND, mode, bp, op, n, w, R); break;
+#define GA8_CASE(R) \
     case R: \
         if (R == GA8_ROWS || R == 1 || R == 2 || R == 4) { \
             switch (kind) { \
-                GA8_KIND(R, NP, GA8_UINT4) GA8_KIND(R, NP, GA8_INT8) GA8_KIND(R, NP, GA8_UINT5) \
-                GA8_KIND(R, NP, GA8_INT5) GA8_KIND(R, NP, GA8_INT6) GA8_KIND(R, NP, GA8_INT8H) \
-                GA8_KIND(R, NP, GA8_INT8MH) default: break; \
+                GA8_KIND(R, GA8_UINT4) GA8_KIND(R, GA8_INT8) GA8_KIND(R, GA8_UINT5) \
+                GA8_KIND(R, GA8_INT5) GA8_KIND(R, GA8_INT6) GA8_KIND(R, GA8_INT8H) \
+                GA8_KIND(R, GA8_INT8MH) default: break; \
             } \
         } else { \
-            ga8_tile(xb, k, xg, group, pp, pstride, sp, sstride, kind, mode, bp, op, n, w, R, NP); \
+            ga8_tile(xb, k, xg, group, pp, sp, kind, mode, bp, op, n, w, R); \
         } \
         break;
-#if GA8_ROWS == 8
-#define GA8_CASES(NP) \
-    GA8_CASE(1, NP) GA8_CASE(2, NP) GA8_CASE(3, NP) GA8_CASE(4, NP) GA8_CASE(5, NP) \
-    GA8_CASE(6, NP) GA8_CASE(7, NP) GA8_CASE(8, NP)
-#else
-#define GA8_CASES(NP) GA8_CASE(1, NP) GA8_CASE(2, NP) GA8_CASE(3, NP) GA8_CASE(4, NP)
-#endif
 
 /* x: [m, k] rows `x_stride` apart; codes, scales as above; out: [m, n]. Returns -1
  * without scratch memory, -2 for a kind it does not know or a group it cannot take
@@ -2631,7 +2608,10 @@ static int ga8_linear_f32(const float *x, int64_t x_stride, int64_t m, int64_t k
             const uint32_t *xb = (const uint32_t *)(xball + r0 * k);
             const float *xg = xgall + r0 * groups * GA8_XG;
             float *op = out + r0 * n + col0;
-            switch (rows) { GA8_CASES(GA8_PANELS) default: break; }
+            switch (rows) {
+                GA8_CASE(1) GA8_CASE(2) GA8_CASE(3) GA8_CASE(4) GA8_CASE(5) GA8_CASE(6) GA8_CASE(7)
+                GA8_CASE(8) default: break;
+            }
         }
     }
     free(xball);
