@@ -5,8 +5,10 @@
 #      index: build kiln's wheel and download the dependencies their image lacks, as
 #      benchmarks/gpu_wheels.sh does), else `pip install -e ".[gpu,test]"`;
 #   2. the CUDA tests: CUDA-graph capture and replay against eager steps and against the
-#      CPU (tests/runtime/test_cuda.py) and the Triton kernels compiled for the GPU instead
-#      of interpreted (tests/kernels/test_triton.py with KILN_TRITON_DEVICE=cuda);
+#      CPU (tests/runtime/test_cuda.py), `kiln serve` of a CUDA artefact over loopback to
+#      the openai client (tests/serve/test_cuda_server.py) and the Triton kernels compiled
+#      for the GPU instead of interpreted (tests/kernels/test_triton.py with
+#      KILN_TRITON_DEVICE=cuda);
 #   3. decode with and without CUDA graphs on a real shape with dummy weights
 #      (benchmarks/gpu_decode.py; $GPU_CONFIG, default qwen2.5-0.5b, a config.json path or
 #      a name in ../shared/model-configs).
@@ -28,6 +30,8 @@ if [ -n "${KILN_WHEELS:-}" ]; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/kiln-site \
         "$KILN_WHEELS"/*.whl || exit 1
     export PYTHONPATH=/tmp/kiln-site
+    # and for the processes the tests start (`python -m kiln serve`)
+    export PYTHONSAFEPATH=1
 else
     "$PY" -m pip install -q -e ".[gpu,test]" 2>"$OUT/pip.log" \
         || echo "gpu_check: could not install the gpu/test extras (see $OUT/pip.log); using what is installed"
@@ -44,7 +48,8 @@ for mod in ("triton", "flashinfer", "transformers", "kiln"):
 PY
 status=0
 KILN_TRITON_DEVICE=cuda timeout "${TEST_LIMIT:-240}" "$PY" -P -m pytest -q -p no:cacheprovider \
-    --durations=8 tests/runtime/test_cuda.py tests/kernels/test_triton.py 2>&1 \
+    --durations=8 tests/runtime/test_cuda.py tests/serve/test_cuda_server.py \
+    tests/kernels/test_triton.py 2>&1 \
     | tee "$OUT/tests.log" || status=1
 timeout "${DECODE_LIMIT:-180}" "$PY" -P benchmarks/gpu_decode.py \
     --config "${GPU_CONFIG:-qwen2.5-0.5b}" 2>&1 | tee "$OUT/decode.log" || status=1
