@@ -2376,10 +2376,59 @@ static inline int64_t ga8_span(int kind) {
 /* x rows -> int8 codes per group (xq, or xq + 128 for GA8_INT8) and per group GA8_XG
  * floats: sx, sx * sum xq, and sum xq itself (an integer, exact in a float). */
 #define GA8_XG 3
+#ifdef __AVX2__
+/* ga8_quantize_row's group, 8 inputs a vector (group a multiple of 8): the same numbers
+ * (the max is exact, the division and the round to nearest even are IEEE's, the int32 sum
+ * exact), where the scalar loop ran 1.2 us for SmolLM2's 576 inputs and 1.9 us for 1536
+ * on a Zen 3 core, four calls a layer of a decode step. Returns sum xq. */
+static inline int32_t ga8_quantize_group8(const float *xr, int64_t group, int plus128,
+                                          uint8_t *out, float *sx_out) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int64_t i = 0; i < group; i += 8)
+        m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xr + i)), m);
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const float sx = amax > 0.0f ? amax / 127.0f : 1.0f;
+    const __m256 vs = _mm256_set1_ps(sx), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+    __m256i sum = _mm256_setzero_si256();
+    for (int64_t i = 0; i < group; i += 8) {
+        __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(xr + i), vs),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm256_min_ps(_mm256_max_ps(q, lo), hi);
+        __m256i qi = _mm256_cvtps_epi32(q);
+        sum = _mm256_add_epi32(sum, qi);
+        if (plus128) qi = _mm256_add_epi32(qi, _mm256_set1_epi32(128));
+        const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(qi),
+                                            _mm256_extracti128_si256(qi, 1));
+        _mm_storel_epi64((__m128i *)(out + i),
+                         plus128 ? _mm_packus_epi16(w16, w16) : _mm_packs_epi16(w16, w16));
+    }
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    *sx_out = sx;
+    return _mm_cvtsi128_si32(s4);
+}
+#endif
+
 static void ga8_quantize_row(const float *x, int64_t k, int64_t group, int kind,
                              uint8_t *bytes, float *xg) { /* kind: GA8_INT8 or not */
     for (int64_t g = 0; g < k / group; g++) {
         const float *xr = x + g * group;
+#ifdef __AVX2__
+        if (group % 8 == 0) {
+            float sx;
+            const int32_t sum =
+                ga8_quantize_group8(xr, group, kind == GA8_INT8, bytes + g * group, &sx);
+            xg[GA8_XG * g] = sx;
+            xg[GA8_XG * g + 1] = sx * (float)sum;
+            xg[GA8_XG * g + 2] = (float)sum;
+            continue;
+        }
+#endif
         float amax = 0.0f;
         for (int64_t i = 0; i < group; i++) amax = fabsf(xr[i]) > amax ? fabsf(xr[i]) : amax;
         const float sx = amax > 0.0f ? amax / 127.0f : 1.0f;
