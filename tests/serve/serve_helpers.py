@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 
 API_KEY = "test-key"
 ADMIN_KEY = "admin-key"
@@ -48,6 +50,32 @@ def generated_tokens(server: Server) -> float:
     text = server.get("/metrics", key=None).text
     line = next(x for x in text.splitlines() if x.startswith("kiln:generation_tokens_total"))
     return float(line.split()[-1])
+
+
+def stream_completions(server: Server, prompts: list[str], max_tokens: int) -> list[str]:
+    """Every prompt streamed at once through the async openai client (greedy, ignore_eos,
+    served model name "tiny"): each stream's text."""
+
+    async def run() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+
+        async def one(prompt: str) -> str:
+            stream = await client.completions.create(
+                model="tiny",
+                prompt=prompt,
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            return "".join([c.choices[0].text async for c in stream])
+
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
 
 
 def start_server(art: Path, log: Path, *flags: str) -> Server:

@@ -5,13 +5,12 @@ is one (the engine and the graphs themselves: tests/runtime/test_cuda.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import openai
 import pytest
 import torch
-from serve_helpers import API_KEY, generated_tokens
+from serve_helpers import API_KEY, generated_tokens, stream_completions
 
 from kiln import Engine
 
@@ -49,27 +48,7 @@ def test_concurrent_streams_on_the_gpu_answer_as_the_cpu(server, on_cpu) -> None
     prompts = [f"Request number {i}: hello" for i in range(24)]
     expected = [r["text"] for r in on_cpu.generate(prompts, GREEDY)]
     before = generated_tokens(server)
-
-    async def run() -> list[str]:
-        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY)
-
-        async def one(prompt: str) -> str:
-            stream = await client.completions.create(
-                model="tiny",
-                prompt=prompt,
-                max_tokens=MAX_TOKENS,
-                temperature=0,
-                stream=True,
-                extra_body={"ignore_eos": True},
-            )
-            return "".join([c.choices[0].text async for c in stream])
-
-        try:
-            return await asyncio.gather(*(one(p) for p in prompts))
-        finally:
-            await client.close()
-
-    assert asyncio.run(run()) == expected
+    assert stream_completions(server, prompts, MAX_TOKENS) == expected
     assert generated_tokens(server) - before == len(prompts) * MAX_TOKENS
 
 

@@ -9,7 +9,7 @@ import time
 import httpx
 import openai
 import pytest
-from serve_helpers import ADMIN_KEY, API_KEY, stop_server
+from serve_helpers import ADMIN_KEY, API_KEY, stop_server, stream_completions
 
 from kiln import Engine
 
@@ -170,27 +170,7 @@ def test_chat_uses_the_template_and_streams(client, engine) -> None:
 def test_32_concurrent_streams_complete_with_correct_text(server, engine) -> None:
     prompts = [f"Request number {i}: hello" for i in range(32)]
     expected = [r["text"] for r in engine.generate(prompts, GREEDY)]
-
-    async def run() -> list[str]:
-        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY)
-
-        async def one(prompt: str) -> str:
-            stream = await aclient.completions.create(
-                model="tiny",
-                prompt=prompt,
-                max_tokens=MAX_TOKENS,
-                temperature=0,
-                stream=True,
-                extra_body={"ignore_eos": True},
-            )
-            return "".join([c.choices[0].text async for c in stream])
-
-        try:
-            return await asyncio.gather(*(one(p) for p in prompts))
-        finally:
-            await aclient.close()
-
-    assert asyncio.run(run()) == expected
+    assert stream_completions(server, prompts, MAX_TOKENS) == expected
 
 
 def test_auth(server) -> None:
