@@ -13,10 +13,9 @@ mkdir -p "$DEST"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d "$DEST" \
-    pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
     gguf==0.19.0 dill==0.4.1 xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
-# The server and the openai client of tests/serve/test_cuda_server.py, with what they need
-# (resolved here: the image has neither fastapi, uvicorn nor openai).
+# pydantic, the server and the openai client of tests/serve/test_cuda_server.py, with what
+# they need (resolved here: the image has neither fastapi, uvicorn nor openai).
 python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d "$DEST" \

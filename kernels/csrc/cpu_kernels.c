@@ -2415,31 +2415,37 @@ static inline int32_t ga8_quantize_group8(const float *xr, int64_t group, int pl
 }
 #endif
 
+/* One group's codes (xq, or xq + 128 where plus128) and scale sx, returning sum xq: the
+ * plain loop, for any group; ga8_quantize_group8 above gives the same numbers. */
+static int32_t ga8_quantize_group(const float *xr, int64_t group, int plus128, uint8_t *out,
+                                  float *sx_out) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < group; i++) amax = fabsf(xr[i]) > amax ? fabsf(xr[i]) : amax;
+    const float sx = amax > 0.0f ? amax / 127.0f : 1.0f;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < group; i++) {
+        float q = nearbyintf(xr[i] / sx);
+        q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+        sum += (int32_t)q;
+        out[i] = plus128 ? (uint8_t)((int)q + 128) : (uint8_t)(int8_t)q;
+    }
+    *sx_out = sx;
+    return sum;
+}
+
 static void ga8_quantize_row(const float *x, int64_t k, int64_t group, int kind,
                              uint8_t *bytes, float *xg) { /* kind: GA8_INT8 or not */
+    const int plus128 = kind == GA8_INT8;
     for (int64_t g = 0; g < k / group; g++) {
         const float *xr = x + g * group;
+        uint8_t *out = bytes + g * group;
+        float sx;
 #ifdef __AVX2__
-        if (group % 8 == 0) {
-            float sx;
-            const int32_t sum =
-                ga8_quantize_group8(xr, group, kind == GA8_INT8, bytes + g * group, &sx);
-            xg[GA8_XG * g] = sx;
-            xg[GA8_XG * g + 1] = sx * (float)sum;
-            xg[GA8_XG * g + 2] = (float)sum;
-            continue;
-        }
+        const int32_t sum = group % 8 == 0 ? ga8_quantize_group8(xr, group, plus128, out, &sx)
+                                           : ga8_quantize_group(xr, group, plus128, out, &sx);
+#else
+        const int32_t sum = ga8_quantize_group(xr, group, plus128, out, &sx);
 #endif
-        float amax = 0.0f;
-        for (int64_t i = 0; i < group; i++) amax = fabsf(xr[i]) > amax ? fabsf(xr[i]) : amax;
-        const float sx = amax > 0.0f ? amax / 127.0f : 1.0f;
-        int32_t sum = 0;
-        for (int64_t i = 0; i < group; i++) {
-            float q = nearbyintf(xr[i] / sx);
-            q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
-            sum += (int32_t)q;
-            bytes[g * group + i] = kind != GA8_INT8 ? (uint8_t)(int8_t)q : (uint8_t)((int)q + 128);
-        }
         xg[GA8_XG * g] = sx;
         xg[GA8_XG * g + 1] = sx * (float)sum;
         xg[GA8_XG * g + 2] = (float)sum;
