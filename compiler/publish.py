@@ -12,7 +12,6 @@ killed mid-way), so a crash leaves nothing for long. Files get the umask's norma
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import os
 import re
@@ -22,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from kiln.core.artefact import MANIFEST, ArtefactError
+from kiln.paths import pid_alive
 
 _LEFTOVER = re.compile(r"\.(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)-[^/]+")
 
@@ -66,16 +66,8 @@ def sweep(folder: Path) -> None:
     """Remove staging and replaced folders left by processes that no longer run."""
     for entry in folder.iterdir():
         hit = _LEFTOVER.fullmatch(entry.name)
-        if hit and entry.is_dir() and not _alive(int(hit["pid"])):
+        if hit and entry.is_dir() and not pid_alive(int(hit["pid"])):
             shutil.rmtree(entry, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError as e:
-        return e.errno == errno.EPERM
-    return True
 
 
 def _umask() -> int:

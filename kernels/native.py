@@ -13,13 +13,14 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.core.target import CPU_EXTRA_CFLAGS, Target
-from kiln.paths import cache_dir
+from kiln.paths import cache_dir, pid_alive
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 # -ffp-contract=fast: ISO C mode (-std=c11) otherwise keeps a * b + c as two roundings and
@@ -189,8 +190,8 @@ def build_step(source: str, target: Target, toolchain: Toolchain) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     src = lib.with_suffix(".c")
     tmp = src.with_name(f"{src.name}.{os.getpid()}.tmp.c")
-    tmp.write_text(source)
     try:
+        tmp.write_text(source)
         _compile(tmp, lib, target, toolchain)
         os.replace(tmp, src)
     finally:
@@ -198,19 +199,36 @@ def build_step(source: str, target: Target, toolchain: Toolchain) -> Path:
     return lib
 
 
+# A builder's temporaries: `<name>.<pid>.tmp` (a library) and `<name>.<pid>.tmp.c` (a step's
+# source), so a build killed mid-way (kill -9 of `kiln compile`) is recognised by its pid.
+_TEMPORARY = re.compile(r".+\.(?P<pid>\d+)\.tmp(?:\.c)?")
+
+
+def sweep(folder: Path) -> None:
+    """Remove the temporaries of builders that no longer run."""
+    for entry in folder.iterdir():
+        hit = _TEMPORARY.fullmatch(entry.name)
+        if hit and int(hit["pid"]) != os.getpid() and not pid_alive(int(hit["pid"])):
+            entry.unlink(missing_ok=True)
+
+
 def _compile(source: Path, lib: Path, target: Target, toolchain: Toolchain) -> Path:
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
+    sweep(lib.parent)
     tmp = lib.with_name(f"{lib.name}.{os.getpid()}.tmp")
     # libraries after the source
     command = [toolchain.cc, *flags(target), "-o", str(tmp), str(source), "-lm"]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        tail = done.stderr.strip().splitlines()[-3:]
-        raise KernelBuildError(f"{toolchain.cc} failed on {source.name}: {' / '.join(tail)}")
-    os.replace(tmp, lib)  # atomic: concurrent builders never load a partial file
+    try:
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = done.stderr.strip().splitlines()[-3:]
+            msg = f"{toolchain.cc} failed on {source.name}: {' / '.join(tail)}"
+            raise KernelBuildError(msg)
+        os.replace(tmp, lib)  # atomic: concurrent builders never load a partial file
+    finally:
+        tmp.unlink(missing_ok=True)  # an error or an interrupt leaves no temporary
     return lib
 
 

@@ -31,7 +31,7 @@ def test_each_level_builds_once_with_its_own_flags(level: str) -> None:
     stamp = first.stat().st_mtime_ns
     assert native.build(target, toolchain) == first
     assert first.stat().st_mtime_ns == stamp
-    assert not list(first.parent.glob("*.tmp"))  # no temporary left
+    assert not list(first.parent.glob(f"{first.name}.*.tmp"))  # no temporary of its own
     assert f"-march={target.march}" in native.flags(target)
     assert "-march=native" not in native.flags(target)
     lib = native.load(first)
@@ -60,6 +60,20 @@ def test_compile_errors_are_reported(tmp_path: Path, monkeypatch: pytest.MonkeyP
     with pytest.raises(native.KernelBuildError, match="failed on bad.c"):
         native.build(cpu_target("x86-64"), toolchain, tmp_path / "out")
     assert not list((tmp_path / "out").glob("*.tmp"))
+
+
+def test_a_killed_builders_temporaries_are_swept(tmp_path: Path) -> None:
+    # kill -9 of `kiln compile` mid-build leaves `<lib>.<pid>.tmp` in the store (CI's first
+    # run of the session-store build test found one); the next build removes it, but never
+    # a temporary of a builder that still runs.
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = [f"step-0.so.{gone.pid}.tmp", f"step-0.c.{gone.pid}.tmp.c"]
+    live = [f"step-1.so.{os.getppid()}.tmp", f"cpu_kernels-1.so.{os.getpid()}.tmp", "step-1.so"]
+    for name in dead + live:
+        (tmp_path / name).write_bytes(b"")
+    native.sweep(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(live)
 
 
 def _kiln(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
