@@ -142,15 +142,11 @@ def _kld_base(path: Path) -> tuple[int, int, list[list[int]]]:
 
 def _bos(gguf: Path) -> int | None:
     """The BOS id llama.cpp puts first in each chunk, None where the vocabulary adds none."""
-    from gguf import GGUFReader
+    from kiln.compiler.gguf_read import read
 
-    fields = GGUFReader(str(gguf)).fields
-
-    def value(key: str) -> int | None:
-        field = fields.get(key)
-        return None if field is None else int(field.parts[field.data[0]][0])
-
-    return value("tokenizer.ggml.bos_token_id") if value("tokenizer.ggml.add_bos_token") else None
+    fields = read(gguf).fields
+    bos = fields.get("tokenizer.ggml.bos_token_id")
+    return bos if fields.get("tokenizer.ggml.add_bos_token") else None
 
 
 def _llama_kld(out: str) -> tuple[float, float]:
