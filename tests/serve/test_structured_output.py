@@ -199,9 +199,10 @@ def test_a_constraint_that_does_not_compile_is_a_400(server, path, body, message
 
 
 def test_a_slow_grammar_stalls_neither_health_nor_other_requests(server) -> None:
-    """A schema of 2000 patterned fields takes seconds to compile: meanwhile /health stays
-    fast and an unconstrained request runs to its end."""
-    props = {f"f{i}": {"type": "string", "pattern": "[a-z]{1,8}[0-9]{2,5}"} for i in range(2000)}
+    """A schema of 1000 patterned fields takes seconds to compile (4 s on a Zen 3 core;
+    2000 took 40): meanwhile /health stays fast and an unconstrained request runs to its
+    end."""
+    props = {f"f{i}": {"type": "string", "pattern": "[a-z]{1,8}[0-9]{2,5}"} for i in range(1000)}
     slow = {"type": "object", "properties": props}
     plain = {"text": "Hello", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
 
