@@ -2,9 +2,12 @@
 
     python benchmarks/compile_and_start.py                 # SmolLM2-135M shape, fp32
     python benchmarks/compile_and_start.py --config ../shared/model-configs/qwen2.5-0.5b.json
+    python benchmarks/compile_and_start.py --model-path model.gguf --shared-kernels
 
 A checkpoint of the config's shape with random weights (safetensors, fp32, as
-`save_pretrained` writes it) is made once. Each round, in a fresh cache folder:
+`save_pretrained` writes it) is made once, or --model-path names a real one (a folder or a
+GGUF file). Each round, in a fresh cache folder (--shared-kernels: but for the kernel
+store, built by an untimed compile first, so a cold compile is the model's own work):
   cold compile   `kiln compile --model-path CKPT` (key, trace, passes, C kernels, weights)
   hit            the same command again (a new process: start-up included)
   key            `kiln cache key --model-path CKPT` (file hashes remembered)
@@ -116,17 +119,33 @@ def spread(xs: list[float], unit: str = "s", scale: float = 1.0) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", type=Path, default=SMOLLM2)
+    p.add_argument("--model-path", type=Path, help="compile this checkpoint instead")
+    p.add_argument("--shared-kernels", action="store_true")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-total-tokens", type=int, default=4096)
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kiln-bench-"))
     try:
-        ckpt = make_checkpoint(args.config, work / "ckpt")
+        ckpt = args.model_path or make_checkpoint(args.config, work / "ckpt")
+        kernels = work / "kernels"
+        if args.shared_kernels:
+            kernels.mkdir()
+            (work / "warm").mkdir()
+            (work / "warm" / "kernels").symlink_to(kernels)
+            kiln(
+                "compile",
+                "--model-path",
+                str(ckpt),
+                env=dict(os.environ, KILN_CACHE_DIR=str(work / "warm")),
+            )
         names = ("cold", "hit", "key", "rehash", "first")
         times: dict[str, list[float]] = {k: [] for k in names}
         rss: list[int] = []
         for r in range(args.rounds):
             env = dict(os.environ, KILN_CACHE_DIR=str(work / f"cache{r}"))
+            if args.shared_kernels:
+                (work / f"cache{r}").mkdir()
+                (work / f"cache{r}" / "kernels").symlink_to(kernels)
             cold, out = kiln("compile", "--model-path", str(ckpt), env=env)
             art = Path(out.splitlines()[-1].split()[1])
             hit, out = kiln("compile", "--model-path", str(ckpt), env=env)
@@ -142,7 +161,8 @@ def main() -> None:
         kv = summary["kv_cache"]["bytes_per_token"] * args.max_total_tokens
         budget = weights * 1.1 + kv + 400e6
         print(machine())
-        print(f"model: {args.config.name}, {summary['target']}, {summary['dtype']}")
+        model = args.model_path.name if args.model_path else args.config.name
+        print(f"model: {model}, {summary['target']}, {summary['dtype']}")
         print("| measure | median (min-max) |")
         print("| --- | --- |")
         print(f"| cold compile (`kiln compile`) | {spread(times['cold'])} |")
