@@ -34,6 +34,9 @@ def test_each_level_builds_once_with_its_own_flags(level: str) -> None:
     assert not list(first.parent.glob(f"{first.name}.*.tmp"))  # no temporary of its own
     assert f"-march={target.march}" in native.flags(target)
     assert "-march=native" not in native.flags(target)
+    assert [f for f in native.flags(target) if f.startswith("-O")] == [
+        "-O2" if level == "x86-64" else "-O3"
+    ]
     lib = native.load(first)
     assert (lib.kiln_linear_lanes(), lib.kiln_linear_group_panels()) == SHAPES[level]
 
