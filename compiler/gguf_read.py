@@ -16,6 +16,7 @@ u64 into the data, which starts at the next multiple of `general.alignment` (def
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)
 _DEFAULT_ALIGNMENT = 32
 _STRING, _ARRAY = 8, 9
+_MAX_DIMS = 4  # GGML_MAX_DIMS: a tensor has at most four dimensions
+_MAX_NESTING = 8  # arrays of arrays: far deeper than any writer makes, short of recursion limits
 # Fixed-size value types: struct format per GGUF value type.
 _SCALAR = {
     0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d",
@@ -88,24 +91,26 @@ class _Cursor:
         except UnicodeDecodeError:
             raise GGUFReadError(f"a string before byte {end} is not UTF-8") from None
 
-    def value(self, kind: int) -> Any:
+    def value(self, kind: int, depth: int = 0) -> Any:
         if kind == _STRING:
             return self.string()
         if kind == _ARRAY:
-            return self.array()
+            return self.array(depth + 1)
         fmt = _SCALAR.get(kind)
         if fmt is None:
             raise GGUFReadError(f"unknown value type {kind} at byte {self.pos}")
         return self.unpack(fmt)
 
-    def array(self) -> list[Any]:
+    def array(self, depth: int) -> list[Any]:
+        if depth > _MAX_NESTING:
+            raise GGUFReadError(f"arrays nested over {_MAX_NESTING} deep at byte {self.pos}")
         kind = self.unpack("I")
         count = self.unpack("Q")
         if kind == _STRING:
             return self._strings(count)
         fmt = _SCALAR.get(kind)
         if fmt is None:  # an array of arrays
-            return [self.value(kind) for _ in range(count)]
+            return [self.value(kind, depth) for _ in range(count)]
         size = struct.calcsize(fmt)
         if self.pos + count * size > len(self.buf):
             raise GGUFReadError(f"an array at byte {self.pos} runs past the end of the file")
@@ -161,6 +166,8 @@ def read(path: Path) -> GGUFContents:
     for _ in range(n_tensors):
         name = cur.string()
         n_dims = cur.unpack("I")
+        if n_dims > _MAX_DIMS:
+            raise GGUFReadError(f"tensor {name!r} has {n_dims} dimensions (at most {_MAX_DIMS})")
         dims = tuple(cur.unpack("Q") for _ in range(n_dims))
         infos.append((name, dims, cur.unpack("I"), cur.unpack("Q")))
     alignment = fields.get("general.alignment", _DEFAULT_ALIGNMENT)
@@ -179,7 +186,7 @@ def read(path: Path) -> GGUFContents:
             raise GGUFReadError(f"tensor {name!r} has unknown type {raw_type}") from None
         block, block_bytes = GGML_QUANT_SIZES[kind]
         shape = list(reversed(dims))
-        n = int(np.prod(dims, dtype=np.int64)) if dims else 1
+        n = math.prod(dims)  # Python ints: a forged shape cannot wrap around
         if shape and shape[-1] % block:
             raise GGUFReadError(f"tensor {name!r}: rows of {shape[-1]} are not whole blocks")
         n_bytes = n // block * block_bytes

@@ -93,3 +93,38 @@ def test_malformed_files_are_refused_with_the_place_named(gguf_path: Path, tmp_p
         path.write_bytes(data)
         with pytest.raises(GGUFReadError, match=message):
             read(path)
+
+
+def _header(fields: bytes = b"", n_fields: int = 0, tensors: bytes = b"", n_tensors: int = 0):
+    return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_fields) + fields + tensors
+
+
+def _s(text: str) -> bytes:
+    return struct.pack("<Q", len(text)) + text.encode()
+
+
+def test_forged_sizes_are_refused_before_any_allocation(tmp_path: Path) -> None:
+    # A file's counts and shapes are untrusted: no wrap-around, no deep recursion, no
+    # loop or allocation sized by a forged count.
+    nested = _s("k") + struct.pack("<I", 9)
+    for _ in range(9):
+        nested += struct.pack("<IQ", 9, 1)
+    f32 = 0  # GGML type F32
+    cases = {
+        "dims": (
+            _header(tensors=_s("t") + struct.pack("<I5QIQ", 5, *[1] * 5, f32, 0), n_tensors=1),
+            "has 5 dimensions",
+        ),
+        "wrap": (
+            _header(tensors=_s("t") + struct.pack("<I2QIQ", 2, 2**32, 2**32, f32, 0), n_tensors=1),
+            "tensor 't' runs past the end",
+        ),
+        "nested": (_header(nested, 1), "nested over 8 deep"),
+        "string": (_header(struct.pack("<Q", 2**63) + b"key", 1), "runs past the end"),
+        "tokens": (_header(_s("k") + struct.pack("<IIQ", 9, 8, 2**62), 1), "truncated|runs past"),
+    }
+    for name, (data, message) in cases.items():
+        path = tmp_path / f"{name}.gguf"
+        path.write_bytes(data)
+        with pytest.raises(GGUFReadError, match=message):
+            read(path)
