@@ -228,7 +228,7 @@ class Engine:
             raise fmt.ArtefactError(f"{self.art.root}/{fmt.TOKENIZER_DIR}/{e}") from None
 
     def describe(self) -> str:
-        """What runs: model, dtype, kernels per op, KV pool."""
+        """What runs: model, dtype, how decode steps run, kernels per op, KV pool."""
         spec, pool = self.art.spec, self.runner.pool
         backends: dict[str, set[str]] = {}
         for n in self.art.graph.nodes:
@@ -238,9 +238,10 @@ class Engine:
         kernels = ", ".join(f"{op} {'/'.join(sorted(b))}" for op, b in sorted(backends.items()))
         tokens = pool.num_pages * pool.page_size
         return (
-            f"{spec.served_model_name}: {spec.dtype} on {self.runner.device}; kernels: "
-            f"{kernels}; KV pool: {tokens} tokens ({pool.num_pages} pages of "
-            f"{pool.page_size}), {self.runner.kv.nbytes / 2**30:.2f} GiB reserved"
+            f"{spec.served_model_name}: {spec.dtype} on {self.runner.device}; decode: "
+            f"{self.runner.decode_mode(self.art)}; kernels: {kernels}; KV pool: {tokens} "
+            f"tokens ({pool.num_pages} pages of {pool.page_size}), "
+            f"{self.runner.kv.nbytes / 2**30:.2f} GiB reserved"
             + (", committed as used" if self.runner.device == "cpu" else "")
         )
 

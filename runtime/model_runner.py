@@ -166,6 +166,20 @@ class ModelRunner:
         ctx, ids, positions, rows = self.step.plan(step)
         return self.executor(ctx, ids, positions, rows)
 
+    def decode_mode(self, art: Artefact) -> str:
+        """How decode steps run, for the start-up log: a slow mode says why."""
+        if isinstance(self.decode, NativeStep):
+            return "native step"
+        if isinstance(self.decode, GraphDecode):
+            return "CUDA graphs"
+        if isinstance(self.decode, CompiledDecode):
+            return "compiled pieces"
+        plan = art.graph.plan or {}
+        if plan.get("decode", {}).get("mode") == "native":
+            return "Python executor (the native step library was not loaded)"
+        why = plan.get("decode", {}).get("native_refused")
+        return f"Python executor ({why})" if why else "Python executor"
+
     def _decode_runner(
         self, art: Artefact, context_length: int
     ) -> CompiledDecode | GraphDecode | NativeStep | None:

@@ -97,6 +97,8 @@ def test_greedy_text_is_the_executors(artefact) -> None:
     greedy = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
     a, b = Engine(native_art), Engine(off)
     assert isinstance(a.runner.decode, NativeStep) and b.runner.decode is None
+    assert a.runner.decode_mode(a.art) == "native step"
+    assert b.runner.decode_mode(b.art) == "Python executor"  # asked for: no reason to give
     assert [r["text"] for r in a.generate(prompts, greedy)] == [
         r["text"] for r in b.generate(prompts, greedy)
     ]
@@ -112,7 +114,10 @@ def test_what_cannot_be_lowered_runs_in_the_executor_and_says_why(artefact) -> N
     text = report.format_summary(report.summary(art))
     assert "step       every step in the Python executor: a float8_e4m3fn KV pool" in text
     assert report.step_source(art).startswith("no native step: a float8_e4m3fn KV pool")
-    assert ModelRunner(Artefact.open(art), 256).decode is None
+    opened = Artefact.open(art)
+    runner = ModelRunner(opened, 256)
+    assert runner.decode is None
+    assert runner.decode_mode(opened) == f"Python executor ({plan['decode']['native_refused']})"
 
 
 def test_the_lowering_refuses_what_it_cannot_write_as_numbers(artefact) -> None:

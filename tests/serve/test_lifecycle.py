@@ -149,7 +149,8 @@ def test_idle_memory_startup_line_and_threads(artefact, tmp_path):
     assert rss < 800, f"an idle server of a 1 MB model holds {rss:.0f} MB"
     line = re.search(r"kiln\.engine: (.*)", log).group(1)
     assert re.fullmatch(
-        r"\S+: float32 on cpu; kernels: .*linear kiln_cpu.*; KV pool: \d+ tokens "
+        r"\S+: float32 on cpu; decode: native step; kernels: .*linear kiln_cpu.*; "
+        r"KV pool: \d+ tokens "
         r"\(\d+ pages of 1\), [\d.]+ GiB reserved, committed as used; threads: 1 \(--threads\)",
         line,
     ), line
