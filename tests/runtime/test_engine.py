@@ -254,7 +254,9 @@ def test_the_startup_heap_is_frozen_and_later_garbage_still_collected(collect: b
     del startup_garbage
     try:
         count = freeze_startup_heap(collect=collect)
-        assert count == gc.get_freeze_count() > 1000
+        # Other threads of the session (earlier tests' servers) may free a frozen object
+        # between the two reads: CI once saw 744202 then 744200.
+        assert count > 1000 and 0 <= count - gc.get_freeze_count() < 100
         assert (earlier() is None) == collect
         assert earlier() is None or not any(o is earlier() for o in gc.get_objects())
         later = Node()
