@@ -30,6 +30,7 @@ _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)
 _DEFAULT_ALIGNMENT = 32
 _STRING, _ARRAY = 8, 9
+_LENGTH = struct.Struct("<Q").unpack_from  # a string's byte count
 _MAX_DIMS = 4  # GGML_MAX_DIMS: a tensor has at most four dimensions
 _MAX_NESTING = 8  # arrays of arrays: far deeper than any writer makes, short of recursion limits
 # Fixed-size value types: struct format per GGUF value type.
@@ -62,7 +63,6 @@ class TensorRecord:
 
 @dataclass(frozen=True)
 class GGUFContents:
-    version: int
     fields: dict[str, Any]  # value as Python: int, float, bool, str or a list of them
     tensors: list[TensorRecord]
 
@@ -80,16 +80,20 @@ class _Cursor:
         return value
 
     def string(self) -> str:
-        n = self.unpack("Q")
-        end = self.pos + n
+        # Called once a token of the vocabulary (262,144 for Gemma 3): kept lean.
+        try:
+            (n,) = _LENGTH(self.buf, self.pos)
+        except struct.error:
+            raise GGUFReadError(f"truncated string at byte {self.pos}") from None
+        start = self.pos + 8
+        end = start + n
         if end > len(self.buf):
-            raise GGUFReadError(f"a string at byte {self.pos} runs past the end of the file")
-        raw = self.buf[self.pos : end]
+            raise GGUFReadError(f"a string at byte {start} runs past the end of the file")
         self.pos = end
         try:
-            return raw.decode("utf-8")
+            return self.buf[start:end].decode("utf-8")
         except UnicodeDecodeError:
-            raise GGUFReadError(f"a string before byte {end} is not UTF-8") from None
+            raise GGUFReadError(f"a string at byte {start} is not UTF-8") from None
 
     def value(self, kind: int, depth: int = 0) -> Any:
         if kind == _STRING:
@@ -107,7 +111,7 @@ class _Cursor:
         kind = self.unpack("I")
         count = self.unpack("Q")
         if kind == _STRING:
-            return self._strings(count)
+            return [self.string() for _ in range(count)]
         fmt = _SCALAR.get(kind)
         if fmt is None:  # an array of arrays
             return [self.value(kind, depth) for _ in range(count)]
@@ -118,26 +122,6 @@ class _Cursor:
         values = np.frombuffer(self.buf, dtype, count, self.pos).tolist()
         self.pos += count * size
         return values
-
-    def _strings(self, count: int) -> list[str]:
-        # The vocabulary: hundreds of thousands of short strings, so one tight loop.
-        buf, pos, size = self.buf, self.pos, len(self.buf)
-        length = struct.Struct("<Q").unpack_from
-        out = []
-        try:
-            for _ in range(count):
-                (n,) = length(buf, pos)
-                pos += 8
-                if pos + n > size:
-                    raise GGUFReadError(f"a string at byte {pos} runs past the end of the file")
-                out.append(buf[pos : pos + n].decode("utf-8"))
-                pos += n
-        except struct.error:
-            raise GGUFReadError(f"truncated string array at byte {pos}") from None
-        except UnicodeDecodeError:
-            raise GGUFReadError(f"a string at byte {pos} is not UTF-8") from None
-        self.pos = pos
-        return out
 
 
 def read(path: Path) -> GGUFContents:
@@ -199,4 +183,4 @@ def read(path: Path) -> GGUFContents:
         else:
             data = raw.reshape(*shape[:-1], shape[-1] // block * block_bytes)
         tensors.append(TensorRecord(name, kind, dims, data))
-    return GGUFContents(version, fields, tensors)
+    return GGUFContents(fields, tensors)
