@@ -31,7 +31,7 @@ from kiln.runtime.parallel import TPGroup, check_nodes
 from kiln.runtime.placement import KVDemand, Placement, available_ram, gpu_memory, place
 from kiln.runtime.radix_cache import RadixCache
 from kiln.runtime.request import Request, RequestOutput
-from kiln.runtime.sampler import SamplingRow, argmax_rows, sample
+from kiln.runtime.sampler import Logits, SamplingRow, argmax_rows, as_tensor, sample
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Batch, Scheduler, SchedulerConfig
 from kiln.runtime.speculative import (
@@ -551,7 +551,7 @@ class Engine:
                 req.logprobs.append(lp)
         return []
 
-    def _accept(self, batch: Batch, logits: torch.Tensor) -> list[tuple[Request, Exception]]:
+    def _accept(self, batch: Batch, logits: Logits) -> list[tuple[Request, Exception]]:
         """A verify step's tokens: each request's rows sampled in order as decoding would
         sample them, each kept token committed and postprocessed, up to and including the
         first that differs from its draft (runtime/speculative.py). A request whose rows
@@ -567,18 +567,11 @@ class Engine:
                 failed.append((req, e))
         return failed
 
-    def _accept_rows(self, req: Request, fed: list[int], logits: torch.Tensor) -> None:
-        p = req.params
-        plain = (
-            p.greedy
-            and not p.penalised
-            and req.grammar is None
-            and req.top_logprobs is None
-            and len(req.output_ids) >= p.min_new_tokens
-        )
+    def _accept_rows(self, req: Request, fed: list[int], logits: Logits) -> None:
         # Rows a greedy request without penalties, grammar or logprobs would sample to
-        # their argmax all at once: the sampler's own choice for each.
-        argmax = argmax_rows(logits.float()) if plain else None
+        # their argmax all at once: the sampler's own choice for each (a plain row stays
+        # plain as tokens are kept: nothing is suppressed once nothing was).
+        argmax = argmax_rows(logits) if self._sampling_row(req).plain else None
         for j in range(len(fed)):
             if argmax is not None:
                 token, lp = argmax[j], None
@@ -732,7 +725,7 @@ class Engine:
                 batch = Batch([req], [fed], [True], is_prefill=len(fed) > 1)
                 out.append(self.runner.forward(batch, all_logits=True))
                 req.kv_len += len(fed)
-            return out[0] if len(out) == 1 else torch.cat(out)
+            return as_tensor(out[0]) if len(out) == 1 else torch.cat([as_tensor(o) for o in out])
         finally:
             self.runner.pool.free(req.pages)
 

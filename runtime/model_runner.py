@@ -29,6 +29,7 @@ from kiln.runtime.executor import Executor
 from kiln.runtime.kv_cache import KVCache, PagePool
 from kiln.runtime.native_step import NativeStep
 from kiln.runtime.parallel import TPGroup
+from kiln.runtime.sampler import Logits
 from kiln.runtime.scheduler import Batch
 from kiln.runtime.step import StepContext, StepInputs
 
@@ -79,9 +80,10 @@ class ModelRunner:
         self.prefill = self._prefill_runner(art)
         self.group: TPGroup | None = None  # rank 0 of a tensor-parallel artefact
 
-    def forward(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:
+    def forward(self, batch: Batch, all_logits: bool = False) -> Logits:
         """Logits of the last fed token of each request that samples this step
-        ([sampling requests, vocab]), or of every fed token when `all_logits`."""
+        ([sampling requests, vocab]), or of every fed token when `all_logits`: a numpy
+        array from the native step (runtime/sampler.py `Logits`)."""
         step = self.inputs(batch, all_logits)
         if self.group is not None:
             self.group.send(step)
@@ -154,11 +156,13 @@ class ModelRunner:
                 self.pool.free(pages)
         return times
 
-    def run(self, step: StepInputs) -> torch.Tensor:
+    def run(self, step: StepInputs) -> Logits:
         bucket = None if self.decode is None else self.decode.bucket(step)
         if bucket is not None:
             assert self.decode is not None
-            return self.decode.run(self.step, step, bucket)[: len(step.rows)]
+            logits = self.decode.run(self.step, step, bucket)
+            # a padded bucket's extra rows go (the native step has none: no op to pay)
+            return logits if len(logits) == len(step.rows) else logits[: len(step.rows)]
         tokens = None if self.prefill is None else self.prefill.bucket(step)
         if tokens is not None:
             assert self.prefill is not None

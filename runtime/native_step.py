@@ -8,7 +8,7 @@ seen. Every step, decode, prefill, extend or mixed, is rows: each new token one 
 attends to its sequence's keys up to its own (runtime/step.py `plan_rows`), so a prefill
 is the decode step's code over more rows, and the attention kernel scores a sequence's
 rows together (kernels/csrc/cpu_kernels.c, attend_runs). A step fills one
-`kiln_step_args` and calls `kiln_step_run`; logits come back in a fresh tensor. An
+`kiln_step_args` and calls `kiln_step_run`; logits come back in a fresh numpy array. An
 artefact whose step was not lowered or not loaded runs every step in the Python executor,
 which stays the reference.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
+import numpy as np
 import torch
 
 from kiln.core.artefact import ArtefactError
@@ -140,12 +141,16 @@ class NativeStep:
         a.k_pool, a.v_pool = k_pool.data_ptr(), v_pool.data_ptr()
         a.pool_slots = k_pool.shape[2]
         a.rope = ctypes.addressof(self._rope_ptrs)
+        a.threads = torch.get_num_threads()
         self._pointer = ctypes.byref(a)
 
     def bucket(self, step: StepInputs) -> int | None:
         return len(step.ids) if step.ids and (step.decode or self.every_step) else None
 
     def warm_up(self, step: StepContext) -> None:
+        # The kernels' thread count, as torch's is now (the engine has set it: --threads, a
+        # tensor-parallel rank's share); read once, not a torch call a step.
+        self.args.threads = torch.get_num_threads()
         self._reserve(16)
         self._rope_reach(ROPE_BLOCK - 1)
 
@@ -174,23 +179,22 @@ class NativeStep:
             self.arena = torch.empty(self.width * cap)
             self.args.arena, self.args.cap = self.arena.data_ptr(), cap
 
-    def run(self, step: StepContext, inputs: StepInputs, bucket: int) -> torch.Tensor:
+    def run(self, step: StepContext, inputs: StepInputs, bucket: int) -> np.ndarray:
         buf, width = step.plan_rows(inputs)
         m, r = len(inputs.ids), len(inputs.rows)
         self._reserve(m)
         self._rope_reach(max(inputs.positions))
-        logits = torch.empty(r, self.vocab)
+        logits = np.empty((r, self.vocab), np.float32)  # runtime/sampler.py `Logits`
         a = self.args
         a.rows, a.out_rows = m, r
         # plan_rows' parts, 8 bytes an entry: ids, positions (m each), logits rows (r), then
         # slots, KV lengths, page-table rows (m each), then the tables
-        base = buf.data_ptr()
+        base = buf.buffer_info()[0]  # `buf` lives until the call returns
         a.ids, a.positions, a.logits_rows = base, base + 8 * m, base + 16 * m
         at = base + 8 * (2 * m + r)
         a.slots, a.kv_lens, a.kv_rows, a.kv_index = (at + 8 * m * i for i in range(4))
         a.kv_pages = width
-        a.logits = logits.data_ptr()
-        a.threads = torch.get_num_threads()
+        a.logits = logits.__array_interface__["data"][0]
         a.failed_at = -1
         rc = self.fn(self._pointer)
         if rc != 0:

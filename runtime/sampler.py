@@ -6,17 +6,31 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kiln.runtime.grammar import apply_bitmask, token_bitmask
 from kiln.runtime.sampling_params import SamplingParams
 
+Logits = torch.Tensor | np.ndarray
+"""A step's logits [rows, vocab]: the native step's come as a float32 numpy array (a
+plain-greedy step then never touches torch, whose first op after a step that streamed the
+weights through the caches costs ~80 us, a dozen of its warm ones), every other runner's
+as a tensor."""
 
-def argmax_rows(logits: torch.Tensor) -> list[int]:
+
+def as_tensor(logits: Logits) -> torch.Tensor:
+    """Logits as a tensor (a numpy array's memory shared, not copied)."""
+    return torch.from_numpy(logits) if isinstance(logits, np.ndarray) else logits
+
+
+def argmax_rows(logits: Logits) -> list[int]:
     """Each row's argmax (its first maximum; a NaN counts as the maximum, as in torch).
     Host logits go through numpy: torch's CPU argmax is scalar, 0.12 ms a row of SmolLM2's
     49152 logits against numpy's 0.01 (2-core Xeon), a step's worth of the batch-1 decode
     time at 16 rows."""
+    if isinstance(logits, np.ndarray):
+        return logits.argmax(axis=-1).tolist()
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
         return logits.numpy().argmax(axis=-1).tolist()
     return logits.argmax(dim=-1).tolist()
@@ -35,6 +49,18 @@ class SamplingRow:
     suppress: tuple[int, ...] = ()
     grammar: Any = None  # the request's grammar matcher: what it allows next is all it may pick
 
+    @property
+    def plain(self) -> bool:
+        """Its token is the logits' argmax as they are: greedy, no penalty, suppressed
+        token, grammar or logprobs."""
+        return (
+            self.params.greedy
+            and not self.params.penalised
+            and not self.suppress
+            and self.grammar is None
+            and self.top_logprobs is None
+        )
+
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -44,13 +70,16 @@ class TokenLogprob:
 
 
 def sample(
-    logits: torch.Tensor, rows: Sequence[SamplingRow]
+    logits: Logits, rows: Sequence[SamplingRow]
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """One token per row. A constrained row's grammar mask first, then penalties; greedy
     rows take the argmax, the others sample after temperature, top-k, top-p and min-p with
     their own generator. Logprobs are of the masked, penalised distribution before
-    temperature, as OpenAI reports them. Rows without a grammar pay nothing for it."""
-    logits = logits.float()
+    temperature, as OpenAI reports them. Rows without a grammar pay nothing for it; a step
+    of plain rows (`SamplingRow.plain`) is one argmax."""
+    if all(r.plain for r in rows):
+        return argmax_rows(logits), [None] * len(rows)
+    logits = as_tensor(logits).float()
     constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
     if constrained or any(r.params.penalised or r.suppress for r in rows):
         logits = logits.clone()

@@ -122,7 +122,7 @@ class Scheduler:
             self._make_room(decoding)
             decoding = [r for r in decoding if r.status is Status.RUNNING]
             batch.requests += decoding
-            batch.new_tokens += [[r.all_ids[-1]] for r in decoding]
+            batch.new_tokens += [[r.last_id] for r in decoding]
             batch.sample += [True] * len(decoding)
         return batch
 
@@ -213,7 +213,7 @@ class Scheduler:
             return None
         self.new_token_ratio = max(self._ratio_floor, self.new_token_ratio - 0.001)
         return Batch(
-            decoding, [[r.all_ids[-1]] for r in decoding], [True] * len(decoding), is_prefill=False
+            decoding, [[r.last_id] for r in decoding], [True] * len(decoding), is_prefill=False
         )
 
     def _make_room(self, decoding: list[Request]) -> None:

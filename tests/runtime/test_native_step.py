@@ -26,6 +26,7 @@ from kiln.kernels.cpu import KernelError
 from kiln.runtime.artefact import Artefact
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.native_step import NativeStep
+from kiln.runtime.sampler import as_tensor
 
 # (family, compile args): what each brings to the lowering.
 CASES = {
@@ -58,7 +59,7 @@ def test_native_decode_is_the_executors_step_to_the_bit(artefact, case: str) -> 
     for which in (list(range(20)), [3, 0, 17], [5]):
         for _ in range(2):
             step = seqs.step(which)
-            got = runner.run(step)  # the native step
+            got = as_tensor(runner.run(step))  # the native step (numpy logits)
             want = eager(runner, step)  # the executor, on the same inputs and pool
             assert got.shape == want.shape
             assert torch.equal(got, want), (got - want).abs().max()
@@ -81,7 +82,7 @@ def test_native_prefill_extend_and_mixed_steps_are_the_executors(artefact, case:
         step = seqs.step(which, new)
         step.rows = list(range(len(step.ids)))  # every row's logits
         want = eager(runner, step)  # the executor writes the step's K/V, then the native step
-        got = runner.run(step)
+        got = as_tensor(runner.run(step))
         torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-4)
         seqs.advance(step, which)
 

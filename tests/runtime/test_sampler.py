@@ -54,6 +54,29 @@ def test_argmax_rows_picks_torch_argmax_ties_and_nans_included() -> None:
     assert argmax_rows(logits[1:3, :10000]) == [7, 123]
     half = logits.bfloat16()
     assert argmax_rows(half) == half.argmax(-1).tolist()
+    assert argmax_rows(logits.numpy()) == expect  # the native step's logits
+
+
+def test_numpy_logits_sample_as_the_same_tensor_does() -> None:
+    """The native step's logits are a numpy array: a step of plain greedy rows is their
+    argmax, and any other row (suppressed tokens, penalties, logprobs, sampling) gets
+    what the same values as a tensor get."""
+    logits = torch.randn(5, 300)
+    top = int(logits[1].argmax())
+    rows = [
+        row(temperature=0),
+        SamplingRow(SamplingParams(temperature=0), None, (1,), (), None, (top,)),
+        row(temperature=0, repetition_penalty=1.3, prompt=(5, 6, 7)),
+        row(temperature=0, top=3),
+        row(seed=4, temperature=0.8),
+    ]
+    assert [r.plain for r in rows] == [True, False, False, False, False]
+    plain = sample(logits.numpy()[:1], rows[:1])
+    assert plain == ([int(logits[0].argmax())], [None])
+    got = sample(logits.numpy(), rows)
+    rows[-1] = row(seed=4, temperature=0.8)  # the generator afresh
+    want = sample(logits, rows)
+    assert got == want and got[0][1] != top and got[1][3] is not None
 
 
 def test_seeded_sampling_is_reproducible_and_varies_with_the_seed() -> None:
