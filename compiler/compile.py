@@ -154,11 +154,16 @@ def _lower_step(graph: Graph, options: Any, uses_native: bool) -> LoweredStep | 
     why = None
     if not uses_native:
         why = "the kiln_cpu kernels were not built for it"
-    elif options.kv_cache is not None:
-        why = f"a {options.kv_cache.dtype} KV pool (the step's attention reads float32)"
     else:
         try:
-            return lower_step(graph)
+            kv = options.kv_cache
+            step = lower_step(graph, None if kv is None else kv.dtype)
+            if kv is not None and plan["prefill"]["mode"] == "native":
+                # The executor's prompt attention reads the step's own K/V as computed,
+                # the step's would read them back rounded from the pool: prompts stay the
+                # executor's, decode steps are native.
+                plan["prefill"]["mode"] = "eager"
+            return step
         except Refused as e:
             why = str(e)
     plan["decode"]["mode"] = "eager"

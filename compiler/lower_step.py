@@ -42,8 +42,6 @@ from kiln.core.quant import FORMATS
 from kiln.kernels import native
 
 HEADER = native.SOURCE.parent / "kiln_step.h"
-# kiln_step_abi() of a step whose kiln_step_args and exports match runtime/native_step.py.
-STEP_ABI = 3
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "int32": 4}
 _PROLOGUES = {"none": 0, "silu_and_mul": 1}
@@ -122,18 +120,25 @@ class _Arena:
         self.live.pop(alloc, None)
 
 
-def lower_step(graph: Graph) -> LoweredStep:
-    """The step of `graph` as C; Refused if a node has no native form (or the graph
-    does not type-check)."""
+# --kv-cache-dtype's pool element types -> kernels/csrc/cpu_kernels.c's KV_* formats
+KV_FORMATS = {None: 0, "float8_e4m3fn": 1, "float8_e5m2": 2}
+
+
+def lower_step(graph: Graph, kv_dtype: str | None = None) -> LoweredStep:
+    """The step of `graph` as C, over a float32 KV pool or (`kv_dtype`) an fp8 one; Refused
+    if a node has no native form (or the graph does not type-check)."""
+    if kv_dtype not in KV_FORMATS:
+        raise Refused(f"a {kv_dtype} KV pool")
     try:
-        return _Lowering(graph).run()
+        return _Lowering(graph, KV_FORMATS[kv_dtype]).run()
     except IRError as e:
         raise Refused(str(e)) from None
 
 
 class _Lowering:
-    def __init__(self, graph: Graph) -> None:
+    def __init__(self, graph: Graph, kv_format: int = 0) -> None:
         self.graph = graph
+        self.kv_format = kv_format  # 0: float32 pool; 1, 2: fp8 e4m3fn, e5m2 bytes
         self.types = infer_types(graph)
         self.values: dict[int, Any] = {}
         self.weights: list[str] = []
@@ -469,17 +474,24 @@ class _Lowering:
         self.pool_floats = max(self.pool_floats, (layer + 1) * kv * d)
         if d % 8:
             raise Refused(f"%{n.name}: head_dim {d} is not a multiple of 8")
-        if _float(a["kv_scale"], "kv_scale") != "1.0f":
-            raise Refused(f"%{n.name}: a scaled (fp8) KV pool")
+        if not self.kv_format and _float(a["kv_scale"], "kv_scale") != "1.0f":
+            raise Refused(f"%{n.name}: a scaled float32 KV pool")
         heads = _int(a["num_heads"], "num_heads")
         return layer, heads, kv, d, _int(a["sliding_window"] or 0, "sliding_window")
 
     def pool(self, layer: int, kv: int, d: int) -> tuple[str, str]:
         at = f"(int64_t){layer} * {kv * d} * s->pool_slots"
+        if self.kv_format:  # one byte an element
+            return f"((uint8_t *)s->k_pool + {at})", f"((uint8_t *)s->v_pool + {at})"
         return f"(s->k_pool + {at})", f"(s->v_pool + {at})"
 
     def _attention(self, i: int, n: Node, a: dict[str, Any]) -> None:
         q, k, v = (self.buf(x) for x in n.args[:3])
+        self._attend(i, n, a, q, k, v)
+
+    def _attend(self, i: int, n: Node, a: dict[str, Any], q: Buf, k: Buf, v: Buf) -> None:
+        """K and V written to the pool, then q's rows attending to it (the executor's
+        attention on this backend, kernels/cpu.py)."""
         layer, heads, kv, d, window = self._attention_attrs(n, a)
         sinks = "NULL"
         if len(n.args) > 3:
@@ -488,18 +500,20 @@ class _Lowering:
                 raise Refused(f"%{n.name}: sinks of {spec.dtype} {spec.shape}")
             sinks = f"(const float *){self.weight(n.args[3])}"
         kp, vp = self.pool(layer, kv, d)
-        self.emit(
-            i,
-            f"s->k->kv_write({k.expr}, {k.stride}, {v.expr}, {v.stride}, s->slots, M, {kp}, "
-            f"{vp}, s->pool_slots, {kv}, {d})",
-            checked=False,
-        )
+        where = f"{k.expr}, {k.stride}, {v.expr}, {v.stride}, s->slots, M, {kp}, {vp}"
+        scale = "1.0f"
+        if self.kv_format:
+            scale = _float(a["kv_scale"], "kv_scale")
+            write = f"kv_write_fp8({where}, s->pool_slots, {kv}, {d}, {self.kv_format}, {scale})"
+        else:
+            write = f"kv_write({where}, s->pool_slots, {kv}, {d})"
+        self.emit(i, f"s->k->{write}", checked=False)
         out = self.new(n, heads * d, q.rows)
         self.emit(
             i,
             f"s->k->decode_attention({q.expr}, {q.stride}, {kp}, {vp}, s->pool_slots, "
             f"s->kv_index, s->kv_pages, s->kv_lens, s->kv_rows, {out.expr}, M, {heads}, {kv}, {d}, "
-            f"s->page_size, {window}, {_float(a['scale'], 'scale')}, 0, 1.0f, "
+            f"s->page_size, {window}, {_float(a['scale'], 'scale')}, {self.kv_format}, {scale}, "
             f"{_float(a['softcap'], 'softcap')}, {sinks}, T)",
         )
         self.keep(n, out)
@@ -509,6 +523,16 @@ class _Lowering:
         layer, heads, kv, d, window = self._attention_attrs(n, a)
         if cos.width != d:
             raise Refused(f"%{n.name}: rotary tables of {cos.width}, head_dim {d}")
+        if self.kv_format:
+            # The fused kernel writes float32 K/V: rotary over q and k, then the fp8 write
+            # and attention, as the executor runs this node on an fp8 pool.
+            nq, nk = heads * d, kv * d
+            qk = self.new(n, nq + nk, qkv.rows)
+            self.rope_call(i, qkv, cos.expr, sin.expr, qk, heads + kv, d)
+            self._attend(i, n, a, qk.column(0, nq), qk.column(nq, nk), qkv.column(nq + nk, nk))
+            assert qk.alloc is not None
+            self.arena.free(qk.alloc)
+            return
         kp, vp = self.pool(layer, kv, d)
         out = self.new(n, heads * d, qkv.rows)
         self.emit(
@@ -609,11 +633,12 @@ class _Lowering:
             " * (compiler/lower_step.py); the kernels are cpu_kernels.c's. */",
             HEADER.read_text(),
             f"static const int64_t WEIGHT_BYTES[] = {{{sizes}}};",
-            f"int64_t kiln_step_abi(void) {{ return {STEP_ABI}; }}",
+            f"int64_t kiln_step_abi(void) {{ return {native.STEP_ABI}; }}",
             f"int64_t kiln_step_arena_width(void) {{ return {max(self.arena.width, 1)}; }}",
             f"int64_t kiln_step_weights(void) {{ return {len(self.weights)}; }}",
             f"int64_t kiln_step_logits_width(void) {{ return {self.logits_width}; }}",
             f"int64_t kiln_step_pool_floats(void) {{ return {self.pool_floats}; }}",
+            f"int64_t kiln_step_kv_format(void) {{ return {self.kv_format}; }}",
             f"static const int64_t ROPE_WIDTHS[] = {{{widths}}};",
             f"int64_t kiln_step_rope_tables(void) {{ return {len(self.rope_widths)}; }}",
             f"static const int64_t CALL_NODES[] = {{{nodes}}};",

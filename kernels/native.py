@@ -18,6 +18,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kiln.core.target import CPU_EXTRA_CFLAGS, Target
 from kiln.paths import cache_dir, pid_alive
@@ -40,7 +41,7 @@ BASE_FLAGS = (
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 # kiln_abi_version() of a library whose exports match _SIGNATURES.
-ABI_VERSION = 11
+ABI_VERSION = 12
 _SIGNATURES = {
     "kiln_abi_version": (_I64, []),
     "kiln_rmsnorm_f32": (None, [_P, _I64, _I64, _P, _P, _I64, _I64, _F32, _INT]),
@@ -50,6 +51,10 @@ _SIGNATURES = {
     "kiln_softcap_f32": (None, [_P, _I64, _F32, _P, _I64, _I64, _INT]),
     "kiln_rope_f32": (None, [_P, _I64, _P, _P, _P, _I64, _I64, _I64, _INT]),
     "kiln_kv_write_f32": (None, [_P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64]),
+    "kiln_kv_write_fp8": (
+        None,
+        [_P, _I64, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _INT, _F32],
+    ),
     "kiln_linear_lanes": (_I64, []),
     "kiln_linear_group_panels": (_I64, []),
     "kiln_linear_f32": (_INT, [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _INT, _INT, _INT]),
@@ -98,7 +103,11 @@ STEP_KERNELS = (
     "kiln_rope_decode_attention_f32",
     "kiln_gelu_tanh_f32",
     "kiln_softcap_f32",
+    "kiln_kv_write_fp8",
 )
+# kiln_step_abi() of a step whose kiln_step_args (kiln_step.h) and exports match
+# runtime/native_step.py and these signatures (compiler/lower_step.py writes it).
+STEP_ABI = 4
 # A step library's exports (compiler/lower_step.py writes them).
 STEP_SIGNATURES = {
     "kiln_step_abi": (_I64, []),
@@ -107,6 +116,7 @@ STEP_SIGNATURES = {
     "kiln_step_weight_bytes": (_I64, [_I64]),
     "kiln_step_logits_width": (_I64, []),
     "kiln_step_pool_floats": (_I64, []),
+    "kiln_step_kv_format": (_I64, []),
     "kiln_step_rope_tables": (_I64, []),
     "kiln_step_rope_width": (_I64, [_I64]),
     "kiln_step_calls": (_I64, []),
@@ -236,25 +246,30 @@ def _compile(source: Path, lib: Path, target: Target, toolchain: Toolchain) -> P
 
 
 def load_step(path: Path) -> ctypes.CDLL:
-    """A native step library with its exports' signatures declared (AttributeError if it
-    lacks one)."""
-    lib = ctypes.CDLL(str(path))
-    for name, (restype, argtypes) in STEP_SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = restype, argtypes
-    return lib
+    """A native step library with its exports' signatures declared; KernelBuildError if it
+    was written for other signatures, AttributeError if it lacks an export."""
+    return _bind(path, STEP_SIGNATURES, "kiln_step_abi", STEP_ABI, "a step")
 
 
 def load(path: Path) -> ctypes.CDLL:
-    """The library with its functions' signatures declared; AttributeError if it lacks one,
-    KernelBuildError if it was built from a kiln source of other signatures."""
+    """The library with its functions' signatures declared; KernelBuildError if it was
+    built from a kiln source of other signatures, AttributeError if it lacks one."""
+    return _bind(path, _SIGNATURES, "kiln_abi_version", ABI_VERSION, "kernels")
+
+
+def _bind(
+    path: Path, signatures: dict[str, Any], version: str, want: int, what: str
+) -> ctypes.CDLL:
+    """The ABI version first: a library of another kiln says so, not which export of
+    this one's it lacks."""
     lib = ctypes.CDLL(str(path))
-    for name, (restype, argtypes) in _SIGNATURES.items():
+    getattr(lib, version).restype = ctypes.c_int64
+    if (got := getattr(lib, version)()) != want:
+        raise KernelBuildError(
+            f"{path.name}: {what} of ABI {got}, this kiln calls ABI {want}; recompile the "
+            "artefact with this kiln"
+        )
+    for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
-    if lib.kiln_abi_version() != ABI_VERSION:
-        raise KernelBuildError(
-            f"{path.name}: kernels of ABI {lib.kiln_abi_version()}, this kiln calls ABI "
-            f"{ABI_VERSION}; recompile the artefact with this kiln"
-        )
     return lib

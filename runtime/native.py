@@ -103,6 +103,6 @@ def open_step(
         return None
     try:
         lib = native.load_step(path)
-    except (OSError, AttributeError) as e:
+    except (OSError, AttributeError, native.KernelBuildError) as e:
         raise fmt.ArtefactError(f"{root}/{info['file']}: cannot load the step: {e}") from None
     return lib

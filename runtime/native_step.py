@@ -28,7 +28,8 @@ from kiln.kernels.cpu import KernelError
 from kiln.runtime.executor import bound_kernel
 from kiln.runtime.step import StepContext, StepInputs
 
-STEP_ABI = 3  # compiler/lower_step.py STEP_ABI
+# The pool element types a step's kv_format names (compiler/lower_step.py KV_FORMATS).
+KV_DTYPES = {0: torch.float32, 1: torch.float8_e4m3fn, 2: torch.float8_e5m2}
 ROPE_BLOCK = 1024  # positions the rotary tables grow by
 
 
@@ -80,12 +81,7 @@ class NativeStep:
         weights: dict[str, torch.Tensor],
         step: StepContext,
     ) -> None:
-        where = "the native step"
-        if step_lib.kiln_step_abi() != STEP_ABI:
-            raise ArtefactError(
-                f"{where} is of ABI {step_lib.kiln_step_abi()}, this kiln runs {STEP_ABI}: "
-                "recompile the artefact with this kiln"
-            )
+        where = "the native step"  # of this kiln's ABI (native.load_step checked)
         names = list(info["weights"])
         if step_lib.kiln_step_weights() != len(names):
             raise ArtefactError(
@@ -102,10 +98,11 @@ class NativeStep:
                 )
             tensors.append(t)
         k_pool, v_pool = step.k_cache, step.v_cache
-        per_slot = step_lib.kiln_step_pool_floats()
+        per_slot = step_lib.kiln_step_pool_floats()  # elements
+        kv_dtype = KV_DTYPES.get(int(step_lib.kiln_step_kv_format()))
         for pool in (k_pool, v_pool):
-            if pool.dtype != torch.float32 or not pool.is_contiguous():
-                raise ArtefactError(f"{where} runs on a contiguous float32 KV pool")
+            if pool.dtype != kv_dtype or not pool.is_contiguous():
+                raise ArtefactError(f"{where} runs on a contiguous {kv_dtype} KV pool")
             if pool.numel() < per_slot * pool.shape[2]:
                 raise ArtefactError(f"{where} reaches past the KV pool")
         self.rope = [
@@ -201,11 +198,11 @@ class NativeStep:
             raise self._error(rc)
         return logits
 
-    def profile(self, on: bool = True) -> torch.Tensor:
+    def profile(self, on: bool = True) -> np.ndarray:
         """Clock readings of the next steps: [calls + 1] ns, before the first call and after
         each (benchmarks/step_profile.py reads them); `on=False` stops them."""
-        self._ticks = torch.zeros(int(self.lib.kiln_step_calls()) + 1, dtype=torch.int64)
-        self.args.ticks = self._ticks.data_ptr() if on else None
+        self._ticks = np.zeros(int(self.lib.kiln_step_calls()) + 1, dtype=np.int64)
+        self.args.ticks = self._ticks.__array_interface__["data"][0] if on else None
         return self._ticks
 
     def call_nodes(self) -> list[int]:

@@ -188,6 +188,67 @@ void kiln_kv_write_f32(const float *k, int64_t k_stride, const float *v, int64_t
     }
 }
 
+/* Pool element formats of decode attention: fp32, or one byte per element (fp8 e4m3 /
+ * e5m2, as torch's float8_e4m3fn / float8_e5m2 lay them out). */
+enum { KV_F32 = 0, KV_E4M3 = 1, KV_E5M2 = 2 };
+
+/* fp32 -> fp8 e4m3fn (fmt 1) or e5m2 (fmt 2) byte, as torch's `.to(float8_...)` rounds:
+ * to nearest, ties to even, on the magnitude's bits. A normal result: drop the low mantissa
+ * bits after adding half an fp8 ulp less one (plus the kept bits' low bit, for the tie),
+ * the exponent rebiased; a subnormal one: adding 2^(fp8 min normal exponent + 23 - fp8
+ * mantissa bits) lets the FPU's own rounding line up the fp8 mantissa in the low bits.
+ * Magnitudes past the format (and NaN) give its NaN (e4m3fn, which has no inf) or, for
+ * e5m2, inf / NaN; the writer below saturates first, as attention.py's to_pool does. */
+static inline uint8_t f32_to_fp8(float x, int fmt) {
+    const int mbits = fmt == KV_E4M3 ? 3 : 2, bias = fmt == KV_E4M3 ? 7 : 15;
+    const int drop = 23 - mbits;
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+    u &= 0x7FFFFFFFu;
+    /* first magnitude that rounds past the largest finite value */
+    const uint32_t over = fmt == KV_E4M3 ? 0x43F00000u /* 480 */ : 0x47800000u /* 65536 */;
+    if (u >= over) {
+        if (fmt == KV_E4M3) return sign | 0x7F;
+        return sign | (u > 0x7F800000u ? 0x7F : 0x7C);
+    }
+    const uint32_t min_normal = (uint32_t)(127 + 1 - bias) << 23;
+    if (u < min_normal) {
+        const uint32_t magic = (uint32_t)(128 - bias + drop) << 23; /* 2^(1 - bias + drop) */
+        float f, m;
+        memcpy(&f, &u, sizeof f);
+        memcpy(&m, &magic, sizeof m);
+        f += m;
+        memcpy(&u, &f, sizeof u);
+        return sign | (uint8_t)(u - magic);
+    }
+    const uint32_t odd = (u >> drop) & 1u;
+    u += ((uint32_t)(bias - 127) << 23) + ((1u << (drop - 1)) - 1u) + odd;
+    return sign | (uint8_t)(u >> drop);
+}
+
+/* kiln_kv_write_f32 for an fp8 pool (fmt KV_E4M3 / KV_E5M2): each value / kv_scale,
+ * saturated to the format's largest finite value (NaN kept), as one byte. */
+void kiln_kv_write_fp8(const float *k, int64_t k_stride, const float *v, int64_t v_stride,
+                       const int64_t *out_slots, int64_t tokens, uint8_t *k_cache,
+                       uint8_t *v_cache, int64_t slots, int64_t kv_heads, int64_t dim, int fmt,
+                       float kv_scale) {
+    const float big = fmt == KV_E4M3 ? 448.0f : 57344.0f;
+    for (int64_t t = 0; t < tokens; t++) {
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const int64_t at = (h * slots + out_slots[t]) * dim;
+            const float *kr = k + t * k_stride + h * dim, *vr = v + t * v_stride + h * dim;
+            for (int64_t i = 0; i < dim; i++) {
+                float a = kr[i] / kv_scale, b = vr[i] / kv_scale;
+                a = a > big ? big : a < -big ? -big : a;
+                b = b > big ? big : b < -big ? -big : b;
+                k_cache[at + i] = f32_to_fp8(a, fmt);
+                v_cache[at + i] = f32_to_fp8(b, fmt);
+            }
+        }
+    }
+}
+
 /* Eight floats; aligned(4) lets it load from any float address. */
 typedef float v8f __attribute__((vector_size(32), aligned(4)));
 
@@ -218,10 +279,6 @@ static inline v8f hsum8x8(const v8f *a) {
 #define KV_AHEAD 16
 #define DECODE_PART_MIN 64  /* keys a part of a split decode row at least */
 #define DECODE_PARTS_MAX 16 /* parts a split decode row at most */
-
-/* Pool element formats of decode attention: fp32, or one byte per element (fp8 e4m3 /
- * e5m2, as torch's float8_e4m3fn / float8_e5m2 lay them out). */
-enum { KV_F32 = 0, KV_E4M3 = 1, KV_E5M2 = 2 };
 
 typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
 
@@ -1004,7 +1061,7 @@ int64_t kiln_linear_lanes(void) { return LANES; }
 
 /* The exported functions' signatures, as kernels/native.py declares them: bumped with any
  * change, so a library built from another kiln's source is refused, not misread. */
-int64_t kiln_abi_version(void) { return 11; }
+int64_t kiln_abi_version(void) { return 12; }
 int64_t kiln_linear_group_panels(void) { return GROUP_PANELS; }
 
 /* One narrow tile: `rows` rows (xt: [k][TILE_ROWS]) against one panel. Always inlined with

@@ -17,7 +17,7 @@
 #include <stdint.h>
 #include <time.h>
 
-/* The kernels' signatures (kernels/native.py _SIGNATURES, ABI 10). */
+/* The kernels' signatures (kernels/native.py _SIGNATURES, ABI 12). */
 typedef void (*kiln_rmsnorm_fn)(const float *, int64_t, int64_t, const float *, float *,
                                 int64_t, int64_t, float, int);
 typedef void (*kiln_add_rmsnorm_fn)(const float *, const float *, const float *, float *,
@@ -30,6 +30,9 @@ typedef void (*kiln_rope_fn)(const float *, int64_t, const float *, const float 
 typedef void (*kiln_kv_write_fn)(const float *, int64_t, const float *, int64_t,
                                  const int64_t *, int64_t, float *, float *, int64_t, int64_t,
                                  int64_t);
+typedef void (*kiln_kv_write_fp8_fn)(const float *, int64_t, const float *, int64_t,
+                                     const int64_t *, int64_t, uint8_t *, uint8_t *, int64_t,
+                                     int64_t, int64_t, int, float);
 typedef int (*kiln_linear_fn)(const float *, int64_t, int64_t, int64_t, const float *, int64_t,
                               const float *, float *, int, int, int);
 typedef int (*kiln_qlinear_fn)(const float *, int64_t, int64_t, int64_t, const void *,
@@ -70,6 +73,7 @@ typedef struct {
     kiln_rope_decode_attention_fn rope_decode_attention;
     kiln_gelu_tanh_fn gelu_tanh;
     kiln_softcap_fn softcap;
+    kiln_kv_write_fp8_fn kv_write_fp8;
 } kiln_kernels;
 
 /* One step, as runtime/native_step.py fills it: every row one token, attending to its
@@ -89,7 +93,8 @@ typedef struct {
     const int64_t *kv_rows;     /* each row's page table (its sequence) */
     int64_t kv_pages;
     int64_t page_size;
-    float *k_pool, *v_pool;     /* [layers, kv_heads, pool_slots, head_dim] */
+    float *k_pool, *v_pool;     /* [layers, kv_heads, pool_slots, head_dim]: fp32, or fp8
+                                 * bytes where the step was lowered for an fp8 pool */
     int64_t pool_slots;
     const float *const *rope;   /* each rope_cos_sin node's table, in graph order */
     int64_t rope_rows;          /* positions every table holds */

@@ -14,7 +14,7 @@ from native_libs import HOST_LEVELS, library
 
 from kiln.core.layout import pack_panels, pack_qpanels, panels_name, unpack_codes
 from kiln.core.opdef import with_attrs
-from kiln.core.ops.attention import AttentionBatch, SeqSpan
+from kiln.core.ops.attention import AttentionBatch, SeqSpan, to_pool
 from kiln.core.quant import (
     FORMATS,
     dequantize,
@@ -526,6 +526,37 @@ def test_paged_attention_prefill_and_batched_decode_with_windows(backend: str) -
         assert batch.decode
         last_q = [q[-1:] for q in qs]
         _check_step(backend, batch, last_q, keys, vals, [1] * len(lens), *args)
+
+
+@pytest.mark.parametrize("level", HOST_LEVELS[:1] + HOST_LEVELS[-1:])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("kv_scale", [1.0, 0.37])
+def test_fp8_kv_write_rounds_as_torch(level: str, dtype: torch.dtype, kv_scale: float) -> None:
+    """The native step's fp8 pool write (kiln_kv_write_fp8) gives attention.py's to_pool
+    bytes: value / kv_scale saturated, then torch's rounding. Every fp32 bit pattern whose
+    low 12 bits are one of a few (so every sign, exponent and high mantissa: subnormals,
+    ties at each fp8 ulp, the largest finite and past it), inf and NaN, and random rows."""
+    high = torch.arange(1 << 20, dtype=torch.int64) << 12
+    low = torch.tensor([0, 1, 0x7FF, 0x800, 0x801, 0xFFF])
+    bits = (high[:, None] + low[None, :]).flatten().to(torch.int32)  # wraps: every sign
+    special = torch.tensor([0.0, -0.0, 448.0, 464.0, 480.0, 57344.0, 61440.0, 65536.0])
+    values = torch.cat(
+        (bits.view(torch.float32), special, -special, torch.randn(4096) * 100)
+    ).contiguous()
+    kv_heads, d = 2, 8
+    rows = values.numel() // (kv_heads * d)
+    k = values[: rows * kv_heads * d].view(rows, kv_heads * d)
+    v = -k.flip(0).contiguous()
+    slots = torch.arange(rows, dtype=torch.int64)
+    fmt = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}[dtype]
+    pools = [torch.zeros(kv_heads, rows, d, dtype=torch.uint8) for _ in range(2)]
+    library(level).kiln_kv_write_fp8(
+        k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), rows,
+        pools[0].data_ptr(), pools[1].data_ptr(), rows, kv_heads, d, fmt, kv_scale,
+    )  # fmt: skip
+    for got, x in zip(pools, (k, v), strict=True):
+        want = to_pool(x.view(rows, kv_heads, d).transpose(0, 1), dtype, kv_scale)
+        assert torch.equal(got, want.view(torch.uint8).contiguous())
 
 
 def test_registry_lists_backends_per_device() -> None:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -77,6 +78,19 @@ def test_numpy_logits_sample_as_the_same_tensor_does() -> None:
     rows[-1] = row(seed=4, temperature=0.8)  # the generator afresh
     want = sample(logits, rows)
     assert got == want and got[0][1] != top and got[1][3] is not None
+
+
+def test_a_plain_greedy_step_needs_no_torch(monkeypatch) -> None:
+    """The native step's numpy logits and rows that take the argmax as it is: no torch op
+    (each costs ~80 us right after a step); any other row does need it."""
+    from kiln.runtime import sampler
+
+    logits = np.random.default_rng(0).standard_normal((2, 100)).astype(np.float32)
+    plain, logprobs = row(temperature=0), row(temperature=0, top=2)
+    monkeypatch.setattr(sampler, "torch", None)
+    assert sample(logits, [plain, plain]) == (logits.argmax(-1).tolist(), [None, None])
+    with pytest.raises(AttributeError):
+        sample(logits, [plain, logprobs])
 
 
 def test_seeded_sampling_is_reproducible_and_varies_with_the_seed() -> None:
