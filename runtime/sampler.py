@@ -157,6 +157,31 @@ def _finite(row: torch.Tensor) -> None:
     row[masked] = float("-inf")
 
 
+NUCLEUS_FIRST = 256  # the largest probabilities top_p looks at first
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`probs` with only the smallest prefix, largest first, whose mass reaches top_p (at
+    least one token): a token stays if the mass before it is at most top_p. The prefix is
+    found among the k largest (k = 256, then 8x more) once the k-th of them is dropped,
+    and every later token with it (ties at the boundary may keep another of equal
+    probability than a full sort would); a full sort only when it is not (or for NaN). A
+    sort of SmolLM2's 49,152 probabilities took 4.5 ms on a Zen 3 core, as long as a whole
+    batch-1 decode step there; the 256 largest take a fraction of that."""
+    n, k = probs.numel(), NUCLEUS_FIRST
+    while k < n:
+        top, idx = torch.topk(probs, k)
+        before = top.cumsum(0) - top
+        if before[-1] > top_p:  # the k-th is dropped: the prefix ends before it
+            keep = before <= top_p
+            return torch.zeros_like(probs).scatter_(0, idx[keep], top[keep])
+        k *= 8
+    sorted_p, idx = probs.sort(descending=True)
+    drop = sorted_p.cumsum(0) - sorted_p > top_p
+    sorted_p[drop] = 0.0
+    return torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+
+
 def _filtered_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     # A small temperature may overflow finite logits; -inf (suppressed tokens) stays -inf.
     row = torch.nan_to_num(
@@ -167,11 +192,7 @@ def _filtered_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         row = row.masked_fill(row < kth, float("-inf"))
     probs = torch.softmax(row, dim=-1)
     if p.top_p < 1.0:
-        sorted_p, idx = probs.sort(descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-        drop = sorted_p.cumsum(0) - sorted_p > p.top_p
-        sorted_p[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+        probs = _nucleus(probs, p.top_p)
     if p.min_p > 0.0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
     return probs / probs.sum()

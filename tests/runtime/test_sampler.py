@@ -100,6 +100,29 @@ def test_seeded_sampling_is_reproducible_and_varies_with_the_seed() -> None:
     assert len({tokens(logits, [row(s)])[0] for s in range(20)}) > 10
 
 
+def full_sort_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """top_p by one full sort: the definition _nucleus must keep."""
+    sorted_p, idx = probs.sort(descending=True)
+    sorted_p[sorted_p.cumsum(0) - sorted_p > top_p] = 0.0
+    return torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+
+
+@pytest.mark.parametrize("scale", [0.3, 3.0, 12.0])  # flat (a nucleus of thousands) .. peaked
+@pytest.mark.parametrize("top_p", [1e-6, 0.5, 0.9, 0.999])
+def test_the_nucleus_from_the_largest_is_the_full_sorts(scale: float, top_p: float) -> None:
+    """top_p keeps the same tokens whether it finds the prefix among the k largest or
+    sorts all 49,152 (random rows: no ties at the boundary)."""
+    from kiln.runtime.sampler import _nucleus
+
+    g = torch.Generator().manual_seed(int(scale * 10))
+    for _ in range(3):
+        probs = torch.softmax(torch.randn(49152, generator=g) * scale, -1)
+        probs[torch.randint(49152, (500,), generator=g)] = 0.0  # suppressed tokens
+        assert torch.equal(_nucleus(probs, top_p), full_sort_nucleus(probs, top_p))
+    nan = torch.full((1000,), float("nan"))
+    assert torch.equal(_nucleus(nan, 0.9).isnan(), full_sort_nucleus(nan, 0.9).isnan())
+
+
 def test_top_k_and_top_p_restrict_the_support() -> None:
     logits = torch.tensor([[5.0, 4.0, 3.0, -10.0, -10.0]])
     assert {tokens(logits, [row(s, top_k=2)])[0] for s in range(200)} == {0, 1}
