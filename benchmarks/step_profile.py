@@ -113,7 +113,7 @@ def main() -> None:
     if steps < (1 if ns.prefill else 2):
         raise SystemExit("no steps of that kind ran")
 
-    spent = np.diff(np.stack(readings), axis=1).sum(axis=0) if readings else np.zeros(0)
+    spent = np.diff(np.stack(readings), axis=1).sum(axis=0)
     bounds = [(int(r[0]), int(r[-1])) for r in readings]
     nodes = engine.art.graph.nodes
     # calls, ns, bytes of weights, multiply-adds (a step's)

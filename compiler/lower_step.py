@@ -120,7 +120,7 @@ class _Arena:
         self.live.pop(alloc, None)
 
 
-# --kv-cache-dtype's pool element types -> kernels/csrc/cpu_kernels.c's KV_* formats
+# --kv-cache-dtype's pool element types -> the kernels' kv_format (kernels/cpu.py KV_FORMATS)
 KV_FORMATS = {None: 0, "float8_e4m3fn": 1, "float8_e5m2": 2}
 
 

@@ -413,7 +413,7 @@ def _decode(
         ctx.page_size,
         a.sliding_window or 0,
         a.scale,
-        _KV_FORMATS[pool.dtype],
+        KV_FORMATS[pool.dtype],
         a.kv_scale,
         a.softcap,
         None if sinks is None else sinks.data_ptr(),
@@ -453,8 +453,9 @@ def _paged_pool(ctx: AttentionBatch, layer: int) -> tuple[int | None, ...]:
 # A linear's prologue attr -> the C kernels' PROLOGUE_* (kernels/csrc/cpu_kernels.c).
 _PROLOGUES = {"none": 0, "silu_and_mul": 1}
 
-# Pool element type -> the kernel's kv_format (kernels/csrc/cpu_kernels.c).
-_KV_FORMATS = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+# Pool element type -> the kernels' kv_format (kernels/csrc/cpu_kernels.c; a native step
+# names its pool's in kiln_step_kv_format).
+KV_FORMATS = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
 
 def _rows(x: torch.Tensor, what: str) -> torch.Tensor:

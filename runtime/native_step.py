@@ -24,12 +24,10 @@ import torch
 from kiln.core.artefact import ArtefactError
 from kiln.core.ir import Graph
 from kiln.kernels import native
-from kiln.kernels.cpu import KernelError
+from kiln.kernels.cpu import KV_FORMATS, KernelError
 from kiln.runtime.executor import bound_kernel
 from kiln.runtime.step import StepContext, StepInputs
 
-# The pool element types a step's kv_format names (compiler/lower_step.py KV_FORMATS).
-KV_DTYPES = {0: torch.float32, 1: torch.float8_e4m3fn, 2: torch.float8_e5m2}
 ROPE_BLOCK = 1024  # positions the rotary tables grow by
 
 
@@ -99,10 +97,13 @@ class NativeStep:
             tensors.append(t)
         k_pool, v_pool = step.k_cache, step.v_cache
         per_slot = step_lib.kiln_step_pool_floats()  # elements
-        kv_dtype = KV_DTYPES.get(int(step_lib.kiln_step_kv_format()))
+        kv_format = int(step_lib.kiln_step_kv_format())
         for pool in (k_pool, v_pool):
-            if pool.dtype != kv_dtype or not pool.is_contiguous():
-                raise ArtefactError(f"{where} runs on a contiguous {kv_dtype} KV pool")
+            if KV_FORMATS.get(pool.dtype) != kv_format or not pool.is_contiguous():
+                raise ArtefactError(
+                    f"{where} runs on a contiguous KV pool of format {kv_format} "
+                    "(kernels/cpu.py KV_FORMATS)"
+                )
             if pool.numel() < per_slot * pool.shape[2]:
                 raise ArtefactError(f"{where} reaches past the KV pool")
         self.rope = [
