@@ -23,9 +23,9 @@ import torch
 
 from kiln.core.artefact import ArtefactError
 from kiln.core.ir import Graph
+from kiln.core.ops.rope import Tables, rope_cos_sin
 from kiln.kernels import native
 from kiln.kernels.cpu import KV_FORMATS, KernelError
-from kiln.runtime.executor import bound_kernel
 from kiln.runtime.step import StepContext, StepInputs
 
 ROPE_BLOCK = 1024  # positions the rotary tables grow by
@@ -107,7 +107,9 @@ class NativeStep:
             if pool.numel() < per_slot * pool.shape[2]:
                 raise ArtefactError(f"{where} reaches past the KV pool")
         self.rope = [
-            (n, *bound_kernel(n, None, "decode")) for n in graph.nodes if n.op == "rope_cos_sin"
+            (rope_cos_sin.bind(n.attrs), n.args[1].attrs["name"])
+            for n in graph.nodes
+            if n.op == "rope_cos_sin"
         ]
         if step_lib.kiln_step_rope_tables() != len(self.rope):
             raise ArtefactError(
@@ -129,7 +131,7 @@ class NativeStep:
         )
         self._weights = (ctypes.c_void_p * max(1, len(tensors)))(*(t.data_ptr() for t in tensors))
         self.arena = torch.empty(0)
-        self.tables: list[torch.Tensor] = []
+        self.tables: list[np.ndarray] = []
         self._rope_ptrs = (ctypes.c_void_p * max(1, len(self.rope)))()
         self.args = StepArgs()
         a = self.args
@@ -153,21 +155,18 @@ class NativeStep:
         self._rope_reach(ROPE_BLOCK - 1)
 
     def _rope_reach(self, position: int) -> None:
-        """Rotary tables through `position`: rope_cos_sin's own kernel over every position
-        up to the next ROPE_BLOCK (the step copies rows of them; the Python executor's
-        values to the bit), grown as positions reach past them."""
+        """Rotary tables through `position`, over every position up to the next ROPE_BLOCK
+        (the step copies rows of them), grown as positions reach past them."""
         if position < self.args.rope_rows:
             return
         rows = max(2 * self.args.rope_rows, (position // ROPE_BLOCK + 1) * ROPE_BLOCK)
-        positions = torch.arange(rows)
         tables = []
-        for j, (n, kernel, _) in enumerate(self.rope):
-            cos, sin = kernel(positions, self.weights[n.args[1].attrs["name"]])
-            table = torch.stack((cos.reshape(rows, -1), sin.reshape(rows, -1)), 1).contiguous()
-            if table.dtype != torch.float32 or table.shape[2] != self.lib.kiln_step_rope_width(j):
+        for j, (attrs, inv_freq) in enumerate(self.rope):
+            table = rope_table(rows, self.weights[inv_freq].numpy(), attrs)
+            if table.shape[2] != self.lib.kiln_step_rope_width(j):
                 raise ArtefactError(f"the native step's rotary table {j} is not {table.shape}")
             tables.append(table)
-            self._rope_ptrs[j] = table.data_ptr()
+            self._rope_ptrs[j] = table.__array_interface__["data"][0]
         self.tables = tables
         self.args.rope_rows = rows
 
@@ -221,3 +220,22 @@ class NativeStep:
         if rc == -1:
             return MemoryError(f"native step {what}: out of memory for its scratch")
         return KernelError(f"native step {what}: failed ({rc})")
+
+
+def rope_table(rows: int, inv_freq: np.ndarray, a: Tables) -> np.ndarray:
+    """rope_cos_sin's values (kiln/core/ops/rope.py) for positions 0..rows-1, to the bit,
+    as [rows, 2, rotary_dim] float32 rows of (cos, signed sin): float32 angles, their cos
+    and sin correctly rounded from float64, the attention factor applied in float32."""
+    freqs = np.arange(rows, dtype=np.float32)[:, None] * inv_freq.astype(np.float32)[None, :]
+    wide = freqs.astype(np.float64)
+    cos, sin = np.cos(wide).astype(np.float32), np.sin(wide).astype(np.float32)
+    if a.scale != 1.0:
+        factor = np.full_like(inv_freq, a.scale, dtype=np.float32)
+        if a.scaled_pairs:
+            factor[a.scaled_pairs :] = 1.0
+        cos, sin = cos * factor, sin * factor
+    half = cos.shape[1]
+    table = np.empty((rows, 2, 2 * half), np.float32)
+    table[:, 0, :half] = table[:, 0, half:] = cos
+    table[:, 1, :half], table[:, 1, half:] = -sin, sin
+    return table

@@ -2,7 +2,7 @@
 CPU artefact's step to one C function; the runtime calls it once a step, every kind of step.
 
 A decode step must be the Python executor's to the bit (same kernels, same order, rotary
-rows from the same kernel), and a prefill, extend or mixed step close to it (its attention
+rows of the same values), and a prefill, extend or mixed step close to it (its attention
 is another kernel), for every family and weight format it lowers; refuse by name what it
 cannot lower (the executor then runs the step); never run a step library this user's kiln
 did not build; and check what it binds (weights, KV pool) before the first call."""
@@ -23,11 +23,12 @@ from kiln import Engine
 from kiln.compiler import report
 from kiln.compiler.lower_step import Refused, lower_step
 from kiln.core.artefact import ArtefactError
+from kiln.core.ops.rope import Tables, rope_cos_sin
 from kiln.kernels import native
 from kiln.kernels.cpu import KernelError
 from kiln.runtime.artefact import Artefact
 from kiln.runtime.model_runner import ModelRunner
-from kiln.runtime.native_step import NativeStep
+from kiln.runtime.native_step import NativeStep, rope_table
 from kiln.runtime.sampler import as_tensor
 
 # (family, compile args): what each brings to the lowering.
@@ -258,3 +259,22 @@ def test_the_building_threads_openmp_pool_is_handed_back_and_kernels_still_run(a
     worker.join()
     assert got == [here]
     engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    "base, dim, attrs",
+    [(1e4, 64, Tables()), (5e5, 128, Tables(1.2)), (1e6, 96, Tables(0.9, 12))],
+)
+def test_rotary_tables_are_the_reference_kernels_to_the_bit(
+    base: float, dim: int, attrs: Tables
+) -> None:
+    """The native step's tables come from numpy (no torch at load), the executor's from
+    the op's torch kernel: equal bits at every position of a long context, or a decode
+    step would no longer be the executor's."""
+    rows = 32768
+    inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    cos, sin = rope_cos_sin.kernel(torch.arange(rows), inv_freq, a=attrs)
+    want = torch.stack((cos.reshape(rows, -1), sin.reshape(rows, -1)), 1).numpy()
+    got = rope_table(rows, inv_freq.numpy(), attrs)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    assert np.array_equal(got.view(np.int32), want.view(np.int32))

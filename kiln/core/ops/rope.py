@@ -73,9 +73,15 @@ def rope_cos_sin(
     positions: torch.Tensor, inv_freq: torch.Tensor, *, a: Tables
 ) -> tuple[torch.Tensor, ...]:
     """Per-step rotary tables, [tokens, 1, rotary_dim]: cos for both halves, and sin signed
-    so that rope is one multiply-add with the halves swapped (see `rope`)."""
+    so that rope is one multiply-add with the halves swapped (see `rope`).
+
+    The angles are float32 products, as transformers makes them; their cos and sin are
+    taken in float64 and rounded once, so the tables are the correctly rounded values
+    whatever computes them (torch here, numpy for the native step's tables: runtime/
+    native_step.py), not each library's own float32 approximation."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    cos, sin = freqs.cos(), freqs.sin()
+    wide = freqs.to(torch.float64)
+    cos, sin = wide.cos().to(torch.float32), wide.sin().to(torch.float32)
     if a.scale != 1.0:
         factor = torch.full_like(inv_freq, a.scale)
         if a.scaled_pairs:
