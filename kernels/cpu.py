@@ -19,10 +19,9 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from kiln.core.lazy import lazy_module
 from kiln.core.ops.attention import Attention, AttentionBatch, is_fp8, rope_then_attend, write_kv
 from kiln.core.ops.elementwise import Cap
 from kiln.core.ops.linear import PackedLinear, QuantEmbedding, QuantLinear
@@ -30,6 +29,11 @@ from kiln.core.ops.norm import AddNorm, Norm
 from kiln.core.ops.rope import Rope, RopeQKV
 from kiln.core.quant import FORMATS
 from kiln.kernels.registry import register
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 
 class KernelError(RuntimeError):
@@ -413,7 +417,7 @@ def _decode(
         ctx.page_size,
         a.sliding_window or 0,
         a.scale,
-        KV_FORMATS[pool.dtype],
+        KV_FORMATS[str(pool.dtype).removeprefix("torch.")],
         a.kv_scale,
         a.softcap,
         None if sinks is None else sinks.data_ptr(),
@@ -455,7 +459,7 @@ _PROLOGUES = {"none": 0, "silu_and_mul": 1}
 
 # Pool element type -> the kernels' kv_format (kernels/csrc/cpu_kernels.c; a native step
 # names its pool's in kiln_step_kv_format).
-KV_FORMATS = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+KV_FORMATS = {"float32": 0, "float8_e4m3fn": 1, "float8_e5m2": 2}
 
 
 def _rows(x: torch.Tensor, what: str) -> torch.Tensor:

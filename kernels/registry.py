@@ -18,11 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.core.lazy import resolve
 from kiln.core.opdef import OpDef, signature_problem
 from kiln.core.ops import OPS, STRUCTURAL_OPS
-
-resolve()  # kernels run from here on: the op definitions get torch itself
 
 # torch_native: the reference, every device. kiln_cpu: kiln's own C kernels for fp32 on CPU
 # (linears on packed weights, paged decode attention, norms, rope). triton / flashinfer:

@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import functools
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from kiln.core.lazy import lazy_module
 from kiln.core.ops.attention import Attention, AttentionBatch, rope_then_attend, write_kv
 from kiln.core.ops.norm import AddNorm, Norm
 from kiln.core.ops.rope import Rope, RopeQKV
 from kiln.kernels.registry import register
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 BLOCK_M, BLOCK_N = 16, 32
 

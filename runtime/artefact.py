@@ -12,24 +12,30 @@ dtype, and the manifest's model numbers against the graph's. A failure is one li
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
-from safetensors.torch import load_file
+from typing import TYPE_CHECKING, Any
 
 from kiln.core import artefact as fmt
 from kiln.core.check import check, infer_types
 from kiln.core.graph_json import load_graph
 from kiln.core.ir import Graph, IRError
+from kiln.core.lazy import lazy_module
 from kiln.core.ops import ATTENTION_OPS, STRUCTURAL_OPS
 from kiln.core.target import Target, missing_on_host
 from kiln.kernels import catalog
 from kiln.runtime.native import open_library, open_step
+from kiln.runtime.weights import HostWeights
 from kiln.version import __version__
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 log = logging.getLogger("kiln.runtime")
 
@@ -87,10 +93,22 @@ class Artefact:
     manifest: dict[str, Any]
     spec: ModelSpec
     graph: Graph
-    weights: dict[str, torch.Tensor]
+    # A CPU artefact's weights as numpy views of the mapped file (runtime/weights.py):
+    # what the native step binds, no torch needed. None on a GPU, where `weights` is all.
+    host: HostWeights | None
     lib: Any = None  # the native kernel library (runtime/native.py), when the graph uses it
     step_lib: Any = None  # the native decode step (runtime/native.py open_step), if loaded
     device: str = "cpu"  # where the weights were loaded (runtime/placement.py)
+    _weights: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The weights as torch tensors (on the host, views of `host`'s memory, made at
+        the first call: the Python executor's and the reference kernels' input)."""
+        if self._weights is None:
+            assert self.host is not None
+            self._weights = self.host.tensors()
+        return self._weights
 
     def tokenizer_files(self) -> dict[str, bytes]:
         """The tokenizer files the manifest lists, by name, each read once and checked
@@ -126,17 +144,27 @@ class Artefact:
             raise fmt.ArtefactError(f"{root} has ranks 0..{spec.tp_size - 1}, not {rank}")
         graph = _load_graph(root, manifest, fmt.graph_file(rank))
         wfile = fmt.weights_file(rank)
+        host, tensors = None, None
         try:
-            weights = load_file(str(root / wfile), device=device)
+            if device == "cpu":
+                host = HostWeights(root / wfile)
+                found = {n: (host[n].shape, host.dtype(n)) for n in host}
+            else:
+                from safetensors.torch import load_file
+
+                tensors = load_file(str(root / wfile), device=device)
+                found = {
+                    n: (t.shape, str(t.dtype).removeprefix("torch.")) for n, t in tensors.items()
+                }
         except Exception as e:
             raise fmt.ArtefactError(f"{root}/{wfile} is damaged: {e}") from e
-        _check_weights(root / wfile, graph, weights)
+        _check_weights(root / wfile, graph, found)
         _check_agreement(root, spec, graph)
         lib = open_library(root, manifest, graph, trust_remote_code)
         step_lib = None
         if lib is not None and rank == 0:
             step_lib = open_step(root, manifest, trust_remote_code)
-        return cls(root, manifest, spec, graph, weights, lib, step_lib, device)
+        return cls(root, manifest, spec, graph, host, lib, step_lib, device, tensors)
 
 
 def _major_minor(version: str) -> tuple[str, ...]:
@@ -147,7 +175,7 @@ def check_versions(root: Path, manifest: dict[str, Any]) -> None:
     """The documented rule (docs/serving.md): the artefact format must match exactly (checked
     with the manifest); kiln and torch must match in major.minor, else the artefact is
     refused; a different patch release (or local build tag) only warns."""
-    for name, ours in (("kiln", __version__), ("torch", torch.__version__)):
+    for name, ours in (("kiln", __version__), ("torch", torch_version())):
         theirs = manifest[f"{name}_version"]
         if theirs == ours:
             continue
@@ -157,6 +185,13 @@ def check_versions(root: Path, manifest: dict[str, Any]) -> None:
                 "recompile it with this kiln (`kiln compile`)"
             )
         log.warning("%s was compiled with %s %s; this is %s %s", root, name, theirs, name, ours)
+
+
+def torch_version() -> str:
+    """This torch's version, without importing it where it is not imported yet."""
+    if "torch" in sys.modules and hasattr(sys.modules["torch"], "__version__"):
+        return str(sys.modules["torch"].__version__)
+    return importlib.metadata.version("torch")
 
 
 def check_target(root: Path, manifest: dict[str, Any]) -> None:
@@ -219,19 +254,20 @@ def _load_graph(root: Path, manifest: dict[str, Any], name: str = fmt.GRAPH) -> 
     return graph
 
 
-def _check_weights(where: Path, graph: Graph, weights: dict[str, torch.Tensor]) -> None:
+def _check_weights(
+    where: Path, graph: Graph, found: dict[str, tuple[tuple[int, ...], str]]
+) -> None:
+    """Every weight the graph names, of its shape and element type (a file's tensors are
+    contiguous by the format: each is one run of bytes)."""
     for name, spec in graph.weights.items():
-        t = weights.get(name)
-        if t is None:
+        if name not in found:
             raise fmt.ArtefactError(f"{where} lacks {name!r}")
-        shape = spec.stored_shape
-        if tuple(t.shape) != shape or str(t.dtype).removeprefix("torch.") != spec.dtype:
+        shape, dtype = found[name]
+        if tuple(shape) != spec.stored_shape or dtype != spec.dtype:
             raise fmt.ArtefactError(
-                f"{where}: {name!r} is {tuple(t.shape)} {t.dtype}, the graph says "
-                f"{shape} {spec.dtype}"
+                f"{where}: {name!r} is {tuple(shape)} {dtype}, the graph says "
+                f"{spec.stored_shape} {spec.dtype}"
             )
-        if not t.is_contiguous():
-            raise fmt.ArtefactError(f"{where}: {name!r} is not stored contiguously")
 
 
 def _check_agreement(root: Path, spec: ModelSpec, graph: Graph) -> None:

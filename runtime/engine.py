@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kiln.args import ArgError, ServerArgs
 from kiln.args.stages import refuse_compile_time_changes
 from kiln.core import artefact as fmt
+from kiln.core.lazy import lazy_module
 from kiln.runtime.artefact import Artefact, ModelSpec, checked_manifest, model_spec
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.grammar import Grammars
@@ -47,7 +45,13 @@ from kiln.runtime.speculative import (
     plan_steps,
     rows_kv,
 )
+from kiln.runtime.threads import default_threads, set_threads
 from kiln.runtime.tokenizer import TokenizerError, import_tokenizer_libraries, load_tokenizer
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 log = logging.getLogger("kiln.engine")
 
@@ -267,7 +271,7 @@ class Engine:
         device = manifest["target"]["device"]
         weights = manifest["files"][fmt.weights_file(0)]["bytes"]
         per_token = KVCache.bytes_per_token(
-            spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.kv_torch_dtype, spec.v_head_dim
+            spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.kv_dtype, spec.v_head_dim
         )
         demand = KVDemand(per_token, spec.page_size, self.context_length * self.max_running)
         memory = gpu_memory(0) if device == "cuda" else available_ram()
@@ -770,7 +774,7 @@ class Engine:
         with its share of this machine's threads."""
         size, nnodes = self.art.spec.tp_size, self.args.nnodes
         per_rank = max(1, self.threads // (size // nnodes))  # this node's ranks
-        torch.set_num_threads(per_rank)
+        set_threads(per_rank)
         self.threads = per_rank
         self.runner.group = TPGroup(
             self.art.root,
@@ -787,9 +791,11 @@ class Engine:
 
 
 def _set_threads(asked: int | None) -> tuple[int, str]:
-    """Apply --threads; return the kernel thread count and where it came from."""
+    """Apply --threads; return the kernel thread count and where it came from (torch's
+    default otherwise: runtime/threads.py, which hands it to torch if torch comes)."""
     if asked:
-        torch.set_num_threads(asked)
+        set_threads(asked)
         return asked, "--threads"
-    env = os.environ.get("OMP_NUM_THREADS")
-    return torch.get_num_threads(), f"OMP_NUM_THREADS={env}" if env else "one per core"
+    count, source = default_threads()
+    set_threads(count)
+    return count, source

@@ -23,8 +23,13 @@ from typing import Any, Literal
 import torch
 
 from kiln.core.ir import GRAPH_INPUTS, Graph, Node
+from kiln.core.lazy import resolve
 from kiln.core.ops import ATTENTION_OPS, OPS
 from kiln.kernels import catalog
+
+# Kernels run from here on: the op definitions and backends get torch itself, not their
+# stand-ins (kiln/core/lazy.py; torch.compile must see torch in a kernel's globals).
+resolve()
 
 Phase = Literal["decode", "prefill"]
 

@@ -23,10 +23,16 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+from kiln.core.lazy import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 # What a request may constrain its output with (SGLang's sampling parameter names).
 KINDS = ("json_schema", "regex", "ebnf", "structural_tag")

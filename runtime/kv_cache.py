@@ -6,6 +6,10 @@ at the memory it actually used (the allocator hands out low pages first, which k
 touched part compact). Pages that fall free are given back to the OS (`KVCache.release`,
 MADV_DONTNEED: they read as zeros again) when the engine goes idle or the prefix cache is
 flushed. On GPUs the pool is allocated up front, as SGLang does.
+
+A host pool is numpy arrays over the mapping (`k_host`, `v_host`: what the native step
+binds, no torch needed); `k` and `v`, the torch tensors the Python executor and its
+kernels take, are views of the same memory, made when first read.
 """
 
 from __future__ import annotations
@@ -13,8 +17,17 @@ from __future__ import annotations
 import math
 import mmap
 import time
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
+
+from kiln.core.lazy import lazy_module
+from kiln.runtime.weights import DTYPES, dtype_name, torch_view
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 
 class PagePool:
@@ -83,29 +96,57 @@ class KVCache:
         num_slots: int,
         num_kv_heads: int,
         head_dim: int,
-        dtype: torch.dtype,
+        dtype: str | torch.dtype,
         device: str = "cpu",
         v_head_dim: int | None = None,
     ) -> None:
-        shape = (num_layers, num_kv_heads, num_slots, head_dim)
+        self.dtype = dtype_name(dtype)
+        self.device = device
+        self.shape = (num_layers, num_kv_heads, num_slots, head_dim)
+        v_shape = (*self.shape[:3], _v_width(head_dim, v_head_dim))
+        self.itemsize = DTYPES[self.dtype].itemsize
+        self.nbytes = (math.prod(self.shape) + math.prod(v_shape)) * self.itemsize
+        self.k_host: np.ndarray | None = None
+        self.v_host: np.ndarray | None = None
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+        self._maps: list[mmap.mmap] = []
         # Zero-filled, not uninitialised: padded decode reads slot 0 under a mask, and
         # NaN * 0 is NaN.
-        self.k, k_map = _zeros(shape, dtype, device)
-        self.v, v_map = _zeros((*shape[:3], _v_width(head_dim, v_head_dim)), dtype, device)
-        # v_map is None for an empty V pool (latent attention keeps all it needs in K).
-        self._maps = [m for m in (k_map, v_map) if m is not None]
-        self.nbytes = (self.k.numel() + self.v.numel()) * self.k.element_size()
+        if device == "cpu":
+            self.k_host, k_map = _host_zeros(self.shape, self.dtype)
+            self.v_host, v_map = _host_zeros(v_shape, self.dtype)
+            # v_map is None for an empty V pool (latent attention keeps all it needs in K).
+            self._maps = [m for m in (k_map, v_map) if m is not None]
+        else:
+            self._k = torch.zeros(self.shape, dtype=getattr(torch, self.dtype), device=device)
+            self._v = torch.zeros(v_shape, dtype=self._k.dtype, device=device)
+
+    @property
+    def k(self) -> torch.Tensor:
+        """K of every layer, [layers, kv_heads, slots, head_dim], as a torch tensor."""
+        if self._k is None:
+            assert self.k_host is not None
+            self._k = torch_view(self.k_host, self.dtype)
+        return self._k
+
+    @property
+    def v(self) -> torch.Tensor:
+        if self._v is None:
+            assert self.v_host is not None
+            self._v = torch_view(self.v_host, self.dtype)
+        return self._v
 
     @staticmethod
     def bytes_per_token(
         num_layers: int,
         num_kv_heads: int,
         head_dim: int,
-        dtype: torch.dtype,
+        dtype: str | torch.dtype,
         v_head_dim: int | None = None,
     ) -> int:
         v_dim = _v_width(head_dim, v_head_dim)
-        return num_layers * num_kv_heads * (head_dim + v_dim) * dtype.itemsize
+        return num_layers * num_kv_heads * (head_dim + v_dim) * DTYPES[dtype_name(dtype)].itemsize
 
     def release(
         self, pages: list[int], page_size: int, budget_s: float = math.inf
@@ -117,8 +158,8 @@ class KVCache:
         handled); a GPU pool stays allocated (0 bytes)."""
         if not self._maps or not pages:
             return 0, []
-        layers, heads, slots, dim = self.k.shape
-        row = dim * self.k.element_size()  # bytes of one slot of one head
+        layers, heads, slots, dim = self.shape
+        row = dim * self.itemsize  # bytes of one slot of one head
         deadline = time.perf_counter() + budget_s
         released = 0
         for first, count in _runs(pages):
@@ -154,14 +195,12 @@ def _runs(pages: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _zeros(
-    shape: tuple[int, ...], dtype: torch.dtype, device: str
-) -> tuple[torch.Tensor, mmap.mmap | None]:
-    if device != "cpu" or 0 in shape:
-        return torch.zeros(shape, dtype=dtype, device=device), None
-    numel = 1
-    for d in shape:
-        numel *= d
-    nbytes = max(numel * dtype.itemsize, 1)
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape), memory
+def _host_zeros(shape: tuple[int, ...], dtype: str) -> tuple[np.ndarray, mmap.mmap | None]:
+    storage = DTYPES[dtype].storage
+    if 0 in shape:
+        return np.zeros(shape, storage), None
+    count = math.prod(shape)
+    memory = mmap.mmap(
+        -1, count * DTYPES[dtype].itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    )
+    return np.frombuffer(memory, storage, count).reshape(shape), memory

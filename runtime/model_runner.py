@@ -13,25 +13,22 @@ import gc
 import math
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
 from kiln.core.artefact import ArtefactError
 from kiln.runtime.artefact import Artefact
-from kiln.runtime.capture import (
-    CompiledDecode,
-    GraphDecode,
-    PiecewisePrefill,
-    Recorder,
-    cuda_recorder,
-)
-from kiln.runtime.executor import Executor
 from kiln.runtime.kv_cache import KVCache, PagePool
 from kiln.runtime.native_step import NativeStep
-from kiln.runtime.parallel import TPGroup
 from kiln.runtime.sampler import Logits
 from kiln.runtime.scheduler import Batch
 from kiln.runtime.step import StepContext, StepInputs
+
+if TYPE_CHECKING:
+    from kiln.runtime.capture import CompiledDecode, GraphDecode, PiecewisePrefill, Recorder
+    from kiln.runtime.executor import Executor
+    from kiln.runtime.parallel import TPGroup
 
 
 def freeze_startup_heap(collect: bool = True) -> int:
@@ -60,9 +57,10 @@ class ModelRunner:
     ) -> None:
         spec = art.spec
         self.spec = spec
+        self.art = art
         self.device = art.device
         _pick_rope_tables(art, context_length or spec.context_length)
-        self.executor = Executor(art.graph, art.weights, art.lib)
+        self._executor: Executor | None = None
         self.pool = PagePool(max(1, max_total_tokens // spec.page_size), spec.page_size)
         # One page past the pool's: the scratch page padding rows write to (runtime/step.py).
         self.kv = KVCache(
@@ -70,15 +68,25 @@ class ModelRunner:
             (self.pool.num_pages + 1) * spec.page_size,
             spec.num_kv_heads,
             spec.head_dim,
-            spec.kv_torch_dtype,
+            spec.kv_dtype,
             self.device,
             spec.v_head_dim,
         )
-        self.step = StepContext(self.kv.k, self.kv.v, spec.page_size)
+        self.step = StepContext.over(self.kv, spec.page_size)
         self._recorder: Recorder | None = None
         self.decode = self._decode_runner(art, context_length or spec.context_length)
         self.prefill = self._prefill_runner(art)
         self.group: TPGroup | None = None  # rank 0 of a tensor-parallel artefact
+
+    @property
+    def executor(self) -> Executor:
+        """The Python executor over the graph: made when a step first needs it (the first
+        step the native step does not run, if any: it imports torch)."""
+        if self._executor is None:
+            from kiln.runtime.executor import Executor
+
+            self._executor = Executor(self.art.graph, self.art.weights, self.art.lib)
+        return self._executor
 
     def forward(self, batch: Batch, all_logits: bool = False) -> Logits:
         """Logits of the last fed token of each request that samples this step
@@ -174,10 +182,10 @@ class ModelRunner:
         """How decode steps run, for the start-up log: a slow mode says why."""
         if isinstance(self.decode, NativeStep):
             return "native step"
-        if isinstance(self.decode, GraphDecode):
-            return "CUDA graphs"
-        if isinstance(self.decode, CompiledDecode):
-            return "compiled pieces"
+        if self.decode is not None:  # one of runtime/capture.py's, which it imported
+            from kiln.runtime.capture import GraphDecode
+
+            return "CUDA graphs" if isinstance(self.decode, GraphDecode) else "compiled pieces"
         plan = art.graph.plan or {}
         if plan.get("decode", {}).get("mode") == "native":
             return "Python executor (the native step library was not loaded)"
@@ -195,9 +203,14 @@ class ModelRunner:
             if art.step_lib is None:  # not lowered, or not trusted (open_step warned)
                 return None
             info = art.manifest["native_step"]
-            return NativeStep(art.step_lib, art.lib, info, art.graph, art.weights, self.step)
+            assert art.host is not None  # a native step is a CPU artefact's
+            return NativeStep(
+                art.step_lib, art.lib, info, art.graph, art.host, self.kv, self.spec.page_size
+            )
         if plan is None or mode == "eager" or not plan["decode"]["batch_sizes"]:
             return None
+        from kiln.runtime.capture import CompiledDecode, GraphDecode
+
         if mode == "compiled":
             return CompiledDecode(art.graph, art.weights, art.lib, plan)
         max_pages = min(self.pool.num_pages, self.pool.pages_for(context_length))
@@ -208,11 +221,15 @@ class ModelRunner:
         plan = art.graph.plan
         if plan is None or plan["prefill"]["mode"] != "piecewise":
             return None
+        from kiln.runtime.capture import PiecewisePrefill
+
         return PiecewisePrefill(art.graph, art.weights, art.lib, plan, self.recorder())
 
     def recorder(self) -> Recorder:
         """One CUDA-graph recorder (one memory pool) for every recording of this runner."""
         if self._recorder is None:
+            from kiln.runtime.capture import cuda_recorder
+
             self._recorder = cuda_recorder(self.kv.k.device)
         return self._recorder
 
@@ -224,8 +241,16 @@ def _pick_rope_tables(art: Artefact, context_length: int) -> None:
         if context_length <= entry["context_above"]:
             continue
         name = entry["weight"]
-        old = art.weights.get(name)
-        new = torch.tensor(entry["inv_freq"], dtype=torch.float32)
-        if old is None or old.shape != new.shape:
-            raise ArtefactError(f"long_rope: {name} is not a rope table of {new.numel()}")
-        art.weights[name] = new.to(old.device)
+        new = np.array(entry["inv_freq"], dtype=np.float32)
+        if art.host is not None:  # the weights' one copy: torch's tensors are views of it
+            old = art.host.get(name)
+            if old is None or old.shape != new.shape or art.host.dtype(name) != "float32":
+                raise ArtefactError(f"long_rope: {name} is not a rope table of {new.size}")
+            old[...] = new
+            continue
+        tensor = art.weights.get(name)
+        if tensor is None or tuple(tensor.shape) != new.shape:
+            raise ArtefactError(f"long_rope: {name} is not a rope table of {new.size}")
+        import torch
+
+        tensor.copy_(torch.from_numpy(new))

@@ -16,17 +16,19 @@ which stays the reference.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import torch
 
 from kiln.core.artefact import ArtefactError
 from kiln.core.ir import Graph
-from kiln.core.ops.rope import Tables, rope_cos_sin
+from kiln.core.ops.rope import Tables
 from kiln.kernels import native
 from kiln.kernels.cpu import KV_FORMATS, KernelError
+from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.step import StepContext, StepInputs
+from kiln.runtime.threads import threads
 
 ROPE_BLOCK = 1024  # positions the rotary tables grow by
 
@@ -76,9 +78,13 @@ class NativeStep:
         kernels: ctypes.CDLL,
         info: dict[str, Any],
         graph: Graph,
-        weights: dict[str, torch.Tensor],
-        step: StepContext,
+        weights: Mapping[str, np.ndarray],
+        kv: KVCache,
+        page_size: int,
     ) -> None:
+        """`weights`: the artefact's, as host arrays (runtime/weights.py); `kv`: the
+        runner's pool of `page_size` pages, whose host arrays the step reads and writes.
+        Nothing here needs torch."""
         where = "the native step"  # of this kiln's ABI (native.load_step checked)
         names = list(info["weights"])
         if step_lib.kiln_step_weights() != len(names):
@@ -86,28 +92,29 @@ class NativeStep:
                 f"{where} takes {step_lib.kiln_step_weights()} weights, "
                 f"the manifest lists {len(names)}"
             )
-        tensors = []
+        arrays = []
         for i, name in enumerate(names):
-            t = weights.get(name)
+            w = weights.get(name)
             want = step_lib.kiln_step_weight_bytes(i)
-            if t is None or not t.is_contiguous() or t.numel() * t.element_size() != want:
+            if w is None or not w.flags.c_contiguous or w.nbytes != want:
                 raise ArtefactError(
                     f"{where} reads {want} bytes of weight {name!r}; the artefact's does not match"
                 )
-            tensors.append(t)
-        k_pool, v_pool = step.k_cache, step.v_cache
+            arrays.append(w)
+        k_pool, v_pool = kv.k_host, kv.v_host
         per_slot = step_lib.kiln_step_pool_floats()  # elements
         kv_format = int(step_lib.kiln_step_kv_format())
+        if KV_FORMATS.get(kv.dtype) != kv_format or k_pool is None or v_pool is None:
+            raise ArtefactError(
+                f"{where} runs on a host KV pool of format {kv_format} (kernels/cpu.py KV_FORMATS)"
+            )
         for pool in (k_pool, v_pool):
-            if KV_FORMATS.get(pool.dtype) != kv_format or not pool.is_contiguous():
-                raise ArtefactError(
-                    f"{where} runs on a contiguous KV pool of format {kv_format} "
-                    "(kernels/cpu.py KV_FORMATS)"
-                )
-            if pool.numel() < per_slot * pool.shape[2]:
+            if not pool.flags.c_contiguous:
+                raise ArtefactError(f"{where} runs on a contiguous KV pool")
+            if pool.size < per_slot * pool.shape[2]:
                 raise ArtefactError(f"{where} reaches past the KV pool")
         self.rope = [
-            (rope_cos_sin.bind(n.attrs), n.args[1].attrs["name"])
+            (Tables(**n.attrs), n.args[1].attrs["name"])
             for n in graph.nodes
             if n.op == "rope_cos_sin"
         ]
@@ -125,32 +132,32 @@ class NativeStep:
         self.every_step = plan is not None and plan["prefill"]["mode"] == "native"
         self.width = int(step_lib.kiln_step_arena_width())
         self.vocab = int(step_lib.kiln_step_logits_width())
-        self._tensors = tensors  # the weights the pointers below point into
+        self._arrays = arrays  # the weights the pointers below point into
         self._table = KernelTable(
             *(ctypes.cast(getattr(kernels, n), ctypes.c_void_p).value for n in native.STEP_KERNELS)
         )
-        self._weights = (ctypes.c_void_p * max(1, len(tensors)))(*(t.data_ptr() for t in tensors))
-        self.arena = torch.empty(0)
+        self._weights = (ctypes.c_void_p * max(1, len(arrays)))(*(_address(w) for w in arrays))
+        self.arena = np.empty(0, np.float32)
         self.tables: list[np.ndarray] = []
         self._rope_ptrs = (ctypes.c_void_p * max(1, len(self.rope)))()
         self.args = StepArgs()
         a = self.args
         a.k = ctypes.addressof(self._table)
         a.w = ctypes.addressof(self._weights)
-        a.page_size = step.page_size
-        a.k_pool, a.v_pool = k_pool.data_ptr(), v_pool.data_ptr()
+        a.page_size = page_size
+        a.k_pool, a.v_pool = _address(k_pool), _address(v_pool)
         a.pool_slots = k_pool.shape[2]
         a.rope = ctypes.addressof(self._rope_ptrs)
-        a.threads = torch.get_num_threads()
+        a.threads = threads()
         self._pointer = ctypes.byref(a)
 
     def bucket(self, step: StepInputs) -> int | None:
         return len(step.ids) if step.ids and (step.decode or self.every_step) else None
 
     def warm_up(self, step: StepContext) -> None:
-        # The kernels' thread count, as torch's is now (the engine has set it: --threads, a
-        # tensor-parallel rank's share); read once, not a torch call a step.
-        self.args.threads = torch.get_num_threads()
+        # The kernels' thread count as the engine has set it now (--threads, a
+        # tensor-parallel rank's share: runtime/threads.py); read once, not every step.
+        self.args.threads = threads()
         self._reserve(16)
         self._rope_reach(ROPE_BLOCK - 1)
 
@@ -162,19 +169,19 @@ class NativeStep:
         rows = max(2 * self.args.rope_rows, (position // ROPE_BLOCK + 1) * ROPE_BLOCK)
         tables = []
         for j, (attrs, inv_freq) in enumerate(self.rope):
-            table = rope_table(rows, self.weights[inv_freq].numpy(), attrs)
+            table = rope_table(rows, self.weights[inv_freq], attrs)
             if table.shape[2] != self.lib.kiln_step_rope_width(j):
                 raise ArtefactError(f"the native step's rotary table {j} is not {table.shape}")
             tables.append(table)
-            self._rope_ptrs[j] = table.__array_interface__["data"][0]
+            self._rope_ptrs[j] = _address(table)
         self.tables = tables
         self.args.rope_rows = rows
 
     def _reserve(self, rows: int) -> None:
         if rows > self.args.cap:
             cap = max(rows, 2 * self.args.cap)
-            self.arena = torch.empty(self.width * cap)
-            self.args.arena, self.args.cap = self.arena.data_ptr(), cap
+            self.arena = np.empty(self.width * cap, np.float32)
+            self.args.arena, self.args.cap = _address(self.arena), cap
 
     def run(self, step: StepContext, inputs: StepInputs, bucket: int) -> np.ndarray:
         buf, width = step.plan_rows(inputs)
@@ -191,7 +198,7 @@ class NativeStep:
         at = base + 8 * (2 * m + r)
         a.slots, a.kv_lens, a.kv_rows, a.kv_index = (at + 8 * m * i for i in range(4))
         a.kv_pages = width
-        a.logits = logits.__array_interface__["data"][0]
+        a.logits = _address(logits)
         a.failed_at = -1
         rc = self.fn(self._pointer)
         if rc != 0:
@@ -202,7 +209,7 @@ class NativeStep:
         """Clock readings of the next steps: [calls + 1] ns, before the first call and after
         each (benchmarks/step_profile.py reads them); `on=False` stops them."""
         self._ticks = np.zeros(int(self.lib.kiln_step_calls()) + 1, dtype=np.int64)
-        self.args.ticks = self._ticks.__array_interface__["data"][0] if on else None
+        self.args.ticks = _address(self._ticks) if on else None
         return self._ticks
 
     def call_nodes(self) -> list[int]:
@@ -220,6 +227,10 @@ class NativeStep:
         if rc == -1:
             return MemoryError(f"native step {what}: out of memory for its scratch")
         return KernelError(f"native step {what}: failed ({rc})")
+
+
+def _address(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
 
 
 def rope_table(rows: int, inv_freq: np.ndarray, a: Tables) -> np.ndarray:

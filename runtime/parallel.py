@@ -41,13 +41,19 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from kiln.args import ArgError
+from kiln.core.lazy import lazy_module
 from kiln.runtime.placement import Placement
 from kiln.runtime.step import StepInputs
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+else:
+    torch = lazy_module("torch")
+    dist = lazy_module("torch.distributed")
 
 log = logging.getLogger("kiln.parallel")
 

@@ -18,10 +18,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from kiln.args import ArgError
+from kiln.core.lazy import lazy_module
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 DEFAULT_CPU_MEM_FRACTION = 0.3
 DEFAULT_GPU_MEM_FRACTION = 0.9  # SGLang's documented default for --mem-fraction-static

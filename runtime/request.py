@@ -5,13 +5,17 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from kiln.core.lazy import lazy_module
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.sampler import TokenLogprob
 from kiln.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
 
 
 class Status(enum.Enum):

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
-import torch
 
+from kiln.core.lazy import lazy_module
 from kiln.runtime.grammar import apply_bitmask, token_bitmask
 from kiln.runtime.sampling_params import SamplingParams
 
-Logits = torch.Tensor | np.ndarray
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch")
+
+Logits: TypeAlias = "torch.Tensor | np.ndarray"
 """A step's logits [rows, vocab]: the native step's come as a float32 numpy array (a
 plain-greedy step then never touches torch, whose first op after a step that streamed the
 weights through the caches costs ~80 us, a dozen of its warm ones), every other runner's

@@ -19,11 +19,20 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
+from kiln.core.lazy import lazy_module
 from kiln.core.ops.attention import AttentionBatch, SeqSpan
+
+if TYPE_CHECKING:
+    import torch
+
+    from kiln.runtime.kv_cache import KVCache
+else:
+    torch = lazy_module("torch")
 
 
 @dataclass
@@ -74,16 +83,38 @@ class StepContext:
     VIEW_CACHE = 256  # step shapes whose views are kept
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, page_size: int) -> None:
-        self.k_cache, self.v_cache = k_cache, v_cache
+        self._start(
+            SimpleNamespace(k=k_cache, v=v_cache), k_cache.shape[2], page_size, k_cache.device
+        )
+
+    @classmethod
+    def over(cls, kv: KVCache, page_size: int) -> StepContext:
+        """The step buffers over an engine's KV pool, whose torch tensors (like these
+        buffers) are made when a step is first planned: the native step plans only rows
+        (`plan_rows`), and runs without torch."""
+        ctx = cls.__new__(cls)
+        ctx._start(kv, kv.shape[2], page_size, kv.device)
+        return ctx
+
+    def _start(self, pools: Any, slots: int, page_size: int, device: Any) -> None:
+        self._pools = pools  # .k and .v: the pool's tensors
         self.page_size = page_size
-        self.device = k_cache.device
+        self.device = device
         # The scratch page: the last page of the KV tensors, which the allocator never hands
         # out (the runner sizes the cache one page past its pool).
-        self.pad_page = k_cache.shape[2] // page_size - 1
-        self.arena = torch.zeros(0, dtype=torch.long, device=self.device)
-        self.fixed = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.pad_page = slots // page_size - 1
+        self.arena: torch.Tensor | None = None  # made by the first step planned
+        self.fixed: torch.Tensor | None = None  # made by `reserve`
         self.width = 0  # the page table's width in a recorded (fixed) step
         self._views: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}
+
+    @property
+    def k_cache(self) -> torch.Tensor:
+        return self._pools.k
+
+    @property
+    def v_cache(self) -> torch.Tensor:
+        return self._pools.v
 
     @staticmethod
     def _need(tokens: int, rows: int, seqs: int, width: int) -> int:
@@ -92,13 +123,13 @@ class StepContext:
     def reserve(self, tokens: int, seqs: int, width: int) -> None:
         """The recorded steps' arena: `tokens` new tokens over `seqs` sequences, each
         page table row `width` pages. Once only: recordings hold its addresses."""
-        if self.fixed.numel():
+        if self.fixed is not None:
             raise RuntimeError("the recorded steps' buffers are already reserved")
         self.width = width
         self.fixed = self._buffer(self._need(tokens, tokens, seqs, width))
 
     def _grow(self, need: int) -> None:
-        if need > self.arena.numel():
+        if self.arena is None or need > self.arena.numel():
             self.arena = self._buffer(need)
             self._views = {k: v for k, v in self._views.items() if k[-1]}
 
@@ -115,6 +146,7 @@ class StepContext:
         if views is None:
             tokens, rows, seqs, width, fixed = key
             arena = self.fixed if fixed else self.arena
+            assert arena is not None
             parts, at = [], 0
             for size in (tokens, tokens, rows, tokens, seqs, seqs, seqs, seqs * width):
                 parts.append(arena[at : at + size])
@@ -146,7 +178,8 @@ class StepContext:
         nrows = len(step.rows) + pad
         width = max(step.page_counts) if step.page_counts else 1
         if fixed:
-            if width > self.width or self._need(total, nrows, nseq, self.width) > len(self.fixed):
+            need = self._need(total, nrows, nseq, self.width)
+            if self.fixed is None or width > self.width or need > len(self.fixed):
                 raise ValueError(
                     f"a step of {total} sequences of up to {width} pages does not fit the "
                     f"recorded buffers ({self.width} pages a sequence)"
@@ -168,6 +201,7 @@ class StepContext:
         slots = table[np.repeat(np.arange(nseq), q), pos // size] * size + pos % size
         host = np.concatenate((ids, pos, rows, slots, kv, q, np.cumsum(q) - q, table.ravel()))
         arena = self.fixed if fixed else self.arena
+        assert arena is not None
         arena[: len(host)].copy_(torch.from_numpy(host), non_blocking=True)
         d_ids, d_pos, d_rows, d_slots, d_kv, d_q, d_starts, d_table, d_index = self._layout(
             (total, nrows, nseq, width, fixed)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Callable
 from typing import Any
 
 
@@ -21,13 +22,32 @@ class _LazyModule:
         self._name = name
 
     def __getattr__(self, attr: str) -> Any:
-        value = getattr(importlib.import_module(self._name), attr)
+        module = importlib.import_module(self._name)
+        _imported(self._name)
+        value = getattr(module, attr)
         setattr(self, attr, value)  # later reads are plain attribute hits
         return value
 
 
 # Every stand-in, with the namespace of the module that holds it.
 _STAND_INS: list[tuple[dict[str, Any], _LazyModule]] = []
+# What to do with a module once it is imported (`on_import`), by name.
+_HOOKS: dict[str, list[Callable[[Any], None]]] = {}
+
+
+def on_import(name: str, fn: Callable[[Any], None]) -> None:
+    """Call `fn(module)` once module `name` is imported: now if it is, else when a
+    stand-in or `resolve` first imports it (the runtime's thread count reaches torch so,
+    however late torch comes: runtime/threads.py)."""
+    if name in sys.modules:
+        fn(sys.modules[name])
+    else:
+        _HOOKS.setdefault(name, []).append(fn)
+
+
+def _imported(name: str) -> None:
+    for fn in _HOOKS.pop(name, []):
+        fn(sys.modules[name])
 
 
 def lazy_module(name: str) -> Any:
@@ -44,6 +64,7 @@ def resolve() -> None:
     first trace and a later one would differ, and Inductor's cache would miss)."""
     for namespace, proxy in _STAND_INS:
         real = importlib.import_module(proxy._name)
+        _imported(proxy._name)
         for key, value in list(namespace.items()):
             if value is proxy:
                 namespace[key] = real

@@ -223,10 +223,11 @@ def test_the_step_checks_what_it_binds(artefact) -> None:
     runner = ModelRunner(art, 256)
     info = art.manifest["native_step"]
     name = info["weights"][3]
-    short = dict(art.weights)
-    short[name] = art.weights[name].flatten()[:-1]
+    assert art.host is not None
+    short = dict(art.host)
+    short[name] = art.host[name].reshape(-1)[:-1]
     with pytest.raises(ArtefactError, match=f"weight '{name}'"):
-        NativeStep(art.step_lib, art.lib, info, art.graph, short, runner.step)
+        NativeStep(art.step_lib, art.lib, info, art.graph, short, runner.kv, 4)
     # a token id past the vocabulary: the embedding's own check, named
     assert isinstance(runner.decode, NativeStep)
     seqs = Seqs(runner, [[5, 6, 7]])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -276,8 +277,65 @@ def test_weight_file_must_match_the_graph(copy) -> None:
     weights["model.norm.weight"] = weights["model.norm.weight"][:50].clone()
     save_file(weights, path)
     reseal(copy)
-    with pytest.raises(ArtefactError, match=r"'model.norm.weight' is \(50,\) torch.float32"):
+    with pytest.raises(ArtefactError, match=r"'model.norm.weight' is \(50,\) float32, the graph"):
         Engine(copy, max_total_tokens=64)
+
+
+def _rewrite_header(path: Path, change: Callable[[dict[str, Any]], Any]) -> None:
+    """The weights file with its header changed (its data as it was)."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = change(json.loads(raw[8 : 8 + n]))
+    text = json.dumps(header).encode() if not isinstance(header, bytes) else header
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n :])
+
+
+def _entry(h: dict[str, Any], name: str = "model.norm.weight") -> dict[str, Any]:
+    return h[name]
+
+
+# Each a header the file's data cannot back, and what the one-line refusal says.
+BAD_HEADERS: dict[str, tuple[Callable[[dict[str, Any]], Any], str]] = {
+    "past the data": (
+        lambda h: _entry(h).update(data_offsets=[o + 8 for o in _entry(h)["data_offsets"]]) or h,
+        "model.norm.weight",
+    ),
+    "shape not its bytes": (
+        lambda h: _entry(h).update(shape=[95]) or h,
+        "a float32 tensor of \\[95\\]",
+    ),
+    "unknown type": (
+        lambda h: _entry(h).update(dtype="F8_E8M0") or h,
+        "'F8_E8M0' is not one kiln keeps",
+    ),
+    "overlap": (
+        lambda h: {
+            **h,
+            "extra": {
+                "dtype": "U8",
+                "shape": [4],
+                "data_offsets": _entry(h)["data_offsets"][:1] * 2,
+            },
+        },
+        "bytes",
+    ),
+    "negative size": (lambda h: _entry(h).update(shape=[-96]) or h, "is not a list of sizes"),
+    "not JSON": (lambda h: b"{not json", "header is not JSON"),
+    "not an object": (lambda h: [1, 2], "not a JSON object"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_HEADERS)
+def test_a_weights_header_the_data_cannot_back_is_refused_in_one_line(copy, case) -> None:
+    """The weights are views of the mapped file made from its header (runtime/weights.py):
+    each entry must fit the data, agree with its shape and type, and neither overlap
+    another nor leave a gap, before any view is made."""
+    change, says = BAD_HEADERS[case]
+    _rewrite_header(copy / "weights/rank0.safetensors", change)
+    reseal(copy)
+    with pytest.raises(ArtefactError, match="rank0.safetensors is damaged: ") as e:
+        Engine(copy, max_total_tokens=64)
+    assert re.search(says, str(e.value)) and "\n" not in str(e.value), str(e.value)
 
 
 def test_cli_refuses_a_tampered_artefact_in_one_line(copy, tmp_path) -> None:

@@ -1,0 +1,65 @@
+"""The kernels' thread count, without torch.
+
+kiln's native step, its C kernels and torch's intra-op pool run with one count: --threads,
+else torch's own default (OMP_NUM_THREADS or MKL_NUM_THREADS when set, else one thread
+per physical core of the machine, as ATen's `intraop_default_num_threads` counts them).
+It is kept here so that a server that never imports torch (runtime/weights.py) runs with
+the count torch would have had, and handed to torch whenever torch comes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from kiln.core.lazy import on_import
+
+_count: int | None = None
+
+
+def threads() -> int:
+    """The count kernels run with."""
+    return _count if _count is not None else default_threads()[0]
+
+
+def set_threads(n: int) -> None:
+    """Run every kernel, kiln's and torch's (now or once imported), on `n` threads."""
+    global _count
+    if n < 1:
+        raise ValueError(f"a thread count of {n}")
+    _count = n
+    on_import("torch", _apply)
+
+
+def _apply(torch: Any) -> None:
+    if _count is not None and torch.get_num_threads() != _count:
+        torch.set_num_threads(_count)
+
+
+def default_threads() -> tuple[int, str]:
+    """torch's default count, and where it comes from."""
+    for var in ("MKL_NUM_THREADS", "OMP_NUM_THREADS"):
+        value = os.environ.get(var, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value), f"{var}={value}"
+    return physical_cores(), "one per core"
+
+
+def physical_cores(cpuinfo: Path = Path("/proc/cpuinfo")) -> int:
+    """Distinct (package, core) pairs of /proc/cpuinfo; the processor count where it
+    does not say (as cpuinfo, which ATen asks, falls back)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return os.cpu_count() or 1
+    cores, processors = set(), 0
+    for block in text.split("\n\n"):
+        fields = dict(
+            (k.strip(), v.strip())
+            for k, _, v in (line.partition(":") for line in block.splitlines())
+        )
+        processors += "processor" in fields
+        if "core id" in fields:
+            cores.add((fields.get("physical id", "0"), fields["core id"]))
+    processors = processors or os.cpu_count() or 1
+    return len(cores) if 0 < len(cores) < processors else processors
