@@ -11,15 +11,23 @@ import ctypes
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from kiln.core.lazy import prefetch
 from kiln.runtime.engine import Engine
 from kiln.runtime.request import Request, RequestOutput
 
 log = logging.getLogger("kiln.engine")
 T = TypeVar("T")
+
+# A native-step artefact is served without torch (runtime/weights.py) until a request
+# needs it; once the engine has answered a request and then idled this long, torch is
+# imported in the background (not at start: a client's first request usually follows the
+# start at once, and would share the CPU with the 2 s import).
+TORCH_PREFETCH_IDLE_S = 0.5
 
 
 def release_openmp_pool() -> None:
@@ -100,13 +108,19 @@ class EngineThread:
                     fut.set_exception(e)
 
     def _run(self) -> None:
+        served, idle_since = False, None
         while not self._stopping.is_set():
             self._drain()
             if not self.engine.has_work:
                 self.engine.release_memory()  # a no-op unless pages fell free since
+                now = time.monotonic()
+                idle_since = idle_since or now
+                if served and now - idle_since >= TORCH_PREFETCH_IDLE_S:
+                    prefetch("torch")
                 self._wake.wait(0.1)
                 self._wake.clear()
                 continue
+            served, idle_since = True, None
             try:
                 outputs = self.engine.step()
             except Exception:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +44,24 @@ def on_import(name: str, fn: Callable[[Any], None]) -> None:
         fn(sys.modules[name])
     else:
         _HOOKS.setdefault(name, []).append(fn)
+
+
+def prefetch(name: str) -> None:
+    """Import module `name` on a background thread, once, unless it is imported already:
+    a server that started without torch takes it while idle, so that the first request
+    that needs it (sampling, a step of the Python executor) does not wait for it."""
+    if name in sys.modules or name in _PREFETCHING:
+        return
+    _PREFETCHING.add(name)
+    threading.Thread(target=_load, args=(name,), name=f"kiln-import-{name}", daemon=True).start()
+
+
+_PREFETCHING: set[str] = set()
+
+
+def _load(name: str) -> None:
+    importlib.import_module(name)
+    _imported(name)
 
 
 def _imported(name: str) -> None:

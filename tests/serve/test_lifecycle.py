@@ -16,6 +16,7 @@ import httpx
 from serve_helpers import free_port, start_kiln, start_server, stop_server
 
 from kiln import Engine
+from kiln.runtime.engine_thread import TORCH_PREFETCH_IDLE_S
 
 LONG = {"max_new_tokens": 1200, "ignore_eos": True, "temperature": 0}
 
@@ -201,10 +202,11 @@ def test_a_native_step_artefact_serves_without_torch_until_a_request_needs_it(
     Zen 3. A CPU artefact whose every step is native loads as numpy views (runtime/
     weights.py), so greedy requests are served with torch never imported; the first
     request that needs it (sampling with a seed here) imports it on the engine thread, and
-    gets the tokens an engine that had torch all along gives."""
+    gets the tokens an engine that had torch all along gives; a server that has answered
+    and then idles imports it in the background (runtime/engine_thread.py)."""
     art = artefact("llama")
 
-    def serve(*requests: dict, name: str) -> tuple[list[dict], list[str]]:
+    def serve(*requests: dict, name: str, idle: float = 0) -> tuple[list[dict], list[str]]:
         dump = tmp_path / f"{name}.json"
         server = start_kiln(
             ["serve", str(art), "--max-total-tokens", "512"],
@@ -217,6 +219,7 @@ def test_a_native_step_artefact_serves_without_torch_until_a_request_needs_it(
                 r = server.post("/generate", json=body)
                 assert r.status_code == 200, r.text
                 answers.append(r.json())
+            time.sleep(idle)
         finally:
             stop_server(server)
         return answers, json.loads(dump.read_text())
@@ -236,3 +239,5 @@ def test_a_native_step_artefact_serves_without_torch_until_a_request_needs_it(
     )
     assert drawn["output_ids"] == want["output_ids"]
     assert again["output_ids"] == plain["output_ids"]
+    _, modules = serve(greedy, name="idle", idle=TORCH_PREFETCH_IDLE_S + 4)
+    assert "torch" in modules, "an idle server did not import torch in the background"
