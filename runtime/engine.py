@@ -29,7 +29,14 @@ from kiln.runtime.parallel import TPGroup, check_nodes
 from kiln.runtime.placement import KVDemand, Placement, available_ram, gpu_memory, place
 from kiln.runtime.radix_cache import RadixCache
 from kiln.runtime.request import Request, RequestOutput
-from kiln.runtime.sampler import Logits, SamplingRow, argmax_rows, as_tensor, sample
+from kiln.runtime.sampler import (
+    Logits,
+    SamplingRow,
+    argmax_rows,
+    as_tensor,
+    new_generator,
+    sample,
+)
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Batch, Scheduler, SchedulerConfig
 from kiln.runtime.speculative import (
@@ -163,7 +170,7 @@ class Engine:
             self.scheduler.on_release = self.draft_model.release
         self._eos = set(spec.eos_token_ids)
         self._rng = (
-            torch.Generator().manual_seed(self.args.random_seed)
+            new_generator(self.args.random_seed % 2**64)
             if self.args.random_seed is not None
             else None
         )
@@ -364,11 +371,9 @@ class Engine:
         gen = None
         if params.sampling_seed is not None:
             # Modulo 2**64: any seed the parameters accept, plus the index, is a valid state.
-            gen = torch.Generator().manual_seed((params.sampling_seed + index) % 2**64)
+            gen = new_generator((params.sampling_seed + index) % 2**64)
         elif self._rng is not None:
-            gen = torch.Generator().manual_seed(
-                int(torch.randint(2**62, (1,), generator=self._rng))
-            )
+            gen = new_generator(int(self._rng.integers(2**62)))
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(

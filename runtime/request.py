@@ -7,15 +7,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kiln.core.lazy import lazy_module
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.sampler import TokenLogprob
 from kiln.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    import torch
-else:
-    torch = lazy_module("torch")
+    import numpy as np
 
 
 class Status(enum.Enum):
@@ -34,7 +31,7 @@ class Request:
     pages: list[int] = field(default_factory=list)
     kv_len: int = 0  # tokens whose K/V are in the pool
     finish_reason: dict[str, Any] | None = None
-    generator: torch.Generator | None = None
+    generator: np.random.Generator | None = None  # runtime/sampler.py new_generator
     top_logprobs: int | None = None  # None: no logprobs wanted
     logprobs: list[TokenLogprob] = field(default_factory=list)
     detok: IncrementalDetokenizer | None = None

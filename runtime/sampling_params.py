@@ -26,8 +26,8 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_LENGTH = 1024
 # SGLang sampling parameters kiln does not implement yet: refused when given a value.
 UNSUPPORTED = ("stop_regex", "custom_params", "stream_interval")
-# Seeds are taken modulo 2**64 (torch's generator state); any integer of 64 bits, signed or
-# not, is a seed.
+# Seeds are taken modulo 2**64 (a request's PCG64 stream is seeded with that: runtime/
+# sampler.py new_generator); any integer of 64 bits, signed or not, is a seed.
 SEED_RANGE = (-(2**63), 2**64 - 1)
 # Fields that may be null (meaning: not set). The others must hold a value if given.
 _NULLABLE = (

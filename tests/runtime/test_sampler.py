@@ -6,12 +6,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kiln.runtime.sampler import SamplingRow, argmax_rows, sample
+from kiln.runtime.sampler import SamplingRow, argmax_rows, new_generator, sample
 from kiln.runtime.sampling_params import SamplingParams
 
 
-def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+def gen(seed: int) -> np.random.Generator:
+    return new_generator(seed)
 
 
 def row(
@@ -80,17 +80,60 @@ def test_numpy_logits_sample_as_the_same_tensor_does() -> None:
     assert got == want and got[0][1] != top and got[1][3] is not None
 
 
-def test_a_plain_greedy_step_needs_no_torch(monkeypatch) -> None:
-    """The native step's numpy logits and rows that take the argmax as it is: no torch op
-    (each costs ~80 us right after a step); any other row does need it."""
+def test_greedy_and_plainly_sampled_steps_need_no_torch(monkeypatch) -> None:
+    """The native step's numpy logits, and rows that take the logits as they are (greedy,
+    or sampled with temperature, top-k, top-p, min-p): no torch op (each costs ~80 us right
+    after a step, and a server that has not imported torch need not); a row with
+    penalties, suppressed tokens, a grammar or logprobs does need it."""
     from kiln.runtime import sampler
 
-    logits = np.random.default_rng(0).standard_normal((2, 100)).astype(np.float32)
+    logits = np.random.default_rng(0).standard_normal((3, 100)).astype(np.float32)
     plain, logprobs = row(temperature=0), row(temperature=0, top=2)
+    drawn = row(3, temperature=0.7, top_k=40, top_p=0.9, min_p=0.01)
     monkeypatch.setattr(sampler, "torch", None)
     assert sample(logits, [plain, plain]) == (logits.argmax(-1).tolist(), [None, None])
+    tokens, _ = sample(logits, [plain, drawn, plain])
+    assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
     with pytest.raises(AttributeError):
         sample(logits, [plain, logprobs])
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 1.0},
+        {"temperature": 0.7, "top_k": 50},
+        {"temperature": 0.8, "top_p": 0.95},
+        {"temperature": 1.3, "top_p": 0.5, "min_p": 0.05},
+        {"temperature": 0.6, "top_k": 1000, "top_p": 0.9, "min_p": 0.001},
+        {"temperature": 1e-30},  # overflows to the largest float: the argmax
+    ],
+)
+@pytest.mark.parametrize("scale", [0.5, 4.0])  # flat .. peaked rows
+def test_host_rows_draw_what_the_torch_sampler_draws(params: dict, scale: float) -> None:
+    """A native step's row is sampled in numpy (`_host_probs`): the same filters, the same
+    uniform numbers from the request's generator, so the same tokens as the torch path on
+    the same values (random rows: no ties at a boundary)."""
+    rng = np.random.default_rng(int(scale * 10))
+    logits = (rng.standard_normal((4, 49152)) * scale).astype(np.float32)
+    host = [row(s, **params) for s in range(4)]
+    device = [row(s, **params) for s in range(4)]
+    for _ in range(25):
+        assert sample(logits, host) == sample(torch.from_numpy(logits), device)
+
+
+@pytest.mark.parametrize("top_p", [1e-6, 0.5, 0.9, 0.999])
+def test_the_host_nucleus_is_the_full_sorts(top_p: float) -> None:
+    from kiln.runtime.sampler import _host_nucleus
+
+    rng = np.random.default_rng(5)
+    for scale in (0.3, 3.0, 12.0):
+        x = rng.standard_normal(49152).astype(np.float32) * scale
+        probs = np.exp(x - x.max())
+        probs /= probs.sum()
+        probs[rng.integers(0, 49152, 500)] = 0.0
+        want = full_sort_nucleus(torch.from_numpy(probs.copy()), top_p).numpy()
+        assert np.array_equal(_host_nucleus(probs, top_p), want)
 
 
 def test_seeded_sampling_is_reproducible_and_varies_with_the_seed() -> None:
@@ -294,10 +337,10 @@ def test_draws_follow_the_distribution_and_never_pick_a_zero() -> None:
     from kiln.runtime.sampler import _draw
 
     probs = torch.tensor([0.1, 0.0, 0.6, 0.0, 0.3, 0.0])
-    gen = torch.Generator().manual_seed(7)
-    counts = torch.bincount(torch.tensor([_draw(probs, gen) for _ in range(20_000)]), minlength=6)
+    g = gen(7)
+    counts = torch.bincount(torch.tensor([_draw(probs, g) for _ in range(20_000)]), minlength=6)
     assert counts[[1, 3, 5]].sum() == 0
     assert torch.allclose(counts.float() / 20_000, probs, atol=0.012), counts
     # The same seed draws the same tokens.
-    a, b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    a, b = gen(3), gen(3)
     assert [_draw(probs, a) for _ in range(50)] == [_draw(probs, b) for _ in range(50)]

@@ -200,10 +200,11 @@ def test_a_native_step_artefact_serves_without_torch_until_a_request_needs_it(
 ) -> None:
     """Start to first token: torch's import alone is 2.0-2.4 s of a 3.8 s start on a 2-core
     Zen 3. A CPU artefact whose every step is native loads as numpy views (runtime/
-    weights.py), so greedy requests are served with torch never imported; the first
-    request that needs it (sampling with a seed here) imports it on the engine thread, and
-    gets the tokens an engine that had torch all along gives; a server that has answered
-    and then idles imports it in the background (runtime/engine_thread.py)."""
+    weights.py), and greedy and plainly sampled requests are served with torch never
+    imported (runtime/sampler.py samples those rows in numpy); the first request that
+    needs it (a penalty here) imports it on the engine thread, and gets the tokens an
+    engine that had torch all along gives; a server that has answered and then idles
+    imports it in the background (runtime/engine_thread.py)."""
     art = artefact("llama")
 
     def serve(*requests: dict, name: str, idle: float = 0) -> tuple[list[dict], list[str]]:
@@ -225,19 +226,18 @@ def test_a_native_step_artefact_serves_without_torch_until_a_request_needs_it(
         return answers, json.loads(dump.read_text())
 
     greedy = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
-    sampled = {
-        "input_ids": [5, 6, 7],
-        "sampling_params": {"max_new_tokens": 6, "temperature": 0.8, "sampling_seed": 3},
-    }
-    [plain], modules = serve(greedy, name="greedy")
+    sampled = {"max_new_tokens": 6, "temperature": 0.8, "top_p": 0.9, "sampling_seed": 3}
+    drawn = {"input_ids": [5, 6, 7], "sampling_params": sampled}
+    penalised = {"input_ids": [5, 6, 7], "sampling_params": sampled | {"frequency_penalty": 1}}
+    [plain, once], modules = serve(greedy, drawn, name="greedy")
     assert "kiln.runtime.native_step" in modules
-    assert "torch" not in modules, "a greedy request on a native step imported torch"
-    [again, drawn], modules = serve(greedy, sampled, name="sampled")
+    assert "torch" not in modules, "a greedy or plainly sampled request imported torch"
+    [again, penalty], modules = serve(greedy, penalised, name="penalty")
     assert "torch" in modules
-    want = Engine(art, max_total_tokens=512).generate(
-        input_ids=sampled["input_ids"], sampling_params=sampled["sampling_params"]
-    )
-    assert drawn["output_ids"] == want["output_ids"]
+    engine = Engine(art, max_total_tokens=512)
+    for got, body in ((once, drawn), (penalty, penalised)):
+        want = engine.generate(input_ids=body["input_ids"], sampling_params=body["sampling_params"])
+        assert got["output_ids"] == want["output_ids"]
     assert again["output_ids"] == plain["output_ids"]
     _, modules = serve(greedy, name="idle", idle=TORCH_PREFETCH_IDLE_S + 4)
     assert "torch" in modules, "an idle server did not import torch in the background"
