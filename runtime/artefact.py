@@ -144,27 +144,24 @@ class Artefact:
             raise fmt.ArtefactError(f"{root} has ranks 0..{spec.tp_size - 1}, not {rank}")
         graph = _load_graph(root, manifest, fmt.graph_file(rank))
         wfile = fmt.weights_file(rank)
-        host, tensors = None, None
+        # The file the checksums covered, reached as they reached it (no symbolic link),
+        # mapped; on a GPU its tensors are copied to the device and the mapping let go.
+        fd = fmt.open_member(root, wfile)
         try:
-            if device == "cpu":
-                host = HostWeights(root / wfile)
-                found = {n: (host[n].shape, host.dtype(n)) for n in host}
-            else:
-                from safetensors.torch import load_file
-
-                tensors = load_file(str(root / wfile), device=device)
-                found = {
-                    n: (t.shape, str(t.dtype).removeprefix("torch.")) for n, t in tensors.items()
-                }
+            host = HostWeights(fd)
         except Exception as e:
             raise fmt.ArtefactError(f"{root}/{wfile} is damaged: {e}") from e
-        _check_weights(root / wfile, graph, found)
+        _check_weights(root / wfile, graph, {n: (host[n].shape, host.dtype(n)) for n in host})
         _check_agreement(root, spec, graph)
+        tensors = None
+        if device != "cpu":
+            tensors = {n: t.to(device) for n, t in host.tensors().items()}
         lib = open_library(root, manifest, graph, trust_remote_code)
         step_lib = None
         if lib is not None and rank == 0:
             step_lib = open_step(root, manifest, trust_remote_code)
-        return cls(root, manifest, spec, graph, host, lib, step_lib, device, tensors)
+        kept = host if tensors is None else None
+        return cls(root, manifest, spec, graph, kept, lib, step_lib, device, tensors)
 
 
 def _major_minor(version: str) -> tuple[str, ...]:

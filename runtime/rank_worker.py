@@ -19,13 +19,14 @@ from kiln.core import artefact as fmt
 from kiln.runtime.artefact import Artefact
 from kiln.runtime.model_runner import ModelRunner, freeze_startup_heap
 from kiln.runtime.parallel import DEFAULT_TIMEOUT_S, beat, init_group, receive, rendezvous_store
+from kiln.runtime.threads import set_threads
 from kiln.terminal import configure_logging
 
 log = logging.getLogger("kiln.parallel")
 
 
 def _worker(args: argparse.Namespace) -> int:
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)  # torch's and kiln's kernels alike (runtime/threads.py)
     # The target decides the device and the backend (runtime/placement.py); the pool's
     # size is rank 0's, which every rank shares.
     target = fmt.read_manifest(args.artefact)["target"]["device"]

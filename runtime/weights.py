@@ -19,8 +19,8 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import os
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -74,10 +74,11 @@ def torch_view(array: np.ndarray, dtype: str) -> torch.Tensor:
 
 class HostWeights(Mapping[str, np.ndarray]):
     """A weights file's tensors by name, each a numpy array over the mapped file (bits as
-    stored, `dtype(name)` naming the element type)."""
+    stored, `dtype(name)` naming the element type). `fd`: the file, open for reading
+    (kiln/core/artefact.py open_member: reached without a symbolic link); closed here."""
 
-    def __init__(self, path: Path) -> None:
-        with open(path, "rb") as f:
+    def __init__(self, fd: int) -> None:
+        with os.fdopen(fd, "rb", closefd=True) as f:
             size = f.seek(0, 2)
             if size < 8:
                 raise ValueError(f"{size} bytes: too short for a header")
