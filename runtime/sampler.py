@@ -94,7 +94,8 @@ def sample(
     rows take the argmax, the others sample after temperature, top-k, top-p and min-p with
     their own generator. Logprobs are of the masked, penalised distribution before
     temperature, as OpenAI reports them. Rows without a grammar pay nothing for it; a step
-    of plain rows (`SamplingRow.plain`) is one argmax."""
+    of plain rows (`SamplingRow.plain`) is one argmax, and a native step's rows that take
+    their logits as given (`SamplingRow.as_given`) are chosen in numpy, without torch."""
     if all(r.plain for r in rows):
         return argmax_rows(logits), [None] * len(rows)
     if isinstance(logits, np.ndarray) and all(r.as_given for r in rows):
