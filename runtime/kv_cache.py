@@ -126,16 +126,19 @@ class KVCache:
     def k(self) -> torch.Tensor:
         """K of every layer, [layers, kv_heads, slots, head_dim], as a torch tensor."""
         if self._k is None:
-            assert self.k_host is not None
-            self._k = torch_view(self.k_host, self.dtype)
+            self._k, self._v = self._views()
         return self._k
 
     @property
     def v(self) -> torch.Tensor:
         if self._v is None:
-            assert self.v_host is not None
-            self._v = torch_view(self.v_host, self.dtype)
+            self._k, self._v = self._views()
         return self._v
+
+    def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The host pool's torch tensors: views of its arrays."""
+        assert self.k_host is not None and self.v_host is not None
+        return torch_view(self.k_host, self.dtype), torch_view(self.v_host, self.dtype)
 
     @staticmethod
     def bytes_per_token(
