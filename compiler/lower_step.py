@@ -120,17 +120,14 @@ class _Arena:
         self.live.pop(alloc, None)
 
 
-# --kv-cache-dtype's pool element types -> the kernels' kv_format (kernels/cpu.py KV_FORMATS)
-KV_FORMATS = {None: 0, "float8_e4m3fn": 1, "float8_e5m2": 2}
-
-
 def lower_step(graph: Graph, kv_dtype: str | None = None) -> LoweredStep:
     """The step of `graph` as C, over a float32 KV pool or (`kv_dtype`) an fp8 one; Refused
     if a node has no native form (or the graph does not type-check)."""
-    if kv_dtype not in KV_FORMATS:
+    kv_format = native.KV_FORMATS.get(kv_dtype or "float32")
+    if kv_format is None:
         raise Refused(f"a {kv_dtype} KV pool")
     try:
-        return _Lowering(graph, KV_FORMATS[kv_dtype]).run()
+        return _Lowering(graph, kv_format).run()
     except IRError as e:
         raise Refused(str(e)) from None
 

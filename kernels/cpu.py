@@ -28,6 +28,7 @@ from kiln.core.ops.linear import PackedLinear, QuantEmbedding, QuantLinear
 from kiln.core.ops.norm import AddNorm, Norm
 from kiln.core.ops.rope import Rope, RopeQKV
 from kiln.core.quant import FORMATS
+from kiln.kernels import native
 from kiln.kernels.registry import register
 
 if TYPE_CHECKING:
@@ -417,7 +418,7 @@ def _decode(
         ctx.page_size,
         a.sliding_window or 0,
         a.scale,
-        KV_FORMATS[str(pool.dtype).removeprefix("torch.")],
+        native.KV_FORMATS[str(pool.dtype).removeprefix("torch.")],
         a.kv_scale,
         a.softcap,
         None if sinks is None else sinks.data_ptr(),
@@ -456,10 +457,6 @@ def _paged_pool(ctx: AttentionBatch, layer: int) -> tuple[int | None, ...]:
 
 # A linear's prologue attr -> the C kernels' PROLOGUE_* (kernels/csrc/cpu_kernels.c).
 _PROLOGUES = {"none": 0, "silu_and_mul": 1}
-
-# Pool element type -> the kernels' kv_format (kernels/csrc/cpu_kernels.c; a native step
-# names its pool's in kiln_step_kv_format).
-KV_FORMATS = {"float32": 0, "float8_e4m3fn": 1, "float8_e5m2": 2}
 
 
 def _rows(x: torch.Tensor, what: str) -> torch.Tensor:

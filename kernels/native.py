@@ -105,6 +105,9 @@ STEP_KERNELS = (
     "kiln_softcap_f32",
     "kiln_kv_write_fp8",
 )
+# A KV pool's element type -> the kernels' kv_format (kernels/csrc/cpu_kernels.c): what the
+# executor's attention passes per call and a native step names in kiln_step_kv_format.
+KV_FORMATS = {"float32": 0, "float8_e4m3fn": 1, "float8_e5m2": 2}
 # kiln_step_abi() of a step whose kiln_step_args (kiln_step.h) and exports match
 # runtime/native_step.py and these signatures (compiler/lower_step.py writes it).
 STEP_ABI = 4

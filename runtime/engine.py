@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import threading
 import time
 import uuid
@@ -803,7 +802,5 @@ def _set_threads(asked: int | None) -> tuple[int, str]:
         set_threads(asked)
         return asked, "--threads"
     count, source = default_threads()
-    if "torch" in sys.modules:  # a program that set torch's count before making an engine
-        count = sys.modules["torch"].get_num_threads()
     set_threads(count)
     return count, source

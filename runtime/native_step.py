@@ -25,7 +25,7 @@ from kiln.core.artefact import ArtefactError
 from kiln.core.ir import Graph
 from kiln.core.ops.rope import Tables
 from kiln.kernels import native
-from kiln.kernels.cpu import KV_FORMATS, KernelError
+from kiln.kernels.cpu import KernelError
 from kiln.runtime.kv_cache import KVCache
 from kiln.runtime.step import StepContext, StepInputs
 from kiln.runtime.threads import threads
@@ -104,9 +104,10 @@ class NativeStep:
         k_pool, v_pool = kv.k_host, kv.v_host
         per_slot = step_lib.kiln_step_pool_floats()  # elements
         kv_format = int(step_lib.kiln_step_kv_format())
-        if KV_FORMATS.get(kv.dtype) != kv_format or k_pool is None or v_pool is None:
+        if native.KV_FORMATS.get(kv.dtype) != kv_format or k_pool is None or v_pool is None:
             raise ArtefactError(
-                f"{where} runs on a host KV pool of format {kv_format} (kernels/cpu.py KV_FORMATS)"
+                f"{where} runs on a host KV pool of format {kv_format} "
+                "(kernels/native.py KV_FORMATS)"
             )
         for pool in (k_pool, v_pool):
             if not pool.flags.c_contiguous:

@@ -9,6 +9,7 @@ the count torch would have had, and handed to torch whenever torch comes."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +38,18 @@ def _apply(torch: Any) -> None:
 
 
 def default_threads() -> tuple[int, str]:
-    """torch's default count, and where it comes from."""
+    """torch's count, and where it comes from: the one it would start with, or, once it
+    is imported, its own (a program may have set it before making an engine)."""
     for var in ("MKL_NUM_THREADS", "OMP_NUM_THREADS"):
         value = os.environ.get(var, "")
         if value.isdigit() and int(value) > 0:
-            return int(value), f"{var}={value}"
-    return physical_cores(), "one per core"
+            count, source = int(value), f"{var}={value}"
+            break
+    else:
+        count, source = physical_cores(), "one per core"
+    if "torch" in sys.modules:
+        count = sys.modules["torch"].get_num_threads()
+    return count, source
 
 
 def physical_cores(cpuinfo: Path = Path("/proc/cpuinfo")) -> int:

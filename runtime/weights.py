@@ -38,21 +38,24 @@ MAX_HEADER = 100 * 2**20  # bytes of JSON a weights file's header may take
 class DType(NamedTuple):
     code: str  # safetensors' name
     storage: type[np.generic]  # numpy's element of the same size (bits as stored)
-    itemsize: int
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(self.storage).itemsize
 
 
 # kiln's element types (torch's names) as host memory holds them: numpy has no bfloat16
 # or fp8, so those are held as their bits and viewed as the type by torch.
 DTYPES = {
-    "float32": DType("F32", np.float32, 4),
-    "float16": DType("F16", np.float16, 2),
-    "bfloat16": DType("BF16", np.uint16, 2),
-    "float8_e4m3fn": DType("F8_E4M3", np.uint8, 1),
-    "float8_e5m2": DType("F8_E5M2", np.uint8, 1),
-    "int64": DType("I64", np.int64, 8),
-    "int32": DType("I32", np.int32, 4),
-    "int8": DType("I8", np.int8, 1),
-    "uint8": DType("U8", np.uint8, 1),
+    "float32": DType("F32", np.float32),
+    "float16": DType("F16", np.float16),
+    "bfloat16": DType("BF16", np.uint16),
+    "float8_e4m3fn": DType("F8_E4M3", np.uint8),
+    "float8_e5m2": DType("F8_E5M2", np.uint8),
+    "int64": DType("I64", np.int64),
+    "int32": DType("I32", np.int32),
+    "int8": DType("I8", np.int8),
+    "uint8": DType("U8", np.uint8),
 }
 _BY_CODE = {d.code: name for name, d in DTYPES.items()}
 
