@@ -24,7 +24,8 @@ log = logging.getLogger("kiln.engine")
 T = TypeVar("T")
 
 # A native-step artefact is served without torch (runtime/weights.py) until a request
-# needs it; once the engine has answered a request and then idled this long, torch is
+# needs it (a grammar: xgrammar's matchers are torch's; a step the native step does not
+# run); once the engine has answered a request and then idled this long, torch is
 # imported in the background (not at start: a client's first request usually follows the
 # start at once, and would share the CPU with the 2 s import).
 TORCH_PREFETCH_IDLE_S = 0.5

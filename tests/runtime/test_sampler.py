@@ -80,22 +80,28 @@ def test_numpy_logits_sample_as_the_same_tensor_does() -> None:
     assert got == want and got[0][1] != top and got[1][3] is not None
 
 
-def test_greedy_and_plainly_sampled_steps_need_no_torch(monkeypatch) -> None:
-    """The native step's numpy logits, and rows that take the logits as they are (greedy,
-    or sampled with temperature, top-k, top-p, min-p): no torch op (each costs ~80 us right
-    after a step, and a server that has not imported torch need not); a row with
-    penalties, suppressed tokens, a grammar or logprobs does need it."""
+def test_a_native_steps_rows_need_no_torch_but_for_a_grammar(monkeypatch) -> None:
+    """The native step's numpy logits: greedy and sampled rows, with penalties, suppressed
+    tokens and logprobs, are chosen without a torch op (each costs ~80 us right after a
+    step, and a server that has not imported torch need not); a row with a grammar does
+    need it (xgrammar's bitmask is a tensor)."""
     from kiln.runtime import sampler
 
     logits = np.random.default_rng(0).standard_normal((3, 100)).astype(np.float32)
     plain, logprobs = row(temperature=0), row(temperature=0, top=2)
     drawn = row(3, temperature=0.7, top_k=40, top_p=0.9, min_p=0.01)
+    penalised = row(4, output=(7, 7, 9), temperature=0.9, frequency_penalty=0.5, top=1)
+    suppressed = SamplingRow(SamplingParams(temperature=0), None, (1,), (), None, (3, 4))
+    constrained = SamplingRow(SamplingParams(), None, (1,), (), grammar=object())
     monkeypatch.setattr(sampler, "torch", None)
     assert sample(logits, [plain, plain]) == (logits.argmax(-1).tolist(), [None, None])
     tokens, _ = sample(logits, [plain, drawn, plain])
     assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
+    tokens, lps = sample(logits, [logprobs, penalised, suppressed])
+    assert lps[0] is not None and lps[1] is not None and lps[2] is None
+    assert tokens[2] not in (3, 4)
     with pytest.raises(AttributeError):
-        sample(logits, [plain, logprobs])
+        sample(logits, [plain, constrained])
 
 
 @pytest.mark.parametrize(
@@ -107,19 +113,48 @@ def test_greedy_and_plainly_sampled_steps_need_no_torch(monkeypatch) -> None:
         {"temperature": 1.3, "top_p": 0.5, "min_p": 0.05},
         {"temperature": 0.6, "top_k": 1000, "top_p": 0.9, "min_p": 0.001},
         {"temperature": 1e-30},  # overflows to the largest float: the argmax
+        {"temperature": 0.8, "top_p": 0.95, "frequency_penalty": 0.7, "presence_penalty": 0.3},
+        {"temperature": 0, "repetition_penalty": 1.3, "logit_bias": {"17": 9.5, "4": -100}},
+        {"temperature": 1.0, "repetition_penalty": 0.8, "frequency_penalty": -0.4},
     ],
 )
 @pytest.mark.parametrize("scale", [0.5, 4.0])  # flat .. peaked rows
-def test_host_rows_draw_what_the_torch_sampler_draws(params: dict, scale: float) -> None:
-    """A native step's row is sampled in numpy (`_host_probs`): the same filters, the same
-    uniform numbers from the request's generator, so the same tokens as the torch path on
-    the same values (random rows: no ties at a boundary)."""
+def test_host_rows_pick_what_the_torch_sampler_picks(params: dict, scale: float) -> None:
+    """A native step's row is chosen in numpy (`_host_row`): the same penalties and
+    filters, the same uniform numbers from the request's generator, so the same tokens as
+    the torch path on the same values (random rows: no ties at a boundary), over 25 steps
+    of each row's own output; logprobs and suppressed tokens on two of the four rows."""
     rng = np.random.default_rng(int(scale * 10))
     logits = (rng.standard_normal((4, 49152)) * scale).astype(np.float32)
-    host = [row(s, **params) for s in range(4)]
-    device = [row(s, **params) for s in range(4)]
+    sp = SamplingParams.from_dict(params)
+    outputs: list[list[int]] = [[] for _ in range(4)]
+    host_gens, device_gens = [gen(s) for s in range(4)], [gen(s) for s in range(4)]
+
+    def rows(gens: list) -> list[SamplingRow]:
+        return [
+            SamplingRow(
+                sp,
+                gens[s],
+                (3, 17, 40000),
+                tuple(outputs[s]),
+                top_logprobs=(0, 4, None, None)[s],
+                suppress=((), (), (int(logits[2].argmax()),), ())[s],
+            )
+            for s in range(4)
+        ]
+
     for _ in range(25):
-        assert sample(logits, host) == sample(torch.from_numpy(logits), device)
+        got_tokens, got_lps = sample(logits, rows(host_gens))
+        want_tokens, want_lps = sample(torch.from_numpy(logits), rows(device_gens))
+        assert got_tokens == want_tokens
+        assert got_tokens[2] != int(logits[2].argmax())
+        for got, want in zip(got_lps, want_lps, strict=True):
+            assert (got is None) == (want is None)
+            if got is not None:
+                assert got.token == want.token
+                assert_logprobs_close(got, want)
+        for s, t in enumerate(got_tokens):
+            outputs[s].append(t)
 
 
 @pytest.mark.parametrize("top_p", [1e-6, 0.5, 0.9, 0.999])
@@ -299,14 +334,34 @@ def accepted_params(draw: st.DrawFn) -> dict:
 def test_every_accepted_parameter_samples_a_token(params, logits, output, suppress, seed) -> None:
     """A repetition_penalty of 1e-38 used to give inf logits and a 500 ("probability tensor
     contains inf or nan"): for any accepted values and any finite logits, the sampler picks
-    a token it was allowed to pick, and every logprob is finite."""
+    a token it was allowed to pick, and every logprob is finite. A native step's numpy
+    logits (sampled in numpy) give the same token and the same logprobs to float32
+    rounding."""
     sp = SamplingParams.from_dict(params)
-    r = SamplingRow(sp, gen(seed), (1, 2), tuple(output), top_logprobs=5, suppress=tuple(suppress))
-    [token], [lp] = sample(torch.tensor([logits]), [r])
-    assert 0 <= token < VOCAB and token not in suppress
-    assert (
-        lp is not None and torch.isfinite(torch.tensor([lp.logprob, *(v for _, v in lp.top)])).all()
-    )
+    picked = []
+    for values in (torch.tensor([logits]), np.array([logits], dtype=np.float32)):
+        r = SamplingRow(sp, gen(seed), (1, 2), tuple(output), 5, tuple(suppress))
+        [token], [lp] = sample(values, [r])
+        assert 0 <= token < VOCAB and token not in suppress
+        assert lp is not None and np.isfinite([lp.logprob, *(v for _, v in lp.top)]).all()
+        picked.append((token, lp))
+    (token, lp), (host_token, host_lp) = picked
+    assert host_token == token and host_lp is not None and host_lp.token == lp.token
+    assert_logprobs_close(host_lp, lp)
+
+
+def assert_logprobs_close(got, want) -> None:
+    """The same logprob and top values to float32 rounding (torch's CPU log_softmax was
+    1.3e-5 off a float64 one on rows of standard deviation 4, numpy's 1.7e-6); the same
+    top tokens where no other token has their value (a tie outside the top k is with its
+    smallest)."""
+    close = {"rel": 1e-5, "abs": 1e-4}
+    assert got.logprob == pytest.approx(want.logprob, **close)
+    assert [v for _, v in got.top] == pytest.approx([v for _, v in want.top], **close)
+    values = [v for _, v in want.top]
+    for (t, _), (u, v) in zip(got.top, want.top, strict=True):
+        if values.count(v) == 1 and v != min(values):
+            assert t == u
 
 
 @pytest.mark.parametrize("vocab", [64, 100, 49152])
@@ -344,3 +399,19 @@ def test_draws_follow_the_distribution_and_never_pick_a_zero() -> None:
     # The same seed draws the same tokens.
     a, b = gen(3), gen(3)
     assert [_draw(probs, a) for _ in range(50)] == [_draw(probs, b) for _ in range(50)]
+
+
+@pytest.mark.parametrize("size", [7, 255, 256, 1000, 49152, 49155])
+def test_the_host_top_k_is_a_full_sorts(size: int) -> None:
+    """`_host_top` looks only in the blocks with the largest maxima: the same indices as a
+    full sort (largest first, ties by index), ties and -inf included."""
+    from kiln.runtime.sampler import _host_top
+
+    rng = np.random.default_rng(size)
+    x = rng.standard_normal(size).astype(np.float32) * 3
+    for row in (x, np.round(x), np.round(x * 0.2), np.zeros_like(x), np.where(x > 1, -np.inf, x)):
+        row = row.astype(np.float32)
+        for k in (1, 2, 5, 20):
+            if k <= size:
+                want = np.lexsort((np.arange(size), -row))[:k]
+                assert _host_top(row, k).tolist() == want.tolist()

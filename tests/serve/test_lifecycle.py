@@ -200,11 +200,12 @@ def test_a_native_step_artefact_serves_without_torch_until_a_request_needs_it(
 ) -> None:
     """Start to first token: torch's import alone is 2.0-2.4 s of a 3.8 s start on a 2-core
     Zen 3. A CPU artefact whose every step is native loads as numpy views (runtime/
-    weights.py), and greedy and plainly sampled requests are served with torch never
-    imported (runtime/sampler.py samples those rows in numpy); the first request that
-    needs it (a penalty here) imports it on the engine thread, and gets the tokens an
-    engine that had torch all along gives; a server that has answered and then idles
-    imports it in the background (runtime/engine_thread.py)."""
+    weights.py), and requests without a grammar (greedy, sampled, penalised, with
+    suppressed tokens or logprobs) are served with torch never imported (runtime/
+    sampler.py chooses those rows in numpy), so none of them stalls the engine thread for
+    torch's import; a grammar (xgrammar's matchers are torch's) imports it, and its tokens
+    are an in-process engine's; a server that has answered and then idles imports it in
+    the background (runtime/engine_thread.py)."""
     art = artefact("llama")
 
     def serve(*requests: dict, name: str, idle: float = 0) -> tuple[list[dict], list[str]]:
@@ -228,14 +229,24 @@ def test_a_native_step_artefact_serves_without_torch_until_a_request_needs_it(
     greedy = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
     sampled = {"max_new_tokens": 6, "temperature": 0.8, "top_p": 0.9, "sampling_seed": 3}
     drawn = {"input_ids": [5, 6, 7], "sampling_params": sampled}
-    penalised = {"input_ids": [5, 6, 7], "sampling_params": sampled | {"frequency_penalty": 1}}
-    [plain, once], modules = serve(greedy, drawn, name="greedy")
+    penalised = {
+        "input_ids": [5, 6, 7],
+        "sampling_params": sampled | {"frequency_penalty": 1, "min_new_tokens": 3},
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+    }
+    constrained = {
+        "input_ids": [5, 6, 7],
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0, "regex": "(ab|cd)+"},
+    }
+    [plain, once, penalty], modules = serve(greedy, drawn, penalised, name="greedy")
     assert "kiln.runtime.native_step" in modules
-    assert "torch" not in modules, "a greedy or plainly sampled request imported torch"
-    [again, penalty], modules = serve(greedy, penalised, name="penalty")
+    assert "torch" not in modules, "a request without a grammar imported torch"
+    assert penalty["meta_info"]["output_top_logprobs"][0]
+    [again, grammar], modules = serve(greedy, constrained, name="grammar")
     assert "torch" in modules
     engine = Engine(art, max_total_tokens=512)
-    for got, body in ((once, drawn), (penalty, penalised)):
+    for got, body in ((once, drawn), (penalty, penalised), (grammar, constrained)):
         want = engine.generate(input_ids=body["input_ids"], sampling_params=body["sampling_params"])
         assert got["output_ids"] == want["output_ids"]
     assert again["output_ids"] == plain["output_ids"]
