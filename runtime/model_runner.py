@@ -44,10 +44,12 @@ def freeze_startup_heap(collect: bool = True) -> int:
     ms of a server's start, on a Xeon core). A process that only imported and loaded an
     artefact (`kiln serve`, a rank worker) passes False: its startup leaves ~40 unreachable
     objects (ctypes' and typing's, no tensors; measured serving SmolLM2), frozen with the
-    rest. One that may have compiled, traced or tested in-process first keeps the default."""
+    rest. One that may have compiled, traced or tested in-process first keeps the default.
+    The collector is on afterwards (`kiln serve` turns it off for its start)."""
     if collect:
         gc.collect()
     gc.freeze()
+    gc.enable()
     return gc.get_freeze_count()
 
 

@@ -14,6 +14,7 @@ are sent from the event loop, since the engine thread may be waiting on the lost
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import socket
 import sys
@@ -156,6 +157,8 @@ def serve(
     from kiln.serve.app import create_app
 
     args = ServerArgs(**explicit)
+    if args.node_rank > 0 or args.dp_size > 1:
+        gc.enable()  # not a single server's start (kiln/cli.py turned it off for that)
     if args.node_rank > 0:
         sys.exit(_follow(Path(artefact), args, explicit))
     if args.dp_size > 1:

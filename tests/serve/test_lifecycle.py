@@ -162,13 +162,15 @@ def test_idle_memory_startup_line_and_threads(artefact, tmp_path):
     assert reserved > 1.0, "the test needs a pool larger than what it may hold"
 
 
-# Runs kiln's CLI; at exit, writes the kiln modules that were imported (and torch, if).
+# Runs kiln's CLI; at exit, writes the kiln modules that were imported (and torch, if),
+# and "gc.isenabled()" if the cyclic garbage collector is on.
 _MODULE_PROBE = """
-import atexit, json, sys
+import atexit, gc, json, sys
 out = sys.argv.pop(1)
 def dump():
+    on = ["gc.isenabled()"] if gc.isenabled() else []
     with open(out, "w") as f:
-        json.dump(sorted(m for m in sys.modules if m.startswith("kiln") or m == "torch"), f)
+        json.dump(sorted(m for m in sys.modules if m.startswith("kiln") or m == "torch") + on, f)
 atexit.register(dump)
 from kiln.cli import main
 sys.exit(main(sys.argv[1:]))
@@ -193,6 +195,8 @@ def test_serving_never_imports_models_or_passes(artefact, tmp_path) -> None:
     assert "kiln.runtime.engine" in modules and "kiln.serve.app" in modules
     assert not [m for m in modules if m.startswith(("kiln.models", "kiln.passes"))], modules
     assert "kiln.compiler.compile" not in modules
+    # `kiln serve` starts without cyclic collections; the server turns them back on.
+    assert "gc.isenabled()" in modules
 
 
 def test_a_native_step_artefact_serves_without_torch_until_a_request_needs_it(
