@@ -52,6 +52,11 @@ async def get_model(model_id: str, request: Request) -> dict[str, Any]:
 async def completions(body: CompletionRequest, request: Request) -> Any:
     ctx = _ctx(request)
     ctx.refuse_unsupported(body.unsupported())
+    if body.echo and body.logprobs is not None:
+        # OpenAI's echo gives the prompt's tokens logprobs too (a scorer's request, with
+        # max_tokens 0): kiln computes those of generated tokens only, and a response with
+        # the prompt's text but not its logprobs would mislead the scorer.
+        ctx.refuse_unsupported(["echo with logprobs (the prompt's logprobs)"])
     n = body.n
     if not 1 <= n <= MAX_N:
         raise ApiError(400, f"n must be in [1, {MAX_N}], got {n}")

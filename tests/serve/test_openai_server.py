@@ -86,6 +86,9 @@ def test_token_id_prompts_echo_and_batches(client, engine) -> None:
     )
     out = completion(client, "Hello", echo=True)
     assert out.choices[0].text.startswith("Hello")
+    # A scorer's request (the prompt's logprobs) is refused, not answered without them.
+    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
+        completion(client, "Hello", echo=True, logprobs=1, max_tokens=0)
     out = completion(client, ["Hello", "One, two"])
     assert [c.index for c in out.choices] == [0, 1]
     assert out.choices[1].text == engine.generate("One, two", GREEDY)["text"]
