@@ -32,10 +32,12 @@ from kiln.runtime.request import Request, RequestOutput
 from kiln.runtime.sampler import (
     Logits,
     SamplingRow,
+    TokenLogprob,
     argmax_rows,
     as_tensor,
     new_generator,
     sample,
+    token_logprobs,
 )
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Batch, Scheduler, SchedulerConfig
@@ -300,8 +302,11 @@ class Engine:
         input_ids: list[int] | list[list[int]] | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
     ) -> dict[str, Any] | list[dict[str, Any]]:
-        """Generate for one prompt (returns a dict) or a batch (returns a list of dicts)."""
+        """Generate for one prompt (returns a dict) or a batch (returns a list of dicts).
+        With return_logprob, `logprob_start_len` >= 0 reports the prompt's logprobs from
+        that position on too (SGLang's input_token_logprobs; -1: the output's only)."""
         if (prompt is None) == (input_ids is None):
             raise RequestError("give exactly one of prompt or input_ids")
         single = isinstance(prompt, str) or (
@@ -321,8 +326,9 @@ class Engine:
         else:
             params = [SamplingParams.from_dict(sampling_params)] * len(ids_list)
         top = top_logprobs_num if return_logprob else None
+        scored = top if logprob_start_len >= 0 else None
         requests = [
-            self.make_request(list(ids), p, index=i, top_logprobs=top)
+            self.make_request(list(ids), p, index=i, top_logprobs=top, prompt_top_logprobs=scored)
             for ids, p in zip(ids_list, params, strict=True)
             for i in range(p.n)
         ]
@@ -331,7 +337,7 @@ class Engine:
         while any(not r.finished for r in requests):
             self.step()
         self.release_memory(math.inf)
-        results = [self.result(r) for r in requests]
+        results = [self.result(r, logprob_start_len) for r in requests]
         return results[0] if single and len(results) == 1 else results
 
     # -- the stepping interface -------------------------------------------------------------
@@ -348,8 +354,11 @@ class Engine:
         top_logprobs: int | None = None,
         priority: int = 0,
         rid: str | None = None,
+        prompt_top_logprobs: int | None = None,
     ) -> Request:
-        """A validated request (not yet queued)."""
+        """A validated request (not yet queued). `prompt_top_logprobs`: the prompt's
+        logprobs too (with the top k of each), its prompt computed whole (no prefix-cache
+        hit); with max_new_tokens 0 it only scores its prompt."""
         if not ids:
             raise RequestError("the prompt is empty")
         vocab = self.art.spec.vocab_size
@@ -389,6 +398,7 @@ class Engine:
             top_logprobs=top_logprobs,
             detok=detok,
             priority=priority,
+            prompt_top_logprobs=prompt_top_logprobs,
         )
 
     def attach_grammar(self, req: Request) -> None:
@@ -410,7 +420,7 @@ class Engine:
         if req.rid in self._live:
             raise RequestError(f"rid {req.rid!r} is already in use by a request in flight")
         self.attach_grammar(req)  # the offline API's requests; served ones have theirs
-        if self._finish_if_done(req):
+        if not req.scores_only and self._finish_if_done(req):
             return
         self.scheduler.add(req)
         self._live[req.rid] = req
@@ -453,6 +463,9 @@ class Engine:
         outputs = []
         for req, sampled in zip(batch.requests, batch.sample, strict=True):
             if req in failed:
+                outputs.append(self.output(req))
+            elif req.scores_only and not req.scoring:  # its prompt is scored: done
+                self._finish(req, {"type": "length", "length": 0})
                 outputs.append(self.output(req))
             elif sampled:
                 if req.first_token_at is None:
@@ -542,6 +555,9 @@ class Engine:
                 costs.observe(sum(fed), kv, time.perf_counter() - start)
             if batch.verify:
                 return self._accept(batch, logits)
+            scores: list[tuple[Request, list[TokenLogprob]]] = []
+            if any(batch.scored):
+                logits, scores = self._score_prompts(batch, logits)
             rows = [self._sampling_row(r) for r in sampling]
             tokens, logprobs = sample(logits, rows) if rows else ([], [])
         except Exception as e:
@@ -558,7 +574,35 @@ class Engine:
         for req, lp in zip(sampling, logprobs, strict=True):
             if lp is not None:
                 req.logprobs.append(lp)
+        for req, lps in scores:
+            req.prompt_logprobs += lps
         return []
+
+    def _score_prompts(
+        self, batch: Batch, logits: Logits
+    ) -> tuple[Logits, list[tuple[Request, list[TokenLogprob]]]]:
+        """A batch with scored requests (`Batch.scored`): the logits rows that sample, and
+        the prompt logprobs each scored request's rows give. The row after prompt token j
+        gives token j + 1's; rows of tokens already scored (a retracted request fed again)
+        or after the prompt's last give none."""
+        keep: list[int] = []
+        scores: list[tuple[Request, list[TokenLogprob]]] = []
+        at = 0
+        for i, (req, count) in enumerate(zip(batch.requests, batch.rows(), strict=True)):
+            if batch.scored[i]:
+                if req.kv_len > len(req.prompt_logprobs):  # a scored prompt is fed whole
+                    raise RuntimeError("the prompt's logprobs would skip cached tokens")
+                first = max(req.kv_len, len(req.prompt_logprobs))
+                end = min(req.kv_len + count, len(req.prompt_ids) - 1)
+                if first < end:
+                    rows = logits[at + first - req.kv_len : at + end - req.kv_len]
+                    targets = req.prompt_ids[first + 1 : end + 1]
+                    assert req.prompt_top_logprobs is not None
+                    scores.append((req, token_logprobs(rows, targets, req.prompt_top_logprobs)))
+            if batch.sample[i]:
+                keep.append(at + count - 1)
+            at += count
+        return logits[keep], scores
 
     def _accept(self, batch: Batch, logits: Logits) -> list[tuple[Request, Exception]]:
         """A verify step's tokens: each request's rows sampled in order as decoding would
@@ -666,6 +710,9 @@ class Engine:
         lps = req.logprobs[req.reported :] if req.top_logprobs is not None else []
         req.reported = len(req.output_ids)
         text = req.detok.take(final=req.finished) if req.detok is not None else ""
+        prompt_lps = None
+        if req.prompt_top_logprobs is not None and not req.prompt_reported:
+            prompt_lps, req.prompt_reported = list(req.prompt_logprobs), True
         return RequestOutput(
             req.rid,
             new,
@@ -677,6 +724,7 @@ class Engine:
             len(req.output_ids),
             req.cached_tokens,
             self._spec_meta(req) if self.speculative is not None else None,
+            prompt_lps,
         )
 
     @staticmethod
@@ -692,7 +740,7 @@ class Engine:
             "spec_accept_length": 1 + kept / verify if verify else 0.0,
         }
 
-    def result(self, req: Request) -> dict[str, Any]:
+    def result(self, req: Request, logprob_start_len: int = -1) -> dict[str, Any]:
         """SGLang's result shape for a finished request."""
         meta: dict[str, Any] = {
             "id": req.rid,
@@ -709,6 +757,8 @@ class Engine:
             meta["output_top_logprobs"] = [
                 list(map(tuple, ((v, t) for t, v in lp.top))) for lp in req.logprobs
             ]
+        if req.prompt_top_logprobs is not None and logprob_start_len >= 0:
+            meta.update(input_logprobs(req.prompt_ids, req.prompt_logprobs, logprob_start_len))
         return {
             "text": req.detok.text if req.detok is not None else "",
             "output_ids": list(req.output_ids),
@@ -804,3 +854,18 @@ def _set_threads(asked: int | None) -> tuple[int, str]:
     count, source = default_threads()
     set_threads(count)
     return count, source
+
+
+def input_logprobs(
+    prompt: list[int], scored: list[TokenLogprob], start: int
+) -> dict[str, list[Any]]:
+    """SGLang's input_token_logprobs and input_top_logprobs of the prompt from position
+    `start`: (logprob, token id) each, the first token's logprob None (nothing before it);
+    `scored` is Request.prompt_logprobs (entry j: prompt token j + 1's)."""
+    tokens: list[Any] = []
+    tops: list[Any] = []
+    for pos in range(start, len(prompt)):
+        lp = scored[pos - 1] if 0 < pos <= len(scored) else None
+        tokens.append((lp.logprob if lp else None, prompt[pos]))
+        tops.append([(v, t) for t, v in lp.top] if lp else None)
+    return {"input_token_logprobs": tokens, "input_top_logprobs": tops}

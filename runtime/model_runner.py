@@ -91,9 +91,10 @@ class ModelRunner:
         return self._executor
 
     def forward(self, batch: Batch, all_logits: bool = False) -> Logits:
-        """Logits of the last fed token of each request that samples this step
-        ([sampling requests, vocab]), or of every fed token when `all_logits`: a numpy
-        array from the native step (runtime/sampler.py `Logits`)."""
+        """Logits of the last fed token of each request that samples this step, and of
+        every fed token of each scored one (`Batch.rows`, in batch order), or of every fed
+        token when `all_logits`: a numpy array from the native step (runtime/sampler.py
+        `Logits`)."""
         step = self.inputs(batch, all_logits)
         if self.group is not None:
             self.group.send(step)
@@ -118,12 +119,11 @@ class ModelRunner:
                     pages += req.pages
             rows = list(range(len(ids)))
             return StepInputs(ids, positions, rows, q_lens, kv_lens, counts, pages)
-        for req, fed, sampled in zip(batch.requests, batch.new_tokens, batch.sample, strict=True):
+        for req, fed, count in zip(batch.requests, batch.new_tokens, batch.rows(), strict=True):
             kv_len = req.kv_len + len(fed)
             ids += fed
             positions += range(req.kv_len, kv_len)
-            if sampled:
-                last.append(len(ids) - 1)
+            last += range(len(ids) - count, len(ids))  # the last token's, or every one's
             q_lens.append(len(fed))
             kv_lens.append(kv_len)
             counts.append(len(req.pages))

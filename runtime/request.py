@@ -34,6 +34,11 @@ class Request:
     generator: np.random.Generator | None = None  # runtime/sampler.py new_generator
     top_logprobs: int | None = None  # None: no logprobs wanted
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # The prompt's logprobs (a scorer's request): None, not wanted; k >= 0, each prompt
+    # token's after the first, with the top k. Entry j is prompt token j + 1's.
+    prompt_top_logprobs: int | None = None
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_reported: bool = False  # handed out in a RequestOutput
     detok: IncrementalDetokenizer | None = None
     priority: int = 0
     created: float = field(default_factory=time.perf_counter)
@@ -66,6 +71,19 @@ class Request:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    @property
+    def scoring(self) -> bool:
+        """It wants its prompt's logprobs and has not all of them yet."""
+        return (
+            self.prompt_top_logprobs is not None
+            and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
+        )
+
+    @property
+    def scores_only(self) -> bool:
+        """It wants its prompt's logprobs and no new token: it ends when its prompt is in."""
+        return self.prompt_top_logprobs is not None and self.params.max_new_tokens == 0
+
 
 @dataclass(frozen=True)
 class RequestOutput:
@@ -82,3 +100,5 @@ class RequestOutput:
     cached_tokens: int = 0
     # With speculative decoding, SGLang's spec_* meta_info of the request so far.
     spec: dict[str, Any] | None = None
+    # The prompt's logprobs (Request.prompt_logprobs), in the first output that has them.
+    prompt_logprobs: list[TokenLogprob] | None = None

@@ -129,15 +129,28 @@ def sample(
     logprobs: list[TokenLogprob | None] = [None] * len(rows)
     for i, r in enumerate(rows):
         if r.top_logprobs is not None:
-            # Clamped: a token penalised or suppressed to -inf has no finite logprob, and
-            # JSON has no -Infinity.
-            lp = torch.log_softmax(logits[i], dim=-1).clamp_(min=torch.finfo(torch.float32).min)
-            top = torch.topk(lp, r.top_logprobs) if r.top_logprobs else None
-            pairs = (
-                tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else ()
-            )
-            logprobs[i] = TokenLogprob(tokens[i], float(lp[tokens[i]]), pairs)
+            logprobs[i] = _logprob(logits[i], tokens[i], r.top_logprobs)
     return tokens, logprobs
+
+
+def token_logprobs(logits: Logits, tokens: Sequence[int], k: int) -> list[TokenLogprob]:
+    """Row j's log-probability of tokens[j], with the row's top k, as `sample` reports a
+    chosen token's (a prompt's logprobs: row j the logits after prompt token j, tokens[j]
+    prompt token j + 1)."""
+    if isinstance(logits, np.ndarray):
+        with np.errstate(all="ignore"):
+            return [_host_logprob(logits[j], t, k) for j, t in enumerate(tokens)]
+    rows = as_tensor(logits).float()
+    return [_logprob(rows[j], t, k) for j, t in enumerate(tokens)]
+
+
+def _logprob(row: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    # Clamped: a token penalised or suppressed to -inf has no finite logprob, and JSON has
+    # no -Infinity.
+    lp = torch.log_softmax(row, dim=-1).clamp_(min=torch.finfo(torch.float32).min)
+    top = torch.topk(lp, k) if k else None
+    pairs = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else ()
+    return TokenLogprob(token, float(lp[token]), pairs)
 
 
 def _host_row(row: np.ndarray, r: SamplingRow) -> tuple[int, TokenLogprob | None]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.runtime.kv_cache import PagePool
@@ -22,6 +22,9 @@ from kiln.runtime.request import Request, Status
 POLICIES = ("fcfs", "lpm", "random", "lof", "priority")
 # Above this many waiting requests, lpm's prefix lookups cost more than they save.
 LPM_MAX_WAITING = 128
+# The most prompt tokens a scored request (the prompt's logprobs) feeds a step: each fed
+# token's logits are kept, [tokens, vocab] float32 (100 MB at 49,152 tokens of vocabulary).
+SCORED_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,9 @@ class Batch:
     # A decode batch whose requests feed their last token and then drafted ones, every
     # fed token's logits checked (runtime/speculative.py).
     verify: bool = False
+    # Per request of a prefill: every fed token's logits wanted (the prompt's logprobs),
+    # not only the last's. Empty: none.
+    scored: list[bool] = field(default_factory=list)
 
     def subset(self, start: int, stop: int | None) -> Batch:
         """The requests [start:stop] as a batch of their own."""
@@ -57,7 +63,17 @@ class Batch:
             self.sample[part],
             self.is_prefill,
             self.verify,
+            self.scored[part],
         )
+
+    def rows(self) -> list[int]:
+        """How many logits rows each request gets: each fed token's when scored, else one
+        when it samples."""
+        scored = self.scored or [False] * len(self.requests)
+        return [
+            len(fed) if all_rows else int(sampled)
+            for fed, sampled, all_rows in zip(self.new_tokens, self.sample, scored, strict=True)
+        ]
 
 
 class Scheduler:
@@ -124,6 +140,7 @@ class Scheduler:
             batch.requests += decoding
             batch.new_tokens += [[r.last_id] for r in decoding]
             batch.sample += [True] * len(decoding)
+            batch.scored += [False] * len(decoding)
         return batch
 
     def _decodable(self) -> list[Request]:
@@ -142,11 +159,13 @@ class Scheduler:
             full = fresh and len(self.running) >= self.cfg.max_running
             if full and not self._preempt_for(req):
                 break
-            if fresh and self.cache is not None and not req.pages:
+            # A scorer's prompt is computed whole: a cached prefix has no logits to give.
+            scoring = req.scoring
+            if fresh and self.cache is not None and not req.pages and not scoring:
                 self._attach_prefix(req)
             remaining = req.num_tokens - req.kv_len
-            take = remaining
-            if remaining > budget:
+            take = min(remaining, SCORED_CHUNK) if scoring else remaining
+            if take > budget:
                 if self.cfg.chunked_prefill_size and budget > 0:
                     take = budget  # this prompt continues next step
                 elif picked:
@@ -166,8 +185,12 @@ class Scheduler:
                 break
         if not picked:
             return None
-        sample = [r.kv_len + len(f) == r.num_tokens for r, f in zip(picked, fed, strict=True)]
-        return Batch(picked, fed, sample, is_prefill=True)
+        sample = [
+            r.kv_len + len(f) == r.num_tokens and not r.scores_only
+            for r, f in zip(picked, fed, strict=True)
+        ]
+        scored = [r.scoring for r in picked]
+        return Batch(picked, fed, sample, is_prefill=True, scored=scored)
 
     def _reserve(self, req: Request, take: int, fresh: bool, picked: list[Request]) -> bool:
         """Allocate pages for `take` more tokens of `req`, keeping room for the decode

@@ -165,10 +165,12 @@ class ServingContext:
         top_logprobs: int | None = None,
         priority: int = 0,
         rid: str | list[str] | None = None,
+        prompt_top_logprobs: int | None = None,
     ) -> list[Request]:
         """`n` requests per prompt (default: the params' own `n`), validated; raises
         ApiError(400) naming the problem. `params` is one dict for all prompts or one per
-        prompt; `rid` a client id (suffixed per request when it fans out) or one per prompt."""
+        prompt; `rid` a client id (suffixed per request when it fans out) or one per prompt;
+        `prompt_top_logprobs`, the prompts' logprobs too (Engine.make_request)."""
         if n is not None and not 1 <= n <= MAX_N:
             raise ApiError(400, f"n must be in [1, {MAX_N}], got {n}")
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
@@ -196,7 +198,13 @@ class ServingContext:
                     sp = dataclasses.replace(sp, max_new_tokens=self.context_length - len(ids))
                 reqs += [
                     self.engine.make_request(
-                        ids, sp, index=i, top_logprobs=top_logprobs, priority=priority, rid=name
+                        ids,
+                        sp,
+                        index=i,
+                        top_logprobs=top_logprobs,
+                        priority=priority,
+                        rid=name,
+                        prompt_top_logprobs=prompt_top_logprobs,
                     )
                     for i, name in zip(range(count), names, strict=True)
                 ]

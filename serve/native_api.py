@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
+from kiln.runtime.engine import input_logprobs
 from kiln.serve.context import ServingContext
 from kiln.serve.protocol import GenerateRequest
 from kiln.serve.streams import Accumulated, ApiError, events, merged, sse
@@ -20,7 +21,11 @@ def _ctx(request: Request) -> ServingContext:
     return request.app.state.kiln
 
 
-def _meta(rid: str, acc: Accumulated, with_logprobs: bool) -> dict[str, Any]:
+def _meta(
+    rid: str, acc: Accumulated, with_logprobs: bool, prompt: tuple[list[int], int] | None = None
+) -> dict[str, Any]:
+    """SGLang's meta_info; `prompt`, the prompt's ids and logprob_start_len when the
+    request scored its prompt."""
     meta: dict[str, Any] = {
         "id": rid,
         "prompt_tokens": acc.prompt_tokens,
@@ -33,6 +38,8 @@ def _meta(rid: str, acc: Accumulated, with_logprobs: bool) -> dict[str, Any]:
     if with_logprobs:
         meta["output_token_logprobs"] = [[lp.logprob, lp.token] for lp in acc.logprobs]
         meta["output_top_logprobs"] = [[[v, t] for t, v in lp.top] for lp in acc.logprobs]
+    if prompt is not None:
+        meta.update(input_logprobs(prompt[0], acc.prompt_logprobs or [], prompt[1]))
     return meta
 
 
@@ -47,6 +54,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     )
     sp = body.sampling_params
     top = body.top_logprobs_num if body.return_logprob else None
+    start = body.logprob_start_len if body.return_logprob else -1
 
     def build() -> list[Any]:
         if body.text is not None:
@@ -57,16 +65,27 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
             prompts = [ids] if single else list(ids)
         if not prompts:
             raise ApiError(400, "the prompt is empty")
+        short = min(len(p) for p in prompts)
+        if start >= short:
+            raise ApiError(
+                400, f"logprob_start_len {start} must be below the prompt's length ({short})"
+            )
         # SGLang's native default is 128 new tokens (OpenAI routes: up to the context).
         params = [
             {"max_new_tokens": 128, **p}
             for p in (sp if isinstance(sp, list) else [sp or {}] * len(prompts))
         ]
         return ctx.make_requests(
-            prompts, params, top_logprobs=top, priority=body.priority, rid=body.rid
+            prompts,
+            params,
+            top_logprobs=top,
+            priority=body.priority,
+            rid=body.rid,
+            prompt_top_logprobs=top if start >= 0 else None,
         )
 
     reqs = await ctx.build(build)
+    scored = [(r.prompt_ids, start) if start >= 0 else None for r in reqs]
 
     if body.stream:
 
@@ -77,7 +96,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
                 item: dict[str, Any] = {
                     "text": accs[i].text,
                     "output_ids": accs[i].token_ids,
-                    "meta_info": _meta(reqs[i].rid, accs[i], body.return_logprob),
+                    "meta_info": _meta(reqs[i].rid, accs[i], body.return_logprob, scored[i]),
                 }
                 if len(reqs) > 1:
                     item["index"] = i
@@ -90,9 +109,9 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         {
             "text": acc.text,
             "output_ids": acc.token_ids,
-            "meta_info": _meta(r.rid, acc, body.return_logprob),
+            "meta_info": _meta(r.rid, acc, body.return_logprob, prompt),
         }
-        for r, acc in zip(reqs, results, strict=True)
+        for r, acc, prompt in zip(reqs, results, scored, strict=True)
     ]
     return items[0] if single and len(items) == 1 else items
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -52,11 +52,6 @@ async def get_model(model_id: str, request: Request) -> dict[str, Any]:
 async def completions(body: CompletionRequest, request: Request) -> Any:
     ctx = _ctx(request)
     ctx.refuse_unsupported(body.unsupported())
-    if body.echo and body.logprobs is not None:
-        # OpenAI's echo gives the prompt's tokens logprobs too (a scorer's request, with
-        # max_tokens 0): kiln computes those of generated tokens only, and a response with
-        # the prompt's text but not its logprobs would mislead the scorer.
-        ctx.refuse_unsupported(["echo with logprobs (the prompt's logprobs)"])
     n = body.n
     if not 1 <= n <= MAX_N:
         raise ApiError(400, f"n must be in [1, {MAX_N}], got {n}")
@@ -66,6 +61,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     if body.stream and best_of != n:
         raise ApiError(400, "best_of > n cannot be streamed")
     want_lp = body.logprobs is not None or best_of > n
+    # OpenAI's echo with logprobs: the prompt's tokens have logprobs too (a scorer's
+    # request, often with max_tokens 0), the first's null.
+    scored = body.logprobs if body.echo and body.logprobs is not None else None
 
     def build() -> tuple[list[list[int]], list[str], list[Any]]:
         prompts = ctx.prompt_ids(body.prompt)
@@ -77,6 +75,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             top_logprobs=(body.logprobs or 0) if want_lp else None,
             priority=body.priority,
             rid=body.rid,
+            prompt_top_logprobs=scored,
         )
         return prompts, echo, reqs
 
@@ -100,10 +99,11 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 
             async for i, out in merged(ctx, reqs):
                 cached[i] = out.cached_tokens
-                text = out.text
+                text, prompt_lps = out.text, None
                 if i not in started:
                     started.add(i)
                     text = echo[i // n] + text
+                    prompt_lps = out.prompt_logprobs
                 completion_tokens += len(out.token_ids)
                 reason, matched = _finish_reason(out)
                 if not text and not out.finished:
@@ -111,7 +111,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                 choice = {
                     "index": i,
                     "text": text,
-                    "logprobs": _completion_logprobs(ctx, out.logprobs)
+                    "logprobs": _completion_logprobs(ctx, out.logprobs, prompts[i // n], prompt_lps)
                     if body.logprobs is not None
                     else None,
                     "finish_reason": reason,
@@ -135,7 +135,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                 {
                     "index": p_idx * n + j,
                     "text": echo[p_idx] + res.text,
-                    "logprobs": _completion_logprobs(ctx, res.logprobs)
+                    "logprobs": _completion_logprobs(
+                        ctx, res.logprobs, prompts[p_idx], res.prompt_logprobs
+                    )
                     if body.logprobs is not None
                     else None,
                     "finish_reason": reason,
@@ -153,16 +155,35 @@ def _usage_options(body: CompletionRequest | ChatCompletionRequest) -> tuple[boo
     return bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
 
 
-def _completion_logprobs(ctx: ServingContext, lps: list[TokenLogprob]) -> dict[str, Any]:
-    tokens = [ctx.token_text(lp.token) for lp in lps]
+def _completion_logprobs(
+    ctx: ServingContext,
+    lps: list[TokenLogprob],
+    prompt: Sequence[int] = (),
+    prompt_lps: list[TokenLogprob] | None = None,
+) -> dict[str, Any]:
+    """OpenAI's completion logprobs of `lps`, after the prompt's when it was scored
+    (`prompt_lps`: entry j is prompt token j + 1's; the first token's are null)."""
+    ids: list[int] = []
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    if prompt_lps is not None:
+        for j, token in enumerate(prompt):
+            lp = prompt_lps[j - 1] if 0 < j <= len(prompt_lps) else None
+            ids.append(token)
+            values.append(lp.logprob if lp else None)
+            tops.append({ctx.token_text(t): v for t, v in lp.top} if lp else None)
+    ids += [lp.token for lp in lps]
+    values += [lp.logprob for lp in lps]
+    tops += [{ctx.token_text(t): v for t, v in lp.top} for lp in lps]
+    tokens = [ctx.token_text(t) for t in ids]
     offsets, at = [], 0
     for t in tokens:
         offsets.append(at)
         at += len(t)
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{ctx.token_text(t): v for t, v in lp.top} for lp in lps],
+        "token_logprobs": values,
+        "top_logprobs": tops,
         "text_offset": offsets,
     }
 

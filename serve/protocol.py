@@ -404,6 +404,8 @@ class GenerateRequest(Body):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = Field(default=0, ge=0, le=20)
+    # With return_logprob: the prompt's logprobs from this position on (-1: none).
+    logprob_start_len: int = Field(default=-1, ge=-1)
     rid: Texts | None = None
     priority: int = 0
     # Accepted and ignored: metric and logging switches (kiln logs no request content).
@@ -411,7 +413,6 @@ class GenerateRequest(Body):
     no_logs: bool = False
 
     REFUSED = {
-        "logprob_start_len": -1,
         "token_ids_logprob": None,
         "return_text_in_logprobs": False,
         "input_embeds": None,

@@ -49,8 +49,11 @@ class Accumulated:
     completion_tokens: int = 0
     cached_tokens: int = 0
     spec: dict[str, Any] | None = None  # speculative decoding's meta_info
+    prompt_logprobs: list[TokenLogprob] | None = None  # when the request scored its prompt
 
     def add(self, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.text += out.text
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs

@@ -270,3 +270,70 @@ def test_the_startup_heap_is_frozen_and_later_garbage_still_collected(collect: b
         gc.unfreeze()
         if enabled:
             gc.enable()
+
+
+def test_prompt_logprobs_are_transformers_and_survive_chunks_and_the_cache(
+    engine, artefact, checkpoint, monkeypatch
+) -> None:
+    """SGLang's logprob_start_len: the prompt's logprobs (each token's after the first,
+    with the top k) are transformers' log-softmax of the same checkpoint's logits; the same
+    whether the prompt is prefilled whole or in chunks of 5 tokens, and when the prefix
+    cache holds the prompt (a scorer's prompt is computed whole); max_new_tokens 0 only
+    scores, also when a chunk ends one token before the prompt's end, and when a scored
+    prompt is cut into steps of its own (SCORED_CHUNK)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kiln.runtime import scheduler
+
+    prompt = list(range(3, 30))
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint("llama"), torch_dtype=torch.float32)
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    params = {**GREEDY, "max_new_tokens": 3}
+    engine.generate(input_ids=prompt, sampling_params=params)  # the prefix cache holds it now
+    chunked = Engine(artefact("llama"), max_total_tokens=1024, chunked_prefill_size=5)
+    whole: list = []
+    for eng in (engine, chunked):
+        out = eng.generate(
+            input_ids=prompt,
+            sampling_params=params,
+            return_logprob=True,
+            top_logprobs_num=2,
+            logprob_start_len=0,
+        )
+        meta = out["meta_info"]
+        tokens, tops = meta["input_token_logprobs"], meta["input_top_logprobs"]
+        assert [t for _, t in tokens] == prompt and tokens[0][0] is None and tops[0] is None
+        got = torch.tensor([v for v, _ in tokens[1:]])
+        expect = want[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+        assert torch.allclose(got, expect, atol=1e-4), (got - expect).abs().max()
+        best = want[:-1].topk(2, dim=-1)
+        assert [[t for _, t in top] for top in tops[1:]] == best.indices.tolist()
+        assert len(out["output_ids"]) == 3 and len(meta["output_token_logprobs"]) == 3
+        whole = whole or tokens
+    late = engine.generate(
+        input_ids=prompt, sampling_params=params, return_logprob=True, logprob_start_len=20
+    )["meta_info"]
+    assert late["input_token_logprobs"] == whole[20:]
+    only = engine.generate(
+        input_ids=prompt,
+        sampling_params={**params, "max_new_tokens": 0},
+        return_logprob=True,
+        logprob_start_len=0,
+    )
+    assert only["output_ids"] == [] and only["meta_info"]["input_token_logprobs"] == whole
+    assert only["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    edge = chunked.generate(  # chunks of 5 end at 25 of 26 tokens
+        input_ids=prompt[:26],
+        sampling_params={**params, "max_new_tokens": 0},
+        return_logprob=True,
+        logprob_start_len=0,
+    )
+    assert edge["output_ids"] == [] and len(edge["meta_info"]["input_token_logprobs"]) == 26
+    monkeypatch.setattr(scheduler, "SCORED_CHUNK", 4)
+    cut = engine.generate(
+        input_ids=prompt, sampling_params=params, return_logprob=True, logprob_start_len=0
+    )["meta_info"]["input_token_logprobs"]
+    assert [t for _, t in cut] == prompt
+    assert [v for v, _ in cut[1:]] == pytest.approx([v for v, _ in whole[1:]], abs=1e-5)

@@ -86,9 +86,6 @@ def test_token_id_prompts_echo_and_batches(client, engine) -> None:
     )
     out = completion(client, "Hello", echo=True)
     assert out.choices[0].text.startswith("Hello")
-    # A scorer's request (the prompt's logprobs) is refused, not answered without them.
-    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
-        completion(client, "Hello", echo=True, logprobs=1, max_tokens=0)
     out = completion(client, ["Hello", "One, two"])
     assert [c.index for c in out.choices] == [0, 1]
     assert out.choices[1].text == engine.generate("One, two", GREEDY)["text"]
@@ -418,3 +415,40 @@ def test_logit_bias_and_unsupported_fields(server, client, engine) -> None:
         "/v1/chat/completions", json={**chat, "response_format": {"type": "text"}, "max_tokens": 2}
     )
     assert r.status_code == 200
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, server, engine) -> None:
+    """A scorer's request (lm-eval's loglikelihood: echo, logprobs, max_tokens 0 or 1):
+    the prompt's tokens come back with their logprobs (the first null), the engine's
+    input_token_logprobs, then the generated ones; streamed the same; SGLang's
+    logprob_start_len on /generate gives them from that position on."""
+    prompt = [1, 5, 9, 33, 7, 12, 40]
+    want = engine.generate(
+        input_ids=prompt,
+        sampling_params={"max_new_tokens": 1, "temperature": 0},
+        return_logprob=True,
+        top_logprobs_num=1,
+        logprob_start_len=0,
+    )["meta_info"]["input_token_logprobs"]
+    values = [v for v, _ in want[1:]]
+    for max_tokens in (0, 1):
+        out = completion(client, prompt, echo=True, logprobs=1, max_tokens=max_tokens)
+        lp = out.choices[0].logprobs
+        assert len(lp.tokens) == len(prompt) + max_tokens == len(lp.token_logprobs)
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1 : len(prompt)] == pytest.approx(values, abs=1e-5)
+        assert all(len(top) == 1 for top in lp.top_logprobs[1:])
+        assert out.usage.completion_tokens == max_tokens
+    chunks = list(completion(client, prompt, echo=True, logprobs=1, max_tokens=2, stream=True))
+    streamed = [v for c in chunks for v in c.choices[0].logprobs.token_logprobs]
+    assert len(streamed) == len(prompt) + 2 and streamed[0] is None
+    assert streamed[1 : len(prompt)] == pytest.approx(values, abs=1e-5)
+    body = {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 3}
+    r = server.post("/generate", json={**body, "sampling_params": {"max_new_tokens": 0}})
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    assert [t for _, t in meta["input_token_logprobs"]] == prompt[3:]
+    got = [v for v, _ in meta["input_token_logprobs"]]
+    assert got == pytest.approx(values[2:], abs=1e-5) and r.json()["output_ids"] == []
+    r = server.post("/generate", json={**body, "logprob_start_len": len(prompt)})
+    assert r.status_code == 400 and "logprob_start_len" in r.json()["error"]["message"]
