@@ -28,7 +28,7 @@ from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.parallel import TPGroup, check_nodes
 from kiln.runtime.placement import KVDemand, Placement, available_ram, gpu_memory, place
 from kiln.runtime.radix_cache import RadixCache
-from kiln.runtime.request import Request, RequestOutput
+from kiln.runtime.request import Request, RequestOutput, prompt_positions
 from kiln.runtime.sampler import (
     Logits,
     SamplingRow,
@@ -861,11 +861,11 @@ def input_logprobs(
 ) -> dict[str, list[Any]]:
     """SGLang's input_token_logprobs and input_top_logprobs of the prompt from position
     `start`: (logprob, token id) each, the first token's logprob None (nothing before it);
-    `scored` is Request.prompt_logprobs (entry j: prompt token j + 1's)."""
-    tokens: list[Any] = []
-    tops: list[Any] = []
-    for pos in range(start, len(prompt)):
-        lp = scored[pos - 1] if 0 < pos <= len(scored) else None
-        tokens.append((lp.logprob if lp else None, prompt[pos]))
-        tops.append([(v, t) for t, v in lp.top] if lp else None)
-    return {"input_token_logprobs": tokens, "input_top_logprobs": tops}
+    `scored` is Request.prompt_logprobs."""
+    at = prompt_positions(len(prompt), scored)[start:]
+    return {
+        "input_token_logprobs": [
+            (lp.logprob if lp else None, t) for lp, t in zip(at, prompt[start:], strict=True)
+        ],
+        "input_top_logprobs": [[(v, t) for t, v in lp.top] if lp else None for lp in at],
+    }

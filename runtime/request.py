@@ -102,3 +102,9 @@ class RequestOutput:
     spec: dict[str, Any] | None = None
     # The prompt's logprobs (Request.prompt_logprobs), in the first output that has them.
     prompt_logprobs: list[TokenLogprob] | None = None
+
+
+def prompt_positions(prompt_len: int, scored: list[TokenLogprob]) -> list[TokenLogprob | None]:
+    """Each prompt position's logprob from Request.prompt_logprobs (entry j: position j +
+    1's): None for the first token (nothing before it) and for any not computed."""
+    return [None, *scored[: prompt_len - 1]] + [None] * (prompt_len - 1 - len(scored))

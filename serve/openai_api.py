@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kiln.runtime.request import prompt_positions
 from kiln.runtime.sampler import TokenLogprob
 from kiln.runtime.sampling_params import MAX_N
 from kiln.serve.chat_output import plan_chat
@@ -106,7 +107,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                     prompt_lps = out.prompt_logprobs
                 completion_tokens += len(out.token_ids)
                 reason, matched = _finish_reason(out)
-                if not text and not out.finished:
+                if not text and not out.finished and prompt_lps is None:
                     continue
                 choice = {
                     "index": i,
@@ -167,8 +168,7 @@ def _completion_logprobs(
     values: list[float | None] = []
     tops: list[dict[str, float] | None] = []
     if prompt_lps is not None:
-        for j, token in enumerate(prompt):
-            lp = prompt_lps[j - 1] if 0 < j <= len(prompt_lps) else None
+        for token, lp in zip(prompt, prompt_positions(len(prompt), prompt_lps), strict=True):
             ids.append(token)
             values.append(lp.logprob if lp else None)
             tops.append({ctx.token_text(t): v for t, v in lp.top} if lp else None)
