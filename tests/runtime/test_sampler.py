@@ -61,8 +61,8 @@ def test_argmax_rows_picks_torch_argmax_ties_and_nans_included() -> None:
 def test_numpy_logits_sample_as_the_same_tensor_does() -> None:
     """The native step's logits are a numpy array: a step of plain greedy rows is their
     argmax, and any other row (suppressed tokens, penalties, logprobs, sampling) gets
-    what the same values as a tensor get."""
-    logits = torch.randn(5, 300)
+    what the same values as a tensor get (logprobs to float32 rounding)."""
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(11))
     top = int(logits[1].argmax())
     rows = [
         row(temperature=0),
@@ -77,7 +77,10 @@ def test_numpy_logits_sample_as_the_same_tensor_does() -> None:
     got = sample(logits.numpy(), rows)
     rows[-1] = row(seed=4, temperature=0.8)  # the generator afresh
     want = sample(logits, rows)
-    assert got == want and got[0][1] != top and got[1][3] is not None
+    assert got[0] == want[0] and got[0][1] != top
+    assert [lp is None for lp in got[1]] == [lp is None for lp in want[1]] == [1, 1, 1, 0, 1]
+    assert got[1][3].token == want[1][3].token
+    assert_logprobs_close(got[1][3], want[1][3])
 
 
 def test_a_native_steps_rows_need_no_torch_but_for_a_grammar(monkeypatch) -> None:
@@ -169,6 +172,13 @@ def test_the_host_nucleus_is_the_full_sorts(top_p: float) -> None:
         probs[rng.integers(0, 49152, 500)] = 0.0
         want = full_sort_nucleus(torch.from_numpy(probs.copy()), top_p).numpy()
         assert np.array_equal(_host_nucleus(probs, top_p), want)
+        # top_k's cut first: all but 50 (then all but 2000) zero
+        for kept in (50, 2000):
+            cut = probs.copy()
+            cut[np.argsort(cut, kind="stable")[:-kept]] = 0.0
+            cut /= cut.sum()
+            want = full_sort_nucleus(torch.from_numpy(cut.copy()), top_p).numpy()
+            assert np.array_equal(_host_nucleus(cut, top_p), want)
 
 
 def test_seeded_sampling_is_reproducible_and_varies_with_the_seed() -> None:
