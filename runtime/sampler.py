@@ -307,8 +307,12 @@ def _host_probs(row: np.ndarray, p: SamplingParams) -> np.ndarray:
 
 
 def _host_nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
-    """`_nucleus` in numpy: the prefix among the k largest (argpartition, then a sort of
-    those k), k growing 8x until the k-th is dropped; a full sort past that. k starts at
+    """`_nucleus` in numpy. First the probabilities above max x each of NUCLEUS_CUTS, at
+    most HOST_NUCLEUS_FIRST of them, sorted alone: a model's nucleus is usually tens of
+    tokens (16 rows of SmolLM2 at temperature 0.8, top_p 0.95: 1.17 ms against 4.56 for
+    the argpartition below, the same tokens). Else the prefix among the k largest
+    (argpartition, then a sort of those k), k growing 8x until the k-th is dropped; a full
+    sort past that. k starts at
     1024, not 256: numpy's argpartition of 49,152 costs the same ~0.13 ms at either (a Zen
     3 core) and the sort of 1024 ~0.04 ms, so a nucleus of a few hundred tokens (top_p
     0.95 at temperature 0.8 kept 429 of SmolLM2's) takes one round, not two. Zeros
@@ -322,6 +326,23 @@ def _host_nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
         out = np.zeros_like(probs)
         out[positive] = _host_nucleus(probs[positive], top_p)
         return out
+    high = probs.max()
+    for scale in NUCLEUS_CUTS:
+        # Every probability above a cut: when their running sum passes top_p (by a margin
+        # over float32 rounding), they hold the whole nucleus (the tokens below come after
+        # all of them, each with more than top_p before it), and only they are sorted.
+        above = probs > high * np.float32(scale)
+        if np.count_nonzero(above) > HOST_NUCLEUS_FIRST:
+            break
+        idx = np.flatnonzero(above)
+        idx = idx[np.argsort(-probs[idx], kind="stable")]
+        top = probs[idx]
+        running = _running_sum(top)
+        if running[-1] > top_p + NUCLEUS_MARGIN:
+            keep = running - top <= top_p
+            out = np.zeros_like(probs)
+            out[idx[keep]] = top[keep]
+            return out
     n, k = probs.size, HOST_NUCLEUS_FIRST
     while k < n:
         idx = np.argpartition(probs, n - k)[n - k :]
@@ -381,6 +402,8 @@ def _finite(row: torch.Tensor) -> None:
 
 NUCLEUS_FIRST = 256  # the largest probabilities top_p looks at first
 HOST_NUCLEUS_FIRST = 1024  # the same, in numpy (`_host_nucleus`)
+NUCLEUS_CUTS = (1e-3, 1e-5)  # `_host_nucleus` first sorts the probabilities above these x max
+NUCLEUS_MARGIN = 1e-6  # ... once their sum passes top_p by more than float32 rounding
 
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:

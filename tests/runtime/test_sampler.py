@@ -181,6 +181,34 @@ def test_the_host_nucleus_is_the_full_sorts(top_p: float) -> None:
             assert np.array_equal(_host_nucleus(cut, top_p), want)
 
 
+def test_a_peaked_nucleus_is_found_above_a_cut_without_a_whole_row_selection(
+    monkeypatch,
+) -> None:
+    """A peaked row's nucleus (tens of tokens, as a model's usually is) is found among the
+    probabilities above max x NUCLEUS_CUTS, no argpartition of the row: the full sort's
+    tokens."""
+    from kiln.runtime import sampler
+
+    rng = np.random.default_rng(9)
+    rows = []
+    for scale in (6.0, 12.0):
+        x = rng.standard_normal(49152).astype(np.float32) * scale
+        probs = np.exp(x - x.max())
+        rows.append(probs / probs.sum())
+    want = {
+        (i, q): full_sort_nucleus(torch.from_numpy(p.copy()), q).numpy()
+        for i, p in enumerate(rows)
+        for q in (0.5, 0.9, 0.95)
+    }
+
+    def whole_row(*args, **kwargs):
+        raise AssertionError("an argpartition of the whole row")
+
+    monkeypatch.setattr(sampler.np, "argpartition", whole_row)
+    for (i, q), expect in want.items():
+        assert np.array_equal(sampler._host_nucleus(rows[i], q), expect)
+
+
 def test_seeded_sampling_is_reproducible_and_varies_with_the_seed() -> None:
     logits = torch.zeros(1, 1000)
     a = [tokens(logits, [row(1)])[0] for _ in range(3)]
