@@ -307,19 +307,18 @@ def _host_probs(row: np.ndarray, p: SamplingParams) -> np.ndarray:
 
 
 def _host_nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
-    """`_nucleus` in numpy. First the probabilities above max x each of NUCLEUS_CUTS, at
-    most HOST_NUCLEUS_FIRST of them, sorted alone: a model's nucleus is usually tens of
-    tokens (16 rows of SmolLM2 at temperature 0.8, top_p 0.95: 1.17 ms against 4.56 for
-    the argpartition below, the same tokens). Else the prefix among the k largest
-    (argpartition, then a sort of those k), k growing 8x until the k-th is dropped; a full
-    sort past that. k starts at
-    1024, not 256: numpy's argpartition of 49,152 costs the same ~0.13 ms at either (a Zen
-    3 core) and the sort of 1024 ~0.04 ms, so a nucleus of a few hundred tokens (top_p
-    0.95 at temperature 0.8 kept 429 of SmolLM2's) takes one round, not two. Zeros
-    (top-k's cut) are set aside first: they end the descending order, so they change no
-    sum before a positive probability, and numpy's argpartition of a row of mostly equal
-    values was the slow path, 2.1 ms with top_k 50's 49,102 zeros (16 rows of a
-    top_k 50, top_p 0.9 step took 48.7 ms; a Zen 3 core)."""
+    """`_nucleus` in numpy. Zeros (top-k's cut) are set aside first: they end the
+    descending order, so they change no sum before a positive probability, and numpy's
+    argpartition of a row of mostly equal values is its slow path (2.1 ms with top_k 50's
+    49,102 zeros; a 16-row top_k 50, top_p 0.9 step took 48.7 ms, a Zen 3 core). Then the
+    probabilities above max x each of NUCLEUS_CUTS, at most HOST_NUCLEUS_FIRST of them, are
+    sorted alone: a model's nucleus is usually tens of tokens (16 rows of SmolLM2 at
+    temperature 0.8, top_p 0.95: 1.17 ms against 4.56 for the argpartition below, the same
+    tokens). Else the prefix among the k largest (argpartition, then a sort of those k), k
+    growing 8x until the k-th is dropped; a full sort past that. k starts at 1024, not 256:
+    numpy's argpartition of 49,152 costs the same ~0.13 ms at either and the sort of 1024
+    ~0.04 ms, so a nucleus of a few hundred tokens (top_p 0.95 at temperature 0.8 kept 429
+    of SmolLM2's) takes one round, not two."""
     nonzero = probs != 0  # a bool mask: numpy's flatnonzero of floats took 0.2 ms
     if not nonzero.all():
         positive = np.flatnonzero(nonzero)
