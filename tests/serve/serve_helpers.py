@@ -45,6 +45,19 @@ def _auth(key: str | None, kw: dict) -> dict[str, str]:
     return headers
 
 
+async def wait_until_running(client: httpx.AsyncClient, count: int, timeout: float = 60) -> None:
+    """Poll /get_server_info until `count` requests run at once; fail (not hang) when they
+    never do within `timeout` seconds (streams that end before the last one starts)."""
+    deadline, most = time.monotonic() + timeout, 0
+    while time.monotonic() < deadline:
+        running = (await client.get("/get_server_info")).json()["num_running_reqs"]
+        if running >= count:
+            return
+        most = max(most, running)
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"{count} requests never ran at once within {timeout} s (at most {most})")
+
+
 def generated_tokens(server: Server) -> float:
     """kiln:generation_tokens_total from the server's /metrics (--enable-metrics)."""
     text = server.get("/metrics", key=None).text

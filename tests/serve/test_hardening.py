@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from serve_helpers import API_KEY, generated_tokens
+from serve_helpers import API_KEY, generated_tokens, wait_until_running
 
 from kiln import Engine
 
@@ -57,8 +57,7 @@ def test_a_rid_in_flight_cannot_be_taken_over(server, engine) -> None:
             first = asyncio.ensure_future(
                 stream_generate(c, {"text": "Hello", "sampling_params": params, "rid": "mine"})
             )
-            while (await c.get("/get_server_info")).json()["num_running_reqs"] == 0:
-                await asyncio.sleep(0.005)
+            await wait_until_running(c, 1)
             thief = await c.post(
                 "/generate", json={"text": "Hi", "sampling_params": GREEDY, "rid": "mine"}
             )
@@ -97,7 +96,8 @@ def test_rids_fan_out_and_must_be_distinct(server) -> None:
 
 # -- item 4: one bad request never touches the others ------------------------------------------
 def test_bad_requests_leave_innocent_streams_alone(server, engine) -> None:
-    params = {**GREEDY, "max_new_tokens": 60}
+    # Long enough that the first stream is still running when the eighth starts.
+    params = {**GREEDY, "max_new_tokens": 200}
     prompts = [f"Request {i}" for i in range(8)]
     expected = [engine.generate(p, params)["output_ids"] for p in prompts]
     bad = [
@@ -113,8 +113,7 @@ def test_bad_requests_leave_innocent_streams_alone(server, engine) -> None:
                 asyncio.ensure_future(stream_generate(c, {"text": p, "sampling_params": params}))
                 for p in prompts
             ]
-            while (await c.get("/get_server_info")).json()["num_running_reqs"] < 8:
-                await asyncio.sleep(0.005)
+            await wait_until_running(c, 8)
             codes = [(await c.post(path, json=body)).status_code for path, body, _ in bad]
             return await asyncio.gather(*streams), codes
 

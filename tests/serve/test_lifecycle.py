@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
-from serve_helpers import free_port, start_kiln, start_server, stop_server
+from serve_helpers import free_port, start_kiln, start_server, stop_server, wait_until_running
 
 from kiln import Engine
 from kiln.runtime.engine_thread import TORCH_PREFETCH_IDLE_S
@@ -36,8 +36,7 @@ async def _signal_mid_stream(server, sig: int, streams: int) -> tuple[list[list[
         plain = asyncio.ensure_future(
             c.post("/generate", json={"text": "Hi", "sampling_params": LONG})
         )
-        while (await c.get("/get_server_info")).json()["num_running_reqs"] < streams + 1:
-            await asyncio.sleep(0.01)
+        await wait_until_running(c, streams + 1)
         server.process.send_signal(sig)
         return await asyncio.gather(*tasks), (await plain).status_code
 
@@ -63,8 +62,7 @@ def test_shutdown_timeout_lets_requests_in_flight_finish(artefact, tmp_path):
     async def run() -> tuple[list[list[str]], int, int, int]:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
             tasks = [asyncio.ensure_future(_stream(c)) for _ in range(2)]
-            while (await c.get("/get_server_info")).json()["num_running_reqs"] < 2:
-                await asyncio.sleep(0.01)
+            await wait_until_running(c, 2)
             server.process.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.3)
             health = (await c.get("/health")).status_code
