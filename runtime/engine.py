@@ -590,9 +590,9 @@ class Engine:
         at = 0
         for i, (req, count) in enumerate(zip(batch.requests, batch.rows(), strict=True)):
             if batch.scored[i]:
-                if req.kv_len > len(req.prompt_logprobs):  # a scored prompt is fed whole
+                first = len(req.prompt_logprobs)  # the next position to score
+                if req.kv_len > first:  # a scored prompt is fed whole
                     raise RuntimeError("the prompt's logprobs would skip cached tokens")
-                first = max(req.kv_len, len(req.prompt_logprobs))
                 end = min(req.kv_len + count, len(req.prompt_ids) - 1)
                 if first < end:
                     rows = logits[at + first - req.kv_len : at + end - req.kv_len]
