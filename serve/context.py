@@ -106,19 +106,18 @@ class ServingContext:
     ) -> tuple[str, list[int]]:
         """The conversation rendered by the chat template (with `tools`, OpenAI's tool
         objects, as transformers passes them), as text and as token ids."""
-        if self.tokenizer is None:
-            raise ApiError(400, "chat needs a tokenizer; this server was started without one")
+        tokenizer = self._tokenizer("chat")
         reserved = sorted(set(template_kwargs or {}) & _TEMPLATE_RESERVED)
         if reserved:
             raise ApiError(400, f"chat_template_kwargs may not set {', '.join(reserved)}")
         convo = [_turn(m) for m in messages]
-        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        template = self.chat_template or getattr(tokenizer, "chat_template", None)
         if not template:
             raise ApiError(
                 400, "the model has no chat template; start the server with --chat-template FILE"
             )
         try:
-            text = self.tokenizer.apply_chat_template(
+            text = tokenizer.apply_chat_template(
                 convo,
                 chat_template=template,
                 tokenize=False,
@@ -128,7 +127,7 @@ class ServingContext:
             )
         except Exception as e:  # a template error is about this conversation
             raise ApiError(400, f"the chat template failed on these messages: {e}") from e
-        return text, list(self.tokenizer.encode(text, add_special_tokens=False))
+        return text, list(tokenizer.encode(text, add_special_tokens=False))
 
     def _encode(self, text: str) -> list[int]:
         if not text:
@@ -137,6 +136,26 @@ class ServingContext:
             return self.engine.encode(text)
         except RequestError as e:
             raise ApiError(400, str(e)) from e
+
+    def tokenize(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        """/v1/tokenize: each text's ids (an empty text too: its special tokens)."""
+        tokenizer = self._tokenizer("tokenize")
+        return [list(tokenizer.encode(t, add_special_tokens=add_special_tokens)) for t in texts]
+
+    def detokenize(self, ids: list[list[int]], skip_special_tokens: bool) -> list[str]:
+        """/v1/detokenize: each list's text. Ids outside the vocabulary are a 400 (the
+        tokenizer would drop them without a word, or fail on a negative one)."""
+        tokenizer = self._tokenizer("detokenize")
+        vocab = self.engine.art.spec.vocab_size
+        bad = [t for row in ids for t in row if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        return [str(tokenizer.decode(row, skip_special_tokens=skip_special_tokens)) for row in ids]
+
+    def _tokenizer(self, what: str) -> Any:
+        if self.tokenizer is None:
+            raise ApiError(400, f"{what} needs a tokenizer; this server was started without one")
+        return self.tokenizer
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.tokenizer is None:

@@ -1,4 +1,5 @@
-"""SGLang's native endpoints: /generate, health, model and server info, cache, metrics."""
+"""SGLang's native endpoints: /generate, health, model and server info, load, cache,
+metrics."""
 
 from __future__ import annotations
 
@@ -133,6 +134,7 @@ async def health_generate(request: Request) -> Response:
 
 
 @router.get("/get_model_info")
+@router.get("/model_info")
 async def model_info(request: Request) -> dict[str, Any]:
     ctx = _ctx(request)
     compile_args = ctx.engine.art.manifest["compile_args"]
@@ -148,6 +150,7 @@ async def model_info(request: Request) -> dict[str, Any]:
 
 
 @router.get("/get_server_info")
+@router.get("/server_info")
 async def server_info(request: Request) -> dict[str, Any]:
     ctx = _ctx(request)
     args = {k: list(v) if isinstance(v, tuple) else v for k, v in ctx.args.to_dict().items()}
@@ -168,6 +171,25 @@ async def server_info(request: Request) -> dict[str, Any]:
         "num_running_reqs": ctx.async_engine.num_running,
         "num_queue_reqs": ctx.async_engine.num_waiting,
     }
+
+
+@router.get("/get_load")
+async def get_load(request: Request) -> list[dict[str, Any]]:
+    """SGLang's load report (what its router's load-aware policies poll), one entry: the
+    scheduler's requests, running and waiting, and their tokens, as the engine thread sees
+    them between two steps (requests still on their way to it are not counted, as in
+    SGLang)."""
+
+    def load(engine: Any) -> dict[str, Any]:
+        running, waiting = engine.scheduler.running, engine.scheduler.waiting
+        return {
+            "dp_rank": 0,
+            "num_reqs": len(running) + len(waiting),
+            "num_waiting_reqs": len(waiting),
+            "num_tokens": sum(r.num_tokens for r in running) + sum(r.num_tokens for r in waiting),
+        }
+
+    return [await _ctx(request).async_engine.run(load)]
 
 
 @router.post("/flush_cache")

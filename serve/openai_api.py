@@ -1,4 +1,5 @@
-"""OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models."""
+"""OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models, and
+SGLang's /v1/tokenize and /v1/detokenize."""
 
 from __future__ import annotations
 
@@ -15,7 +16,12 @@ from kiln.runtime.sampler import TokenLogprob
 from kiln.runtime.sampling_params import MAX_N
 from kiln.serve.chat_output import plan_chat
 from kiln.serve.context import MAX_BEST_OF, ServingContext
-from kiln.serve.protocol import ChatCompletionRequest, CompletionRequest
+from kiln.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from kiln.serve.streams import ApiError, events, merged, sse
 
 router = APIRouter()
@@ -46,6 +52,32 @@ async def get_model(model_id: str, request: Request) -> dict[str, Any]:
     if model_id != ctx.model_name:
         raise ApiError(404, f"the model '{model_id}' does not exist", "NotFoundError")
     return ctx.model_card()
+
+
+# -- /v1/tokenize, /v1/detokenize (SGLang's; /tokenize and /detokenize too) ------------------
+@router.post("/v1/tokenize")
+@router.post("/tokenize", include_in_schema=False)
+async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+    ctx = _ctx(request)
+    one = isinstance(body.prompt, str)
+    texts = [body.prompt] if one else body.prompt
+    ids = await ctx.off_loop(lambda: ctx.tokenize(texts, body.add_special_tokens))
+    counts = [len(t) for t in ids]
+    return {
+        "tokens": ids[0] if one else ids,
+        "count": counts[0] if one else counts,
+        "max_model_len": ctx.context_length,
+    }
+
+
+@router.post("/v1/detokenize")
+@router.post("/detokenize", include_in_schema=False)
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+    ctx = _ctx(request)
+    one = not body.tokens or not isinstance(body.tokens[0], list)
+    rows = [body.tokens] if one else body.tokens
+    texts = await ctx.off_loop(lambda: ctx.detokenize(rows, body.skip_special_tokens))
+    return {"text": texts[0] if one else texts}
 
 
 # -- /v1/completions --------------------------------------------------------------------------

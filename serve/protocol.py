@@ -436,3 +436,29 @@ class GenerateRequest(Body):
         "background": False,
         "custom_labels": None,
     }
+
+
+def _token_lists(v: Any) -> Any:
+    if isinstance(v, list) and (all(map(_is_int, v)) or all(_is_int_list(p) for p in v)):
+        return v
+    raise ValueError("expected a list of token ids or a list of lists of token ids")
+
+
+def _is_int_list(v: Any) -> bool:
+    return isinstance(v, list) and all(map(_is_int, v))
+
+
+class TokenizeRequest(Body):
+    """SGLang's /v1/tokenize body (vLLM's, less its chat form)."""
+
+    model: str = "default"
+    prompt: Texts
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(Body):
+    """SGLang's /v1/detokenize body: ids, or lists of ids (each may be empty)."""
+
+    model: str = "default"
+    tokens: Annotated[Any, PlainValidator(_token_lists)]
+    skip_special_tokens: bool = True

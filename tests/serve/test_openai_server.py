@@ -328,10 +328,78 @@ def test_native_generate(server, engine) -> None:
 
 def test_info_and_health_endpoints(server) -> None:
     assert server.get("/health_generate", key=None).status_code == 200
-    info = server.get("/get_model_info").json()
-    assert info["is_generation"] and info["served_model_name"] == "tiny"
-    sinfo = server.get("/get_server_info").json()
-    assert sinfo["enable_metrics"] is True and sinfo["max_total_tokens"] == 4096
+    for path in ("/get_model_info", "/model_info"):  # SGLang's older name and its newer
+        info = server.get(path).json()
+        assert info["is_generation"] and info["served_model_name"] == "tiny"
+    for path in ("/get_server_info", "/server_info"):
+        sinfo = server.get(path).json()
+        assert sinfo["enable_metrics"] is True and sinfo["max_total_tokens"] == 4096
+    assert server.get("/get_server_info", key=None).status_code == 401
+    [load] = server.get("/get_load").json()
+    assert load == {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+
+
+def test_get_load_counts_requests_and_their_tokens(server) -> None:
+    """/get_load (what SGLang's router polls) while streams run: the requests in flight
+    and, for each, its prompt plus what it has made so far; nothing once they end."""
+    prompt, new, streams = "Hello there", 200, 4
+    prompt_len = len(server.post("/v1/tokenize", json={"prompt": prompt}).json()["tokens"])
+
+    async def run() -> dict[str, int]:
+        async with httpx.AsyncClient(
+            base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
+        ) as http:
+            task = asyncio.gather(
+                asyncio.to_thread(stream_completions, server, [prompt] * streams, new)
+            )
+            deadline, seen = time.monotonic() + 60, None
+            while time.monotonic() < deadline and not task.done():
+                [load] = (await http.get("/get_load")).json()
+                if load["num_reqs"] - load["num_waiting_reqs"] >= 2:
+                    seen = load
+                    break
+                await asyncio.sleep(0.005)
+            await task
+            assert seen is not None, "two streams never ran at once"
+            return seen
+
+    load = asyncio.run(run())
+    running = load["num_reqs"] - load["num_waiting_reqs"]
+    assert running * prompt_len <= load["num_tokens"] <= load["num_reqs"] * (prompt_len + new)
+    [idle] = server.get("/get_load").json()
+    assert idle == {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+
+
+def test_tokenize_and_detokenize(server, engine) -> None:
+    """SGLang's /v1/tokenize and /v1/detokenize (and /tokenize, /detokenize) answer as the
+    model's tokenizer does; ids outside the vocabulary are a 400, not silently dropped."""
+    tok, text = engine.tokenizer, "The capital of France"
+    body = server.post("/v1/tokenize", json={"prompt": text, "model": "tiny"}).json()
+    ids = tok.encode(text)
+    assert body == {"tokens": ids, "count": len(ids), "max_model_len": engine.context_length}
+    bos = tok.special_tokens_map["bos_token"]
+    assert tok.decode(ids[:1]) == bos  # special tokens by default
+    bare = [tok.encode(t, add_special_tokens=False) for t in (text, "x", "")]
+    body = server.post(
+        "/tokenize", json={"prompt": [text, "x", ""], "add_special_tokens": False}
+    ).json()
+    assert body["tokens"] == bare and body["count"] == [len(b) for b in bare]
+    r = server.post("/v1/detokenize", json={"tokens": ids})
+    assert r.json() == {"text": tok.decode(ids, skip_special_tokens=True)} == {"text": text}
+    body = {"tokens": [ids, [], ids[:2]], "skip_special_tokens": False}
+    r = server.post("/detokenize", json=body)
+    assert r.json()["text"] == [tok.decode(ids), "", tok.decode(ids[:2])]
+    assert r.json()["text"][0].startswith(bos)
+    assert server.post("/v1/detokenize", json={"tokens": []}).json() == {"text": ""}
+    vocab = engine.art.spec.vocab_size
+    for bad in ([-1], [[1], [vocab]], [1, [2]], "abc"):
+        r = server.post("/v1/detokenize", json={"tokens": bad})
+        assert r.status_code == 400, r.text
+    r = server.post("/v1/detokenize", json={"tokens": [[1], [vocab, 3]]})
+    assert f"[0, {vocab}): [{vocab}]" in r.json()["error"]["message"]
+    for bad in ({"prompt": 5}, {"prompt": [1, 2]}, {"prompt": "x", "add_special_tokens": 1}):
+        assert server.post("/v1/tokenize", json=bad).status_code == 400
+    assert server.post("/v1/tokenize", json={"prompt": "x"}, key=None).status_code == 401
 
 
 def test_metrics(server, client) -> None:
