@@ -28,7 +28,7 @@ from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.parallel import TPGroup, check_nodes
 from kiln.runtime.placement import KVDemand, Placement, available_ram, gpu_memory, place
 from kiln.runtime.radix_cache import RadixCache
-from kiln.runtime.request import Request, RequestOutput, prompt_positions
+from kiln.runtime.request import Request, RequestOutput, logprob_meta
 from kiln.runtime.sampler import (
     Logits,
     SamplingRow,
@@ -71,6 +71,9 @@ DEFAULT_MAX_RUNNING_SPECULATIVE = 48
 DEFAULT_CHUNKED_PREFILL = 4096
 # Longest the engine spends giving KV memory back in one go (it does so when idle).
 RELEASE_BUDGET_S = 0.05
+# Tokens one request's token_ids_logprob may name (each reported at every position: 128
+# over a 4096-token answer is half a million logprobs).
+MAX_LOGPROB_IDS = 128
 
 
 class RequestError(ValueError):
@@ -303,10 +306,13 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
+        token_ids_logprob: list[int] | None = None,
+        return_text_in_logprobs: bool = False,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Generate for one prompt (returns a dict) or a batch (returns a list of dicts).
         With return_logprob, `logprob_start_len` >= 0 reports the prompt's logprobs from
-        that position on too (SGLang's input_token_logprobs; -1: the output's only)."""
+        that position on too (SGLang's input_token_logprobs; -1: the output's only), and
+        `token_ids_logprob` those tokens' logprobs at every reported position."""
         if (prompt is None) == (input_ids is None):
             raise RequestError("give exactly one of prompt or input_ids")
         single = isinstance(prompt, str) or (
@@ -327,8 +333,16 @@ class Engine:
             params = [SamplingParams.from_dict(sampling_params)] * len(ids_list)
         top = top_logprobs_num if return_logprob else None
         scored = top if logprob_start_len >= 0 else None
+        named = tuple(token_ids_logprob or ()) if return_logprob else ()
         requests = [
-            self.make_request(list(ids), p, index=i, top_logprobs=top, prompt_top_logprobs=scored)
+            self.make_request(
+                list(ids),
+                p,
+                index=i,
+                top_logprobs=top,
+                prompt_top_logprobs=scored,
+                logprob_ids=named,
+            )
             for ids, p in zip(ids_list, params, strict=True)
             for i in range(p.n)
         ]
@@ -337,7 +351,8 @@ class Engine:
         while any(not r.finished for r in requests):
             self.step()
         self.release_memory(math.inf)
-        results = [self.result(r, logprob_start_len) for r in requests]
+        text = self._token_text if return_text_in_logprobs else None
+        results = [self.result(r, logprob_start_len, text) for r in requests]
         return results[0] if single and len(results) == 1 else results
 
     # -- the stepping interface -------------------------------------------------------------
@@ -355,10 +370,12 @@ class Engine:
         priority: int = 0,
         rid: str | None = None,
         prompt_top_logprobs: int | None = None,
+        logprob_ids: tuple[int, ...] = (),
     ) -> Request:
         """A validated request (not yet queued). `prompt_top_logprobs`: the prompt's
         logprobs too (with the top k of each), its prompt computed whole (no prefix-cache
-        hit); with max_new_tokens 0 it only scores its prompt."""
+        hit); with max_new_tokens 0 it only scores its prompt. `logprob_ids`: with logprobs,
+        these tokens' at each position too (at most MAX_LOGPROB_IDS)."""
         if not ids:
             raise RequestError("the prompt is empty")
         vocab = self.art.spec.vocab_size
@@ -370,6 +387,18 @@ class Engine:
             raise RequestError(
                 f"logit_bias names tokens outside the vocabulary [0, {vocab}): {bad[:5]}"
             )
+        if logprob_ids:
+            bad = [t for t in logprob_ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(
+                    f"token_ids_logprob names tokens outside the vocabulary [0, {vocab}): {bad[:5]}"
+                )
+            if len(logprob_ids) > MAX_LOGPROB_IDS:
+                raise RequestError(
+                    f"token_ids_logprob names {len(logprob_ids)} tokens; at most {MAX_LOGPROB_IDS}"
+                )
+            if top_logprobs is None:
+                raise RequestError("token_ids_logprob needs return_logprob")
         if len(ids) >= self.context_length:
             raise RequestError(
                 f"the prompt has {len(ids)} tokens; the context length is {self.context_length}"
@@ -396,6 +425,7 @@ class Engine:
             params,
             generator=gen,
             top_logprobs=top_logprobs,
+            logprob_ids=logprob_ids,
             detok=detok,
             priority=priority,
             prompt_top_logprobs=prompt_top_logprobs,
@@ -598,7 +628,8 @@ class Engine:
                     rows = logits[at + first - req.kv_len : at + end - req.kv_len]
                     targets = req.prompt_ids[first + 1 : end + 1]
                     assert req.prompt_top_logprobs is not None
-                    scores.append((req, token_logprobs(rows, targets, req.prompt_top_logprobs)))
+                    lps = token_logprobs(rows, targets, req.prompt_top_logprobs, req.logprob_ids)
+                    scores.append((req, lps))
             if batch.sample[i]:
                 keep.append(at + count - 1)
             at += count
@@ -660,6 +691,7 @@ class Engine:
             req.top_logprobs,
             suppress,
             req.grammar,
+            req.logprob_ids,
         )
 
     def _postprocess(self, req: Request) -> None:
@@ -740,8 +772,17 @@ class Engine:
             "spec_accept_length": 1 + kept / verify if verify else 0.0,
         }
 
-    def result(self, req: Request, logprob_start_len: int = -1) -> dict[str, Any]:
-        """SGLang's result shape for a finished request."""
+    def _token_text(self, token: int) -> str | None:
+        return None if self.tokenizer is None else str(self.tokenizer.decode([token]))
+
+    def result(
+        self,
+        req: Request,
+        logprob_start_len: int = -1,
+        text: Callable[[int], str | None] | None = None,
+    ) -> dict[str, Any]:
+        """SGLang's result shape for a finished request; `text`, each logprob entry's token
+        text (return_text_in_logprobs), else None."""
         meta: dict[str, Any] = {
             "id": req.rid,
             "prompt_tokens": len(req.prompt_ids),
@@ -753,12 +794,16 @@ class Engine:
         if self.speculative is not None:
             meta.update(self._spec_meta(req))
         if req.top_logprobs is not None:
-            meta["output_token_logprobs"] = [(lp.logprob, lp.token) for lp in req.logprobs]
-            meta["output_top_logprobs"] = [
-                list(map(tuple, ((v, t) for t, v in lp.top))) for lp in req.logprobs
-            ]
-        if req.prompt_top_logprobs is not None and logprob_start_len >= 0:
-            meta.update(input_logprobs(req.prompt_ids, req.prompt_logprobs, logprob_start_len))
+            meta.update(
+                logprob_meta(
+                    req.logprobs,
+                    bool(req.logprob_ids),
+                    text or _no_text,
+                    req.prompt_ids,
+                    req.prompt_logprobs if req.prompt_top_logprobs is not None else None,
+                    logprob_start_len,
+                )
+            )
         return {
             "text": req.detok.text if req.detok is not None else "",
             "output_ids": list(req.output_ids),
@@ -856,16 +901,5 @@ def _set_threads(asked: int | None) -> tuple[int, str]:
     return count, source
 
 
-def input_logprobs(
-    prompt: list[int], scored: list[TokenLogprob], start: int
-) -> dict[str, list[Any]]:
-    """SGLang's input_token_logprobs and input_top_logprobs of the prompt from position
-    `start`: (logprob, token id) each, the first token's logprob None (nothing before it);
-    `scored` is Request.prompt_logprobs."""
-    at = prompt_positions(len(prompt), scored)[start:]
-    return {
-        "input_token_logprobs": [
-            (lp.logprob if lp else None, t) for lp, t in zip(at, prompt[start:], strict=True)
-        ],
-        "input_top_logprobs": [[(v, t) for t, v in lp.top] if lp else None for lp in at],
-    }
+def _no_text(token: int) -> None:
+    return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,8 @@ class Request:
     finish_reason: dict[str, Any] | None = None
     generator: np.random.Generator | None = None  # runtime/sampler.py new_generator
     top_logprobs: int | None = None  # None: no logprobs wanted
+    # With logprobs: these tokens' at every reported position too (token_ids_logprob).
+    logprob_ids: tuple[int, ...] = ()
     logprobs: list[TokenLogprob] = field(default_factory=list)
     # The prompt's logprobs (a scorer's request): None, not wanted; k >= 0, each prompt
     # token's after the first, with the top k. Entry j is prompt token j + 1's.
@@ -108,3 +111,38 @@ def prompt_positions(prompt_len: int, scored: list[TokenLogprob]) -> list[TokenL
     """Each prompt position's logprob from Request.prompt_logprobs (entry j: position j +
     1's): None for the first token (nothing before it) and for any not computed."""
     return [None, *scored[: prompt_len - 1]] + [None] * (prompt_len - 1 - len(scored))
+
+
+def logprob_meta(
+    output: list[TokenLogprob],
+    named: bool,
+    text: Callable[[int], str | None],
+    prompt: list[int] | None = None,
+    scored: list[TokenLogprob] | None = None,
+    start: int = -1,
+) -> dict[str, list[Any]]:
+    """SGLang's logprob fields of meta_info, each entry (logprob, token id, text), the
+    text `text(id)` (None unless return_text_in_logprobs): output_token_logprobs,
+    output_top_logprobs, with `named` output_token_ids_logprobs (token_ids_logprob's); with
+    `start` >= 0 the prompt's from that position too (input_*: `scored` is
+    Request.prompt_logprobs, the first token's logprob None: nothing comes before it)."""
+
+    def entries(pairs: tuple[tuple[int, float], ...]) -> list[tuple[float, int, str | None]]:
+        return [(v, t, text(t)) for t, v in pairs]
+
+    meta: dict[str, list[Any]] = {
+        "output_token_logprobs": [(lp.logprob, lp.token, text(lp.token)) for lp in output],
+        "output_top_logprobs": [entries(lp.top) for lp in output],
+    }
+    if named:
+        meta["output_token_ids_logprobs"] = [entries(lp.ids) for lp in output]
+    if prompt is not None and scored is not None and start >= 0:
+        at = prompt_positions(len(prompt), scored)[start:]
+        meta["input_token_logprobs"] = [
+            (lp.logprob if lp else None, t, text(t))
+            for lp, t in zip(at, prompt[start:], strict=True)
+        ]
+        meta["input_top_logprobs"] = [entries(lp.top) if lp else None for lp in at]
+        if named:
+            meta["input_token_ids_logprobs"] = [entries(lp.ids) if lp else None for lp in at]
+    return meta

@@ -62,6 +62,7 @@ class SamplingRow:
     # Tokens that may not be picked this step (EOS and stop ids before min_new_tokens).
     suppress: tuple[int, ...] = ()
     grammar: Any = None  # the request's grammar matcher: what it allows next is all it may pick
+    logprob_ids: tuple[int, ...] = ()  # with logprobs, these tokens' too (token_ids_logprob)
 
     @property
     def as_given(self) -> bool:
@@ -85,6 +86,9 @@ class TokenLogprob:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+    # (token, logprob) of each token the request named (SGLang's token_ids_logprob), in its
+    # order.
+    ids: tuple[tuple[int, float], ...] = ()
 
 
 def sample(
@@ -129,28 +133,31 @@ def sample(
     logprobs: list[TokenLogprob | None] = [None] * len(rows)
     for i, r in enumerate(rows):
         if r.top_logprobs is not None:
-            logprobs[i] = _logprob(logits[i], tokens[i], r.top_logprobs)
+            logprobs[i] = _logprob(logits[i], tokens[i], r.top_logprobs, r.logprob_ids)
     return tokens, logprobs
 
 
-def token_logprobs(logits: Logits, tokens: Sequence[int], k: int) -> list[TokenLogprob]:
-    """Row j's log-probability of tokens[j], with the row's top k, as `sample` reports a
-    chosen token's (a prompt's logprobs: row j the logits after prompt token j, tokens[j]
-    prompt token j + 1)."""
+def token_logprobs(
+    logits: Logits, tokens: Sequence[int], k: int, ids: tuple[int, ...] = ()
+) -> list[TokenLogprob]:
+    """Row j's log-probability of tokens[j], with the row's top k and the logprobs of
+    `ids`, as `sample` reports a chosen token's (a prompt's logprobs: row j the logits after
+    prompt token j, tokens[j] prompt token j + 1)."""
     if isinstance(logits, np.ndarray):
         with np.errstate(all="ignore"):
-            return [_host_logprob(logits[j], t, k) for j, t in enumerate(tokens)]
+            return [_host_logprob(logits[j], t, k, ids) for j, t in enumerate(tokens)]
     rows = as_tensor(logits).float()
-    return [_logprob(rows[j], t, k) for j, t in enumerate(tokens)]
+    return [_logprob(rows[j], t, k, ids) for j, t in enumerate(tokens)]
 
 
-def _logprob(row: torch.Tensor, token: int, k: int) -> TokenLogprob:
+def _logprob(row: torch.Tensor, token: int, k: int, ids: tuple[int, ...] = ()) -> TokenLogprob:
     # Clamped: a token penalised or suppressed to -inf has no finite logprob, and JSON has
     # no -Infinity.
     lp = torch.log_softmax(row, dim=-1).clamp_(min=torch.finfo(torch.float32).min)
     top = torch.topk(lp, k) if k else None
     pairs = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else ()
-    return TokenLogprob(token, float(lp[token]), pairs)
+    named = tuple(zip(ids, lp[list(ids)].tolist(), strict=True)) if ids else ()
+    return TokenLogprob(token, float(lp[token]), pairs, named)
 
 
 def _host_row(row: np.ndarray, r: SamplingRow) -> tuple[int, TokenLogprob | None]:
@@ -170,7 +177,7 @@ def _host_row(row: np.ndarray, r: SamplingRow) -> tuple[int, TokenLogprob | None
         token = _host_draw(_host_probs(row, r.params), r.generator)
     if r.top_logprobs is None:
         return token, None
-    return token, _host_logprob(row, token, r.top_logprobs)
+    return token, _host_logprob(row, token, r.top_logprobs, r.logprob_ids)
 
 
 def _host_penalise(row: np.ndarray, r: SamplingRow) -> None:
@@ -199,22 +206,25 @@ def _host_finite(row: np.ndarray) -> None:
     row[np.isposinf(row)] = big
 
 
-def _host_logprob(row: np.ndarray, token: int, k: int) -> TokenLogprob:
-    """The token's log-probability and the k largest, as `sample`'s torch path reports
-    them (clamped at float32's lowest; largest first, ties by token id). Only those k + 1
-    are computed: the row's log-sum-exp, then its top k (`_host_top`)."""
+def _host_logprob(row: np.ndarray, token: int, k: int, ids: tuple[int, ...] = ()) -> TokenLogprob:
+    """The token's log-probability, the k largest and those of `ids`, as `sample`'s torch
+    path reports them (clamped at float32's lowest; largest first, ties by token id). Only
+    those are computed: the row's log-sum-exp, then its top k (`_host_top`)."""
     high = row.max()
     lse = np.log(np.exp(row - high).sum(dtype=np.float32))
     low = np.finfo(np.float32).min
 
-    def logprob(ids: np.ndarray) -> np.ndarray:
-        return np.maximum((row[ids] - high) - lse, low)
+    def logprob(at: np.ndarray) -> np.ndarray:
+        return np.maximum((row[at] - high) - lse, low)
 
     top: tuple[tuple[int, float], ...] = ()
     if k:
-        ids = _host_top(row, min(k, row.size))
-        top = tuple(zip(ids.tolist(), logprob(ids).tolist(), strict=True))
-    return TokenLogprob(token, float(logprob(np.array([token]))[0]), top)
+        best = _host_top(row, min(k, row.size))
+        top = tuple(zip(best.tolist(), logprob(best).tolist(), strict=True))
+    named: tuple[tuple[int, float], ...] = ()
+    if ids:
+        named = tuple(zip(ids, logprob(np.array(ids)).tolist(), strict=True))
+    return TokenLogprob(token, float(logprob(np.array([token]))[0]), top, named)
 
 
 TOP_BLOCK = 256  # `_host_top`'s block of the row

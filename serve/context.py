@@ -185,11 +185,14 @@ class ServingContext:
         priority: int = 0,
         rid: str | list[str] | None = None,
         prompt_top_logprobs: int | None = None,
+        logprob_ids: list[int] | list[list[int]] | None = None,
     ) -> list[Request]:
         """`n` requests per prompt (default: the params' own `n`), validated; raises
         ApiError(400) naming the problem. `params` is one dict for all prompts or one per
         prompt; `rid` a client id (suffixed per request when it fans out) or one per prompt;
-        `prompt_top_logprobs`, the prompts' logprobs too (Engine.make_request)."""
+        `prompt_top_logprobs`, the prompts' logprobs too; `logprob_ids`, the tokens whose
+        logprobs each position reports, for all prompts or one list per prompt
+        (Engine.make_request)."""
         if n is not None and not 1 <= n <= MAX_N:
             raise ApiError(400, f"n must be in [1, {MAX_N}], got {n}")
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
@@ -207,8 +210,11 @@ class ServingContext:
                 f"at most {MAX_REQUESTS_PER_CALL} per request",
             )
         rids = _request_ids(rid, counts)
+        named = _per_prompt_ids(logprob_ids, len(prompts))
         reqs = []
-        for ids, p, sp, count, names in zip(prompts, per_prompt, parsed, counts, rids, strict=True):
+        for ids, p, sp, count, names, lp_ids in zip(
+            prompts, per_prompt, parsed, counts, rids, named, strict=True
+        ):
             # No max_new_tokens: generate up to the end of the context, as SGLang does.
             given = p.get("max_new_tokens") is not None
             ids = self._fit(ids, sp.max_new_tokens if given else None)
@@ -224,6 +230,7 @@ class ServingContext:
                         priority=priority,
                         rid=name,
                         prompt_top_logprobs=prompt_top_logprobs,
+                        logprob_ids=lp_ids,
                     )
                     for i, name in zip(range(count), names, strict=True)
                 ]
@@ -382,6 +389,15 @@ class ServingContext:
             "root": self.model_name,
             "max_model_len": self.context_length,
         }
+
+
+def _per_prompt_ids(ids: list[int] | list[list[int]] | None, prompts: int) -> list[tuple[int, ...]]:
+    """token_ids_logprob for each prompt: one list for all, or one list each."""
+    if not ids or not isinstance(ids[0], list):
+        return [tuple(ids or ())] * prompts  # type: ignore[arg-type]
+    if len(ids) != prompts:
+        raise ApiError(400, f"{len(ids)} token_ids_logprob lists for {prompts} prompts")
+    return [tuple(row) for row in ids]
 
 
 def _request_ids(rid: str | list[str] | None, counts: list[int]) -> list[list[str | None]]:

@@ -3,13 +3,14 @@ metrics."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from kiln.runtime.engine import input_logprobs
+from kiln.runtime.request import Request as EngineRequest
+from kiln.runtime.request import logprob_meta
 from kiln.serve.context import ServingContext
 from kiln.serve.protocol import GenerateRequest
 from kiln.serve.streams import Accumulated, ApiError, events, merged, sse
@@ -23,12 +24,15 @@ def _ctx(request: Request) -> ServingContext:
 
 
 def _meta(
-    rid: str, acc: Accumulated, with_logprobs: bool, prompt: tuple[list[int], int] | None = None
+    req: EngineRequest,
+    acc: Accumulated,
+    body: GenerateRequest,
+    text: Callable[[int], str | None],
 ) -> dict[str, Any]:
-    """SGLang's meta_info; `prompt`, the prompt's ids and logprob_start_len when the
-    request scored its prompt."""
+    """SGLang's meta_info so far; with return_logprob its logprob fields (runtime/request.py
+    logprob_meta), the prompt's from logprob_start_len when that is 0 or more."""
     meta: dict[str, Any] = {
-        "id": rid,
+        "id": req.rid,
         "prompt_tokens": acc.prompt_tokens,
         "completion_tokens": acc.completion_tokens,
         "cached_tokens": acc.cached_tokens,
@@ -36,11 +40,15 @@ def _meta(
     }
     if acc.spec is not None:
         meta.update(acc.spec)
-    if with_logprobs:
-        meta["output_token_logprobs"] = [[lp.logprob, lp.token] for lp in acc.logprobs]
-        meta["output_top_logprobs"] = [[[v, t] for t, v in lp.top] for lp in acc.logprobs]
-    if prompt is not None:
-        meta.update(input_logprobs(prompt[0], acc.prompt_logprobs or [], prompt[1]))
+    if body.return_logprob:
+        meta |= logprob_meta(
+            acc.logprobs,
+            bool(req.logprob_ids),
+            text,
+            req.prompt_ids,
+            acc.prompt_logprobs or [],
+            body.logprob_start_len,
+        )
     return meta
 
 
@@ -83,10 +91,11 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
             priority=body.priority,
             rid=body.rid,
             prompt_top_logprobs=top if start >= 0 else None,
+            logprob_ids=body.token_ids_logprob if body.return_logprob else None,
         )
 
     reqs = await ctx.build(build)
-    scored = [(r.prompt_ids, start) if start >= 0 else None for r in reqs]
+    text = ctx.token_text if body.return_text_in_logprobs else _no_text
 
     if body.stream:
 
@@ -97,7 +106,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
                 item: dict[str, Any] = {
                     "text": accs[i].text,
                     "output_ids": accs[i].token_ids,
-                    "meta_info": _meta(reqs[i].rid, accs[i], body.return_logprob, scored[i]),
+                    "meta_info": _meta(reqs[i], accs[i], body, text),
                 }
                 if len(reqs) > 1:
                     item["index"] = i
@@ -107,14 +116,14 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
 
     results = await ctx.collect(request, reqs)
     items = [
-        {
-            "text": acc.text,
-            "output_ids": acc.token_ids,
-            "meta_info": _meta(r.rid, acc, body.return_logprob, prompt),
-        }
-        for r, acc, prompt in zip(reqs, results, scored, strict=True)
+        {"text": acc.text, "output_ids": acc.token_ids, "meta_info": _meta(r, acc, body, text)}
+        for r, acc in zip(reqs, results, strict=True)
     ]
     return items[0] if single and len(items) == 1 else items
+
+
+def _no_text(token: int) -> None:
+    return None
 
 
 @router.get("/health")

@@ -64,6 +64,16 @@ def _texts(v: Any) -> Any:
     raise ValueError("expected a string or a list of strings")
 
 
+def _token_lists(v: Any) -> Any:
+    if isinstance(v, list) and (all(map(_is_int, v)) or all(_is_int_list(p) for p in v)):
+        return v
+    raise ValueError("expected a list of token ids or a list of lists of token ids")
+
+
+def _is_int_list(v: Any) -> bool:
+    return isinstance(v, list) and all(map(_is_int, v))
+
+
 def _params(v: Any) -> Any:
     if isinstance(v, dict) or (isinstance(v, list) and all(isinstance(p, dict) for p in v)):
         return v
@@ -406,6 +416,10 @@ class GenerateRequest(Body):
     top_logprobs_num: int = Field(default=0, ge=0, le=20)
     # With return_logprob: the prompt's logprobs from this position on (-1: none).
     logprob_start_len: int = Field(default=-1, ge=-1)
+    # With return_logprob: these tokens' logprobs at every position (one list for all
+    # prompts, or one per prompt), and each entry's token text.
+    token_ids_logprob: Annotated[Any, PlainValidator(_token_lists)] | None = None
+    return_text_in_logprobs: bool = False
     rid: Texts | None = None
     priority: int = 0
     # Accepted and ignored: metric and logging switches (kiln logs no request content).
@@ -413,8 +427,6 @@ class GenerateRequest(Body):
     no_logs: bool = False
 
     REFUSED = {
-        "token_ids_logprob": None,
-        "return_text_in_logprobs": False,
         "input_embeds": None,
         "image_data": None,
         "video_data": None,
@@ -436,16 +448,6 @@ class GenerateRequest(Body):
         "background": False,
         "custom_labels": None,
     }
-
-
-def _token_lists(v: Any) -> Any:
-    if isinstance(v, list) and (all(map(_is_int, v)) or all(_is_int_list(p) for p in v)):
-        return v
-    raise ValueError("expected a list of token ids or a list of lists of token ids")
-
-
-def _is_int_list(v: Any) -> bool:
-    return isinstance(v, list) and all(map(_is_int, v))
 
 
 class TokenizeRequest(Body):

@@ -130,7 +130,8 @@ def test_logprobs_in_meta_info(engine) -> None:
         top_logprobs_num=3,
     )
     lps = out["meta_info"]["output_token_logprobs"]
-    assert [t for _, t in lps] == out["output_ids"]
+    assert [t for _, t, _ in lps] == out["output_ids"]
+    assert all(text is None for *_, text in lps)  # SGLang's entries: (logprob, id, text)
     tops = out["meta_info"]["output_top_logprobs"]
     assert len(tops) == 4 and all(len(t) == 3 for t in tops)
     # Greedy: the chosen token is the most likely one.
@@ -272,6 +273,53 @@ def test_the_startup_heap_is_frozen_and_later_garbage_still_collected(collect: b
             gc.enable()
 
 
+def test_named_tokens_logprobs_are_transformers(engine, checkpoint) -> None:
+    """SGLang's token_ids_logprob: at every generated position and every scored prompt
+    position, the named tokens' logprobs, transformers' log-softmax of the same checkpoint;
+    with return_text_in_logprobs each entry carries its token's text. Out-of-vocabulary
+    ids, too many ids, and ids without logprobs are refused."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kiln.runtime.engine import MAX_LOGPROB_IDS, RequestError
+    from kiln.runtime.sampling_params import SamplingParams
+
+    prompt, ids = list(range(3, 15)), [5, 300, 5, 0]
+    out = engine.generate(
+        input_ids=prompt,
+        sampling_params={**GREEDY, "max_new_tokens": 4},
+        return_logprob=True,
+        logprob_start_len=0,
+        token_ids_logprob=ids,
+        return_text_in_logprobs=True,
+    )
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint("llama"), torch_dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + out["output_ids"]])).logits[0].float()
+    want = torch.log_softmax(logits, -1)[:, ids]
+    meta = out["meta_info"]
+    made, scored = meta["output_token_ids_logprobs"], meta["input_token_ids_logprobs"]
+    assert len(made) == 4 and len(scored) == len(prompt) and scored[0] is None
+    rows = [want[len(prompt) - 1 + j] for j in range(4)] + [want[i - 1] for i in range(1, 12)]
+    for entries, row in zip(made + scored[1:], rows, strict=True):
+        assert [t for _, t, _ in entries] == ids
+        assert [v for v, _, _ in entries] == pytest.approx(row.tolist(), abs=1e-4)
+        assert [x for *_, x in entries] == [engine.tokenizer.decode([t]) for t in ids]
+    assert meta["output_token_logprobs"][0][2] == engine.tokenizer.decode(out["output_ids"][:1])
+    plain = engine.generate(input_ids=prompt, sampling_params=GREEDY, return_logprob=True)
+    assert "output_token_ids_logprobs" not in plain["meta_info"]
+    vocab = engine.art.spec.vocab_size
+    for bad, message in (
+        ((vocab,), "outside the vocabulary"),
+        ((-1,), "outside the vocabulary"),
+        (tuple(range(MAX_LOGPROB_IDS + 1)), f"at most {MAX_LOGPROB_IDS}"),
+    ):
+        with pytest.raises(RequestError, match=message):
+            engine.make_request(prompt, SamplingParams(), top_logprobs=0, logprob_ids=bad)
+    with pytest.raises(RequestError, match="needs return_logprob"):
+        engine.make_request(prompt, SamplingParams(), logprob_ids=(1,))
+
+
 def test_prompt_logprobs_are_transformers_and_survive_chunks_and_the_cache(
     engine, artefact, checkpoint, monkeypatch
 ) -> None:
@@ -304,12 +352,12 @@ def test_prompt_logprobs_are_transformers_and_survive_chunks_and_the_cache(
         )
         meta = out["meta_info"]
         tokens, tops = meta["input_token_logprobs"], meta["input_top_logprobs"]
-        assert [t for _, t in tokens] == prompt and tokens[0][0] is None and tops[0] is None
-        got = torch.tensor([v for v, _ in tokens[1:]])
+        assert [t for _, t, _ in tokens] == prompt and tokens[0][0] is None and tops[0] is None
+        got = torch.tensor([v for v, _, _ in tokens[1:]])
         expect = want[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
         assert torch.allclose(got, expect, atol=1e-4), (got - expect).abs().max()
         best = want[:-1].topk(2, dim=-1)
-        assert [[t for _, t in top] for top in tops[1:]] == best.indices.tolist()
+        assert [[t for _, t, _ in top] for top in tops[1:]] == best.indices.tolist()
         assert len(out["output_ids"]) == 3 and len(meta["output_token_logprobs"]) == 3
         whole = whole or tokens
     late = engine.generate(
@@ -335,5 +383,5 @@ def test_prompt_logprobs_are_transformers_and_survive_chunks_and_the_cache(
     cut = engine.generate(
         input_ids=prompt, sampling_params=params, return_logprob=True, logprob_start_len=0
     )["meta_info"]["input_token_logprobs"]
-    assert [t for _, t in cut] == prompt
-    assert [v for v, _ in cut[1:]] == pytest.approx([v for v, _ in whole[1:]], abs=1e-5)
+    assert [t for _, t, _ in cut] == prompt
+    assert [v for v, *_ in cut[1:]] == pytest.approx([v for v, *_ in whole[1:]], abs=1e-5)

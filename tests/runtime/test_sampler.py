@@ -6,7 +6,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kiln.runtime.sampler import SamplingRow, argmax_rows, new_generator, sample
+from kiln.runtime.sampler import (
+    SamplingRow,
+    argmax_rows,
+    new_generator,
+    sample,
+    token_logprobs,
+)
 from kiln.runtime.sampling_params import SamplingParams
 
 
@@ -265,6 +271,41 @@ def test_logprobs_of_chosen_and_top_tokens() -> None:
     assert lps[0].token == 0 and lps[0].logprob == pytest.approx(float(ref[0]))
     assert [t for t, _ in lps[0].top] == [0, 1]
     assert sample(logits, [row(temperature=0)])[1] == [None]
+
+
+def test_named_tokens_get_their_logprobs_on_both_paths() -> None:
+    """token_ids_logprob: each named token's logprob in the order named (repeats too), the
+    numpy path's as the tensor path's to float32 rounding; a suppressed one is clamped at
+    float32's lowest (JSON has no -Infinity); prompt rows (token_logprobs) alike."""
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(3)) * 4
+    ids = (7, 499, 0, 7)
+
+    def rows() -> list[SamplingRow]:
+        return [
+            SamplingRow(SamplingParams(temperature=0), None, (1,), (), 2, (), None, ids),
+            SamplingRow(SamplingParams(temperature=0), None, (1,), (), 0, (7,), None, ids),
+            SamplingRow(SamplingParams(temperature=0.9), gen(1), (1,), (), 1, (), None, ids),
+        ]
+
+    ref = torch.log_softmax(logits, -1)
+    cut = logits[1].clone()
+    cut[7] = float("-inf")
+    ref[1] = torch.log_softmax(cut, -1).clamp(min=torch.finfo(torch.float32).min)
+    host, tensor = sample(logits.numpy(), rows()), sample(logits, rows())
+    assert host[0] == tensor[0]
+    for got in (host[1], tensor[1]):
+        for i, lp in enumerate(got):
+            assert lp is not None and [t for t, _ in lp.ids] == list(ids)
+            assert [v for _, v in lp.ids] == pytest.approx(ref[i, list(ids)].tolist(), abs=1e-5)
+        assert got[1].ids[0][1] == torch.finfo(torch.float32).min
+    for scored in (
+        token_logprobs(logits.numpy(), [3, 4, 5], 1, ids),
+        token_logprobs(logits, [3, 4, 5], 1, ids),
+    ):
+        want = torch.log_softmax(logits, -1)[:, list(ids)]
+        got = [v for lp in scored for _, v in lp.ids]
+        assert got == pytest.approx(want.flatten().tolist(), abs=1e-5)
+    assert token_logprobs(logits.numpy(), [3], 0)[0].ids == ()
 
 
 @pytest.mark.parametrize(

@@ -78,9 +78,9 @@ def test_sampled_output_with_penalties_and_logprobs_is_decodings(
         got = ngram.generate(prompt, params, return_logprob=True, top_logprobs_num=2)
         assert got["output_ids"] == want["output_ids"]
         w, g = want["meta_info"], got["meta_info"]
-        assert [t for _, t in g["output_token_logprobs"]] == got["output_ids"]
-        assert [lp for lp, _ in g["output_token_logprobs"]] == pytest.approx(
-            [lp for lp, _ in w["output_token_logprobs"]], abs=1e-4
+        assert [t for _, t, _ in g["output_token_logprobs"]] == got["output_ids"]
+        assert [lp for lp, *_ in g["output_token_logprobs"]] == pytest.approx(
+            [lp for lp, *_ in w["output_token_logprobs"]], abs=1e-4
         )
         assert len(g["output_top_logprobs"]) == len(got["output_ids"])
     assert got["meta_info"]["spec_verify_ct"] > 0

@@ -326,6 +326,39 @@ def test_native_generate(server, engine) -> None:
     assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
 
 
+def test_generate_reports_named_tokens_logprobs(server, engine) -> None:
+    """/generate's token_ids_logprob (one list for every prompt, or one each) and
+    return_text_in_logprobs give what the engine gives, in SGLang's (logprob, id, text)
+    entries; a list count that does not match the prompts, or an id outside the
+    vocabulary, is a 400."""
+    prompt, ids = [1, 5, 9, 33], [7, 40, 2]
+    kw = {"return_logprob": True, "logprob_start_len": 1, "token_ids_logprob": ids}
+    want = engine.generate(
+        input_ids=prompt, sampling_params=GREEDY, return_text_in_logprobs=True, **kw
+    )["meta_info"]
+    body = {"input_ids": prompt, "sampling_params": GREEDY, "return_text_in_logprobs": True}
+    meta = server.post("/generate", json={**body, **kw}).json()["meta_info"]
+    for field in ("output_token_ids_logprobs", "input_token_ids_logprobs"):
+        got, exp = meta[field], want[field]  # JSON lists against the engine's tuples
+        assert [e and [x[1:] for x in e] for e in got] == [
+            e and [list(x[1:]) for x in e] for e in exp
+        ]
+        values = [x[0] for e in exp if e for x in e]
+        assert [x[0] for e in got if e for x in e] == pytest.approx(values, abs=1e-5)
+    assert meta["output_token_ids_logprobs"][0][0][2] == engine.tokenizer.decode([7])
+    two = {**kw, "input_ids": [prompt, prompt[:2]], "sampling_params": GREEDY}
+    outs = server.post("/generate", json={**two, "token_ids_logprob": [[3], [4, 5]]}).json()
+    assert [[x[1] for x in o["meta_info"]["output_token_ids_logprobs"][0]] for o in outs] == [
+        [3],
+        [4, 5],
+    ]
+    assert outs[0]["meta_info"]["output_token_logprobs"][0][2] is None  # no text asked
+    r = server.post("/generate", json={**two, "token_ids_logprob": [[3]]})
+    assert r.status_code == 400 and "1 token_ids_logprob lists for 2 prompts" in r.text
+    r = server.post("/generate", json={**body, **kw, "token_ids_logprob": [10**6]})
+    assert r.status_code == 400 and "outside the vocabulary" in r.text
+
+
 def test_info_and_health_endpoints(server) -> None:
     assert server.get("/health_generate", key=None).status_code == 200
     for path in ("/get_model_info", "/model_info"):  # SGLang's older name and its newer
@@ -498,7 +531,7 @@ def test_echo_with_logprobs_scores_the_prompt(client, server, engine) -> None:
         top_logprobs_num=1,
         logprob_start_len=0,
     )["meta_info"]["input_token_logprobs"]
-    values = [v for v, _ in want[1:]]
+    values = [v for v, *_ in want[1:]]
     for max_tokens in (0, 1):
         out = completion(client, prompt, echo=True, logprobs=1, max_tokens=max_tokens)
         lp = out.choices[0].logprobs
@@ -515,8 +548,8 @@ def test_echo_with_logprobs_scores_the_prompt(client, server, engine) -> None:
     r = server.post("/generate", json={**body, "sampling_params": {"max_new_tokens": 0}})
     assert r.status_code == 200, r.text
     meta = r.json()["meta_info"]
-    assert [t for _, t in meta["input_token_logprobs"]] == prompt[3:]
-    got = [v for v, _ in meta["input_token_logprobs"]]
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == prompt[3:]
+    got = [v for v, _, _ in meta["input_token_logprobs"]]
     assert got == pytest.approx(values[2:], abs=1e-5) and r.json()["output_ids"] == []
     r = server.post("/generate", json={**body, "logprob_start_len": len(prompt)})
     assert r.status_code == 400 and "logprob_start_len" in r.json()["error"]["message"]
