@@ -1,8 +1,9 @@
 """OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models, and
-SGLang's /v1/tokenize and /v1/detokenize."""
+SGLang's /v1/tokenize, /v1/detokenize and /v1/score."""
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -20,6 +21,7 @@ from kiln.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ScoreRequest,
     TokenizeRequest,
 )
 from kiln.serve.streams import ApiError, events, merged, sse
@@ -78,6 +80,40 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
     rows = [body.tokens] if one else body.tokens
     texts = await ctx.off_loop(lambda: ctx.detokenize(rows, body.skip_special_tokens))
     return {"text": texts[0] if one else texts}
+
+
+# -- /v1/score (SGLang's) ---------------------------------------------------------------------
+@router.post("/v1/score")
+async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
+    """For each item, the label tokens' probabilities right after query + item: one
+    greedy token of each prompt with the labels' logprobs (token_ids_logprob), as exp of
+    each, or with apply_softmax a softmax over the labels alone."""
+    ctx = _ctx(request)
+    labels = body.label_token_ids
+    assert labels is not None
+
+    def build() -> list[Any]:
+        prompts = [ctx.prompt_ids(p)[0] for p in body.prompts()]
+        params = {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}
+        return ctx.make_requests(prompts, params, 1, top_logprobs=0, logprob_ids=labels)
+
+    reqs = await ctx.build(build)
+    results = await ctx.collect(request, reqs)
+    scores = []
+    for acc in results:
+        values = [v for _, v in acc.logprobs[0].ids]
+        if body.apply_softmax:
+            top = max(values)
+            exps = [math.exp(v - top) for v in values]
+            scores.append([e / sum(exps) for e in exps])
+        else:
+            scores.append([math.exp(v) for v in values])
+    return {
+        "object": "scoring",
+        "model": ctx.model_name,
+        "scores": scores,
+        "usage": ctx.usage(reqs, 1, 0),
+    }
 
 
 # -- /v1/completions --------------------------------------------------------------------------

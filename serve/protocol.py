@@ -464,3 +464,45 @@ class DetokenizeRequest(Body):
     model: str = "default"
     tokens: Annotated[Any, PlainValidator(_token_lists)]
     skip_special_tokens: bool = True
+
+
+def _score_items(v: Any) -> Any:
+    if isinstance(v, str) or (
+        isinstance(v, list) and (all(isinstance(s, str) for s in v) or all(map(_is_ids, v)))
+    ):
+        return v
+    raise ValueError(
+        "expected a string, a list of strings or a list of lists of token ids (none empty)"
+    )
+
+
+class ScoreRequest(Body):
+    """SGLang's /v1/score body: the probability of each label token right after query +
+    item (item + query with item_first), per item."""
+
+    model: str = "default"
+    query: str | list[int] | None = None
+    items: Annotated[Any, PlainValidator(_score_items)] | None = None
+    label_token_ids: list[int] | None = None
+    apply_softmax: bool = False
+    item_first: bool = False
+
+    @model_validator(mode="after")
+    def _complete(self) -> ScoreRequest:
+        if self.query is None or self.items is None:
+            raise ValueError("query and items are required")
+        if not self.label_token_ids:
+            raise ValueError("label_token_ids: at least one token id is required")
+        text = isinstance(self.query, str)
+        items = [self.items] if isinstance(self.items, str) else self.items
+        if not items:
+            raise ValueError("items: at least one item is required")
+        if text != isinstance(items[0], str):
+            raise ValueError("query and items: both text or both token ids")
+        return self
+
+    def prompts(self) -> list[Any]:
+        """Each item's prompt: texts joined as strings, token ids as lists."""
+        items: list[Any] = [self.items] if isinstance(self.items, str) else self.items or []
+        query: Any = self.query
+        return [item + query if self.item_first else query + item for item in items]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 
 import httpx
@@ -357,6 +358,49 @@ def test_generate_reports_named_tokens_logprobs(server, engine) -> None:
     assert r.status_code == 400 and "1 token_ids_logprob lists for 2 prompts" in r.text
     r = server.post("/generate", json={**body, **kw, "token_ids_logprob": [10**6]})
     assert r.status_code == 400 and "outside the vocabulary" in r.text
+
+
+def test_score_gives_the_label_tokens_probabilities(server, engine) -> None:
+    """SGLang's /v1/score: per item, each label token's probability right after query +
+    item (the engine's logprob of it, exponentiated), or a softmax over the labels alone;
+    token ids with item_first put the item first. Incomplete bodies are a 400."""
+    labels = [7, 40, 2]
+
+    def logprobs(ids: list[int]) -> list[float]:
+        out = engine.generate(
+            input_ids=ids,
+            sampling_params={"temperature": 0, "max_new_tokens": 1},
+            return_logprob=True,
+            token_ids_logprob=labels,
+        )
+        return [v for v, _, _ in out["meta_info"]["output_token_ids_logprobs"][0]]
+
+    query, items = "Is the sky blue?", [" yes", " no"]
+    r = server.post("/v1/score", json={"query": query, "items": items, "label_token_ids": labels})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "scoring" and out["model"] == "tiny"
+    want = [[math.exp(v) for v in logprobs(engine.encode(query + i))] for i in items]
+    assert len(out["scores"]) == 2
+    for got, exp in zip(out["scores"], want, strict=True):
+        assert got == pytest.approx(exp, rel=1e-4)
+    ids_body = {"query": [5, 6], "items": [[9, 10, 11]], "label_token_ids": labels}
+    soft = server.post("/v1/score", json={**ids_body, "apply_softmax": True, "item_first": True})
+    lps = logprobs([9, 10, 11, 5, 6])
+    exps = [math.exp(v - max(lps)) for v in lps]
+    assert soft.json()["scores"] == [pytest.approx([e / sum(exps) for e in exps], rel=1e-4)]
+    assert sum(soft.json()["scores"][0]) == pytest.approx(1.0)
+    assert soft.json()["usage"]["prompt_tokens"] == 5
+    vocab = engine.art.spec.vocab_size
+    for bad in (
+        {"query": query, "items": items},
+        {"query": query, "items": [], "label_token_ids": labels},
+        {"query": query, "items": [[1, 2]], "label_token_ids": labels},
+        {"query": query, "items": items, "label_token_ids": [vocab]},
+        {"items": items, "label_token_ids": labels},
+    ):
+        r = server.post("/v1/score", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["message"], bad
 
 
 def test_info_and_health_endpoints(server) -> None:
