@@ -91,8 +91,15 @@ class AsyncEngine:
 
     def abort_all(self, reason: dict[str, Any]) -> None:
         """Stop every request in flight now; each stream ends with `reason`."""
-        for rid in list(self._streams):
-            self.thread.abort(rid, reason)
+        self.abort(None, reason)
+
+    def abort(self, rid: str | None, reason: dict[str, Any]) -> int:
+        """Stop the request `rid` in flight (every one: None) now, each stream ending with
+        `reason`; how many there were."""
+        rids = list(self._streams) if rid is None else [rid] if rid in self._streams else []
+        for r in rids:
+            self.thread.abort(r, reason)
+        return len(rids)
 
     def fail_all(self, reason: dict[str, Any]) -> None:
         """End every stream in flight now with `reason`, here on the event loop: for when

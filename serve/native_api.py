@@ -12,11 +12,12 @@ from fastapi.responses import Response, StreamingResponse
 from kiln.runtime.request import Request as EngineRequest
 from kiln.runtime.request import logprob_meta
 from kiln.serve.context import ServingContext
-from kiln.serve.protocol import GenerateRequest
+from kiln.serve.protocol import AbortRequest, GenerateRequest
 from kiln.serve.streams import Accumulated, ApiError, events, merged, sse
 from kiln.version import __version__
 
 router = APIRouter()
+ABORTED = {"type": "abort", "message": "aborted by /abort_request"}
 
 
 def _ctx(request: Request) -> ServingContext:
@@ -199,6 +200,25 @@ async def get_load(request: Request) -> list[dict[str, Any]]:
         }
 
     return [await _ctx(request).async_engine.run(load)]
+
+
+@router.post("/abort_request")
+async def abort_request(body: AbortRequest, request: Request) -> dict[str, Any]:
+    """SGLang's: stop the request with id `rid` (the id its client gave, or the server's
+    `id`), or every request with abort_all; each ends with finish reason abort. Only on a
+    server with --admin-api-key, whose key it takes: with the shared API key alone, one
+    client could stop another's request."""
+    ctx = _ctx(request)
+    if not ctx.args.admin_api_key:
+        raise ApiError(
+            403,
+            "/abort_request needs --admin-api-key (it stops other clients' requests)",
+            "PermissionDeniedError",
+        )
+    if not body.abort_all and not body.rid:
+        raise ApiError(400, "give the rid of the request to abort, or abort_all: true")
+    aborted = ctx.async_engine.abort(None if body.abort_all else body.rid, ABORTED)
+    return {"aborted": aborted}
 
 
 @router.post("/flush_cache")

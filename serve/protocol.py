@@ -506,3 +506,10 @@ class ScoreRequest(Body):
         items: list[Any] = [self.items] if isinstance(self.items, str) else self.items or []
         query: Any = self.query
         return [item + query if self.item_first else query + item for item in items]
+
+
+class AbortRequest(Body):
+    """SGLang's /abort_request body: one request's id, or every request."""
+
+    rid: str = ""
+    abort_all: bool = False

@@ -316,6 +316,9 @@ def test_cross_site_and_form_posts_are_refused(artefact, launch) -> None:
     r = httpx.post(open_server.url + "/flush_cache", headers={"Origin": f"http://{same}"})
     assert r.status_code == 200
     assert httpx.post(open_server.url + "/flush_cache").status_code == 200  # curl -X POST
+    # With no admin key, nobody may stop the requests of others.
+    r = httpx.post(open_server.url + "/abort_request", json={"abort_all": True})
+    assert r.status_code == 403 and "--admin-api-key" in r.json()["error"]["message"]
 
 
 # -- second round, item 10: DNS rebinding ------------------------------------------------------

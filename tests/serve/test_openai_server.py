@@ -10,7 +10,13 @@ import time
 import httpx
 import openai
 import pytest
-from serve_helpers import ADMIN_KEY, API_KEY, stop_server, stream_completions
+from serve_helpers import (
+    ADMIN_KEY,
+    API_KEY,
+    stop_server,
+    stream_completions,
+    wait_until_running,
+)
 
 from kiln import Engine
 
@@ -401,6 +407,53 @@ def test_score_gives_the_label_tokens_probabilities(server, engine) -> None:
     ):
         r = server.post("/v1/score", json=bad)
         assert r.status_code == 400 and r.json()["error"]["message"], bad
+
+
+def test_abort_request_stops_the_named_request_only(server) -> None:
+    """SGLang's /abort_request with the admin key: the stream with that rid ends with
+    finish reason abort, the one beside it runs to its length; the shared API key is
+    refused (one client must not stop another's request)."""
+    new = 240
+
+    async def run() -> tuple[dict, dict, dict]:
+        async with httpx.AsyncClient(
+            base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
+        ) as http:
+
+            async def stream(rid: str) -> dict:
+                body = {
+                    "text": "Hello",
+                    "rid": rid,
+                    "stream": True,
+                    "sampling_params": {**GREEDY, "max_new_tokens": new},
+                }
+                last: dict = {}
+                async with http.stream("POST", "/generate", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            last = json.loads(line[6:])
+                return last["meta_info"]
+
+            tasks = [asyncio.create_task(stream(rid)) for rid in ("victim", "bystander")]
+            await wait_until_running(http, 2)
+            refused = await http.post("/abort_request", json={"rid": "victim"})
+            assert refused.status_code == 401
+            answer = await http.post(
+                "/abort_request",
+                json={"rid": "victim"},
+                headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+            )
+            victim, bystander = await asyncio.gather(*tasks)
+            return answer.json(), victim, bystander
+
+    answer, victim, bystander = asyncio.run(run())
+    assert answer == {"aborted": 1}
+    assert victim["finish_reason"]["type"] == "abort" and victim["completion_tokens"] < new
+    assert bystander["finish_reason"]["type"] == "length"
+    assert bystander["completion_tokens"] == new
+    admin = {"key": ADMIN_KEY}
+    assert server.post("/abort_request", json={"rid": "gone"}, **admin).json() == {"aborted": 0}
+    assert server.post("/abort_request", json={}, **admin).status_code == 400
 
 
 def test_info_and_health_endpoints(server) -> None:
