@@ -63,7 +63,7 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
         options = compile_options(args, ck, reader, cfg)
         ranks = []  # (graph, pass log, constants) of each rank
         for rank in range(options.tp.size):
-            graph, constants = trace(build(cfg))
+            graph, constants = trace(build(cfg, embedding=args.is_embedding))
             graph.context_length = cfg.max_position_embeddings
             for spec in graph.weights.values():
                 if "constant" not in spec.source:  # a checkpoint tensor, however cut
@@ -464,6 +464,8 @@ def _manifest(
             "eos_token_ids": _eos_ids(cfg, root / fmt.TOKENIZER_DIR),
             "served_model_name": _model_name(args.model_path),
             "long_rope": _long_rope(cfg, graph),
+            # --is-embedding: steps give final hidden states, pooled and normalised.
+            "is_embedding": args.is_embedding,
         },
         # As given (serving compares what it is given with these); the key's are resolved.
         "compile_args": _recorded_args(args),

@@ -340,13 +340,16 @@ class Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """forward(input_ids, positions, logits_indices) -> logits of the selected rows."""
+    """forward(input_ids, positions, logits_indices) -> logits of the selected rows; with
+    `embedding` (SGLang's --is-embedding), their final hidden states instead (no lm_head:
+    the runtime pools the last token's)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, embedding: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
+        self.embedding = embedding
         self.model = Backbone(cfg)
-        if not cfg.tie_word_embeddings:
+        if not cfg.tie_word_embeddings and not embedding:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @property
@@ -375,11 +378,13 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             h = layer(h, local if cfg.layer_rope(i) is cfg.local_rope else cos_sin)
         h = _norm(cfg, ops.index_select(h, logits_indices), self.model.norm)
+        if self.embedding:
+            return h
         logits = ops.linear(h, self.lm_head_weight, role="lm_head")
         return ops.softcap(logits, cap=cfg.final_softcap) if cfg.final_softcap else logits
 
 
-def build(cfg: ModelConfig) -> CausalLM:
+def build(cfg: ModelConfig, embedding: bool = False) -> CausalLM:
     """The definition on the meta device: names and shapes, no memory."""
     with torch.device("meta"):
-        return CausalLM(cfg)
+        return CausalLM(cfg, embedding)

@@ -61,7 +61,8 @@ def shard(graph: Graph, ctx: CompileOptions) -> PassResult:
             _expert_parallel(graph, users, moe, size, rank)
         else:
             _moe(graph, users, moe, size, rank)
-    done.add(id(_lm_head(graph, size, rank)))
+    if any(n.meta.get("role") == "lm_head" for n in graph.nodes):  # none: an embedding model
+        done.add(id(_lm_head(graph, size, rank)))
     _embedding(graph, users, size, rank)
     left = [n for n in graph.nodes if n.op == "linear" and id(n) not in done]
     if left:

@@ -59,6 +59,7 @@ class ModelSpec:
     long_rope: tuple[dict[str, Any], ...] = ()  # kiln.core.artefact.LongRope
     v_head_dim: int | None = None  # the V pool's width where not head_dim (MLA: 0)
     speculative: dict[str, Any] | None = None  # kiln.core.artefact.Speculative
+    is_embedding: bool = False  # its steps give hidden states to pool, not logits
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -298,9 +299,12 @@ def _check_agreement(root: Path, spec: ModelSpec, graph: Graph) -> None:
                 refuse("vocab_size", spec.vocab_size, f"an embedding of {table.shape[0]} rows")
             if table.dtype != spec.dtype and n.op != "quant_embedding":
                 refuse("dtype", spec.dtype, table.dtype)
-    [logits] = infer_types(graph)[graph.output.name]
-    if logits.features != spec.vocab_size:
-        refuse("vocab_size", spec.vocab_size, f"logits of {logits.features} features")
+    [out] = infer_types(graph)[graph.output.name]
+    head = any(n.meta.get("role") == "lm_head" for n in graph.nodes)
+    if spec.is_embedding == head:  # an embedding model's steps end at the final norm
+        refuse("is_embedding", spec.is_embedding, "an lm_head" if head else "no lm_head")
+    if head and out.features != spec.vocab_size:
+        refuse("vocab_size", spec.vocab_size, f"logits of {out.features} features")
     ids = [*spec.eos_token_ids, *([spec.bos_token_id] if spec.bos_token_id is not None else [])]
     if any(t >= spec.vocab_size for t in ids):
         refuse("bos/eos token ids", ids, f"a vocabulary of {spec.vocab_size}")

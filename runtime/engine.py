@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from kiln.args import ArgError, ServerArgs
 from kiln.args.stages import refuse_compile_time_changes
 from kiln.core import artefact as fmt
@@ -71,6 +73,8 @@ DEFAULT_MAX_RUNNING_SPECULATIVE = 48
 DEFAULT_CHUNKED_PREFILL = 4096
 # Longest the engine spends giving KV memory back in one go (it does so when idle).
 RELEASE_BUDGET_S = 0.05
+# An embedding model's requests: the prompt, then its pooled state (no token is sampled).
+EMBED = SamplingParams(max_new_tokens=1, temperature=0.0)
 # Tokens one request's token_ids_logprob may name (each reported at every position: 128
 # over a 4096-token answer is half a million logprobs).
 MAX_LOGPROB_IDS = 128
@@ -313,16 +317,9 @@ class Engine:
         With return_logprob, `logprob_start_len` >= 0 reports the prompt's logprobs from
         that position on too (SGLang's input_token_logprobs; -1: the output's only), and
         `token_ids_logprob` those tokens' logprobs at every reported position."""
-        if (prompt is None) == (input_ids is None):
-            raise RequestError("give exactly one of prompt or input_ids")
-        single = isinstance(prompt, str) or (
-            input_ids is not None and (not input_ids or isinstance(input_ids[0], int))
-        )
-        if prompt is not None:
-            prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-            ids_list = [self.encode(p) for p in prompts]
-        else:
-            ids_list = [input_ids] if single else list(input_ids)  # type: ignore[list-item, arg-type]
+        if self.art.spec.is_embedding:
+            raise RequestError(f"{self.art.root} is an embedding model (--is-embedding): embed()")
+        single, ids_list = self._prompts(prompt, input_ids)
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(ids_list):
                 raise RequestError(
@@ -346,14 +343,58 @@ class Engine:
             for ids, p in zip(ids_list, params, strict=True)
             for i in range(p.n)
         ]
+        self._run(requests)
+        text = self._token_text if return_text_in_logprobs else None
+        results = [self.result(r, logprob_start_len, text) for r in requests]
+        return results[0] if single and len(results) == 1 else results
+
+    def embed(
+        self,
+        prompt: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """An embedding model's vectors (SGLang's Engine.encode; kiln's `encode` is the
+        tokenizer's): for one prompt a dict, for a batch a list, each {"embedding": the
+        last token's final hidden state over its L2 norm, "meta_info": {"id",
+        "prompt_tokens", "cached_tokens"}}."""
+        if not self.art.spec.is_embedding:
+            raise RequestError(f"{self.art.root} generates text; embed() needs --is-embedding")
+        single, ids_list = self._prompts(prompt, input_ids)
+        requests = [self.make_request(list(ids), EMBED) for ids in ids_list]
+        self._run(requests)
+        results = [self.embedding_result(r) for r in requests]
+        return results[0] if single and len(results) == 1 else results
+
+    @staticmethod
+    def embedding_result(req: Request) -> dict[str, Any]:
+        meta = {
+            "id": req.rid,
+            "prompt_tokens": len(req.prompt_ids),
+            "cached_tokens": req.cached_tokens,
+        }
+        return {"embedding": req.embedding, "meta_info": meta}
+
+    def _prompts(
+        self, prompt: str | list[str] | None, input_ids: list[int] | list[list[int]] | None
+    ) -> tuple[bool, list[list[int]]]:
+        """(one prompt or a batch, each prompt's ids) of the offline API's arguments."""
+        if (prompt is None) == (input_ids is None):
+            raise RequestError("give exactly one of prompt or input_ids")
+        single = isinstance(prompt, str) or (
+            input_ids is not None and (not input_ids or isinstance(input_ids[0], int))
+        )
+        if prompt is not None:
+            prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+            return single, [self.encode(p) for p in prompts]
+        return single, [input_ids] if single else list(input_ids)  # type: ignore[list-item, arg-type]
+
+    def _run(self, requests: list[Request]) -> None:
+        """Add `requests` and step until they are all done (the offline API)."""
         for req in requests:
             self.add_request(req)
         while any(not r.finished for r in requests):
             self.step()
         self.release_memory(math.inf)
-        text = self._token_text if return_text_in_logprobs else None
-        results = [self.result(r, logprob_start_len, text) for r in requests]
-        return results[0] if single and len(results) == 1 else results
 
     # -- the stepping interface -------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -497,6 +538,9 @@ class Engine:
             elif req.scores_only and not req.scoring:  # its prompt is scored: done
                 self._finish(req, {"type": "length", "length": 0})
                 outputs.append(self.output(req))
+            elif req.embedding is not None:  # an embedding model's prompt is in: done
+                self._finish(req, {"type": "stop", "matched": None})
+                outputs.append(self.output(req))
             elif sampled:
                 if req.first_token_at is None:
                     req.first_token_at = now
@@ -585,6 +629,11 @@ class Engine:
                 costs.observe(sum(fed), kv, time.perf_counter() - start)
             if batch.verify:
                 return self._accept(batch, logits)
+            if self.art.spec.is_embedding:
+                for req, row in zip(sampling, _rows(logits), strict=True):
+                    req.embedding = _normalised(row)
+                self.scheduler.commit(batch, None)
+                return []
             scores: list[tuple[Request, list[TokenLogprob]]] = []
             if any(batch.scored):
                 logits, scores = self._score_prompts(batch, logits)
@@ -757,6 +806,7 @@ class Engine:
             req.cached_tokens,
             self._spec_meta(req) if self.speculative is not None else None,
             prompt_lps,
+            req.embedding,
         )
 
     @staticmethod
@@ -903,3 +953,17 @@ def _set_threads(asked: int | None) -> tuple[int, str]:
 
 def _no_text(token: int) -> None:
     return None
+
+
+def _rows(out: Logits) -> np.ndarray:
+    """A step's output rows as float32 numpy (a tensor's copied to the host)."""
+    if isinstance(out, np.ndarray):
+        return out
+    return out.detach().float().cpu().numpy()
+
+
+def _normalised(row: np.ndarray) -> list[float]:
+    """An embedding: the row over its L2 norm (float64 sums; a zero row stays zero)."""
+    v = row.astype(np.float64)
+    norm = float(np.sqrt(v @ v))
+    return (v / norm if norm > 0 else v).tolist()

@@ -56,6 +56,9 @@ class Request:
     spec_verify_ct: int = 0  # verify steps it took part in with drafts
     spec_drafted: int = 0  # drafted tokens verified
     spec_accepted: int = 0  # drafted tokens the model kept
+    # An embedding model's (ModelSpec.is_embedding): its last prompt token's final hidden
+    # state, L2-normalised, once its prompt is in.
+    embedding: list[float] | None = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -105,6 +108,7 @@ class RequestOutput:
     spec: dict[str, Any] | None = None
     # The prompt's logprobs (Request.prompt_logprobs), in the first output that has them.
     prompt_logprobs: list[TokenLogprob] | None = None
+    embedding: list[float] | None = None  # an embedding model's, in its last output
 
 
 def prompt_positions(prompt_len: int, scored: list[TokenLogprob]) -> list[TokenLogprob | None]:

@@ -310,13 +310,14 @@ class Scheduler:
             self.on_release(req)
 
     # -- results ---------------------------------------------------------------------------
-    def commit(self, batch: Batch, tokens: Iterable[int]) -> None:
+    def commit(self, batch: Batch, tokens: Iterable[int] | None) -> None:
         """Advance each request past what it fed; append the sampled tokens (one per
-        request whose `sample` flag is set, in batch order)."""
-        it = iter(tokens)
+        request whose `sample` flag is set, in batch order; None: an embedding model's
+        batch, which samples none)."""
+        it = iter(tokens or ())
         for req, fed, sampled in zip(batch.requests, batch.new_tokens, batch.sample, strict=True):
             req.kv_len += len(fed)
-            if sampled:
+            if sampled and tokens is not None:
                 req.output_ids.append(next(it))
 
     def finish(self, req: Request, reason: dict[str, Any]) -> None:

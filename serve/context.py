@@ -39,6 +39,15 @@ HEALTH_PROBE_SECONDS = 1.0
 # Threads that compile grammars (json_schema, regex...): apart from the tokenizer threads,
 # so a grammar that takes seconds to compile delays only the requests that have one.
 GRAMMAR_THREADS = 2
+# An embedding model's requests (Engine.embed's): the prompt and its pooled state.
+EMBED_PARAMS = {"max_new_tokens": 1, "temperature": 0}
+EMBEDDING_ONLY = (
+    "this server's model was compiled with --is-embedding: it answers /v1/embeddings and "
+    "/encode, not generation"
+)
+NOT_EMBEDDING = (
+    "this server's model generates text; embeddings need one compiled with --is-embedding"
+)
 RID = re.compile(r"[!-~]{1,256}")  # printable ASCII, no spaces: safe in logs and headers
 # apply_chat_template's own arguments: not for chat_template_kwargs to override.
 _TEMPLATE_RESERVED = frozenset(
@@ -186,6 +195,7 @@ class ServingContext:
         rid: str | list[str] | None = None,
         prompt_top_logprobs: int | None = None,
         logprob_ids: list[int] | list[list[int]] | None = None,
+        embed: bool = False,
     ) -> list[Request]:
         """`n` requests per prompt (default: the params' own `n`), validated; raises
         ApiError(400) naming the problem. `params` is one dict for all prompts or one per
@@ -193,6 +203,8 @@ class ServingContext:
         `prompt_top_logprobs`, the prompts' logprobs too; `logprob_ids`, the tokens whose
         logprobs each position reports, for all prompts or one list per prompt
         (Engine.make_request)."""
+        if embed != self.engine.art.spec.is_embedding:
+            raise ApiError(400, NOT_EMBEDDING if embed else EMBEDDING_ONLY)
         if n is not None and not 1 <= n <= MAX_N:
             raise ApiError(400, f"n must be in [1, {MAX_N}], got {n}")
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
@@ -335,7 +347,8 @@ class ServingContext:
         """Generate a few tokens from the BOS token; True when the request finished."""
         bos = self.engine.art.spec.bos_token_id or 0
         params = {"max_new_tokens": max_new_tokens, "temperature": 0}
-        reqs = self.make_requests([[bos]], params)
+        embed = self.engine.art.spec.is_embedding  # then one pooled step, not tokens
+        reqs = self.make_requests([[bos]], EMBED_PARAMS if embed else params, embed=embed)
         self.admit(reqs)
         finished = False
         async for out in self.stream(reqs[0]):

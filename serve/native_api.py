@@ -1,9 +1,10 @@
-"""SGLang's native endpoints: /generate, health, model and server info, load, cache,
-metrics."""
+"""SGLang's native endpoints: /generate, health, model and server info, load, aborting,
+the tool-call and reasoning parsers on their own, cache, metrics."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import json
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -11,9 +12,17 @@ from fastapi.responses import Response, StreamingResponse
 
 from kiln.runtime.request import Request as EngineRequest
 from kiln.runtime.request import logprob_meta
-from kiln.serve.context import ServingContext
-from kiln.serve.protocol import AbortRequest, GenerateRequest
+from kiln.serve.context import EMBED_PARAMS, ServingContext
+from kiln.serve.protocol import (
+    AbortRequest,
+    EncodeRequest,
+    GenerateRequest,
+    ParseFunctionCallRequest,
+    SeparateReasoningRequest,
+)
+from kiln.serve.reasoning import CONTENT, PARSERS, REASONING, ReasoningSplit
 from kiln.serve.streams import Accumulated, ApiError, events, merged, sse
+from kiln.serve.tool_calls import FORMATS, ToolStream
 from kiln.version import __version__
 
 router = APIRouter()
@@ -127,6 +136,38 @@ def _no_text(token: int) -> None:
     return None
 
 
+@router.post("/encode")
+async def encode(body: EncodeRequest, request: Request) -> Any:
+    """SGLang's native embedding route (a model compiled with --is-embedding): for one
+    prompt {"embedding", "meta_info"}, for a batch a list of them."""
+    ctx = _ctx(request)
+    if (body.text is None) == (body.input_ids is None):
+        raise ApiError(400, "give exactly one of text or input_ids")
+    single = isinstance(body.text, str) or (
+        body.input_ids is not None and isinstance(body.input_ids[0], int)
+    )
+
+    def build() -> list[Any]:
+        given: Any = body.text if body.text is not None else body.input_ids
+        prompts = ctx.prompt_ids([given] if single else given)
+        return ctx.make_requests(prompts, EMBED_PARAMS, 1, rid=body.rid, embed=True)
+
+    reqs = await ctx.build(build)
+    results = await ctx.collect(request, reqs)
+    items = [
+        {
+            "embedding": acc.embedding,
+            "meta_info": {
+                "id": r.rid,
+                "prompt_tokens": acc.prompt_tokens,
+                "cached_tokens": acc.cached_tokens,
+            },
+        }
+        for r, acc in zip(reqs, results, strict=True)
+    ]
+    return items[0] if single else items
+
+
 @router.get("/health")
 async def health(request: Request) -> Response:
     """200 while the engine runs and the server takes requests; 503 while it shuts down,
@@ -152,7 +193,7 @@ async def model_info(request: Request) -> dict[str, Any]:
         "model_path": compile_args.get("model_path"),
         "tokenizer_path": compile_args.get("tokenizer_path") or compile_args.get("model_path"),
         "served_model_name": ctx.model_name,
-        "is_generation": True,
+        "is_generation": not ctx.engine.art.spec.is_embedding,
         "max_model_len": ctx.context_length,
         "weight_version": ctx.args.weight_version,
         "preferred_sampling_params": None,
@@ -219,6 +260,51 @@ async def abort_request(body: AbortRequest, request: Request) -> dict[str, Any]:
         raise ApiError(400, "give the rid of the request to abort, or abort_all: true")
     aborted = ctx.async_engine.abort(None if body.abort_all else body.rid, ABORTED)
     return {"aborted": aborted}
+
+
+@router.post("/parse_function_call")
+async def parse_function_call(body: ParseFunctionCallRequest, request: Request) -> dict[str, Any]:
+    """SGLang's: the calls of `tools` in a model's text, as the chat route would read them
+    (serve/tool_calls.py), and the text that is not calls. Text that does not parse as
+    calls of these tools stays text."""
+    name = _parser(body.tool_call_parser, _ctx(request).args.tool_call_parser, FORMATS, "tool")
+    names = [t.function.name for t in body.tools]
+    reader = ToolStream(FORMATS[name], frozenset(names), first_only=False)
+    text = reader.feed(body.text)
+    rest, calls = reader.finish()
+    return {
+        "normal_text": text + rest,
+        "calls": [
+            {
+                "tool_index": names.index(f),
+                "name": f,
+                "parameters": json.dumps(args, ensure_ascii=False),
+            }
+            for f, args in calls
+        ],
+    }
+
+
+@router.post("/separate_reasoning")
+async def separate_reasoning(body: SeparateReasoningRequest, request: Request) -> dict[str, Any]:
+    """SGLang's: a thinking model's text split into its reasoning and its answer, as the
+    chat route splits it (serve/reasoning.py)."""
+    name = _parser(body.reasoning_parser, _ctx(request).args.reasoning_parser, PARSERS, "reasoning")
+    split = ReasoningSplit(PARSERS[name], "")
+    parts = split.feed(body.text) + split.finish()
+    return {
+        "reasoning_text": "".join(t for kind, t in parts if kind == REASONING),
+        "text": "".join(t for kind, t in parts if kind == CONTENT),
+    }
+
+
+def _parser(given: str | None, server: str | None, known: Mapping[str, Any], kind: str) -> str:
+    name = given or server
+    if name is None:
+        raise ApiError(400, f"{kind}_parser: name one ({', '.join(known)}); the server has none")
+    if name not in known:
+        raise ApiError(400, f"{kind}_parser: {name!r} is not one of {', '.join(known)}")
+    return name
 
 
 @router.post("/flush_cache")

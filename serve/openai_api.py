@@ -1,14 +1,17 @@
 """OpenAI-compatible endpoints: /v1/completions, /v1/chat/completions, /v1/models, and
-SGLang's /v1/tokenize, /v1/detokenize and /v1/score."""
+SGLang's /v1/tokenize, /v1/detokenize and /v1/score; /v1/embeddings for an embedding
+model."""
 
 from __future__ import annotations
 
+import base64
 import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -16,11 +19,12 @@ from kiln.runtime.request import prompt_positions
 from kiln.runtime.sampler import TokenLogprob
 from kiln.runtime.sampling_params import MAX_N
 from kiln.serve.chat_output import plan_chat
-from kiln.serve.context import MAX_BEST_OF, ServingContext
+from kiln.serve.context import EMBED_PARAMS, MAX_BEST_OF, ServingContext
 from kiln.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ScoreRequest,
     TokenizeRequest,
 )
@@ -80,6 +84,28 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
     rows = [body.tokens] if one else body.tokens
     texts = await ctx.off_loop(lambda: ctx.detokenize(rows, body.skip_special_tokens))
     return {"text": texts[0] if one else texts}
+
+
+# -- /v1/embeddings (a model compiled with --is-embedding) -----------------------------------
+@router.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
+    """Each input's embedding (Engine.embed's), as floats or, with encoding_format base64
+    (the openai client's default), its float32 little-endian bytes in base64."""
+    ctx = _ctx(request)
+    ctx.refuse_unsupported(body.unsupported())
+    reqs = await ctx.build(
+        lambda: ctx.make_requests(ctx.prompt_ids(body.input), EMBED_PARAMS, 1, embed=True)
+    )
+    results = await ctx.collect(request, reqs)
+    data = []
+    for i, acc in enumerate(results):
+        vector: Any = acc.embedding
+        if body.encoding_format == "base64":
+            vector = base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()
+        data.append({"object": "embedding", "index": i, "embedding": vector})
+    usage = ctx.usage(reqs, 1, 0)
+    del usage["completion_tokens"]
+    return {"object": "list", "data": data, "model": ctx.model_name, "usage": usage}
 
 
 # -- /v1/score (SGLang's) ---------------------------------------------------------------------

@@ -513,3 +513,40 @@ class AbortRequest(Body):
 
     rid: str = ""
     abort_all: bool = False
+
+
+class ParseFunctionCallRequest(Body):
+    """SGLang's /parse_function_call body: model text, the tools it may call, and the
+    parser (default: the server's --tool-call-parser)."""
+
+    text: str
+    tools: list[Tool] = Field(default_factory=list, max_length=MAX_TOOLS)
+    tool_call_parser: str | None = None
+
+
+class SeparateReasoningRequest(Body):
+    """SGLang's /separate_reasoning body: model text and the reasoning parser (default: the
+    server's --reasoning-parser)."""
+
+    text: str
+    reasoning_parser: str | None = None
+
+
+class EmbeddingRequest(Body):
+    """OpenAI's /v1/embeddings body (an embedding model's server)."""
+
+    model: str = "default"
+    input: Prompt
+    encoding_format: Literal["float", "base64"] = "float"
+    # Accepted and ignored: who is asking, not what to compute (OpenAI).
+    user: str | None = None
+
+    REFUSED = {"dimensions": None}
+
+
+class EncodeRequest(Body):
+    """SGLang's native /encode body: text or token ids, one prompt or a batch."""
+
+    text: Texts | None = None
+    input_ids: TokenIds | None = None
+    rid: Texts | None = None

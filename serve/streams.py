@@ -50,10 +50,13 @@ class Accumulated:
     cached_tokens: int = 0
     spec: dict[str, Any] | None = None  # speculative decoding's meta_info
     prompt_logprobs: list[TokenLogprob] | None = None  # when the request scored its prompt
+    embedding: list[float] | None = None  # an embedding model's
 
     def add(self, out: RequestOutput) -> None:
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
+        if out.embedding is not None:
+            self.embedding = out.embedding
         self.text += out.text
         self.token_ids += out.token_ids
         self.logprobs += out.logprobs

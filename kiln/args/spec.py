@@ -24,7 +24,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--model-loader-extra-config', type='str', default='{}', stage=COMPILE),
         Flag('--trust-remote-code', type='bool', stage=RUNTIME, status=IMPLEMENTED, help="kiln never runs checkpoint code (it traces its own model definitions). Serving: load an artefact's compiled kernel library that this machine did not build and cannot rebuild (no C compiler); see docs/serving.md."),
         Flag('--context-length', type='int', stage=RUNTIME, status=IMPLEMENTED, help="Longest prompt plus output per request; at most the model's own."),
-        Flag('--is-embedding', type='bool', stage=COMPILE),
+        Flag('--is-embedding', type='bool', stage=COMPILE, status=IMPLEMENTED, help="Compile an embedding model: steps end at the final norm (no lm_head); `kiln serve` answers /v1/embeddings and /encode with the last token's hidden state, L2-normalised (SGLang's pooling for causal LMs), and refuses generation."),
         Flag('--enable-multimodal', type='bool', stage=COMPILE),
         Flag('--revision', type='str', stage=COMPILE),
         Flag('--model-impl', type='str', default='auto', stage=COMPILE),

@@ -269,6 +269,8 @@ class RuntimeSpec(_Strict):
     served_model_name: str = Field(min_length=1, max_length=MAX_NAME)
     long_rope: list[LongRope] = Field(default=[], max_length=2)
     speculative: Speculative | None = None
+    # --is-embedding: the graph ends at the final norm; requests are pooled, not sampled.
+    is_embedding: bool = False
 
 
 class Manifest(_Strict):

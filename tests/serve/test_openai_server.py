@@ -467,6 +467,8 @@ def test_info_and_health_endpoints(server) -> None:
     assert server.get("/get_server_info", key=None).status_code == 401
     [load] = server.get("/get_load").json()
     assert load == {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+    r = server.post("/v1/embeddings", json={"input": "x"})  # a generation model
+    assert r.status_code == 400 and "--is-embedding" in r.json()["error"]["message"]
 
 
 def test_get_load_counts_requests_and_their_tokens(server) -> None:

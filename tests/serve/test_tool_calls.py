@@ -263,3 +263,34 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(server, extra, message)
     r = server.post("/v1/chat/completions", json=body)
     assert r.status_code == 400 and message in r.json()["message"], r.text
     assert server.get("/health").status_code == 200
+
+
+def test_the_parsers_on_their_own_routes(server) -> None:
+    """SGLang's /parse_function_call and /separate_reasoning read text as the chat route
+    does: the server's parsers by default, another named in the body; text that is not a
+    call of the given tools stays text; an unknown parser is a 400 naming it."""
+    call = '<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>'
+    r = server.post("/parse_function_call", json={"text": "Sure. " + call, "tools": TOOLS})
+    assert r.status_code == 200, r.text
+    assert r.json() == {
+        "normal_text": "Sure. ",
+        "calls": [{"tool_index": 1, "name": "add", "parameters": '{"a": 2}'}],
+    }
+    stranger = call.replace('"add"', '"rm"')
+    r = server.post("/parse_function_call", json={"text": stranger, "tools": TOOLS})
+    assert r.json() == {"normal_text": stranger, "calls": []}
+    pythonic = {"text": '[get_weather(city="Rome", days=2)]', "tools": TOOLS}
+    r = server.post("/parse_function_call", json={**pythonic, "tool_call_parser": "pythonic"})
+    assert r.json()["calls"] == [
+        {"tool_index": 0, "name": "get_weather", "parameters": '{"city": "Rome", "days": 2}'}
+    ]
+    r = server.post("/parse_function_call", json={**pythonic, "tool_call_parser": "nope"})
+    assert r.status_code == 400 and "'nope' is not one of" in r.json()["error"]["message"]
+    text = "<think>\nAdd them.</think>\n\n4"
+    r = server.post("/separate_reasoning", json={"text": text})
+    assert r.json() == {"reasoning_text": "Add them.", "text": "4"}
+    r = server.post(
+        "/separate_reasoning", json={"text": "Add. </think>4", "reasoning_parser": "deepseek-r1"}
+    )
+    assert r.json() == {"reasoning_text": "Add. ", "text": "4"}
+    assert server.post("/separate_reasoning", json={"text": 4}).status_code == 400

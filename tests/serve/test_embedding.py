@@ -1,0 +1,101 @@
+"""Embedding models (SGLang's --is-embedding): the graph ends at the final norm, a request
+is its prompt and the last token's hidden state, L2-normalised, checked against
+transformers' base model; served as OpenAI's /v1/embeddings and SGLang's /encode, with
+generation refused (and embeddings refused by a generation server)."""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from serve_helpers import API_KEY
+
+from kiln import Engine
+from kiln.runtime.engine import RequestError
+
+PROMPTS = [[1, 5, 9], list(range(3, 30)), [7, 8, 9, 10, 11]]
+
+
+@pytest.fixture(scope="module")
+def art(artefact):
+    return artefact("llama", compile_args={"is_embedding": True})
+
+
+@pytest.fixture(scope="module")
+def engine(art) -> Engine:
+    return Engine(art, max_total_tokens=1024)
+
+
+def transformers_embeddings(checkpoint, prompts: list[list[int]]) -> list[np.ndarray]:
+    import torch
+    from transformers import AutoModel
+
+    hf = AutoModel.from_pretrained(checkpoint("llama"), torch_dtype=torch.float32)
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            last = hf(torch.tensor([ids])).last_hidden_state[0, -1].double()
+            out.append((last / last.norm()).numpy())
+    return out
+
+
+def test_embeddings_are_transformers_last_hidden_state(engine, art, artefact, checkpoint):
+    """Each prompt's vector is transformers' last hidden state of its last token over its
+    norm: batched, alone again through the prefix cache, in prompt chunks of 5, and from a
+    two-rank artefact; generation is refused, as embed() is by a generation model."""
+    want = transformers_embeddings(checkpoint, PROMPTS)
+    got = engine.embed(input_ids=PROMPTS)
+    assert len(got) == 3
+    for g, w in zip(got, want, strict=True):
+        assert np.allclose(g["embedding"], w, atol=1e-5)
+        assert np.linalg.norm(g["embedding"]) == pytest.approx(1.0)
+        assert g["meta_info"]["prompt_tokens"] == len(PROMPTS[got.index(g)])
+    again = engine.embed(input_ids=PROMPTS[1])
+    assert again["meta_info"]["cached_tokens"] > 0
+    assert np.allclose(again["embedding"], want[1], atol=1e-5)
+    chunked = Engine(art, max_total_tokens=1024, chunked_prefill_size=5)
+    assert np.allclose(chunked.embed(input_ids=PROMPTS[1])["embedding"], want[1], atol=1e-5)
+    two = Engine(artefact("llama", compile_args={"is_embedding": True, "tp_size": 2}))
+    assert np.allclose(two.embed(input_ids=PROMPTS[2])["embedding"], want[2], atol=1e-5)
+    with pytest.raises(RequestError, match="embedding model"):
+        engine.generate(input_ids=PROMPTS[0])
+    with pytest.raises(RequestError, match="--is-embedding"):
+        Engine(artefact("llama"), max_total_tokens=256).embed(input_ids=PROMPTS[0])
+
+
+def test_the_server_answers_embeddings_and_refuses_generation(art, engine, launch) -> None:
+    server = launch(art, "--api-key", API_KEY, "--served-model-name", "emb")
+    texts = ["The capital of France", "hello"]
+    want = [e["embedding"] for e in engine.embed(prompt=texts)]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+    out = client.embeddings.create(model="emb", input=texts)  # base64 on the wire
+    assert [d.index for d in out.data] == [0, 1] and out.model == "emb"
+    for d, w in zip(out.data, want, strict=True):
+        assert np.allclose(d.embedding, w, atol=1e-7)
+    assert out.usage.prompt_tokens == sum(len(engine.encode(t)) for t in texts)
+    floats = server.post("/v1/embeddings", json={"input": [[1, 5, 9]], "encoding_format": "float"})
+    assert floats.json()["data"][0]["embedding"] == pytest.approx(
+        engine.embed(input_ids=[1, 5, 9])["embedding"], abs=1e-7
+    )
+    raw = server.post("/v1/embeddings", json={"input": "hello", "encoding_format": "base64"})
+    vector = np.frombuffer(base64.b64decode(raw.json()["data"][0]["embedding"]), "<f4")
+    assert np.allclose(vector, want[1], atol=1e-7)
+    one = server.post("/encode", json={"text": "hello"}).json()
+    assert one["embedding"] == pytest.approx(want[1], abs=1e-7)
+    batch = server.post("/encode", json={"input_ids": PROMPTS}).json()
+    assert len(batch) == 3 and batch[2]["meta_info"]["prompt_tokens"] == 5
+    for path, body in (
+        ("/v1/completions", {"model": "emb", "prompt": "hi"}),
+        ("/v1/chat/completions", {"model": "emb", "messages": [{"role": "user", "content": "x"}]}),
+        ("/generate", {"text": "hi"}),
+    ):
+        r = server.post(path, json=body)
+        assert r.status_code == 400 and "--is-embedding" in r.json()["error"]["message"], path
+    r = server.post("/v1/embeddings", json={"input": "x", "dimensions": 8})
+    assert r.status_code == 400 and "dimensions" in r.json()["error"]["message"]
+    assert server.get("/get_model_info").json()["is_generation"] is False
+    assert server.get("/health_generate", key=None).status_code == 200
+    assert httpx.get(server.url + "/health").status_code == 200
