@@ -848,7 +848,7 @@ class Engine:
                 logprob_meta(
                     req.logprobs,
                     bool(req.logprob_ids),
-                    text or _no_text,
+                    text,
                     req.prompt_ids,
                     req.prompt_logprobs if req.prompt_top_logprobs is not None else None,
                     logprob_start_len,
@@ -949,10 +949,6 @@ def _set_threads(asked: int | None) -> tuple[int, str]:
     count, source = default_threads()
     set_threads(count)
     return count, source
-
-
-def _no_text(token: int) -> None:
-    return None
 
 
 def _rows(out: Logits) -> np.ndarray:

@@ -120,22 +120,25 @@ def prompt_positions(prompt_len: int, scored: list[TokenLogprob]) -> list[TokenL
 def logprob_meta(
     output: list[TokenLogprob],
     named: bool,
-    text: Callable[[int], str | None],
+    text: Callable[[int], str | None] | None = None,
     prompt: list[int] | None = None,
     scored: list[TokenLogprob] | None = None,
     start: int = -1,
 ) -> dict[str, list[Any]]:
     """SGLang's logprob fields of meta_info, each entry (logprob, token id, text), the
-    text `text(id)` (None unless return_text_in_logprobs): output_token_logprobs,
+    text `text(id)` where given (return_text_in_logprobs), else None: output_token_logprobs,
     output_top_logprobs, with `named` output_token_ids_logprobs (token_ids_logprob's); with
     `start` >= 0 the prompt's from that position too (input_*: `scored` is
     Request.prompt_logprobs, the first token's logprob None: nothing comes before it)."""
 
+    def name(token: int) -> str | None:
+        return text(token) if text is not None else None
+
     def entries(pairs: tuple[tuple[int, float], ...]) -> list[tuple[float, int, str | None]]:
-        return [(v, t, text(t)) for t, v in pairs]
+        return [(v, t, name(t)) for t, v in pairs]
 
     meta: dict[str, list[Any]] = {
-        "output_token_logprobs": [(lp.logprob, lp.token, text(lp.token)) for lp in output],
+        "output_token_logprobs": [(lp.logprob, lp.token, name(lp.token)) for lp in output],
         "output_top_logprobs": [entries(lp.top) for lp in output],
     }
     if named:
@@ -143,7 +146,7 @@ def logprob_meta(
     if prompt is not None and scored is not None and start >= 0:
         at = prompt_positions(len(prompt), scored)[start:]
         meta["input_token_logprobs"] = [
-            (lp.logprob if lp else None, t, text(t))
+            (lp.logprob if lp else None, t, name(t))
             for lp, t in zip(at, prompt[start:], strict=True)
         ]
         meta["input_top_logprobs"] = [entries(lp.top) if lp else None for lp in at]

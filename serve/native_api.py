@@ -37,7 +37,7 @@ def _meta(
     req: EngineRequest,
     acc: Accumulated,
     body: GenerateRequest,
-    text: Callable[[int], str | None],
+    text: Callable[[int], str | None] | None,
 ) -> dict[str, Any]:
     """SGLang's meta_info so far; with return_logprob its logprob fields (runtime/request.py
     logprob_meta), the prompt's from logprob_start_len when that is 0 or more."""
@@ -105,7 +105,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         )
 
     reqs = await ctx.build(build)
-    text = ctx.token_text if body.return_text_in_logprobs else _no_text
+    text = ctx.token_text if body.return_text_in_logprobs else None
 
     if body.stream:
 
@@ -130,10 +130,6 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         for r, acc in zip(reqs, results, strict=True)
     ]
     return items[0] if single and len(items) == 1 else items
-
-
-def _no_text(token: int) -> None:
-    return None
 
 
 @router.post("/encode")
