@@ -166,15 +166,32 @@ def rendezvous_store(init_method: str, timeout_s: float) -> dist.TCPStore:
     )
 
 
-def beat(rank: int, store: dist.TCPStore) -> None:
-    """Count this rank's heartbeats in the store until the store is gone (rank 0 with it)."""
-    key = f"kiln/alive/{rank}"
-    while True:
-        try:
-            store.add(key, 1)
-        except Exception:  # the store's host (rank 0) is gone: the step loop ends too
-            return
-        time.sleep(HEARTBEAT_S)
+class Heartbeat:
+    """A rank's heartbeat: its count in the store, bumped every HEARTBEAT_S seconds on a
+    thread of its own until the store is gone (rank 0 with it) or `stop`. A rank process
+    stops it before it exits: a daemon thread still inside the store's C++ call (which lets
+    go of the GIL) when the interpreter finalises is unwound through code that may not
+    throw, and the process aborts (seen: a node's rank exiting with SIGABRT after its
+    step loop had ended cleanly)."""
+
+    def __init__(self, rank: int, store: dist.TCPStore) -> None:
+        self._key, self._store = f"kiln/alive/{rank}", store
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kiln-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self._store.add(self._key, 1)
+            except Exception:  # the store's host (rank 0) is gone: the step loop ends too
+                return
+            if self._stopped.wait(HEARTBEAT_S):
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=HEARTBEAT_S + 5.0)
 
 
 class Heartbeats:

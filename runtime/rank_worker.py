@@ -9,7 +9,6 @@ import argparse
 import logging
 import os
 import sys
-import threading
 from pathlib import Path
 
 import torch
@@ -18,7 +17,13 @@ import torch.distributed as dist
 from kiln.core import artefact as fmt
 from kiln.runtime.artefact import Artefact
 from kiln.runtime.model_runner import ModelRunner, freeze_startup_heap
-from kiln.runtime.parallel import DEFAULT_TIMEOUT_S, beat, init_group, receive, rendezvous_store
+from kiln.runtime.parallel import (
+    DEFAULT_TIMEOUT_S,
+    Heartbeat,
+    init_group,
+    receive,
+    rendezvous_store,
+)
 from kiln.runtime.threads import set_threads
 from kiln.terminal import configure_logging
 
@@ -34,13 +39,14 @@ def _worker(args: argparse.Namespace) -> int:
     init_group(
         "nccl" if target == "cuda" else "gloo", args.init_method, args.rank, args.size, args.timeout
     )
-    beats = threading.Thread(
-        target=beat,
-        args=(args.rank, rendezvous_store(args.init_method, args.timeout)),
-        name="kiln-heartbeat",
-        daemon=True,
-    )
-    beats.start()
+    heartbeat = Heartbeat(args.rank, rendezvous_store(args.init_method, args.timeout))
+    try:
+        return _serve(args, device)
+    finally:
+        heartbeat.stop()
+
+
+def _serve(args: argparse.Namespace, device: str) -> int:
     sizes = torch.zeros(2, dtype=torch.long, device=device)  # KV pool tokens, context length
     dist.broadcast(sizes, src=0)
     # This node's `kiln serve` (rank 0, or `follow`) checked every file's checksum.

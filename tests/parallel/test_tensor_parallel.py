@@ -201,3 +201,30 @@ def test_tp_refuses_what_does_not_divide(checkpoint: Callable[..., Path], tmp_pa
         compile_model(
             ServerArgs(model_path=wide, tp_size=2, torchao_config="int4wo-64"), tmp_path / "b"
         )
+
+
+def test_a_heartbeat_counts_in_the_store_and_stops_before_its_rank_exits() -> None:
+    """A rank's heartbeat bumps its count in the rendezvous store and is stopped and joined
+    (a rank process stops it before exiting: a daemon thread caught inside the store's C++
+    call at interpreter exit aborted a node's rank once); with the store's host gone the
+    thread ends by itself."""
+    import time
+
+    from torch import distributed as dist
+
+    from kiln.runtime.parallel import Heartbeat, rendezvous_store
+
+    host = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = host.port
+    beat = Heartbeat(1, rendezvous_store(f"tcp://127.0.0.1:{port}", 5))
+    deadline = time.monotonic() + 10
+    while int(host.add("kiln/alive/1", 0)) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert int(host.add("kiln/alive/1", 0)) >= 1
+    start = time.monotonic()
+    beat.stop()
+    assert not beat._thread.is_alive() and time.monotonic() - start < 1.0
+    gone = Heartbeat(2, rendezvous_store(f"tcp://127.0.0.1:{port}", 5))
+    del host  # the store's host (rank 0) goes away
+    gone._thread.join(timeout=30)
+    assert not gone._thread.is_alive()
