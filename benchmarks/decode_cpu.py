@@ -13,7 +13,8 @@ identical weights. Build both programs from the llama.cpp tree vendored in
 llama-cpp-python's sdist (benchmarks/RESULTS.md has the commands).
 
 Decode: kiln's engine (its own process) generates --decode-tokens after a --depth-token
-prompt, its rate (tokens - 1) over the time of that generation minus a one-token one;
+prompt, its rate (tokens - 1) over the time from its first token to its last (the depth's
+prefill left out, as llama-bench leaves it out);
 llama-bench runs `-p 0 -n N -d DEPTH -t THREADS -r 1` (N tokens generated at that depth).
 Prefill: kiln's time to the first token of a --prefill-tokens prompt; llama-bench `-p P -n 0`.
 --target-isa compiles kiln's kernels and step for that x86-64 level (`kiln compile

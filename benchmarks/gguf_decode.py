@@ -14,7 +14,7 @@ these blocks), measured in the same alternating rounds.
 
 Per file, rounds alternate kiln, llama-bench, kiln, ...: kiln's engine (its own process,
 `--threads` threads) decodes 64 tokens after a 128-token prompt, its rate (tokens - 1) over
-the time of that generation minus a one-token one; llama-bench runs `-p 0 -n 64 -d 128 -t
+the time from its first token to its last; llama-bench runs `-p 0 -n 64 -d 128 -t
 THREADS -r 1` (64 tokens generated at a depth of 128). Figures are medians with the spread
 (min-max). The roofline is the measured read bandwidth over the bytes a decode step reads:
 kiln's artefact weights, llama.cpp's file.
