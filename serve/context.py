@@ -202,7 +202,8 @@ class ServingContext:
         prompt; `rid` a client id (suffixed per request when it fans out) or one per prompt;
         `prompt_top_logprobs`, the prompts' logprobs too; `logprob_ids`, the tokens whose
         logprobs each position reports, for all prompts or one list per prompt
-        (Engine.make_request)."""
+        (Engine.make_request); `embed`, an embedding model's requests, which such a model
+        takes and no other (a 400 either way round)."""
         if embed != self.engine.art.spec.is_embedding:
             raise ApiError(400, NOT_EMBEDDING if embed else EMBEDDING_ONLY)
         if n is not None and not 1 <= n <= MAX_N:
