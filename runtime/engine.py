@@ -12,7 +12,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -419,21 +419,10 @@ class Engine:
         these tokens' at each position too (at most MAX_LOGPROB_IDS)."""
         if not ids:
             raise RequestError("the prompt is empty")
-        vocab = self.art.spec.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(
-                f"logit_bias names tokens outside the vocabulary [0, {vocab}): {bad[:5]}"
-            )
+        self.check_vocabulary(ids, "token ids")
+        self.check_vocabulary([t for t, _ in params.logit_bias], "logit_bias names tokens")
         if logprob_ids:
-            bad = [t for t in logprob_ids if not 0 <= t < vocab]
-            if bad:
-                raise RequestError(
-                    f"token_ids_logprob names tokens outside the vocabulary [0, {vocab}): {bad[:5]}"
-                )
+            self.check_vocabulary(logprob_ids, "token_ids_logprob names tokens")
             if len(logprob_ids) > MAX_LOGPROB_IDS:
                 raise RequestError(
                     f"token_ids_logprob names {len(logprob_ids)} tokens; at most {MAX_LOGPROB_IDS}"
@@ -471,6 +460,13 @@ class Engine:
             priority=priority,
             prompt_top_logprobs=prompt_top_logprobs,
         )
+
+    def check_vocabulary(self, ids: Iterable[int], what: str) -> None:
+        """RequestError naming `what` and the first ids outside the model's vocabulary."""
+        vocab = self.art.spec.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"{what} outside the vocabulary [0, {vocab}): {bad[:5]}")
 
     def attach_grammar(self, req: Request) -> None:
         """Compile the request's constraint (cached) and give it its own matcher. Slow for

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from kiln.args import ServerArgs
 from kiln.runtime.detokenizer import token_bytes
-from kiln.runtime.engine import Engine, RequestError
+from kiln.runtime.engine import EMBED, Engine, RequestError
 from kiln.runtime.request import Request, RequestOutput
 from kiln.runtime.sampling_params import MAX_N, SamplingParams
 from kiln.serve.async_engine import AsyncEngine, QueueFull, RidInUse, Unavailable
@@ -40,7 +40,7 @@ HEALTH_PROBE_SECONDS = 1.0
 # so a grammar that takes seconds to compile delays only the requests that have one.
 GRAMMAR_THREADS = 2
 # An embedding model's requests (Engine.embed's): the prompt and its pooled state.
-EMBED_PARAMS = {"max_new_tokens": 1, "temperature": 0}
+EMBED_PARAMS = {"max_new_tokens": EMBED.max_new_tokens, "temperature": EMBED.temperature}
 EMBEDDING_ONLY = (
     "this server's model was compiled with --is-embedding: it answers /v1/embeddings and "
     "/encode, not generation"
@@ -155,10 +155,10 @@ class ServingContext:
         """/v1/detokenize: each list's text. Ids outside the vocabulary are a 400 (the
         tokenizer would drop them without a word, or fail on a negative one)."""
         tokenizer = self._tokenizer("detokenize")
-        vocab = self.engine.art.spec.vocab_size
-        bad = [t for row in ids for t in row if not 0 <= t < vocab]
-        if bad:
-            raise ApiError(400, f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        try:
+            self.engine.check_vocabulary((t for row in ids for t in row), "token ids")
+        except RequestError as e:
+            raise ApiError(400, str(e)) from e
         return [str(tokenizer.decode(row, skip_special_tokens=skip_special_tokens)) for row in ids]
 
     def _tokenizer(self, what: str) -> Any:

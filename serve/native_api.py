@@ -62,15 +62,18 @@ def _meta(
     return meta
 
 
+def _one_prompt(text: Any, input_ids: Any) -> bool:
+    """A body's text or input_ids is one prompt, not a batch (answered as one item)."""
+    return isinstance(text, str) or (input_ids is not None and isinstance(input_ids[0], int))
+
+
 @router.post("/generate", response_model=None)
 async def generate(body: GenerateRequest, request: Request) -> Any:
     ctx = _ctx(request)
     ctx.refuse_unsupported(body.unsupported())
     if (body.text is None) == (body.input_ids is None):
         raise ApiError(400, "give exactly one of text or input_ids")
-    single = isinstance(body.text, str) or (
-        body.input_ids is not None and isinstance(body.input_ids[0], int)
-    )
+    single = _one_prompt(body.text, body.input_ids)
     sp = body.sampling_params
     top = body.top_logprobs_num if body.return_logprob else None
     start = body.logprob_start_len if body.return_logprob else -1
@@ -139,9 +142,7 @@ async def encode(body: EncodeRequest, request: Request) -> Any:
     ctx = _ctx(request)
     if (body.text is None) == (body.input_ids is None):
         raise ApiError(400, "give exactly one of text or input_ids")
-    single = isinstance(body.text, str) or (
-        body.input_ids is not None and isinstance(body.input_ids[0], int)
-    )
+    single = _one_prompt(body.text, body.input_ids)
 
     def build() -> list[Any]:
         given: Any = body.text if body.text is not None else body.input_ids

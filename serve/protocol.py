@@ -36,8 +36,12 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_int_list(v: Any) -> bool:
+    return isinstance(v, list) and all(map(_is_int, v))
+
+
 def _is_ids(v: Any) -> bool:
-    return isinstance(v, list) and bool(v) and all(_is_int(t) for t in v)
+    return bool(v) and _is_int_list(v)
 
 
 def _prompt(v: Any) -> Any:
@@ -65,13 +69,9 @@ def _texts(v: Any) -> Any:
 
 
 def _token_lists(v: Any) -> Any:
-    if isinstance(v, list) and (all(map(_is_int, v)) or all(_is_int_list(p) for p in v)):
+    if _is_int_list(v) or (isinstance(v, list) and all(map(_is_int_list, v))):
         return v
     raise ValueError("expected a list of token ids or a list of lists of token ids")
-
-
-def _is_int_list(v: Any) -> bool:
-    return isinstance(v, list) and all(map(_is_int, v))
 
 
 def _params(v: Any) -> Any:
