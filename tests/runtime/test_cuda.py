@@ -118,3 +118,64 @@ def test_a_grammar_on_the_gpu(artefact) -> None:
         params = {"regex": "(ab|ba){3}", "max_new_tokens": 16, "temperature": temperature}
         out = gpu.generate(input_ids=[[1, 2, 3], [7]], sampling_params=params)
         assert all(re.fullmatch("(ab|ba){3}", o["text"]) for o in out), out
+
+
+def _entries(rows) -> tuple[list[float], list[int]]:
+    """A meta_info logprob field's (logprob, id, text) entries, flattened: the values and
+    the ids (a position's list of entries, or a single entry, or None for the first prompt
+    token)."""
+    flat = [
+        e
+        for row in rows
+        if row is not None
+        for e in (row if isinstance(row[0], list | tuple) else [row])
+    ]
+    return [e[0] for e in flat], [e[1] for e in flat]
+
+
+def test_prompt_and_named_logprobs_on_the_gpu_are_the_cpus(artefact) -> None:
+    """Logprobs read off the GPU's logits (decode from CUDA graphs): the chosen tokens',
+    the top 3, SGLang's token_ids_logprob at every generated and every scored prompt
+    position (logprob_start_len 0), against the same float32 checkpoint on the CPU."""
+    gpu = Engine(artefact("llama", compile_args={"device": "cuda"}), max_total_tokens=1024)
+    assert gpu.runner.decode is not None and gpu.runner.decode.ready
+    cpu = Engine(artefact("llama"), max_total_tokens=1024)
+    kw = {
+        "input_ids": [list(range(3, 15)), [1, 5, 9]],
+        "sampling_params": {**GREEDY, "max_new_tokens": 6},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 3,
+        "token_ids_logprob": [5, 300, 5, 0],
+    }
+    fields = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs")
+    fields += ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
+    for got, want in zip(gpu.generate(**kw), cpu.generate(**kw), strict=True):
+        assert got["output_ids"] == want["output_ids"]
+        for field in fields:
+            (gv, gi), (wv, wi) = (
+                _entries(got["meta_info"][field]),
+                _entries(want["meta_info"][field]),
+            )
+            assert gv and gv == pytest.approx(wv, abs=1e-4), field
+            if "top" not in field:  # the top 3 may order near-ties differently
+                assert gi == wi, field
+        assert len(got["meta_info"]["output_token_ids_logprobs"]) == 6
+
+
+def test_embeddings_on_the_gpu_are_the_cpus(artefact) -> None:
+    """An --is-embedding artefact compiled for the GPU: each prompt's pooled, normalised
+    last hidden state (batched, then one prompt again through the prefix cache) against
+    the same checkpoint's on the CPU."""
+    import numpy as np
+
+    emb = {"is_embedding": True}
+    gpu = Engine(artefact("llama", compile_args={**emb, "device": "cuda"}), max_total_tokens=1024)
+    cpu = Engine(artefact("llama", compile_args=emb), max_total_tokens=1024)
+    prompts = [[1, 5, 9], list(range(3, 30)), [7, 8, 9, 10, 11]]
+    got, want = gpu.embed(input_ids=prompts), cpu.embed(input_ids=prompts)
+    for g, w in zip(got, want, strict=True):
+        assert np.allclose(g["embedding"], w["embedding"], atol=1e-5)
+    again = gpu.embed(input_ids=prompts[1])
+    assert again["meta_info"]["cached_tokens"] > 0
+    assert np.allclose(again["embedding"], want[1]["embedding"], atol=1e-5)
