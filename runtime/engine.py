@@ -723,12 +723,14 @@ class Engine:
             DraftModel.settle(req)
 
     def _sampling_row(self, req: Request) -> SamplingRow:
+        if req.sampling_row is not None:
+            return req.sampling_row
         p = req.params
         suppress: tuple[int, ...] = ()
         if len(req.output_ids) < p.min_new_tokens:
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self._eos)
             suppress = tuple(t for t in sorted(stops) if 0 <= t < self.art.spec.vocab_size)
-        return SamplingRow(
+        row = SamplingRow(
             p,
             req.generator,
             req.prompt_ids,
@@ -738,6 +740,9 @@ class Engine:
             req.grammar,
             req.logprob_ids,
         )
+        if not suppress:  # nothing will be suppressed again: the row is final
+            req.sampling_row = row
+        return row
 
     def _postprocess(self, req: Request) -> None:
         """Advance the request's grammar, detokenize the new token and decide whether the

@@ -81,13 +81,16 @@ class RadixCache:
         return at
 
     def _common_pages(self, key: tuple[int, ...], tokens: Sequence[int], at: int) -> int:
-        n = 0
-        while (n + 1) * self.page <= len(key) and at + (n + 1) * self.page <= len(tokens):
-            lo, hi = n * self.page, (n + 1) * self.page
-            if key[lo:hi] != tuple(tokens[at + lo : at + hi]):
-                break
-            n += 1
-        return n
+        """Whole pages of `key` that `tokens` repeats from `at`. One slice comparison when
+        all of the overlap matches (the usual case: a shared prefix); else the first
+        differing token, found by a scan that stops there."""
+        span = min(len(key), len(tokens) - at)
+        theirs = tuple(tokens[at : at + span])
+        if key[:span] == theirs:
+            same = span
+        else:
+            same = next(i for i, (a, b) in enumerate(zip(key, theirs, strict=False)) if a != b)
+        return same // self.page
 
     def _split(self, node: Node, n_pages: int) -> Node:
         """Cut `node` after `n_pages` pages; returns the new upper part."""

@@ -241,7 +241,18 @@ class Scheduler:
 
     def _make_room(self, decoding: list[Request]) -> None:
         """A page for each decoding request's next token, retracting the newest to fit."""
-        for req in decoding:
+        pages_for = self.pool.pages_for
+        short = [(r, pages_for(r.num_tokens) - len(r.pages)) for r in decoding]
+        short = [(r, n) for r, n in short if n > 0]
+        total = sum(n for _, n in short)
+        if total <= self.pool.free_pages:
+            # the usual step: the pages are free, one allocation for the batch
+            fresh, at = self.pool.allocate(total), 0
+            for req, n in short:
+                req.pages += fresh[at : at + n]
+                at += n
+            return
+        for req, _ in short:
             while req.status is Status.RUNNING and (
                 self.pool.pages_for(req.num_tokens) > len(req.pages)
             ):
