@@ -50,6 +50,12 @@ def main() -> None:
         "--profile-batch", type=int, default=1, help="the batch --profile decodes (default 1)"
     )
     p.add_argument(
+        "--pool-tokens",
+        type=int,
+        help="KV pool size in tokens (default: what the largest batch needs); a server's "
+        "pool is far larger, and a recorded step's page table is as wide as the context",
+    )
+    p.add_argument(
         "--graphs-only",
         action="store_true",
         help="only the CUDA-graph artefact (no eager column: half the compile and time)",
@@ -81,7 +87,7 @@ def main() -> None:
     prompt = list(range(100, 132))
     # Two engines share the GPU: each KV pool holds what the largest batch needs, not a
     # fraction of the whole card (the first would leave the second too little).
-    tokens = max(args.batches) * (len(prompt) + args.tokens + 2)
+    tokens = args.pool_tokens or max(args.batches) * (len(prompt) + args.tokens + 2)
     engines = {}
     for label, art in arts.items():
         t = time.perf_counter()

@@ -103,32 +103,35 @@ def paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Attention of one sequence's new queries (a block of them) for one query head over
-    the paged pool, K/V already written: query i of the sequence sits at position
+    """Attention of one sequence's new queries for the GROUP query heads that share one
+    KV head, over the paged pool, K/V already written. A program's BLOCK_M rows are
+    (query, head) pairs, query-major: row r is query r // GROUP and head
+    kv_head * GROUP + r % GROUP, so each K/V block is read once for the whole group (a
+    decode step's GROUP heads are one tile). Query i of the sequence sits at position
     kv_len - q_len + i and sees keys j <= it (and j > it - window with a window). Prefill,
     extend and decode are the same program; the online softmax keeps one pass over K/V."""
     s = tl.program_id(0)
-    h = tl.program_id(1)
+    kvh = tl.program_id(1)
     block = tl.program_id(2)
     q_start = tl.load(Q_START + s)
     q_len = tl.load(Q_LEN + s)
     kv_len = tl.load(KV_LEN + s)
-    if block * BLOCK_M < q_len:
-        kvh = h // GROUP
-        m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    if block * BLOCK_M < q_len * GROUP:
+        r = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        i = r // GROUP  # the query
+        h = kvh * GROUP + r % GROUP  # its head
         d = tl.arange(0, BLOCK_D)
-        m_ok = m < q_len
+        m_ok = r < q_len * GROUP
         d_ok = d < HEAD_DIM
-        q = tl.load(
-            Q + (q_start + m)[:, None] * stride_q + h * HEAD_DIM + d[None, :],
-            mask=m_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        pos = kv_len - q_len + m
-        top = tl.minimum(kv_len, kv_len - q_len + (block + 1) * BLOCK_M)
+        q_offs = (q_start + i)[:, None] * stride_q + h[:, None] * HEAD_DIM + d[None, :]
+        q = tl.load(Q + q_offs, mask=m_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        pos = kv_len - q_len + i
+        first = block * BLOCK_M // GROUP  # the block's first and last queries
+        last = tl.minimum(((block + 1) * BLOCK_M - 1) // GROUP, q_len - 1)
+        top = kv_len - q_len + last + 1
         bottom = 0
         if HAS_WINDOW:
-            bottom = tl.maximum(0, kv_len - q_len + block * BLOCK_M - window + 1)
+            bottom = tl.maximum(0, kv_len - q_len + first - window + 1)
             bottom = bottom // BLOCK_N * BLOCK_N
         best = tl.full([BLOCK_M], float("-inf"), tl.float32)
         total = tl.zeros([BLOCK_M], tl.float32)
@@ -156,7 +159,7 @@ def paged_attention_kernel(
             best = new_best
         out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
         tl.store(
-            OUT + (q_start + m)[:, None] * stride_o + h * HEAD_DIM + d[None, :],
+            OUT + (q_start + i)[:, None] * stride_o + h[:, None] * HEAD_DIM + d[None, :],
             out.to(OUT.dtype.element_ty),
             mask=m_ok[:, None] & d_ok[None, :],
         )

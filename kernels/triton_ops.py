@@ -138,12 +138,13 @@ def attention(
     out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype, device=q.device)
     k_pool, v_pool = ctx.k_cache[layer], ctx.v_cache[layer]
     table = ctx.page_table
-    grid = (ctx.num_seqs, num_heads, -(-ctx.max_q_len // BLOCK_M))
+    group = num_heads // num_kv_heads
+    grid = (ctx.num_seqs, num_kv_heads, -(-ctx.max_q_len * group // BLOCK_M))
     _jit().paged_attention_kernel[grid](
         q, k_pool, v_pool, out, table, ctx.q_starts, ctx.q_lens, ctx.seq_kv_lens,
         q.stride(0), out.stride(0), k_pool.stride(0), table.stride(0),
         scale, kv_scale, sliding_window or 0,
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=ctx.page_size,
+        GROUP=group, HEAD_DIM=head_dim, PAGE=ctx.page_size,
         HAS_WINDOW=sliding_window is not None,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=_pow2(head_dim),
     )  # fmt: skip

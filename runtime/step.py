@@ -176,7 +176,7 @@ class StepContext:
             pad = bucket - n
         total, nseq = n + pad, seqs + pad
         nrows = len(step.rows) + pad
-        width = max(step.page_counts) if step.page_counts else 1
+        used = width = max(step.page_counts) if step.page_counts else 1
         if fixed:
             need = self._need(total, nrows, nseq, self.width)
             if self.fixed is None or width > self.width or need > len(self.fixed):
@@ -190,22 +190,33 @@ class StepContext:
 
         # Host side, vectorised in numpy (a microsecond or two an op, where a torch op on
         # small tensors costs ~5): the page table and every new token's slot; then one
-        # transfer into the arena.
+        # transfer into the arena (two for a recorded step, below).
         ids = np.array(step.ids + [0] * pad, dtype=np.int64)
         pos = np.array(step.positions + [0] * pad, dtype=np.int64)
         rows = np.array(step.rows + list(range(n, total)) if pad else step.rows, dtype=np.int64)
         q = np.array(step.q_lens + [1] * pad, dtype=np.int64)
         kv = np.array(step.kv_lens + [1] * pad, dtype=np.int64)
-        table = page_table(step.page_counts + [1] * pad, step.pages + [self.pad_page] * pad, width)
+        table = page_table(step.page_counts + [1] * pad, step.pages + [self.pad_page] * pad, used)
         size = self.page_size
         slots = table[np.repeat(np.arange(nseq), q), pos // size] * size + pos % size
-        host = np.concatenate((ids, pos, rows, slots, kv, q, np.cumsum(q) - q, table.ravel()))
+        head = (ids, pos, rows, slots, kv, q, np.cumsum(q) - q)
         arena = self.fixed if fixed else self.arena
         assert arena is not None
-        arena[: len(host)].copy_(torch.from_numpy(host), non_blocking=True)
         d_ids, d_pos, d_rows, d_slots, d_kv, d_q, d_starts, d_table, d_index = self._layout(
             (total, nrows, nseq, width, fixed)
         )
+        if used == width:
+            host = np.concatenate((*head, table.ravel()))
+            arena[: len(host)].copy_(torch.from_numpy(host), non_blocking=True)
+        else:
+            # A recorded step's table rows are `self.width` pages wide (up to the context's
+            # pages), but no kernel uses an entry past a sequence's pages: only the columns
+            # this step fills are sent, not [sequences, context pages] every step. The
+            # columns past them keep page numbers earlier steps wrote (zeros at first), in
+            # the pool's range, read under the length mask at most.
+            host = np.concatenate(head)
+            arena[: len(host)].copy_(torch.from_numpy(host), non_blocking=True)
+            d_table[:, :used].copy_(torch.from_numpy(table), non_blocking=True)
 
         batch = AttentionBatch(self.k_cache, self.v_cache, d_slots, [], page_size=size)
         batch.num_seqs = nseq

@@ -80,10 +80,13 @@ def _attend(backend: str, step: StepInputs, pools, q, k, v, attrs) -> torch.Tens
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("head_dim", [24, 64])
 @pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("heads", [4, 14])
 def test_paged_attention_prefill_extend_mixed_decode(
-    page: int, head_dim: int, window: int | None
+    page: int, head_dim: int, window: int | None, heads: int
 ) -> None:
-    heads, kv_heads, layers = 4, 2, 2
+    """Against torch_native, two KV heads shared by groups of 2 or 7 query heads (a
+    program's rows are (query, head) pairs: 7 does not divide its 16 rows)."""
+    kv_heads, layers = 2, 2
     pages = 64 // page + 1
     shape = (layers, kv_heads, pages * page, head_dim)
     pools = {b: (zeros(shape), zeros(shape), page) for b in ("triton", "torch_native")}

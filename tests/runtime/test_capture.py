@@ -75,9 +75,11 @@ def test_mixed_chunk_matches_per_sequence_spans(runner) -> None:
 
 def test_recorded_decode_replays_over_fixed_buffers(runner) -> None:
     """The CUDA-graph runner's whole path but the capture: each bucket's step recorded once
-    over buffers that never move, then replayed on new inputs at other lengths."""
+    over buffers that never move, then replayed on new inputs at other lengths. The
+    recorded page table is 32 pages a row, the sequences hold 16: a step sends only the
+    columns it fills."""
     plan = {"decode": {"mode": "cuda_graph", "batch_sizes": [1, 2, 4, 8]}, "split_at": []}
-    graphs = GraphDecode(runner.executor, runner.step, plan, 16, eager_recorder)
+    graphs = GraphDecode(runner.executor, runner.step, plan, 32, eager_recorder)
     graphs.warm_up(runner.step)
     buffers = runner.step.fixed.data_ptr()
     seqs = Seqs(runner, [[1, 2, 3], list(range(5, 16)), [4], [9, 9, 9, 9], [6, 1], [3, 3]])
