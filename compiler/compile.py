@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from kiln.args import ArgError, ServerArgs
 from kiln.compiler.checkpoint import CheckpointReader
-from kiln.compiler.key import CompileKey, draft_args, resolve_dtype
+from kiln.compiler.key import CompileKey, draft_args, model_overrides, resolve_dtype
 from kiln.compiler.lower_step import LoweredStep, Refused, lower_step
 from kiln.compiler.options import KV_DTYPES, compile_options
 from kiln.compiler.publish import publish, staging_dir
@@ -30,6 +30,7 @@ from kiln.core.target import Target
 from kiln.core.trace import trace
 from kiln.kernels import native
 from kiln.models import ModelConfig, build
+from kiln.models.config import read_hf_config
 from kiln.models.rope import inv_freq, rotary_order
 from kiln.passes import PIPELINE, run_passes
 from kiln.version import __version__
@@ -56,10 +57,8 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
             native.compiler_command(),
         )
     with CheckpointReader(ck.checkpoint, ck.load_format) as reader:
-        if reader.gguf is not None:
-            cfg = ModelConfig.from_dict(reader.gguf.hf_config())
-        else:
-            cfg = ModelConfig.from_hf(ck.checkpoint)
+        hf = reader.gguf.hf_config() if reader.gguf is not None else read_hf_config(ck.checkpoint)
+        cfg = ModelConfig.from_dict({**hf, **model_overrides(args)})
         options = compile_options(args, ck, reader, cfg)
         ranks = []  # (graph, pass log, constants) of each rank
         for rank in range(options.tp.size):
@@ -466,6 +465,10 @@ def _manifest(
             "long_rope": _long_rope(cfg, graph),
             # --is-embedding: steps give final hidden states, pooled and normalised.
             "is_embedding": args.is_embedding,
+            # what a request's `dimensions` may ask of such a model (Matryoshka widths)
+            "embedding_dim": cfg.hidden_size if args.is_embedding else None,
+            "matryoshka": args.is_embedding and cfg.is_matryoshka,
+            "matryoshka_dimensions": list(cfg.matryoshka_dimensions) if args.is_embedding else [],
         },
         # As given (serving compares what it is given with these); the key's are resolved.
         "compile_args": _recorded_args(args),

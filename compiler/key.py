@@ -89,6 +89,27 @@ class CompileKey:
     toolchain: native.Toolchain | None
 
 
+# --json-model-override-args: at most this many bytes (a config's fields, not a file).
+MAX_OVERRIDE_BYTES = 65536
+
+
+def model_overrides(args: ServerArgs) -> dict[str, Any]:
+    """--json-model-override-args as the fields it sets in the checkpoint's config (SGLang's
+    meaning: each top-level key replaces the config's, a nested value whole). Data only:
+    the fields feed the model definition's reading of the config, as config.json's do."""
+    text = args.json_model_override_args or "{}"
+    flag = "--json-model-override-args"
+    if len(text.encode()) > MAX_OVERRIDE_BYTES:
+        raise ArgError(f"{flag}: longer than {MAX_OVERRIDE_BYTES} bytes")
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ArgError(f"{flag}: not valid JSON ({e})") from None
+    if not isinstance(fields, dict):
+        raise ArgError(f"{flag}: a JSON object of config fields, got {type(fields).__name__}")
+    return fields
+
+
 def compile_key(args: ServerArgs, rehash: bool = False) -> CompileKey:
     """The cache key of compiling `args`; ArgError names the flag when an input is wrong."""
     if not args.model_path:
@@ -100,6 +121,7 @@ def compile_key(args: ServerArgs, rehash: bool = False) -> CompileKey:
     if ckpt.is_dir() and not (ckpt / "config.json").is_file() and not gguf:
         raise ArgError(f"--model-path: {ckpt} has no config.json (not a Hugging Face checkpoint)")
     load_format = resolve_format(ckpt, args.load_format)
+    overrides = model_overrides(args)
     try:
         target = resolve_target(args.device, args.target_isa)
     except TargetError as e:
@@ -123,6 +145,7 @@ def compile_key(args: ServerArgs, rehash: bool = False) -> CompileKey:
             cfg = json.loads(config.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ArgError(f"--model-path: {config} is not valid JSON: {e}") from None
+        cfg = {**cfg, **overrides}
         ckpt_dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
     dtype = resolve_dtype(args.dtype, ckpt_dtype, target)
     toolchain = native.Toolchain.find() if target.device == "cpu" else None

@@ -145,6 +145,35 @@ def _yarn_attention_factor(params: dict[str, Any], factor: float) -> float:
     return mscale(factor)
 
 
+def _matryoshka(cfg: dict[str, Any]) -> tuple[bool, tuple[int, ...]]:
+    """Whether config.json says the model is a Matryoshka embedding model (is_matryoshka,
+    or a list of matryoshka_dimensions), and the widths it was trained to be cut to
+    (empty: any)."""
+    dims = cfg.get("matryoshka_dimensions") or []
+    if not isinstance(dims, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in dims
+    ):
+        raise ModelConfigError(f"matryoshka_dimensions {dims!r}: a list of positive integers")
+    if cfg.get("is_matryoshka") not in (None, True, False):
+        raise ModelConfigError(f"is_matryoshka {cfg['is_matryoshka']!r}: true or false")
+    return bool(cfg.get("is_matryoshka")) or bool(dims), tuple(sorted(set(dims)))
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """The fields of `config.json` in a checkpoint folder (or the file itself)."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ModelConfigError(f"no config.json in {path}: not a Hugging Face checkpoint")
+    try:
+        cfg = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelConfigError(f"{file} is not valid JSON: {e}") from e
+    if not isinstance(cfg, dict):
+        raise ModelConfigError(f"{file} is not a JSON object")
+    return cfg
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes and numerics of a decoder-only transformer, read once from config.json."""
@@ -225,22 +254,20 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     score_correction_bias: bool = False
     n_shared_experts: int = 0
+    # An embedding model trained for Matryoshka truncation (config.json's is_matryoshka or
+    # matryoshka_dimensions, as vLLM reads them): a request's `dimensions` keeps the first
+    # d features of the pooled vector (any d up to hidden_size, or one of those listed).
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] = ()
 
     @classmethod
     def from_hf(cls, path: str | Path) -> ModelConfig:
         """Read `config.json` from a checkpoint folder (or the file itself)."""
-        path = Path(path)
-        file = path / "config.json" if path.is_dir() else path
-        if not file.is_file():
-            raise ModelConfigError(f"no config.json in {path}: not a Hugging Face checkpoint")
-        try:
-            cfg = json.loads(file.read_text())
-        except json.JSONDecodeError as e:
-            raise ModelConfigError(f"{file} is not valid JSON: {e}") from e
-        return cls.from_dict(cfg)
+        return cls.from_dict(read_hf_config(path))
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        is_matryoshka, matryoshka = _matryoshka(cfg)  # a multimodal model's are top-level
         cfg = _text_part(cfg)
         model_type = cfg.get("model_type", "")
         if model_type not in _FAMILIES:
@@ -294,7 +321,13 @@ class ModelConfig:
             o_bias=bool(cfg.get("attention_bias", False)) and model_type != "qwen2",
             **_gpt_oss(model_type, cfg),
             **_deepseek(model_type, cfg, _global_rope(model_type, cfg)),
+            is_matryoshka=is_matryoshka,
+            matryoshka_dimensions=matryoshka,
         )
+        if any(d > out.hidden_size for d in matryoshka):
+            raise ModelConfigError(
+                f"matryoshka_dimensions {list(matryoshka)}: past hidden_size {out.hidden_size}"
+            )
         pairs = out.rotary // 2
         factors = (len(out.rope.short_factor), len(out.rope.long_factor))
         if out.rope.rope_type == "longrope" and factors != (pairs, pairs):
@@ -313,6 +346,7 @@ class ModelConfig:
         d["sliding_windows"] = tuple(d["sliding_windows"])
         d["eos_token_ids"] = tuple(d["eos_token_ids"])
         d["sparse_layers"] = tuple(d.get("sparse_layers", ()))
+        d["matryoshka_dimensions"] = tuple(d.get("matryoshka_dimensions", ()))
         d["rope"] = _rope_from_manifest(d["rope"])
         if d.get("local_rope") is not None:
             d["local_rope"] = _rope_from_manifest(d["local_rope"])

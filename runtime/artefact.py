@@ -60,6 +60,11 @@ class ModelSpec:
     v_head_dim: int | None = None  # the V pool's width where not head_dim (MLA: 0)
     speculative: dict[str, Any] | None = None  # kiln.core.artefact.Speculative
     is_embedding: bool = False  # its steps give hidden states to pool, not logits
+    embedding_dim: int | None = None  # an embedding model's pooled width
+    # Whether a request's `dimensions` may cut it (a Matryoshka model), and to which
+    # widths (empty: any up to embedding_dim).
+    matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] = ()
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -74,6 +79,7 @@ def model_spec(manifest: dict[str, Any]) -> ModelSpec:
     rt = dict(manifest["runtime"])
     rt["eos_token_ids"] = tuple(rt["eos_token_ids"])
     rt["long_rope"] = tuple(rt.get("long_rope", ()))
+    rt["matryoshka_dimensions"] = tuple(rt.get("matryoshka_dimensions", ()))
     return ModelSpec(**rt)
 
 

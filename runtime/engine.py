@@ -352,15 +352,17 @@ class Engine:
         self,
         prompt: str | list[str] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
+        dimensions: int | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """An embedding model's vectors (SGLang's Engine.encode; kiln's `encode` is the
         tokenizer's): for one prompt a dict, for a batch a list, each {"embedding": the
         last token's final hidden state over its L2 norm, "meta_info": {"id",
-        "prompt_tokens", "cached_tokens"}}."""
+        "prompt_tokens", "cached_tokens"}}. `dimensions` (a Matryoshka model): the first
+        that many features of the hidden state, over their norm."""
         if not self.art.spec.is_embedding:
             raise RequestError(f"{self.art.root} generates text; embed() needs --is-embedding")
         single, ids_list = self._prompts(prompt, input_ids)
-        requests = [self.make_request(list(ids), EMBED) for ids in ids_list]
+        requests = [self.make_request(list(ids), EMBED, dimensions=dimensions) for ids in ids_list]
         self._run(requests)
         results = [self.embedding_result(r) for r in requests]
         return results[0] if single and len(results) == 1 else results
@@ -412,13 +414,17 @@ class Engine:
         rid: str | None = None,
         prompt_top_logprobs: int | None = None,
         logprob_ids: tuple[int, ...] = (),
+        dimensions: int | None = None,
     ) -> Request:
         """A validated request (not yet queued). `prompt_top_logprobs`: the prompt's
         logprobs too (with the top k of each), its prompt computed whole (no prefix-cache
         hit); with max_new_tokens 0 it only scores its prompt. `logprob_ids`: with logprobs,
-        these tokens' at each position too (at most MAX_LOGPROB_IDS)."""
+        these tokens' at each position too (at most MAX_LOGPROB_IDS). `dimensions`: a
+        Matryoshka embedding model's request, its vector cut to that many features."""
         if not ids:
             raise RequestError("the prompt is empty")
+        if dimensions is not None:
+            self.check_dimensions(dimensions)
         self.check_vocabulary(ids, "token ids")
         self.check_vocabulary([t for t, _ in params.logit_bias], "logit_bias names tokens")
         if logprob_ids:
@@ -459,7 +465,28 @@ class Engine:
             detok=detok,
             priority=priority,
             prompt_top_logprobs=prompt_top_logprobs,
+            dimensions=dimensions,
         )
+
+    def check_dimensions(self, dimensions: int) -> None:
+        """RequestError unless an embedding of `dimensions` features is one this model
+        gives: a Matryoshka model's (config.json's is_matryoshka or matryoshka_dimensions),
+        cut to at most its width, and to a listed width where it lists some."""
+        spec = self.art.spec
+        if not spec.matryoshka:
+            raise RequestError(
+                "dimensions: this model was not trained for Matryoshka truncation (its "
+                "config sets neither is_matryoshka nor matryoshka_dimensions; compile with "
+                "--json-model-override-args '{\"is_matryoshka\": true}' if it was)"
+            )
+        width = spec.embedding_dim or 0
+        if isinstance(dimensions, bool) or not 1 <= dimensions <= width:
+            raise RequestError(f"dimensions must be in [1, {width}], got {dimensions}")
+        listed = spec.matryoshka_dimensions
+        if listed and dimensions not in listed:
+            raise RequestError(
+                f"dimensions {dimensions}: this model was trained for {list(listed)} only"
+            )
 
     def check_vocabulary(self, ids: Iterable[int], what: str) -> None:
         """RequestError naming `what` and the first ids outside the model's vocabulary."""
@@ -627,7 +654,7 @@ class Engine:
                 return self._accept(batch, logits)
             if self.art.spec.is_embedding:
                 for req, row in zip(sampling, _rows(logits), strict=True):
-                    req.embedding = _normalised(row)
+                    req.embedding = _normalised(row[: req.dimensions])
                 self.scheduler.commit(batch, None)
                 return []
             scores: list[tuple[Request, list[TokenLogprob]]] = []

@@ -56,6 +56,9 @@ class Request:
     spec_verify_ct: int = 0  # verify steps it took part in with drafts
     spec_drafted: int = 0  # drafted tokens verified
     spec_accepted: int = 0  # drafted tokens the model kept
+    # An embedding model's request (a Matryoshka model): its vector cut to this many
+    # features before it is normalised; None, the whole hidden state.
+    dimensions: int | None = None
     # Its sampler row once nothing is suppressed any more (past min_new_tokens): every
     # field is a reference that stays (engine.py _sampling_row).
     sampling_row: Any = None

@@ -196,6 +196,7 @@ class ServingContext:
         prompt_top_logprobs: int | None = None,
         logprob_ids: list[int] | list[list[int]] | None = None,
         embed: bool = False,
+        dimensions: int | None = None,
     ) -> list[Request]:
         """`n` requests per prompt (default: the params' own `n`), validated; raises
         ApiError(400) naming the problem. `params` is one dict for all prompts or one per
@@ -203,7 +204,8 @@ class ServingContext:
         `prompt_top_logprobs`, the prompts' logprobs too; `logprob_ids`, the tokens whose
         logprobs each position reports, for all prompts or one list per prompt
         (Engine.make_request); `embed`, an embedding model's requests, which such a model
-        takes and no other (a 400 either way round)."""
+        takes and no other (a 400 either way round), and `dimensions` the width a
+        Matryoshka model's vectors are cut to."""
         if embed != self.engine.art.spec.is_embedding:
             raise ApiError(400, NOT_EMBEDDING if embed else EMBEDDING_ONLY)
         if n is not None and not 1 <= n <= MAX_N:
@@ -244,6 +246,7 @@ class ServingContext:
                         rid=name,
                         prompt_top_logprobs=prompt_top_logprobs,
                         logprob_ids=lp_ids,
+                        dimensions=dimensions,
                     )
                     for i, name in zip(range(count), names, strict=True)
                 ]

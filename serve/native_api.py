@@ -147,7 +147,9 @@ async def encode(body: EncodeRequest, request: Request) -> Any:
     def build() -> list[Any]:
         given: Any = body.text if body.text is not None else body.input_ids
         prompts = ctx.prompt_ids([given] if single else given)
-        return ctx.make_requests(prompts, EMBED_PARAMS, 1, rid=body.rid, embed=True)
+        return ctx.make_requests(
+            prompts, EMBED_PARAMS, 1, rid=body.rid, embed=True, dimensions=body.dimensions
+        )
 
     reqs = await ctx.build(build)
     results = await ctx.collect(request, reqs)

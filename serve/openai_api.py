@@ -90,11 +90,14 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
 @router.post("/v1/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
     """Each input's embedding (Engine.embed's), as floats or, with encoding_format base64
-    (the openai client's default), its float32 little-endian bytes in base64."""
+    (the openai client's default), its float32 little-endian bytes in base64; `dimensions`
+    cuts a Matryoshka model's to that width (a 400 for other models)."""
     ctx = _ctx(request)
     ctx.refuse_unsupported(body.unsupported())
     reqs = await ctx.build(
-        lambda: ctx.make_requests(ctx.prompt_ids(body.input), EMBED_PARAMS, 1, embed=True)
+        lambda: ctx.make_requests(
+            ctx.prompt_ids(body.input), EMBED_PARAMS, 1, embed=True, dimensions=body.dimensions
+        )
     )
     results = await ctx.collect(request, reqs)
     data = []

@@ -538,10 +538,10 @@ class EmbeddingRequest(Body):
     model: str = "default"
     input: Prompt
     encoding_format: Literal["float", "base64"] = "float"
+    # A Matryoshka model's vectors cut to this width (Engine.check_dimensions).
+    dimensions: int | None = None
     # Accepted and ignored: who is asking, not what to compute (OpenAI).
     user: str | None = None
-
-    REFUSED = {"dimensions": None}
 
 
 class EncodeRequest(Body):
@@ -550,3 +550,4 @@ class EncodeRequest(Body):
     text: Texts | None = None
     input_ids: TokenIds | None = None
     rid: Texts | None = None
+    dimensions: int | None = None  # as /v1/embeddings'

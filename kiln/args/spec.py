@@ -72,7 +72,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--enable-dynamic-chunking', type='bool', stage=RUNTIME),
     )),
     Section('Runtime options', 'runtime_options', (
-        Flag('--device', type='str', stage=COMPILE, status=PLANNED, choice_status={"cpu": IMPLEMENTED, "cuda": IMPLEMENTED}, help="Target device; default: cuda when this host has an NVIDIA GPU, else cpu. Compiling for cuda needs no GPU; serving it does. The CUDA path (Triton kernels, CUDA-graph replay) is tested on the CPU only (Triton's interpreter, a replay-by-calling recorder): it has not yet run on a GPU."),
+        Flag('--device', type='str', stage=COMPILE, status=PLANNED, choice_status={"cpu": IMPLEMENTED, "cuda": IMPLEMENTED}, help="Target device; default: cuda when this host has an NVIDIA GPU, else cpu. Compiling for cuda needs no GPU; serving it does. The CUDA path (Triton kernels, CUDA-graph replay) is tested in CI on the CPU (Triton's interpreter, a replay-by-calling recorder) and ran on H100 and H200 GPUs (benchmarks/gpu_check.sh)."),
         Flag('--elastic-ep-backend', type='bool', stage=RUNTIME),
         Flag('--mooncake-ib-device', type='bool', stage=RUNTIME),
         Flag('--tensor-parallel-size', '--tp-size', '--tp', type='int', default=1, dest='tp_size', stage=COMPILE, status=IMPLEMENTED, help="Tensor parallelism, a compiler pass: the artefact holds one graph and one weight file per rank (attention heads, MLP and lm_head split Megatron-style, all-reduce / all-gather ops in the graph); `kiln serve` and `Engine` start one process per rank over torch.distributed (gloo on CPU). Composes with quantization (each rank stores its part of the whole weight's codes and scales)."),
@@ -146,7 +146,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--node-rank', type='int', default=0, stage=RUNTIME, status=IMPLEMENTED, help='This machine among --nnodes: node 0 runs rank 0 and serves HTTP; the others only run their ranks, and exit when rank 0 stops them.'),
     )),
     Section('Model override args', 'model_override_args', (
-        Flag('--json-model-override-args', type='str', default='{}', stage=COMPILE),
+        Flag('--json-model-override-args', type='str', default='{}', stage=COMPILE, status=IMPLEMENTED, help='A JSON object of config.json fields that replace the checkpoint\'s (a nested value whole, as SGLang), e.g. \'{"rope_scaling": {...}}\' or \'{"is_matryoshka": true}\' for an embedding model; part of the compile key, recorded in the artefact\'s model section.'),
         Flag('--preferred-sampling-params', type='str', stage=RUNTIME),
     )),
     Section('LoRA', 'lora', (

@@ -91,6 +91,8 @@ MAX_STOP_IDS = 256
 MAX_NAME = 256
 MAX_DRAFT_TOKENS = 64  # rows a verify step feeds one request
 MAX_NGRAM_WINDOW = 64
+MAX_HIDDEN = 1 << 17  # an embedding model's pooled width
+MAX_MATRYOSHKA_DIMS = 64  # widths a Matryoshka model lists
 # The largest decode batch that may speculate: the runtime's bound, and the verify buckets
 # (up to this many requests of num_draft_tokens rows) a CUDA capture plan records.
 MAX_SPECULATIVE_BATCH = 4
@@ -271,6 +273,13 @@ class RuntimeSpec(_Strict):
     speculative: Speculative | None = None
     # --is-embedding: the graph ends at the final norm; requests are pooled, not sampled.
     is_embedding: bool = False
+    # Such a model's pooled width, and whether a request may cut it (Matryoshka): to any
+    # width up to embedding_dim, or to one of matryoshka_dimensions when it lists some.
+    embedding_dim: int | None = Field(default=None, gt=0, le=MAX_HIDDEN)
+    matryoshka: bool = False
+    matryoshka_dimensions: list[Annotated[int, Field(gt=0, le=MAX_HIDDEN)]] = Field(
+        default=[], max_length=MAX_MATRYOSHKA_DIMS
+    )
 
 
 class Manifest(_Strict):

@@ -6,6 +6,7 @@ generation refused (and embeddings refused by a generation server)."""
 from __future__ import annotations
 
 import base64
+from typing import Any
 
 import httpx
 import numpy as np
@@ -29,15 +30,19 @@ def engine(art) -> Engine:
     return Engine(art, max_total_tokens=1024)
 
 
-def transformers_embeddings(checkpoint, prompts: list[list[int]]) -> list[np.ndarray]:
+def transformers_embeddings(
+    checkpoint, prompts: list[list[int]], dimensions: int | None = None, **config: Any
+) -> list[np.ndarray]:
+    """Each prompt's last hidden state (its first `dimensions` features) over its norm,
+    from transformers' base model with `config`'s fields replacing the checkpoint's."""
     import torch
     from transformers import AutoModel
 
-    hf = AutoModel.from_pretrained(checkpoint("llama"), torch_dtype=torch.float32)
+    hf = AutoModel.from_pretrained(checkpoint("llama"), torch_dtype=torch.float32, **config)
     out = []
     with torch.no_grad():
         for ids in prompts:
-            last = hf(torch.tensor([ids])).last_hidden_state[0, -1].double()
+            last = hf(torch.tensor([ids])).last_hidden_state[0, -1, :dimensions].double()
             out.append((last / last.norm()).numpy())
     return out
 
@@ -99,3 +104,39 @@ def test_the_server_answers_embeddings_and_refuses_generation(art, engine, launc
     assert server.get("/get_model_info").json()["is_generation"] is False
     assert server.get("/health_generate", key=None).status_code == 200
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_matryoshka_dimensions_from_config_overrides(engine, artefact, checkpoint, launch):
+    """--json-model-override-args sets config fields the checkpoint lacks or holds
+    otherwise: Matryoshka widths (8 and 16) and another rms_norm_eps. A request's
+    `dimensions` gives transformers' last hidden state (with that eps), its first d
+    features over their norm; other widths, and any on a model without Matryoshka widths,
+    are refused; over HTTP through the openai client and /encode."""
+    overrides = '{"matryoshka_dimensions": [16, 8], "rms_norm_eps": 0.25}'
+    flags = {"is_embedding": True, "json_model_override_args": overrides}
+    cut = artefact("llama", compile_args=flags)
+    mat = Engine(cut, max_total_tokens=1024)
+    want = transformers_embeddings(checkpoint, PROMPTS, dimensions=8, rms_norm_eps=0.25)
+    for g, w in zip(mat.embed(input_ids=PROMPTS, dimensions=8), want, strict=True):
+        assert len(g["embedding"]) == 8 and np.allclose(g["embedding"], w, atol=1e-5)
+    whole = mat.embed(input_ids=PROMPTS[0])["embedding"]
+    (eps,) = transformers_embeddings(checkpoint, PROMPTS[:1], rms_norm_eps=0.25)
+    assert len(whole) == 96 and np.allclose(whole, eps, atol=1e-5)
+    # the override reached the model: the checkpoint's own eps gives another vector
+    assert not np.allclose(whole, engine.embed(input_ids=PROMPTS[0])["embedding"], atol=1e-3)
+    for bad, message in ((12, r"trained for \[8, 16\] only"), (0, r"in \[1, 96\]"), (97, "96")):
+        with pytest.raises(RequestError, match=message):
+            mat.embed(input_ids=PROMPTS[0], dimensions=bad)
+    with pytest.raises(RequestError, match="not trained for Matryoshka"):
+        engine.embed(input_ids=PROMPTS[0], dimensions=8)
+
+    server = launch(cut, "--api-key", API_KEY, "--served-model-name", "emb")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+    out = client.embeddings.create(model="emb", input=[[1, 5, 9]], dimensions=16)
+    want16 = mat.embed(input_ids=[1, 5, 9], dimensions=16)["embedding"]
+    assert len(out.data[0].embedding) == 16
+    assert np.allclose(out.data[0].embedding, want16, atol=1e-7)
+    with pytest.raises(openai.BadRequestError, match="trained for"):
+        client.embeddings.create(model="emb", input="x", dimensions=12)
+    one = server.post("/encode", json={"input_ids": [1, 5, 9], "dimensions": 8}).json()
+    assert one["embedding"] == pytest.approx(want[0], abs=1e-5)
