@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -397,6 +398,31 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
         log.warning("no tokenizer files in %s: the artefact will take token ids only", src)
 
 
+def _sampling_defaults(tok_dir: Path) -> dict[str, int | float]:
+    """The sampling parameters generation_config.json recommends (SGLang's
+    --sampling-defaults model reads these five), the numbers the file states; HF's top_k 0
+    (no top-k) is kiln's -1. The server checks their ranges before it uses them: a
+    checkpoint's odd file must not stop its compile."""
+    gen = tok_dir / "generation_config.json"
+    if not gen.is_file():
+        return {}
+    try:
+        stated = json.loads(gen.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        log.warning("generation_config.json is not valid JSON: no recommended sampling")
+        return {}
+    if not isinstance(stated, dict):
+        return {}
+    out: dict[str, int | float] = {}
+    for key in fmt.SAMPLING_DEFAULT_KEYS:
+        value = stated.get(key)
+        if key == "top_k" and value == 0:
+            value = -1
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            out[key] = value
+    return out
+
+
 def _eos_ids(cfg: ModelConfig, tok_dir: Path) -> list[int]:
     ids = list(cfg.eos_token_ids)
     gen = tok_dir / "generation_config.json"
@@ -461,6 +487,7 @@ def _manifest(
             "kv_dtype": KV_DTYPES.get(args.kv_cache_dtype, dtype),
             "bos_token_id": cfg.bos_token_id,
             "eos_token_ids": _eos_ids(cfg, root / fmt.TOKENIZER_DIR),
+            "sampling_defaults": _sampling_defaults(root / fmt.TOKENIZER_DIR),
             "served_model_name": _model_name(args.model_path),
             "long_rope": _long_rope(cfg, graph),
             # --is-embedding: steps give final hidden states, pooled and normalised.

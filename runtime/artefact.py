@@ -60,6 +60,8 @@ class ModelSpec:
     v_head_dim: int | None = None  # the V pool's width where not head_dim (MLA: 0)
     speculative: dict[str, Any] | None = None  # kiln.core.artefact.Speculative
     is_embedding: bool = False  # its steps give hidden states to pool, not logits
+    # generation_config.json's recommended sampling, as stated (SAMPLING_DEFAULT_KEYS)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     embedding_dim: int | None = None  # an embedding model's pooled width
     # Whether a request's `dimensions` may cut it (a Matryoshka model), and to which
     # widths (empty: any up to embedding_dim).

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -28,6 +29,8 @@ from kiln.serve.async_engine import AsyncEngine, QueueFull, RidInUse, Unavailabl
 from kiln.serve.metrics import Metrics
 from kiln.serve.protocol import ChatMessage
 from kiln.serve.streams import Accumulated, ApiError, failure, join, merged
+
+log = logging.getLogger("kiln.serve")
 
 T = TypeVar("T")
 # Limits on one HTTP request's fan-out (documented in docs/serving.md); n itself is
@@ -80,6 +83,8 @@ class ServingContext:
         self.context_length = engine.context_length
         self.metrics = Metrics(args, self.async_engine)
         self.chat_template = _read_template(args.chat_template)
+        self.preferred = _preferred_sampling(args.preferred_sampling_params)
+        self.model_defaults = _model_sampling(engine, args.sampling_defaults)
         self.started = time.time()
         self._workers = ThreadPoolExecutor(
             max_workers=args.tokenizer_worker_num, thread_name_prefix="kiln-tokenize"
@@ -197,6 +202,7 @@ class ServingContext:
         logprob_ids: list[int] | list[list[int]] | None = None,
         embed: bool = False,
         dimensions: int | None = None,
+        defaults: str | None = None,
     ) -> list[Request]:
         """`n` requests per prompt (default: the params' own `n`), validated; raises
         ApiError(400) naming the problem. `params` is one dict for all prompts or one per
@@ -205,12 +211,20 @@ class ServingContext:
         logprobs each position reports, for all prompts or one list per prompt
         (Engine.make_request); `embed`, an embedding model's requests, which such a model
         takes and no other (a 400 either way round), and `dimensions` the width a
-        Matryoshka model's vectors are cut to."""
+        Matryoshka model's vectors are cut to. `defaults`, a client's generation request:
+        "native" (/generate) starts from --preferred-sampling-params, "openai" from the
+        model's recommended sampling (--sampling-defaults model) under those; the
+        request's own fields win."""
         if embed != self.engine.art.spec.is_embedding:
             raise ApiError(400, NOT_EMBEDDING if embed else EMBEDDING_ONLY)
         if n is not None and not 1 <= n <= MAX_N:
             raise ApiError(400, f"n must be in [1, {MAX_N}], got {n}")
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        if defaults is not None:
+            # SGLang's native default is 128 new tokens (OpenAI routes: up to the context).
+            first = self.model_defaults if defaults == "openai" else {"max_new_tokens": 128}
+            base = {**first, **(self.preferred or {})}
+            per_prompt = [{**base, **_as_dict(p)} for p in per_prompt]
         if len(per_prompt) != len(prompts):
             raise ApiError(400, f"{len(per_prompt)} sampling_params for {len(prompts)} prompts")
         try:
@@ -489,6 +503,45 @@ def _text_content(content: str | list[dict[str, Any]] | None) -> str:
             )
         parts.append(part.get("text", ""))
     return "".join(parts)
+
+
+def _preferred_sampling(text: str | None) -> dict[str, Any] | None:
+    """--preferred-sampling-params: a JSON object of sampling parameters every generation
+    request starts from (its own fields win), checked as a request's would be."""
+    if text is None:
+        return None
+    flag = "--preferred-sampling-params"
+    try:
+        params = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag}: not valid JSON ({e})") from None
+    if not isinstance(params, dict):
+        raise ValueError(f"{flag}: a JSON object of sampling parameters")
+    try:
+        SamplingParams.from_dict(params)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+    return params
+
+
+def _model_sampling(engine: Engine, where: str) -> dict[str, Any]:
+    """With --sampling-defaults model (SGLang's default), what the checkpoint's
+    generation_config.json recommends for the OpenAI routes' unset temperature, top_p,
+    top_k, min_p and repetition_penalty; each value the sampler would refuse is left out,
+    with a warning. With `openai`, nothing (OpenAI's defaults)."""
+    if where != "model":
+        return {}
+    kept = {}
+    for key, value in engine.art.spec.sampling_defaults.items():
+        try:
+            SamplingParams.from_dict({key: value})
+        except ValueError as e:
+            log.warning("generation_config.json's %s is not used: %s", key, e)
+            continue
+        kept[key] = value
+    if kept:
+        log.info("sampling defaults from generation_config.json: %s", kept)
+    return kept
 
 
 def _read_template(path: str | None) -> str | None:

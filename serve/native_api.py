@@ -92,14 +92,11 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
             raise ApiError(
                 400, f"logprob_start_len {start} must be below the prompt's length ({short})"
             )
-        # SGLang's native default is 128 new tokens (OpenAI routes: up to the context).
-        params = [
-            {"max_new_tokens": 128, **p}
-            for p in (sp if isinstance(sp, list) else [sp or {}] * len(prompts))
-        ]
+        params = sp if isinstance(sp, list) else [sp or {}] * len(prompts)
         return ctx.make_requests(
             prompts,
             params,
+            defaults="native",
             top_logprobs=top,
             priority=body.priority,
             rid=body.rid,
@@ -195,7 +192,7 @@ async def model_info(request: Request) -> dict[str, Any]:
         "is_generation": not ctx.engine.art.spec.is_embedding,
         "max_model_len": ctx.context_length,
         "weight_version": ctx.args.weight_version,
-        "preferred_sampling_params": None,
+        "preferred_sampling_params": ctx.preferred,
     }
 
 

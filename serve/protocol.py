@@ -282,7 +282,13 @@ class _Sampling(Body):
             "max_new_tokens": max_tokens,
             **self.constraint(),
         }
-        return {k: v for k, v in params.items() if v is not None}
+        # The switches' defaults are the sampler's: left out unless the client set them,
+        # so --preferred-sampling-params can set them for it.
+        given = self.model_fields_set
+        switches = ("ignore_eos", "skip_special_tokens", "no_stop_trim")
+        return {
+            k: v for k, v in params.items() if v is not None and (k not in switches or k in given)
+        }
 
 
 class CompletionRequest(_Sampling):

@@ -130,7 +130,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--enable-cache-report', type='bool', stage=RUNTIME, status=IMPLEMENTED, help='Report cached prompt tokens in usage.prompt_tokens_details.'),
         Flag('--reasoning-parser', type='str', choices=('deepseek-r1', 'deepseek-v3', 'glm45', 'gpt-oss', 'kimi', 'qwen3', 'qwen3-thinking', 'step3'), stage=RUNTIME, status=IMPLEMENTED, choice_status={c: PLANNED for c in ('deepseek-v3', 'glm45', 'gpt-oss', 'kimi', 'step3')}, help='Chat answers carry the reasoning between <think> and </think> as reasoning_content (serve/reasoning.py); per request: separate_reasoning, stream_reasoning.'),
         Flag('--tool-call-parser', type='str', choices=('deepseekv3', 'deepseekv31', 'glm', 'glm45', 'gpt-oss', 'kimi_k2', 'llama3', 'mistral', 'pythonic', 'qwen', 'qwen25', 'qwen3_coder', 'step3'), stage=RUNTIME, status=IMPLEMENTED, choice_status={c: PLANNED for c in ('deepseekv3', 'deepseekv31', 'glm', 'glm45', 'gpt-oss', 'kimi_k2', 'qwen3_coder', 'step3')}, help="How chat answers' tool calls are read (serve/tool_calls.py) when tool_choice is auto; required and named functions need none."),
-        Flag('--sampling-defaults', type='str', default='model', choices=('openai', 'model'), stage=RUNTIME),
+        Flag('--sampling-defaults', type='str', default='model', choices=('openai', 'model'), stage=RUNTIME, status=IMPLEMENTED, help="model: the OpenAI routes' requests that leave temperature, top_p, top_k, min_p or repetition_penalty unset take what the checkpoint's generation_config.json states (recorded at compile time; a value the sampler would refuse is skipped with a warning). openai: OpenAI's defaults (temperature 1, no filters)."),
         Flag('--tool-server', type='str', stage=RUNTIME),
         Flag('--admin-api-key', type='str', stage=RUNTIME, status=IMPLEMENTED, help='Bearer key required on admin paths (/flush_cache).'),
     )),
@@ -147,7 +147,7 @@ SECTIONS: tuple[Section, ...] = (
     )),
     Section('Model override args', 'model_override_args', (
         Flag('--json-model-override-args', type='str', default='{}', stage=COMPILE, status=IMPLEMENTED, help='A JSON object of config.json fields that replace the checkpoint\'s (a nested value whole, as SGLang), e.g. \'{"rope_scaling": {...}}\' or \'{"is_matryoshka": true}\' for an embedding model; part of the compile key, recorded in the artefact\'s model section.'),
-        Flag('--preferred-sampling-params', type='str', stage=RUNTIME),
+        Flag('--preferred-sampling-params', type='str', stage=RUNTIME, status=IMPLEMENTED, help='A JSON object of sampling parameters (/generate\'s names) that every generation request starts from, above --sampling-defaults and below the request\'s own fields; checked at start; shown by /get_model_info.'),
     )),
     Section('LoRA', 'lora', (
         Flag('--enable-lora', type='bool', stage=RUNTIME),

@@ -21,7 +21,16 @@ import threading
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 # 3: linears carry a `prologue`, rope_attention joins the ops, and the C kernels' linear
 # entries take the prologue (an older artefact's graph and library would not match).
@@ -66,6 +75,11 @@ TOKENIZER_FILES = (
     "chat_template.json",
     "generation_config.json",
 )
+
+# What generation_config.json may recommend for sampling (SGLang's --sampling-defaults
+# model reads these).
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+SamplingDefaultKey = Literal["temperature", "top_p", "top_k", "min_p", "repetition_penalty"]
 
 
 # The files `kiln compile` writes, and so the only ones a manifest may list.
@@ -271,6 +285,9 @@ class RuntimeSpec(_Strict):
     served_model_name: str = Field(min_length=1, max_length=MAX_NAME)
     long_rope: list[LongRope] = Field(default=[], max_length=2)
     speculative: Speculative | None = None
+    # The checkpoint's generation_config.json's recommended sampling (range-checked by
+    # the runtime's SamplingParams before use).
+    sampling_defaults: dict[SamplingDefaultKey, StrictInt | StrictFloat] = {}
     # --is-embedding: the graph ends at the final norm; requests are pooled, not sampled.
     is_embedding: bool = False
     # Such a model's pooled width, and whether a request may cut it (Matryoshka): to any
