@@ -23,6 +23,7 @@ from kiln.args.stages import refuse_compile_time_changes
 from kiln.core import artefact as fmt
 from kiln.core.lazy import lazy_module
 from kiln.runtime.artefact import Artefact, ModelSpec, checked_manifest, model_spec
+from kiln.runtime.batch_log import BatchLog
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.grammar import Grammars
 from kiln.runtime.kv_cache import KVCache
@@ -175,6 +176,7 @@ class Engine:
         if not self.args.disable_radix_cache:
             cache = RadixCache(self.runner.pool, self.args.radix_eviction_policy)
         self.scheduler = Scheduler(self.runner.pool, self._scheduler_config(), cache)
+        self.batch_log = BatchLog(self.args.decode_log_interval, self.scheduler, self.runner.pool)
         if self.draft_model is not None:
             self.scheduler.on_release = self.draft_model.release
         self._eos = set(spec.eos_token_ids)
@@ -570,6 +572,7 @@ class Engine:
                 if not batch.verify:  # a verify step postprocessed each token it kept
                     self._postprocess(req)
                 outputs.append(self.output(req))
+        self.batch_log.after(batch)
         return outputs
 
     def _may_speculate(self, batch: Batch) -> bool:

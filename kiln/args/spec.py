@@ -113,7 +113,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--prompt-tokens-buckets', type='list[str]', stage=RUNTIME),
         Flag('--generation-tokens-buckets', type='list[str]', stage=RUNTIME),
         Flag('--gc-warning-threshold-secs', type='float', default=0.0, stage=RUNTIME),
-        Flag('--decode-log-interval', type='int', default=40, stage=RUNTIME),
+        Flag('--decode-log-interval', type='int', default=40, stage=RUNTIME, status=IMPLEMENTED, help="Log a 'Decode batch.' line (running requests, their tokens, token usage, generation throughput since the last line, queue) every this many decode steps; every prefill batch logs a 'Prefill batch.' line (SGLang's lines, at info level: runtime/batch_log.py)."),
         Flag('--enable-request-time-stats-logging', type='bool', stage=RUNTIME),
         Flag('--kv-events-config', type='str', stage=RUNTIME),
         Flag('--enable-trace', type='bool', stage=RUNTIME),

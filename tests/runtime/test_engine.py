@@ -385,3 +385,30 @@ def test_prompt_logprobs_are_transformers_and_survive_chunks_and_the_cache(
     )["meta_info"]["input_token_logprobs"]
     assert [t for _, t, _ in cut] == prompt
     assert [v for v, *_ in cut[1:]] == pytest.approx([v for v, *_ in whole[1:]], abs=1e-5)
+
+
+def test_sglangs_batch_log_lines(artefact, caplog) -> None:
+    """A 'Prefill batch.' line for each prefill (prompt tokens fed and those the prefix
+    cache served) and a 'Decode batch.' line every --decode-log-interval decode steps, in
+    SGLang's wording, with numbers that add up."""
+    import logging
+    import re
+
+    engine = Engine(artefact("llama"), max_total_tokens=512, decode_log_interval=3)
+    prompts = [list(range(3, 20)), list(range(3, 12))]
+    with caplog.at_level(logging.INFO, logger="kiln.runtime"):
+        engine.generate(input_ids=prompts[0], sampling_params={**GREEDY, "max_new_tokens": 1})
+        caplog.clear()
+        engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": 7})
+    lines = [r.getMessage() for r in caplog.records]
+    prefill = [m for m in lines if m.startswith("Prefill batch.")]
+    decode = [m for m in lines if m.startswith("Decode batch.")]
+    # the second prompt is a prefix of the first, whose pages the cache holds
+    fields = dict(re.findall(r"#([a-z-]+): ([0-9.]+)", prefill[0]))
+    assert len(prefill) == 1 and fields["new-seq"] == "2", prefill
+    assert int(fields["new-token"]) + int(fields["cached-token"]) == 17 + 9
+    assert int(fields["cached-token"]) > 0
+    assert len(decode) == 2, decode  # 6 decode steps after the prefill's first tokens
+    first = dict(re.findall(r"#([a-z-]+): ([0-9.]+)", decode[0]))
+    assert first["running-req"] == "2" and first["token"] == str(17 + 3 + 9 + 3)
+    assert float(decode[0].split("gen throughput (token/s): ")[1].split(",")[0]) > 0

@@ -6,6 +6,7 @@ request's own fields above both."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -86,3 +87,7 @@ def test_unset_fields_come_from_the_model_then_the_operator(recommended, launch)
     own = server.post("/generate", json={"input_ids": PROMPT, "sampling_params": mine}).json()
     assert own["output_ids"] == greedy["output_ids"][:2]
     assert server.get("/get_model_info").json()["preferred_sampling_params"] == preferred
+    # the server logs SGLang's batch lines (runtime/batch_log.py) at its default level
+    log = server.log.read_text()
+    assert re.search(r"Prefill batch\. #new-seq: 1, #new-token: \d+, #cached-token: \d+", log)
+    assert "sampling defaults from generation_config.json" in log
