@@ -16,6 +16,7 @@ from typing import Any
 from kiln.runtime.engine import Engine
 from kiln.runtime.engine_thread import EngineThread
 from kiln.runtime.request import Request, RequestOutput
+from kiln.serve.request_log import RequestLog
 
 
 class QueueFull(RuntimeError):
@@ -31,9 +32,15 @@ class RidInUse(ValueError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, max_queued: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        max_queued: int | None = None,
+        request_log: RequestLog | None = None,
+    ) -> None:
         self.engine = engine
         self.max_queued = max_queued
+        self.request_log = request_log  # --log-requests
         self.thread = EngineThread(engine, self._on_output)
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._claimed: weakref.WeakValueDictionary[str, Request] = weakref.WeakValueDictionary()
@@ -132,6 +139,8 @@ class AsyncEngine:
                     started = True
                     self._queued -= 1
                 finished = out.finished
+                if finished and self.request_log is not None:
+                    self.request_log.finished(req)
                 yield out
         finally:
             if not started:
@@ -139,3 +148,6 @@ class AsyncEngine:
             self._streams.pop(req.rid, None)
             if not finished:
                 self.thread.abort(req.rid)
+                if self.request_log is not None:
+                    gone = {"type": "abort", "message": "the client went away"}
+                    self.request_log.finished(req, gone)

@@ -28,6 +28,7 @@ from kiln.runtime.sampling_params import MAX_N, SamplingParams
 from kiln.serve.async_engine import AsyncEngine, QueueFull, RidInUse, Unavailable
 from kiln.serve.metrics import Metrics
 from kiln.serve.protocol import ChatMessage
+from kiln.serve.request_log import RequestLog
 from kiln.serve.streams import Accumulated, ApiError, failure, join, merged
 
 log = logging.getLogger("kiln.serve")
@@ -77,7 +78,12 @@ class ServingContext:
     def __init__(self, engine: Engine, args: ServerArgs) -> None:
         self.args = args
         self.engine = engine
-        self.async_engine = AsyncEngine(engine, args.max_queued_requests)
+        requests = None
+        if args.log_requests:
+            requests = RequestLog(
+                args.log_requests_level, args.log_requests_format, engine.tokenizer
+            )
+        self.async_engine = AsyncEngine(engine, args.max_queued_requests, requests)
         self.tokenizer = engine.tokenizer
         self.model_name = args.served_model_name or engine.art.spec.served_model_name
         self.context_length = engine.context_length

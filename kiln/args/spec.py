@@ -97,8 +97,8 @@ SECTIONS: tuple[Section, ...] = (
     Section('Logging', 'logging', (
         Flag('--log-level', type='str', default='info', stage=RUNTIME, status=IMPLEMENTED, help="Log level: debug, info, warning, error or critical."),
         Flag('--log-level-http', type='str', stage=RUNTIME, status=IMPLEMENTED, help='Log level of the HTTP server; default: --log-level.'),
-        Flag('--log-requests', type='bool', stage=RUNTIME),
-        Flag('--log-requests-level', type='int', default=2, choices=(0, 1, 2, 3), stage=RUNTIME),
+        Flag('--log-requests', type='bool', stage=RUNTIME, status=IMPLEMENTED, help='One log line (logger kiln.requests) as each request ends: id, token counts, finish reason, latency; what else by --log-requests-level. Off by default: prompts and answers are clients\' data.'),
+        Flag('--log-requests-level', type='int', default=2, choices=(0, 1, 2, 3), stage=RUNTIME, status=IMPLEMENTED, help='0: metadata; 1: and the sampling parameters; 2: and the prompt and output text, each cut to 2048 characters; 3: the whole texts (serve/request_log.py).'),
         Flag('--crash-dump-folder', type='str', stage=RUNTIME),
         Flag('--crash-on-nan', type='str', default='False', stage=RUNTIME),
         Flag('--show-time-cost', type='bool', stage=RUNTIME),
@@ -118,7 +118,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--kv-events-config', type='str', stage=RUNTIME),
         Flag('--enable-trace', type='bool', stage=RUNTIME),
         Flag('--oltp-traces-endpoint', type='str', default='localhost:4317', stage=RUNTIME),
-        Flag('--log-requests-format', type='str', default='text', choices=('text', 'json'), stage=RUNTIME),
+        Flag('--log-requests-format', type='str', default='text', choices=('text', 'json'), stage=RUNTIME, status=IMPLEMENTED, help='text: "Finish: rid=..., prompt_tokens=..."; json: the same fields as one JSON object a line.'),
     )),
     Section('API related', 'api_related', (
         Flag('--api-key', type='str', stage=RUNTIME, status=IMPLEMENTED, help='Bearer key required on every path but /health* and /metrics.'),

@@ -1,0 +1,68 @@
+"""--log-requests: one line as each request ends, at SGLang's levels, as text or JSON."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import httpx
+import pytest
+from serve_helpers import API_KEY
+
+from kiln import Engine
+from kiln.runtime.sampling_params import SamplingParams
+from kiln.serve.request_log import RequestLog
+
+
+def test_a_served_request_is_logged_whole_at_level_3_as_json(artefact, launch) -> None:
+    server = launch(
+        artefact("llama"),
+        "--api-key",
+        API_KEY,
+        "--log-requests",
+        "--log-requests-level",
+        "3",
+        "--log-requests-format",
+        "json",
+    )
+    body = {"model": "default", "prompt": "Hello there", "max_tokens": 5, "temperature": 0}
+    answer = server.post("/v1/completions", json={**body, "rid": "mine"}).json()
+    # a client that goes away mid-stream is logged too, with why it ended
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        json={**body, "max_tokens": 200, "stream": True, "ignore_eos": True, "rid": "gone"},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    ) as r:
+        next(r.iter_lines())
+    server.post("/v1/completions", json=body)  # the abort is logged by the time this ends
+    lines = [ln.split("kiln.requests: ", 1)[1] for ln in server.log.read_text().splitlines()
+             if "kiln.requests: " in ln]  # fmt: skip
+    logged = {e["rid"]: e for e in map(json.loads, lines)}
+    mine = logged["mine"]
+    assert mine["output"] == answer["choices"][0]["text"]
+    assert mine["input"].endswith("Hello there")  # as the model saw it: BOS first
+    assert mine["completion_tokens"] == 5 == answer["usage"]["completion_tokens"]
+    assert mine["sampling_params"]["max_new_tokens"] == 5
+    assert mine["finish_reason"]["type"] == "length" and mine["e2e_latency"] > 0
+    assert logged["gone"]["finish_reason"]["message"] == "the client went away"
+
+
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_levels_say_more_and_cut_the_text(artefact, caplog, level: int) -> None:
+    engine = Engine(artefact("llama"), max_total_tokens=1024)
+    prompt = list(range(3, 200))
+    req = engine.make_request(prompt, SamplingParams(max_new_tokens=2, temperature=0))
+    engine._run([req])
+    with caplog.at_level(logging.INFO, logger="kiln.requests"):
+        RequestLog(level, "text", engine.tokenizer, cut=50).finished(req)
+        RequestLog(level, "json", engine.tokenizer, cut=50).finished(req)
+    text, as_json = (r.getMessage() for r in caplog.records)
+    assert text.startswith(f"Finish: rid={req.rid!r}, prompt_tokens=197, completion_tokens=2")
+    fields = json.loads(as_json)
+    assert fields["rid"] == req.rid and fields["prompt_tokens"] == 197
+    assert ("sampling_params" in fields) == ("sampling_params=" in text) == (level >= 1)
+    assert ("input" in fields) == ("input=" in text) == (level >= 2)
+    if level == 2:
+        whole = engine.tokenizer.decode(prompt)
+        assert fields["input"] == whole[:50] + "..." and len(whole) > 50
