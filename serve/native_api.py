@@ -108,15 +108,20 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     text = ctx.token_text if body.return_text_in_logprobs else None
 
     if body.stream:
+        disjoint = ctx.args.stream_output
 
         async def chunks() -> AsyncIterator[str]:
             accs = [Accumulated() for _ in reqs]
             async for i, out in merged(ctx, reqs):
                 accs[i].add(out)
+                acc = accs[i]
+                if disjoint:  # --stream-output: each chunk only what is new
+                    acc = Accumulated()
+                    acc.add(out)
                 item: dict[str, Any] = {
-                    "text": accs[i].text,
-                    "output_ids": accs[i].token_ids,
-                    "meta_info": _meta(reqs[i], accs[i], body, text),
+                    "text": acc.text,
+                    "output_ids": acc.token_ids,
+                    "meta_info": _meta(reqs[i], acc, body, text),
                 }
                 if len(reqs) > 1:
                     item["index"] = i

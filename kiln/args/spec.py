@@ -79,7 +79,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--pipeline-parallel-size', '--pp-size', type='int', default=1, dest='pp_size', stage=COMPILE),
         Flag('--pp-max-micro-batch-size', type='int', stage=RUNTIME),
         Flag('--stream-interval', type='int', default=1, stage=RUNTIME, status=IMPLEMENTED, help='Streamed outputs carry at least this many new tokens (the last may carry fewer).'),
-        Flag('--stream-output', type='bool', stage=RUNTIME),
+        Flag('--stream-output', type='bool', stage=RUNTIME, status=IMPLEMENTED, help="/generate streams each chunk's new text, output_ids and logprobs alone (disjoint segments) instead of everything so far."),
         Flag('--random-seed', type='int', stage=RUNTIME, status=IMPLEMENTED, help="Seed for requests that bring no seed of their own."),
         Flag('--constrained-json-whitespace-pattern', type='str', stage=RUNTIME),
         Flag('--constrained-json-disable-any-whitespace', type='bool', stage=RUNTIME, status=IMPLEMENTED, help='JSON from a json_schema or response_format constraint is compact: no whitespace beyond what the schema asks for (xgrammar).'),
