@@ -281,6 +281,7 @@ class Engine:
             preemption_threshold=a.priority_scheduling_preemption_threshold,
             conservativeness=a.schedule_conservativeness,
             seed=a.random_seed or 0,
+            prefill_max_requests=a.prefill_max_requests,
         )
 
     def _place(self, manifest: dict[str, Any], spec: ModelSpec) -> Placement:

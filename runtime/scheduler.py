@@ -39,6 +39,7 @@ class SchedulerConfig:
     preemption_threshold: int = 10
     conservativeness: float = 1.0
     seed: int = 0
+    prefill_max_requests: int | None = None  # prompts a prefill batch takes at most
 
 
 @dataclass
@@ -154,7 +155,10 @@ class Scheduler:
         fed: list[list[int]] = []
         # A prompt mid-way through chunked prefill goes first.
         queue = [r for r in self.running if r.kv_len < r.num_tokens - 1] + self._ordered()
+        most = self.cfg.prefill_max_requests
         for req in queue:
+            if most is not None and len(picked) >= most:
+                break
             fresh = req.status is Status.WAITING
             full = fresh and len(self.running) >= self.cfg.max_running
             if full and not self._preempt_for(req):

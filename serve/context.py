@@ -191,6 +191,23 @@ class ServingContext:
             return []
         return list(token_bytes(self.tokenizer, token))
 
+    def priority(self, body: Any) -> int:
+        """A body's priority. Without priority scheduling it orders nothing; with
+        --abort-on-priority-when-disabled a body that names one is then a 400 (SGLang's
+        flag), so a client that relies on it learns it is not honoured."""
+        args = self.args
+        if (
+            "priority" in body.model_fields_set
+            and args.abort_on_priority_when_disabled
+            and not (args.enable_priority_scheduling or args.schedule_policy == "priority")
+        ):
+            raise ApiError(
+                400,
+                "priority: this server does not schedule by priority "
+                "(no --enable-priority-scheduling; --abort-on-priority-when-disabled)",
+            )
+        return int(body.priority)
+
     def refuse_unsupported(self, fields: list[str]) -> None:
         if fields:
             raise ApiError(400, f"{', '.join(fields)}: not supported by kiln yet")

@@ -98,7 +98,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
             params,
             defaults="native",
             top_logprobs=top,
-            priority=body.priority,
+            priority=ctx.priority(body),
             rid=body.rid,
             prompt_top_logprobs=top if start >= 0 else None,
             logprob_ids=body.token_ids_logprob if body.return_logprob else None,

@@ -172,7 +172,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             best_of,
             defaults="openai",
             top_logprobs=(body.logprobs or 0) if want_lp else None,
-            priority=body.priority,
+            priority=ctx.priority(body),
             rid=body.rid,
             prompt_top_logprobs=scored,
         )
@@ -305,7 +305,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             body.n,
             defaults="openai",
             top_logprobs=top,
-            priority=body.priority,
+            priority=ctx.priority(body),
             rid=body.rid,
         )
 

@@ -171,7 +171,12 @@ def serve(
         engine = Engine(artefact, file_check=check, **explicit)
         app = create_app(engine, args, clean_start)
         level = (args.log_level_http or args.log_level).lower()
-        config = uvicorn.Config(app, log_level=level, timeout_graceful_shutdown=_FLUSH_SECONDS)
+        config = uvicorn.Config(
+            app,
+            log_level=level,
+            timeout_graceful_shutdown=_FLUSH_SECONDS,
+            root_path=args.fastapi_root_path or "",
+        )
         server = KilnServer(config, app.state.kiln, args.shutdown_timeout)
         engine.on_rank_failure(server.fatal)
         server.run(sockets=[sock])

@@ -35,7 +35,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--skip-server-warmup', type='bool', stage=RUNTIME, status=IMPLEMENTED, help='Start serving without the warm-up generation.'),
         Flag('--warmups', type='str', stage=RUNTIME),
         Flag('--nccl-port', type='int', stage=RUNTIME),
-        Flag('--fastapi-root-path', type='str', stage=RUNTIME),
+        Flag('--fastapi-root-path', type='str', stage=RUNTIME, status=IMPLEMENTED, help='The path prefix a proxy serves kiln under (ASGI root_path): routes stay where they are, URLs kiln builds carry the prefix.'),
         Flag('--grpc-mode', type='bool', stage=RUNTIME),
     )),
     Section('Quantization and data type', 'quantization', (
@@ -67,8 +67,8 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--hybrid-kvcache-ratio', type='float', stage=RUNTIME),
         Flag('--swa-full-tokens-ratio', type='float', default=0.8, stage=RUNTIME),
         Flag('--disable-hybrid-swa-memory', type='bool', stage=RUNTIME),
-        Flag('--prefill-max-requests', type='int', stage=RUNTIME),
-        Flag('--abort-on-priority-when-disabled', type='bool', stage=RUNTIME),
+        Flag('--prefill-max-requests', type='int', stage=RUNTIME, status=IMPLEMENTED, help='Prompts one prefill batch takes at most (default: as many as its token budget fits).'),
+        Flag('--abort-on-priority-when-disabled', type='bool', stage=RUNTIME, status=IMPLEMENTED, help='Without priority scheduling, a request that gives a priority is a 400 instead of served in arrival order.'),
         Flag('--enable-dynamic-chunking', type='bool', stage=RUNTIME),
     )),
     Section('Runtime options', 'runtime_options', (

@@ -412,3 +412,21 @@ def test_sglangs_batch_log_lines(artefact, caplog) -> None:
     first = dict(re.findall(r"#([a-z-]+): ([0-9.]+)", decode[0]))
     assert first["running-req"] == "2" and first["token"] == str(17 + 3 + 9 + 3)
     assert float(decode[0].split("gen throughput (token/s): ")[1].split(",")[0]) > 0
+
+
+def test_prefill_max_requests_caps_a_prefill_batch(artefact) -> None:
+    """--prefill-max-requests 2: five waiting prompts are prefilled two, two, one at a
+    time, and give what an uncapped engine gives."""
+    from kiln.runtime.sampling_params import SamplingParams
+
+    capped = Engine(artefact("llama"), max_total_tokens=1024, prefill_max_requests=2)
+    reqs = [capped.make_request(p, SamplingParams(**GREEDY)) for p in [*PROMPTS, [9, 9, 9]]]
+    for r in reqs:
+        capped.add_request(r)
+    firsts = [len(capped.step()) for _ in range(3)]
+    assert firsts == [2, 2, 1]  # each prefill step samples its prompts' first tokens
+    while capped.has_work:
+        capped.step()
+    plain = Engine(artefact("llama"), max_total_tokens=1024)
+    want = plain.generate(input_ids=[*PROMPTS, [9, 9, 9]], sampling_params=GREEDY)
+    assert [r.output_ids for r in reqs] == [w["output_ids"] for w in want]

@@ -31,6 +31,9 @@ def server(artefact, launch, tmp_path_factory):
         "m",
         "--stream-interval",
         "4",
+        "--abort-on-priority-when-disabled",
+        "--fastapi-root-path",
+        "/kiln",
     )
 
 
@@ -220,3 +223,19 @@ def test_ctrl_c_shuts_down_cleanly_leaving_no_processes(artefact, launch) -> Non
     assert code in (0, -signal.SIGINT, 130)
     assert "Application shutdown complete" in srv.log.read_text()
     assert not Path(f"/proc/{pid}").exists()
+
+
+def test_priority_without_priority_scheduling_and_a_root_path(server) -> None:
+    """--abort-on-priority-when-disabled: a request naming a priority on a server that does
+    not schedule by it is a 400 naming the flags, one without is served. --fastapi-root-path:
+    the routes stay where they are; the OpenAPI document names the prefix."""
+    import httpx
+
+    body = {"text": "Hi", "sampling_params": {"max_new_tokens": 2}}
+    refused = httpx.post(server.url + "/generate", json={**body, "priority": 3}, timeout=60)
+    assert refused.status_code == 400
+    assert "--abort-on-priority-when-disabled" in refused.json()["message"]
+    assert httpx.post(server.url + "/generate", json=body, timeout=60).status_code == 200
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "priority": 0}
+    assert httpx.post(server.url + "/v1/chat/completions", json=chat).status_code == 400
+    assert httpx.get(server.url + "/openapi.json").json()["servers"] == [{"url": "/kiln"}]
