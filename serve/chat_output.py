@@ -32,7 +32,8 @@ from kiln.serve.tool_calls import (
 class ChatPlan:
     tools: list[dict[str, Any]] | None = None  # for the chat template
     tool_format: ToolFormat | None = None  # how calls are read back
-    names: frozenset[str] = frozenset()
+    # each tool's name to its parameters' JSON schema (what calls are checked against)
+    schemas: dict[str, Any] = field(default_factory=dict)
     first_only: bool = False  # parallel_tool_calls: false
     reasoning: ReasoningFormat | None = None
     stream_reasoning: bool = True
@@ -75,9 +76,8 @@ class ChatStream:
     def __init__(self, plan: ChatPlan, prompt: str) -> None:
         self.plan = plan
         self.split = ReasoningSplit(plan.reasoning, prompt) if plan.reasoning else None
-        self.tools = (
-            ToolStream(plan.tool_format, plan.names, plan.first_only) if plan.tool_format else None
-        )
+        fmt = plan.tool_format
+        self.tools = ToolStream(fmt, plan.schemas, plan.first_only) if fmt else None
         self.has_calls = False
         self._reasoning = ""  # held while stream_reasoning is off
 
@@ -136,7 +136,7 @@ def plan_chat(
     base = ChatPlan(reasoning=reasoning, stream_reasoning=body.stream_reasoning)
     if choice == "none" or not tools:
         return base
-    names = frozenset(t["function"]["name"] for t in tools)
+    schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
     first_only = not body.parallel_tool_calls
     if choice == "auto":
         if tool_call_parser is None:
@@ -152,7 +152,7 @@ def plan_chat(
             base,
             tools=tools,
             tool_format=fmt,
-            names=names,
+            schemas=schemas,
             first_only=first_only,
             sampling=sampling,
         )
@@ -172,7 +172,7 @@ def plan_chat(
         base,
         tools=tools,
         tool_format=FORCED,
-        names=names,
+        schemas=schemas,
         first_only=first_only,
         sampling={"json_schema": json.dumps(schema)},
     )

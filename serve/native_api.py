@@ -270,7 +270,8 @@ async def parse_function_call(body: ParseFunctionCallRequest, request: Request) 
     calls of these tools stays text."""
     name = _parser(body.tool_call_parser, _ctx(request).args.tool_call_parser, FORMATS, "tool")
     names = [t.function.name for t in body.tools]
-    reader = ToolStream(FORMATS[name], frozenset(names), first_only=False)
+    schemas = {t.function.name: t.function.parameters or {} for t in body.tools}
+    reader = ToolStream(FORMATS[name], schemas, first_only=False)
     text = reader.feed(body.text)
     rest, calls = reader.finish()
     return {

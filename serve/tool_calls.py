@@ -9,7 +9,21 @@ Formats (each a parser of the text from where its calls begin):
   objects separated by `;`;
 - `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name": ..., "arguments": {...}}`;
 - `pythonic`: a first `[`, then Python calls with keyword arguments,
-  `[get_weather(city="Paris"), ...]`, read with `ast` (literals only; nothing is run).
+  `[get_weather(city="Paris"), ...]`, read with `ast` (literals only; nothing is run);
+- `deepseekv3`: `<｜tool▁calls▁begin｜>`, then per call `<｜tool▁call▁begin｜>function
+  <｜tool▁sep｜>NAME` and the arguments in a json code block, `<｜tool▁call▁end｜>`;
+- `deepseekv31`: the same markers, `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}
+  <｜tool▁call▁end｜>`;
+- `kimi_k2`: `<|tool_calls_section_begin|>`, then per call `<|tool_call_begin|>
+  functions.NAME:INDEX<|tool_call_argument_begin|>{...}<|tool_call_end|>`;
+- `qwen3_coder`: `<tool_call><function=NAME><parameter=KEY>value</parameter>...
+  </function></tool_call>`;
+- `glm45`: `<tool_call>NAME`, then `<arg_key>KEY</arg_key><arg_value>value</arg_value>`
+  pairs, `</tool_call>`.
+
+The last two write each argument's value as bare text: it is read as the tool's JSON
+schema types it (a string stays the text as written; integer, number, boolean, object,
+array and null values are parsed, and stay text when they do not parse as that type).
 
 With `tool_choice` `required` or a named function the output is instead constrained by a
 JSON schema to a list of `{"name": ..., "parameters": {...}}` whose names and parameters
@@ -23,8 +37,9 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +53,9 @@ class ToolFormat:
     name: str
     marker: str | None  # where calls begin, anywhere in the text
     opener: str | None  # where calls begin when the text starts with it (after spaces)
-    parse: Callable[[str], list[Call]]  # the calls in the text from there; ValueError if none
+    # The calls in the text from there, the tools' parameter schemas by name at hand (for
+    # formats whose argument values are bare text); ValueError if none.
+    parse: Callable[[str, Mapping[str, Any]], list[Call]]
     special_markers: bool = False  # the marker is a special token: keep special tokens
 
 
@@ -69,7 +86,7 @@ def _json_values(text: str, sep: str = "") -> list[Any]:
         values.append(value)
 
 
-def _qwen25(text: str) -> list[Call]:
+def _qwen25(text: str, tools: Mapping[str, Any]) -> list[Call]:
     calls, rest = [], text.strip()
     while rest:
         if not rest.startswith("<tool_call>"):
@@ -88,18 +105,18 @@ def _spaces(text: str, at: int) -> int:
     return len(text[at:]) - len(text[at:].lstrip())
 
 
-def _llama3(text: str) -> list[Call]:
+def _llama3(text: str, tools: Mapping[str, Any]) -> list[Call]:
     text = text.strip().removeprefix("<|python_tag|>")
     return [_call(v) for v in _json_values(text, sep=";")]
 
 
-def _mistral(text: str) -> list[Call]:
+def _mistral(text: str, tools: Mapping[str, Any]) -> list[Call]:
     values = _json_values(text.strip().removeprefix("[TOOL_CALLS]"))
     items = [x for v in values for x in (v if isinstance(v, list) else [v])]
     return [_call(v) for v in items]
 
 
-def _pythonic(text: str) -> list[Call]:
+def _pythonic(text: str, tools: Mapping[str, Any]) -> list[Call]:
     try:
         tree = ast.parse(text.strip(), mode="eval").body
     except SyntaxError as e:
@@ -119,11 +136,123 @@ def _pythonic(text: str) -> list[Call]:
     return calls
 
 
-def _json_list(text: str) -> list[Call]:
+def _json_list(text: str, tools: Mapping[str, Any]) -> list[Call]:
     value = json.loads(text)
     if not isinstance(value, list):
         raise ValueError("not a list")
     return [_call(v, ("parameters",)) for v in value]
+
+
+def _between_calls(text: str, end: str = "") -> None:
+    """What is left once the calls are taken out: spaces and the section's end only."""
+    if text.replace(end, "").strip() if end else text.strip():
+        raise ValueError("text between calls")
+
+
+_DS_CALL = re.compile("<｜tool▁call▁begin｜>(.*?)<｜tool▁call▁end｜>", re.DOTALL)
+_DS_BEGIN, _DS_END, _DS_SEP = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁sep｜>"
+
+
+def _deepseek_calls(text: str) -> list[str]:
+    body = text.strip().removeprefix(_DS_BEGIN)
+    _between_calls(_DS_CALL.sub("", body), _DS_END)
+    return _DS_CALL.findall(body)
+
+
+def _deepseekv3(text: str, tools: Mapping[str, Any]) -> list[Call]:
+    calls = []
+    for inner in _deepseek_calls(text):
+        kind, sep, rest = inner.partition(_DS_SEP)
+        name, newline, block = rest.partition("\n")
+        block = block.strip()
+        if kind.strip() != "function" or not sep or not newline or not block.startswith("```"):
+            raise ValueError("not a deepseekv3 call")
+        block = block.removeprefix("```json").removeprefix("```").removesuffix("```")
+        calls.append(_call({"name": name.strip(), "arguments": json.loads(block)}))
+    return calls
+
+
+def _deepseekv31(text: str, tools: Mapping[str, Any]) -> list[Call]:
+    calls = []
+    for inner in _deepseek_calls(text):
+        name, sep, args = inner.partition(_DS_SEP)
+        if not sep:
+            raise ValueError("not a deepseekv31 call")
+        calls.append(_call({"name": name.strip(), "arguments": json.loads(args)}))
+    return calls
+
+
+_KIMI_CALL = re.compile(
+    r"<\|tool_call_begin\|>\s*(?:functions\.)?([\w.\-]+):\d+\s*"
+    r"<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>",
+    re.DOTALL,
+)
+
+
+def _kimi_k2(text: str, tools: Mapping[str, Any]) -> list[Call]:
+    body = text.strip().removeprefix("<|tool_calls_section_begin|>")
+    _between_calls(_KIMI_CALL.sub("", body), "<|tool_calls_section_end|>")
+    return [_call({"name": n, "arguments": json.loads(a)}) for n, a in _KIMI_CALL.findall(body)]
+
+
+def _typed(value: str, schema: Any) -> Any:
+    """A bare-text argument as its JSON schema types it (text where it does not parse)."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if isinstance(kind, list):  # ["integer", "null"]: the first that is not null
+        kind = next((k for k in kind if k != "null"), None)
+    if value.strip() == "null" and kind != "string":
+        return None
+    try:
+        if kind == "string":
+            return value
+        if kind == "integer":
+            return int(value.strip())
+        if kind == "number":
+            number = float(value.strip())
+            return int(number) if number.is_integer() and "." not in value else number
+        if kind == "boolean":
+            return {"true": True, "false": False}[value.strip().lower()]
+        parsed = json.loads(value)  # object, array, or a parameter the schema does not type
+        if kind in ("object", "array") and not isinstance(parsed, dict | list):
+            return value
+        return parsed
+    except (ValueError, KeyError):
+        return value
+
+
+def _arguments(name: str, pairs: list[tuple[str, str]], tools: Mapping[str, Any]) -> Call:
+    props = (tools.get(name) or {}).get("properties") or {}
+    return name, {k.strip(): _typed(v, props.get(k.strip())) for k, v in pairs}
+
+
+_QC_CALL = re.compile(
+    r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.DOTALL
+)
+_QC_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+
+def _qwen3_coder(text: str, tools: Mapping[str, Any]) -> list[Call]:
+    body = text.strip()
+    _between_calls(_QC_CALL.sub("", body))
+    calls = []
+    for name, params in _QC_CALL.findall(body):
+        _between_calls(_QC_PARAM.sub("", params))
+        calls.append(_arguments(name.strip(), _QC_PARAM.findall(params), tools))
+    return calls
+
+
+_GLM_CALL = re.compile(r"<tool_call>([^<\n]+)\n?(.*?)</tool_call>", re.DOTALL)
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def _glm45(text: str, tools: Mapping[str, Any]) -> list[Call]:
+    body = text.strip()
+    _between_calls(_GLM_CALL.sub("", body))
+    calls = []
+    for name, args in _GLM_CALL.findall(body):
+        _between_calls(_GLM_ARG.sub("", args))
+        calls.append(_arguments(name.strip(), _GLM_ARG.findall(args), tools))
+    return calls
 
 
 FORMATS = {
@@ -132,6 +261,13 @@ FORMATS = {
     "llama3": ToolFormat("llama3", "<|python_tag|>", "{", _llama3, special_markers=True),
     "mistral": ToolFormat("mistral", "[TOOL_CALLS]", None, _mistral, special_markers=True),
     "pythonic": ToolFormat("pythonic", None, "[", _pythonic),
+    "deepseekv3": ToolFormat("deepseekv3", _DS_BEGIN, None, _deepseekv3, special_markers=True),
+    "deepseekv31": ToolFormat("deepseekv31", _DS_BEGIN, None, _deepseekv31, special_markers=True),
+    "kimi_k2": ToolFormat(
+        "kimi_k2", "<|tool_calls_section_begin|>", None, _kimi_k2, special_markers=True
+    ),
+    "qwen3_coder": ToolFormat("qwen3_coder", "<tool_call>", None, _qwen3_coder),
+    "glm45": ToolFormat("glm45", "<tool_call>", None, _glm45, special_markers=True),
 }
 # tool_choice "required" or named: the output the schema below forces.
 FORCED = ToolFormat("json", None, "[", _json_list)
@@ -173,8 +309,9 @@ class ToolStream:
     """One generation's answer text: content passes through until calls begin, the rest is
     held and read as calls when the generation ends."""
 
-    def __init__(self, fmt: ToolFormat, names: frozenset[str], first_only: bool) -> None:
-        self.fmt, self.names, self.first_only = fmt, names, first_only
+    def __init__(self, fmt: ToolFormat, tools: Mapping[str, Any], first_only: bool) -> None:
+        """`tools`: the request's tools, each name to its parameters' JSON schema."""
+        self.fmt, self.tools, self.first_only = fmt, tools, first_only
         self._state = "start" if fmt.opener else "content"
         self._buf = ""
 
@@ -210,9 +347,9 @@ class ToolStream:
         if self._state != "calls":
             return text, []
         try:
-            calls = self.fmt.parse(text)
+            calls = self.fmt.parse(text, self.tools)
         except (ValueError, SyntaxError, TypeError, RecursionError):
             return text, []
-        if not calls or any(name not in self.names for name, _ in calls):
+        if not calls or any(name not in self.tools for name, _ in calls):
             return text, []
         return "", calls[:1] if self.first_only else calls

@@ -138,7 +138,7 @@ def test_support_status() -> None:
     args = cli("--tool-call-parser", "qwen25", "--reasoning-parser", "deepseek-r1")
     assert (args.tool_call_parser, args.reasoning_parser) == ("qwen25", "deepseek-r1")
     for flag, value in (
-        ("--tool-call-parser", "glm45"),
+        ("--tool-call-parser", "step3"),
         ("--reasoning-parser", "gpt-oss"),
         ("--grammar-backend", "outlines"),
     ):

@@ -13,7 +13,21 @@ from kiln.serve.chat_output import ChatPlan
 from kiln.serve.reasoning import PARSERS, ReasoningSplit
 from kiln.serve.tool_calls import FORCED, FORMATS, ToolStream, forced_schema
 
-NAMES = frozenset({"get_weather", "add"})
+# The tools' parameter schemas, by name (the XML formats read argument values by them).
+NAMES = {
+    "get_weather": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+    },
+    "add": {
+        "type": "object",
+        "properties": {
+            "a": {"type": "integer"},
+            "b": {"type": "array"},
+            "c": {"type": ["number", "null"]},
+        },
+    },
+}
 WEATHER = ("get_weather", {"city": "Paris", "unit": "°C"})
 ADD = ("add", {"a": 1, "b": [2, 3.5], "c": None})
 CALLS = {
@@ -34,6 +48,41 @@ CALLS = {
         "",
     ),
     "pythonic": ('[get_weather(city="Paris", unit="°C"), add(a=1, b=[2, 3.5], c=None)]', ""),
+    "deepseekv3": (
+        "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+        '```json\n{"city": "Paris", "unit": "°C"}\n```<｜tool▁call▁end｜>\n'
+        "<｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n"
+        '```json\n{"a": 1, "b": [2, 3.5], "c": null}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        "Sure.",
+    ),
+    "deepseekv31": (
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+        '{"city": "Paris", "unit": "°C"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>'
+        '{"a": 1, "b": [2, 3.5], "c": null}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        "",
+    ),
+    "kimi_k2": (
+        "I will check. <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Paris", "unit": "°C"}<|tool_call_end|>'
+        "<|tool_call_begin|>functions.add:1<|tool_call_argument_begin|>"
+        '{"a": 1, "b": [2, 3.5], "c": null}<|tool_call_end|><|tool_calls_section_end|>',
+        "I will check. ",
+    ),
+    "qwen3_coder": (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=unit>\n°C\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+        "<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n[2, 3.5]\n"
+        "</parameter>\n<parameter=c>\nnull\n</parameter>\n</function>\n</tool_call>",
+        "",
+    ),
+    "glm45": (
+        "Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris"
+        "</arg_value>\n<arg_key>unit</arg_key>\n<arg_value>°C</arg_value>\n</tool_call>"
+        "<tool_call>add\n<arg_key>a</arg_key><arg_value>1</arg_value><arg_key>b</arg_key>"
+        "<arg_value>[2, 3.5]</arg_value><arg_key>c</arg_key><arg_value>null</arg_value>"
+        "</tool_call>",
+        "Checking.\n",
+    ),
 }
 
 
@@ -65,6 +114,18 @@ def test_each_format_gives_its_calls_however_streamed(parser: str, step: int) ->
         ("pythonic", "[add(1, 2)]"),  # positional arguments
         ("pythonic", "[add(a=open('/etc/passwd').read())]"),
         ("pythonic", "[this is prose in brackets]"),
+        (
+            "deepseekv3",
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json",
+        ),
+        ("deepseekv31", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add{}<｜tool▁call▁end｜>"),
+        (
+            "kimi_k2",
+            "<|tool_calls_section_begin|>prose<|tool_call_begin|>functions.add:0"
+            "<|tool_call_argument_begin|>{}<|tool_call_end|>",
+        ),
+        ("qwen3_coder", "<tool_call><function=add><parameter=a>1</parameter></function>"),
+        ("glm45", "<tool_call>add\n<arg_key>a</arg_key>1</tool_call>"),
     ],
 )
 def test_what_is_not_a_call_stays_content(parser: str, text: str) -> None:
@@ -135,7 +196,7 @@ def test_a_message_is_its_stream_joined() -> None:
     for stream_reasoning in (True, False):
         plan = ChatPlan(
             tool_format=FORMATS["qwen25"],
-            names=NAMES,
+            schemas=NAMES,
             reasoning=PARSERS["qwen3"],
             stream_reasoning=stream_reasoning,
         )
@@ -152,3 +213,26 @@ def test_a_message_is_its_stream_joined() -> None:
         assert len(reasoning) == (4 if stream_reasoning else 1)
         assert "".join(d.get("content", "") for d in deltas) == "Sure."
         assert deltas[0] == {"reasoning_content": "p" if stream_reasoning else "plan"}
+
+
+def test_bare_text_arguments_are_read_as_their_schema_types() -> None:
+    """qwen3_coder and glm45 write values as text: a string stays as written (an id of
+    digits too), typed values parse, and one that does not parse as its type stays text."""
+    tools = {
+        "f": {
+            "properties": {
+                "id": {"type": "string"},
+                "n": {"type": "integer"},
+                "x": {"type": "number"},
+                "on": {"type": "boolean"},
+                "opts": {"type": "object"},
+            }
+        }
+    }
+    params = {"id": "007", "n": "twelve", "x": "2.5", "on": "True", "opts": '{"k": [1]}'}
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    text = f"<tool_call>\n<function=f>\n{body}</function>\n</tool_call>"
+    stream = ToolStream(FORMATS["qwen3_coder"], tools, False)
+    stream.feed(text)
+    want = {"id": "007", "n": "twelve", "x": 2.5, "on": True, "opts": {"k": [1]}}
+    assert stream.finish() == ("", [("f", want)])

@@ -284,6 +284,16 @@ def test_the_parsers_on_their_own_routes(server) -> None:
     assert r.json()["calls"] == [
         {"tool_index": 0, "name": "get_weather", "parameters": '{"city": "Rome", "days": 2}'}
     ]
+    # an XML format's bare-text values are read as the body's tool schemas type them
+    xml = (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n"
+        "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"
+    )
+    body = {"text": xml, "tools": TOOLS, "tool_call_parser": "qwen3_coder"}
+    r = server.post("/parse_function_call", json=body)
+    assert r.json()["calls"] == [
+        {"tool_index": 0, "name": "get_weather", "parameters": '{"city": "Rome", "days": 2}'}
+    ]
     r = server.post("/parse_function_call", json={**pythonic, "tool_call_parser": "nope"})
     assert r.status_code == 400 and "'nope' is not one of" in r.json()["error"]["message"]
     text = "<think>\nAdd them.</think>\n\n4"
