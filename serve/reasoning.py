@@ -11,6 +11,10 @@ written between `<think>` and `</think>`, is split from its answer and returned 
   output is all answer.
 - `qwen3-thinking`: Qwen3's thinking-only models, which always reason first: as
   `deepseek-r1`.
+- `deepseek-v3` (DeepSeek-V3.1's thinking mode, its template ending the prompt with
+  `<think>` when asked to think) and `glm45`: as `qwen3`; `step3`: as `deepseek-r1`;
+  `kimi`: Kimi's `◁think▷` ... `◁/think▷`, reasoning only where the output opens with it.
+  (SGLang's mapping of these names.)
 
 The split runs on text as it streams (`ReasoningSplit.feed`); a non-streamed response is
 the same split fed the whole text at once, so joined stream deltas equal it.
@@ -37,6 +41,10 @@ PARSERS = {
     "deepseek-r1": ReasoningFormat("<think>", "</think>", forced=True),
     "qwen3": ReasoningFormat("<think>", "</think>", forced=False),
     "qwen3-thinking": ReasoningFormat("<think>", "</think>", forced=True),
+    "deepseek-v3": ReasoningFormat("<think>", "</think>", forced=False),
+    "glm45": ReasoningFormat("<think>", "</think>", forced=False),
+    "step3": ReasoningFormat("<think>", "</think>", forced=True),
+    "kimi": ReasoningFormat("◁think▷", "◁/think▷", forced=False),
 }
 
 

@@ -174,6 +174,12 @@ def test_forced_calls_match_their_schema() -> None:
         ("deepseek-r1", "", "<think>Own tag.</think>42", "Own tag.", "42"),
         ("deepseek-r1", "", "All reasoning, cut short", "All reasoning, cut short", ""),
         ("qwen3-thinking", "", "x</think>y", "x", "y"),
+        ("deepseek-v3", "<｜Assistant｜><think>", "Think.</think>Answer.", "Think.", "Answer."),
+        ("deepseek-v3", "<｜Assistant｜></think>", "Answer at once.", "", "Answer at once."),
+        ("glm45", "", "<think>g</think>h", "g", "h"),
+        ("step3", "", "all of it</think>then this", "all of it", "then this"),
+        ("kimi", "", "◁think▷Ponder.◁/think▷Reply.", "Ponder.", "Reply."),
+        ("kimi", "", "<think>not Kimi's marker</think>", "", "<think>not Kimi's marker</think>"),
     ],
 )
 def test_reasoning_splits_the_same_however_streamed(
