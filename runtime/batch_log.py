@@ -31,9 +31,10 @@ class BatchLog:
         self._generated = 0
         self._since: float | None = None
 
-    def after(self, batch: Batch) -> None:
-        """Count (and, when due, log) a step that has run: its requests' lengths are
-        already past what it fed."""
+    def after(self, batch: Batch, generated: int) -> None:
+        """Count (and, when due, log) a step that has run and gave `generated` tokens (a
+        verify step's kept drafts too): its requests' lengths are already past what it
+        fed."""
         if not log.isEnabledFor(logging.INFO):
             return
         usage = 1 - self.pool.free_pages / self.pool.num_pages
@@ -53,7 +54,7 @@ class BatchLog:
             )  # fmt: skip
             return
         self._decodes += 1
-        self._generated += sum(batch.sample)
+        self._generated += generated
         now = time.perf_counter()
         if self._since is None:  # the first decode step: the clock starts at its end
             self._since = now

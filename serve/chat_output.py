@@ -16,7 +16,7 @@ from typing import Any
 
 from kiln.serve.protocol import ChatCompletionRequest
 from kiln.serve.reasoning import PARSERS as REASONING_PARSERS
-from kiln.serve.reasoning import REASONING, ReasoningFormat, ReasoningSplit
+from kiln.serve.reasoning import REASONING, ReasoningFormat, splitter
 from kiln.serve.streams import ApiError
 from kiln.serve.tool_calls import (
     FORCED,
@@ -75,7 +75,7 @@ class ChatStream:
 
     def __init__(self, plan: ChatPlan, prompt: str) -> None:
         self.plan = plan
-        self.split = ReasoningSplit(plan.reasoning, prompt) if plan.reasoning else None
+        self.split = splitter(plan.reasoning, prompt) if plan.reasoning else None
         fmt = plan.tool_format
         self.tools = ToolStream(fmt, plan.schemas, plan.first_only) if fmt else None
         self.has_calls = False
@@ -133,7 +133,9 @@ def plan_chat(
         reasoning = REASONING_PARSERS[reasoning_parser]
     tools = [t.model_dump(exclude_none=True, by_alias=True) for t in body.tools or []]
     choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
-    base = ChatPlan(reasoning=reasoning, stream_reasoning=body.stream_reasoning)
+    # harmony's channel markers are special tokens: kept in the text the parser reads
+    keep = {"skip_special_tokens": False} if reasoning is not None and reasoning.harmony else {}
+    base = ChatPlan(reasoning=reasoning, stream_reasoning=body.stream_reasoning, sampling=keep)
     if choice == "none" or not tools:
         return base
     schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
@@ -147,7 +149,9 @@ def plan_chat(
                 "or a function",
             )
         fmt = FORMATS[tool_call_parser]
-        sampling: dict[str, Any] = {"skip_special_tokens": False} if fmt.special_markers else {}
+        sampling: dict[str, Any] = dict(base.sampling)
+        if fmt.special_markers:
+            sampling["skip_special_tokens"] = False
         return replace(
             base,
             tools=tools,
@@ -174,7 +178,7 @@ def plan_chat(
         tool_format=FORCED,
         schemas=schemas,
         first_only=first_only,
-        sampling={"json_schema": json.dumps(schema)},
+        sampling={**base.sampling, "json_schema": json.dumps(schema)},
     )
 
 

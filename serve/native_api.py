@@ -20,7 +20,7 @@ from kiln.serve.protocol import (
     ParseFunctionCallRequest,
     SeparateReasoningRequest,
 )
-from kiln.serve.reasoning import CONTENT, PARSERS, REASONING, ReasoningSplit
+from kiln.serve.reasoning import CONTENT, PARSERS, REASONING, splitter
 from kiln.serve.streams import Accumulated, ApiError, events, merged, sse
 from kiln.serve.tool_calls import FORMATS, ToolStream
 from kiln.version import __version__
@@ -292,7 +292,7 @@ async def separate_reasoning(body: SeparateReasoningRequest, request: Request) -
     """SGLang's: a thinking model's text split into its reasoning and its answer, as the
     chat route splits it (serve/reasoning.py)."""
     name = _parser(body.reasoning_parser, _ctx(request).args.reasoning_parser, PARSERS, "reasoning")
-    split = ReasoningSplit(PARSERS[name], "")
+    split = splitter(PARSERS[name], "")
     parts = split.feed(body.text) + split.finish()
     return {
         "reasoning_text": "".join(t for kind, t in parts if kind == REASONING),

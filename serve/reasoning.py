@@ -15,6 +15,11 @@ written between `<think>` and `</think>`, is split from its answer and returned 
   `<think>` when asked to think) and `glm45`: as `qwen3`; `step3`: as `deepseek-r1`;
   `kimi`: Kimi's `◁think▷` ... `◁/think▷`, reasoning only where the output opens with it.
   (SGLang's mapping of these names.)
+- `gpt-oss`: OpenAI's harmony format, messages of channels rather than tags: the
+  `analysis` channel is reasoning, `final` and plain `commentary` (preambles) are the
+  answer, and a `commentary` message to a function (`to=functions.NAME`) is a tool call,
+  handed on as `to=functions.NAME<|message|>ARGS<|call|>` for the `gpt-oss` tool parser
+  (`HarmonySplit`). Its markers are special tokens, kept in the text it reads.
 
 The split runs on text as it streams (`ReasoningSplit.feed`); a non-streamed response is
 the same split fed the whole text at once, so joined stream deltas equal it.
@@ -22,6 +27,7 @@ the same split fed the whole text at once, so joined stream deltas equal it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from kiln.serve.streams import held_back
@@ -35,6 +41,7 @@ class ReasoningFormat:
     start: str
     end: str
     forced: bool  # the output begins inside the reasoning
+    harmony: bool = False  # gpt-oss's channels (HarmonySplit), not start/end tags
 
 
 PARSERS = {
@@ -45,7 +52,13 @@ PARSERS = {
     "glm45": ReasoningFormat("<think>", "</think>", forced=False),
     "step3": ReasoningFormat("<think>", "</think>", forced=True),
     "kimi": ReasoningFormat("◁think▷", "◁/think▷", forced=False),
+    "gpt-oss": ReasoningFormat("<|channel|>analysis", "<|end|>", forced=False, harmony=True),
 }
+
+
+def splitter(fmt: ReasoningFormat, prompt: str) -> ReasoningSplit | HarmonySplit:
+    """The split of one generation's text for this format."""
+    return HarmonySplit() if fmt.harmony else ReasoningSplit(fmt, prompt)
 
 
 class ReasoningSplit:
@@ -98,5 +111,85 @@ class ReasoningSplit:
         if self._trim:
             text = text.lstrip()
             self._trim = not text
+        if text:
+            out.append((kind, text))
+
+
+_MESSAGE, _HEADER_ENDS = "<|message|>", ("<|end|>", "<|call|>", "<|return|>", "<|start|>")
+_RECIPIENT = re.compile(r"to=(functions\.[^\s<]+)")
+
+
+class HarmonySplit:
+    """gpt-oss's output, a run of harmony messages (`[<|start|>assistant]<|channel|>NAME
+    [to=RECIPIENT] [<|constrain|>json]<|message|>BODY<|end|>` or `<|call|>`), split as
+    ReasoningSplit splits tags: analysis bodies are reasoning; final and commentary
+    bodies are content; a message to a function is passed on, whole, as content in the
+    form the gpt-oss tool parser reads. Text outside any message is content."""
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._kind: str | None = None  # the open message's body: REASONING, CONTENT, a call
+        self._call = ""  # the open call message's recipient
+        self._args = ""
+        self._trim = {REASONING: True, CONTENT: True}
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        self._buf += text
+        out: list[tuple[str, str]] = []
+        while True:
+            if self._kind is None:  # in a header, or between messages
+                at = self._buf.find(_MESSAGE)
+                if at < 0:
+                    return out
+                header, self._buf = self._buf[:at], self._buf[at + len(_MESSAGE) :]
+                self._open(header)
+                continue
+            ends = [(self._buf.find(m), m) for m in _HEADER_ENDS]
+            at, marker = min(((i, m) for i, m in ends if i >= 0), default=(-1, ""))
+            if at < 0:
+                keep = max(held_back(self._buf, m) for m in _HEADER_ENDS)
+                self._body(out, self._buf[: len(self._buf) - keep])
+                self._buf = self._buf[len(self._buf) - keep :]
+                return out
+            self._body(out, self._buf[:at])
+            self._buf = self._buf[at + (0 if marker == "<|start|>" else len(marker)) :]
+            self._close(out)
+
+    def finish(self) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        if self._kind is None:
+            if self._buf.strip():  # not harmony at all: the text is the answer
+                self._emit(out, CONTENT, self._buf)
+        else:
+            self._body(out, self._buf)
+            self._close(out)
+        self._buf = ""
+        return out
+
+    def _open(self, header: str) -> None:
+        channel = header.rpartition("<|channel|>")[2].split()
+        recipient = _RECIPIENT.search(header)
+        if recipient is not None:
+            self._kind, self._call, self._args = "call", recipient.group(1), ""
+        elif channel and channel[0] == "analysis":
+            self._kind = REASONING
+        else:
+            self._kind = CONTENT
+
+    def _body(self, out: list[tuple[str, str]], text: str) -> None:
+        if self._kind == "call":
+            self._args += text
+        elif self._kind is not None:
+            self._emit(out, self._kind, text)
+
+    def _close(self, out: list[tuple[str, str]]) -> None:
+        if self._kind == "call":
+            out.append((CONTENT, f"to={self._call}<|message|>{self._args}<|call|>"))
+        self._kind = None
+
+    def _emit(self, out: list[tuple[str, str]], kind: str, text: str) -> None:
+        if self._trim[kind]:
+            text = text.lstrip()
+            self._trim[kind] = not text
         if text:
             out.append((kind, text))

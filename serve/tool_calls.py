@@ -19,7 +19,9 @@ Formats (each a parser of the text from where its calls begin):
 - `qwen3_coder`: `<tool_call><function=NAME><parameter=KEY>value</parameter>...
   </function></tool_call>`;
 - `glm45`: `<tool_call>NAME`, then `<arg_key>KEY</arg_key><arg_value>value</arg_value>`
-  pairs, `</tool_call>`.
+  pairs, `</tool_call>`;
+- `gpt-oss`: harmony messages to a function, `to=functions.NAME [<|constrain|>json]
+  <|message|>{...}<|call|>` (with the gpt-oss reasoning parser, which hands them on so).
 
 The last two write each argument's value as bare text: it is read as the tool's JSON
 schema types it (a string stays the text as written; integer, number, boolean, object,
@@ -255,6 +257,25 @@ def _glm45(text: str, tools: Mapping[str, Any]) -> list[Call]:
     return calls
 
 
+_OSS_CALL = re.compile(
+    r"to=functions\.([\w.\-]+)(?:\s|<\|channel\|>commentary|<\|constrain\|>|json)*"
+    r"<\|message\|>(.*?)(?:<\|call\|>|$)",
+    re.DOTALL,
+)
+_OSS_FRAMING = ("<|start|>assistant", "<|channel|>commentary", "<|end|>")
+
+
+def _gpt_oss(text: str, tools: Mapping[str, Any]) -> list[Call]:
+    """Harmony messages to functions (`to=functions.NAME ... <|message|>ARGS<|call|>`), as
+    the gpt-oss reasoning parser passes them on, or as the raw output has them."""
+    body = text.strip()
+    rest = _OSS_CALL.sub("", body)
+    for framing in _OSS_FRAMING:
+        rest = rest.replace(framing, "")
+    _between_calls(rest)
+    return [_call({"name": n, "arguments": json.loads(a)}) for n, a in _OSS_CALL.findall(body)]
+
+
 FORMATS = {
     "qwen25": ToolFormat("qwen25", "<tool_call>", None, _qwen25),
     "qwen": ToolFormat("qwen", "<tool_call>", None, _qwen25),
@@ -268,6 +289,7 @@ FORMATS = {
     ),
     "qwen3_coder": ToolFormat("qwen3_coder", "<tool_call>", None, _qwen3_coder),
     "glm45": ToolFormat("glm45", "<tool_call>", None, _glm45, special_markers=True),
+    "gpt-oss": ToolFormat("gpt-oss", "to=functions.", None, _gpt_oss, special_markers=True),
 }
 # tool_choice "required" or named: the output the schema below forces.
 FORCED = ToolFormat("json", None, "[", _json_list)

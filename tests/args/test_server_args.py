@@ -139,7 +139,6 @@ def test_support_status() -> None:
     assert (args.tool_call_parser, args.reasoning_parser) == ("qwen25", "deepseek-r1")
     for flag, value in (
         ("--tool-call-parser", "step3"),
-        ("--reasoning-parser", "gpt-oss"),
         ("--grammar-backend", "outlines"),
     ):
         with pytest.raises(ArgError, match=f"{flag} {value}: is not implemented in kiln yet"):

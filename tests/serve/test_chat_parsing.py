@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from kiln.serve.chat_output import ChatPlan
-from kiln.serve.reasoning import PARSERS, ReasoningSplit
+from kiln.serve.reasoning import PARSERS, splitter
 from kiln.serve.tool_calls import FORCED, FORMATS, ToolStream, forced_schema
 
 # The tools' parameter schemas, by name (the XML formats read argument values by them).
@@ -73,6 +73,12 @@ CALLS = {
         "<parameter=unit>\n°C\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
         "<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n[2, 3.5]\n"
         "</parameter>\n<parameter=c>\nnull\n</parameter>\n</function>\n</tool_call>",
+        "",
+    ),
+    "gpt-oss": (
+        'to=functions.get_weather<|message|>{"city": "Paris", "unit": "°C"}<|call|>'
+        "<|start|>assistant<|channel|>commentary to=functions.add <|constrain|>json<|message|>"
+        '{"a": 1, "b": [2, 3.5], "c": null}<|call|>',
         "",
     ),
     "glm45": (
@@ -180,13 +186,31 @@ def test_forced_calls_match_their_schema() -> None:
         ("step3", "", "all of it</think>then this", "all of it", "then this"),
         ("kimi", "", "◁think▷Ponder.◁/think▷Reply.", "Ponder.", "Reply."),
         ("kimi", "", "<think>not Kimi's marker</think>", "", "<think>not Kimi's marker</think>"),
+        (
+            "gpt-oss",
+            "<|start|>assistant",
+            "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final"
+            "<|message|>Answer.",
+            "Think.",
+            "Answer.",
+        ),
+        ("gpt-oss", "", "<|channel|>final<|message|>Direct.<|return|>", "", "Direct."),
+        ("gpt-oss", "", "No harmony here.", "", "No harmony here."),
+        (
+            "gpt-oss",
+            "",
+            "<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>commentary"
+            "<|message|>Checking now.<|end|>",
+            "a",
+            "Checking now.",
+        ),
     ],
 )
 def test_reasoning_splits_the_same_however_streamed(
     parser: str, prompt: str, text: str, reasoning: str, content: str
 ) -> None:
     for step in (1, 2, 3, 10_000):
-        split = ReasoningSplit(PARSERS[parser], prompt)
+        split = splitter(PARSERS[parser], prompt)
         pieces = []
         for i in range(0, len(text), step):
             pieces += split.feed(text[i : i + step])
@@ -242,3 +266,27 @@ def test_bare_text_arguments_are_read_as_their_schema_types() -> None:
     stream.feed(text)
     want = {"id": "007", "n": "twelve", "x": 2.5, "on": True, "opts": {"k": [1]}}
     assert stream.finish() == ("", [("f", want)])
+
+
+def test_harmony_hands_its_calls_to_the_gpt_oss_tool_parser() -> None:
+    """gpt-oss's raw output through the reasoning split and then the tool parser, as a
+    chat answer goes: analysis is reasoning, the call to a function becomes the call."""
+    text = (
+        "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant"
+        "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+        '{"city": "Paris", "unit": "°C"}'
+    )  # <|call|> is a stop token: the text ends at the arguments
+    for step in (1, 3, 10_000):
+        split = splitter(PARSERS["gpt-oss"], "<|start|>assistant")
+        tools = ToolStream(FORMATS["gpt-oss"], NAMES, False)
+        reasoning, content = "", ""
+        pieces = []
+        for i in range(0, len(text), step):
+            pieces += split.feed(text[i : i + step])
+        for kind, piece in pieces + split.finish():
+            if kind == "reasoning":
+                reasoning += piece
+            else:
+                content += tools.feed(piece)
+        rest, calls = tools.finish()
+        assert (reasoning, content + rest, calls) == ("Need the weather.", "", [WEATHER]), step
