@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln.args import ArgError, ServerArgs
+from kiln.args import ArgError, ServerArgs, json_object
 from kiln.compiler.ckpt_files import find_gguf, resolve_format, weight_files
 from kiln.core import artefact as fmt
 from kiln.core.target import Target, TargetError
@@ -89,25 +89,11 @@ class CompileKey:
     toolchain: native.Toolchain | None
 
 
-# --json-model-override-args: at most this many bytes (a config's fields, not a file).
-MAX_OVERRIDE_BYTES = 65536
-
-
 def model_overrides(args: ServerArgs) -> dict[str, Any]:
     """--json-model-override-args as the fields it sets in the checkpoint's config (SGLang's
     meaning: each top-level key replaces the config's, a nested value whole). Data only:
     the fields feed the model definition's reading of the config, as config.json's do."""
-    text = args.json_model_override_args or "{}"
-    flag = "--json-model-override-args"
-    if len(text.encode()) > MAX_OVERRIDE_BYTES:
-        raise ArgError(f"{flag}: longer than {MAX_OVERRIDE_BYTES} bytes")
-    try:
-        fields = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ArgError(f"{flag}: not valid JSON ({e})") from None
-    if not isinstance(fields, dict):
-        raise ArgError(f"{flag}: a JSON object of config fields, got {type(fields).__name__}")
-    return fields
+    return json_object("--json-model-override-args", args.json_model_override_args or "{}")
 
 
 def compile_key(args: ServerArgs, rehash: bool = False) -> CompileKey:

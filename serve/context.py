@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kiln.args import ServerArgs
+from kiln.args import ServerArgs, json_object
 from kiln.runtime.detokenizer import token_bytes
 from kiln.runtime.engine import EMBED, Engine, RequestError
 from kiln.runtime.request import Request, RequestOutput
@@ -534,12 +534,7 @@ def _preferred_sampling(text: str | None) -> dict[str, Any] | None:
     if text is None:
         return None
     flag = "--preferred-sampling-params"
-    try:
-        params = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{flag}: not valid JSON ({e})") from None
-    if not isinstance(params, dict):
-        raise ValueError(f"{flag}: a JSON object of sampling parameters")
+    params = json_object(flag, text)
     try:
         SamplingParams.from_dict(params)
     except ValueError as e:

@@ -233,14 +233,22 @@ _QC_CALL = re.compile(
 _QC_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 
 
-def _qwen3_coder(text: str, tools: Mapping[str, Any]) -> list[Call]:
+def _tagged_calls(
+    text: str, tools: Mapping[str, Any], call: re.Pattern[str], arg: re.Pattern[str]
+) -> list[Call]:
+    """Calls each `call` match of (name, body) makes, the body's `arg` matches its
+    (key, bare-text value) pairs; nothing else between the calls or in a body."""
     body = text.strip()
-    _between_calls(_QC_CALL.sub("", body))
+    _between_calls(call.sub("", body))
     calls = []
-    for name, params in _QC_CALL.findall(body):
-        _between_calls(_QC_PARAM.sub("", params))
-        calls.append(_arguments(name.strip(), _QC_PARAM.findall(params), tools))
+    for name, args in call.findall(body):
+        _between_calls(arg.sub("", args))
+        calls.append(_arguments(name.strip(), arg.findall(args), tools))
     return calls
+
+
+def _qwen3_coder(text: str, tools: Mapping[str, Any]) -> list[Call]:
+    return _tagged_calls(text, tools, _QC_CALL, _QC_PARAM)
 
 
 _GLM_CALL = re.compile(r"<tool_call>([^<\n]+)\n?(.*?)</tool_call>", re.DOTALL)
@@ -248,13 +256,7 @@ _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>"
 
 
 def _glm45(text: str, tools: Mapping[str, Any]) -> list[Call]:
-    body = text.strip()
-    _between_calls(_GLM_CALL.sub("", body))
-    calls = []
-    for name, args in _GLM_CALL.findall(body):
-        _between_calls(_GLM_ARG.sub("", args))
-        calls.append(_arguments(name.strip(), _GLM_ARG.findall(args), tools))
-    return calls
+    return _tagged_calls(text, tools, _GLM_CALL, _GLM_ARG)
 
 
 _OSS_CALL = re.compile(

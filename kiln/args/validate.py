@@ -4,6 +4,7 @@ choices, ranges, cross-field rules (the command is inconsistent), then support s
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -59,6 +60,24 @@ FRACTIONS = (
 )
 PORTS = ("port", "nccl_port")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+# A flag whose value is a JSON object (--json-model-override-args,
+# --preferred-sampling-params): at most this many bytes.
+MAX_JSON_FLAG_BYTES = 65536
+
+
+def json_object(flag: str, text: str) -> dict[str, Any]:
+    """A flag's value that must be a JSON object, parsed; ArgError naming the flag."""
+    if len(text.encode()) > MAX_JSON_FLAG_BYTES:
+        raise ArgError(f"{flag}: longer than {MAX_JSON_FLAG_BYTES} bytes")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ArgError(f"{flag}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ArgError(f"{flag}: a JSON object, got {type(value).__name__}")
+    return value
 
 
 def translate_deprecated(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:

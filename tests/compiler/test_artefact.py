@@ -159,7 +159,7 @@ def test_compile_errors_name_the_flag(checkpoint, tmp_path) -> None:
     with pytest.raises(ArtefactError, match="not a kiln artefact; refusing to overwrite"):
         compile_(checkpoint("llama"), stranger)
     assert (stranger / "keep.txt").read_text() == "mine"
-    for bad, message in (("{rope", "not valid JSON"), ("[1]", "a JSON object .* got list")):
+    for bad, message in (("{rope", "not valid JSON"), ("[1]", "a JSON object, got list")):
         args = ServerArgs(model_path=str(checkpoint("llama")), json_model_override_args=bad)
         with pytest.raises(ArgError, match=f"--json-model-override-args: {message}"):
             compile_model(args, tmp_path / "a")
