@@ -116,6 +116,9 @@ class ReasoningSplit:
 
 
 _MESSAGE, _HEADER_ENDS = "<|message|>", ("<|end|>", "<|call|>", "<|return|>", "<|start|>")
+# How a message (its header) begins; "to=": a recipient in the role's place, right after
+# the prompt's `<|start|>assistant`.
+_OPENERS = ("<|channel|>", "<|start|>", "to=")
 _RECIPIENT = re.compile(r"to=(functions\.[^\s<]+)")
 
 
@@ -138,6 +141,12 @@ class HarmonySplit:
         out: list[tuple[str, str]] = []
         while True:
             if self._kind is None:  # in a header, or between messages
+                head = self._buf.lstrip()[: len(_OPENERS[0])]
+                if head and not any(o.startswith(head) or head.startswith(o) for o in _OPENERS):
+                    # not a message (a grammar's JSON, say): the answer, as it comes, up to
+                    # a message that may still follow
+                    self._kind = CONTENT
+                    continue
                 at = self._buf.find(_MESSAGE)
                 if at < 0:
                     return out

@@ -290,3 +290,39 @@ def test_harmony_hands_its_calls_to_the_gpt_oss_tool_parser() -> None:
                 content += tools.feed(piece)
         rest, calls = tools.finish()
         assert (reasoning, content + rest, calls) == ("Need the weather.", "", [WEATHER]), step
+
+
+def test_harmony_streams_text_that_is_not_harmony_at_once() -> None:
+    """A gpt-oss answer that is no harmony message (a grammar's JSON) is content as it
+    comes, not held to the end; a header still waits for its message."""
+    split = splitter(PARSERS["gpt-oss"], "")
+    assert split.feed('{"a": ') == [("content", '{"a": ')]
+    assert split.feed("1}") == [("content", "1}")]
+    harmony = splitter(PARSERS["gpt-oss"], "")
+    assert harmony.feed("<|chan") == [] and harmony.feed("nel|>final") == []
+    assert harmony.feed("<|message|>Hi") == [("content", "Hi")]
+
+
+def test_harmony_splits_any_run_of_its_markers() -> None:
+    """Random runs of harmony's markers and text, fed in random pieces: every call returns
+    (no marker sequence makes it loop) and the text comes back the same however it is
+    cut."""
+    import random
+
+    words = ["<|start|>", "assistant", "<|channel|>", "analysis", "final", "commentary",
+             " to=functions.add", "<|message|>", "<|end|>", "<|call|>", "<|return|>",
+             "<|constrain|>", "x", " ", "{}", "<|"]  # fmt: skip
+    rng = random.Random(7)
+    for _ in range(300):
+        text = "".join(rng.choice(words) for _ in range(rng.randint(1, 12)))
+        results = []
+        for step in (1, rng.randint(2, 9), len(text)):
+            split = splitter(PARSERS["gpt-oss"], "")
+            pieces = []
+            for i in range(0, len(text), step):
+                pieces += split.feed(text[i : i + step])
+            pieces += split.finish()
+            results.append(
+                {k: "".join(t for kind, t in pieces if kind == k) for k in ("reasoning", "content")}
+            )
+        assert results[0] == results[1] == results[2], text
