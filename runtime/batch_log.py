@@ -16,6 +16,7 @@ import logging
 import time
 
 from kiln.runtime.kv_cache import PagePool
+from kiln.runtime.request import RequestOutput
 from kiln.runtime.scheduler import Batch, Scheduler
 
 log = logging.getLogger("kiln.runtime")
@@ -31,13 +32,13 @@ class BatchLog:
         self._generated = 0
         self._since: float | None = None
 
-    def after(self, batch: Batch, generated: int) -> None:
-        """Count (and, when due, log) a step that has run and gave `generated` tokens (a
-        verify step's kept drafts too): its requests' lengths are already past what it
+    def after(self, batch: Batch, outputs: list[RequestOutput]) -> None:
+        """Count (and, when due, log) a step that has run and gave `outputs` (their tokens
+        a verify step's kept drafts too): its requests' lengths are already past what it
         fed."""
         if not log.isEnabledFor(logging.INFO):
             return
-        usage = 1 - self.pool.free_pages / self.pool.num_pages
+        usage = self.pool.usage
         sched = self.scheduler
         if batch.is_prefill:
             new = cached = fed_tokens = 0
@@ -54,7 +55,7 @@ class BatchLog:
             )  # fmt: skip
             return
         self._decodes += 1
-        self._generated += generated
+        self._generated += sum(len(o.token_ids) for o in outputs)
         now = time.perf_counter()
         if self._since is None:  # the first decode step: the clock starts at its end
             self._since = now

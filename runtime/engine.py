@@ -573,7 +573,7 @@ class Engine:
                 if not batch.verify:  # a verify step postprocessed each token it kept
                     self._postprocess(req)
                 outputs.append(self.output(req))
-        self.batch_log.after(batch, sum(len(o.token_ids) for o in outputs))
+        self.batch_log.after(batch, outputs)
         return outputs
 
     def _may_speculate(self, batch: Batch) -> bool:

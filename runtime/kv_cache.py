@@ -51,6 +51,11 @@ class PagePool:
     def free_tokens(self) -> int:
         return len(self._free) * self.page_size
 
+    @property
+    def usage(self) -> float:
+        """The share of pages in use (the kiln:token_usage gauge, SGLang's token usage)."""
+        return 1 - len(self._free) / self.num_pages
+
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 

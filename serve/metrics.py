@@ -58,7 +58,7 @@ class Metrics:
             lambda: engine.num_waiting
         )
         Gauge("kiln:token_usage", "Share of KV-pool pages in use.", registry=reg).set_function(
-            lambda: 1 - pool.free_pages / pool.num_pages
+            lambda: pool.usage
         )
         self._prompt_seen = self._prompt_cached = 0
         Gauge(
