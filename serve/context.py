@@ -78,10 +78,19 @@ class ServingContext:
     def __init__(self, engine: Engine, args: ServerArgs) -> None:
         self.args = args
         self.engine = engine
+        self._workers = ThreadPoolExecutor(
+            max_workers=args.tokenizer_worker_num, thread_name_prefix="kiln-tokenize"
+        )
+        # --log-requests: its texts are decoded and its lines written on a thread of its
+        # own, in order; a line still waiting there as the server stops is written still.
+        self._log_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-log")
         requests = None
         if args.log_requests:
             requests = RequestLog(
-                args.log_requests_level, args.log_requests_format, engine.tokenizer
+                args.log_requests_level,
+                args.log_requests_format,
+                engine.tokenizer,
+                workers=self._log_worker,
             )
         self.async_engine = AsyncEngine(engine, args.max_queued_requests, requests)
         self.tokenizer = engine.tokenizer
@@ -92,9 +101,6 @@ class ServingContext:
         self.preferred = _preferred_sampling(args.preferred_sampling_params)
         self.model_defaults = _model_sampling(engine, args.sampling_defaults)
         self.started = time.time()
-        self._workers = ThreadPoolExecutor(
-            max_workers=args.tokenizer_worker_num, thread_name_prefix="kiln-tokenize"
-        )
         self._grammar_workers = ThreadPoolExecutor(
             max_workers=GRAMMAR_THREADS, thread_name_prefix="kiln-grammar"
         )
@@ -104,6 +110,7 @@ class ServingContext:
     def close(self) -> None:
         self._workers.shutdown(wait=False, cancel_futures=True)
         self._grammar_workers.shutdown(wait=False, cancel_futures=True)
+        self._log_worker.shutdown(wait=False)
 
     async def off_loop(self, fn: Callable[[], T]) -> T:
         """Run `fn` on a tokenizer thread and await it."""

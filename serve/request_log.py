@@ -6,6 +6,10 @@ texts. `--log-requests-format json` writes the same fields as one JSON object a 
 Off by default: prompts and answers are the clients' data. Control characters in the
 text are escaped by kiln's log formatter (kiln/terminal.py), so a prompt cannot forge a
 log line.
+
+The server logs on its event loop, where every client's stream is written: at levels 2
+and 3 the texts are decoded, and the line written, on another thread (`workers`), so a
+request with a long prompt does not hold other clients' chunks for its decode's time.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import dataclasses
 import json
 import logging
 import time
+from concurrent.futures import Executor
 from typing import Any
 
 from kiln.runtime.request import Request
@@ -24,8 +29,16 @@ PARTIAL_CHARS = 2048  # level 2's cut, of the prompt and of the output
 
 
 class RequestLog:
-    def __init__(self, level: int, fmt: str, tokenizer: Any, cut: int = PARTIAL_CHARS) -> None:
+    def __init__(
+        self,
+        level: int,
+        fmt: str,
+        tokenizer: Any,
+        cut: int = PARTIAL_CHARS,
+        workers: Executor | None = None,
+    ) -> None:
         self.level, self.fmt, self.tokenizer, self.cut = level, fmt, tokenizer, cut
+        self.workers = workers  # where the texts are decoded (None: in the caller)
 
     def finished(self, req: Request, reason: dict[str, Any] | None = None) -> None:
         """Log `req`, which has ended (with `reason` where it does not say why yet: a
@@ -45,9 +58,23 @@ class RequestLog:
             fields["sampling_params"] = {
                 k: v for k, v in dataclasses.asdict(req.params).items() if v not in (None, ())
             }
-        if self.level >= 2:
-            fields["input"] = self._text(req.prompt_ids)
-            fields["output"] = self._text(list(req.output_ids))
+        if self.level < 2:
+            self._write(fields)
+            return
+        texts = (req.prompt_ids, list(req.output_ids))
+        if self.workers is not None:
+            try:
+                self.workers.submit(self._write, fields, texts)
+                return
+            except RuntimeError:  # the workers are shut down: the server is stopping
+                pass
+        self._write(fields, texts)
+
+    def _write(
+        self, fields: dict[str, Any], texts: tuple[list[int], list[int]] | None = None
+    ) -> None:
+        if texts is not None:
+            fields["input"], fields["output"] = map(self._text, texts)
         if self.fmt == "json":
             log.info("%s", json.dumps(fields, default=str))
         else:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -36,9 +39,13 @@ def test_a_served_request_is_logged_whole_at_level_3_as_json(artefact, launch) -
     ) as r:
         next(r.iter_lines())
     server.post("/v1/completions", json=body)  # the abort is logged by the time this ends
-    lines = [ln.split("kiln.requests: ", 1)[1] for ln in server.log.read_text().splitlines()
-             if "kiln.requests: " in ln]  # fmt: skip
-    logged = {e["rid"]: e for e in map(json.loads, lines)}
+    logged: dict[str, dict] = {}
+    deadline = time.monotonic() + 10  # the lines are written on the server's log thread
+    while len(logged) < 3 and time.monotonic() < deadline:
+        lines = [ln.split("kiln.requests: ", 1)[1] for ln in server.log.read_text().splitlines()
+                 if "kiln.requests: " in ln]  # fmt: skip
+        logged = {e["rid"]: e for e in map(json.loads, lines)}
+        time.sleep(0.05)
     mine = logged["mine"]
     assert mine["output"] == answer["choices"][0]["text"]
     assert mine["input"].endswith("Hello there")  # as the model saw it: BOS first
@@ -66,3 +73,21 @@ def test_levels_say_more_and_cut_the_text(artefact, caplog, level: int) -> None:
     if level == 2:
         whole = engine.tokenizer.decode(prompt)
         assert fields["input"] == whole[:50] + "..." and len(whole) > 50
+
+
+def test_texts_are_decoded_off_the_callers_thread(artefact, caplog) -> None:
+    """The server logs from its event loop: with workers, the decode of a long prompt and
+    the line itself happen on a worker, and finished() returns at once."""
+    engine = Engine(artefact("llama"), max_total_tokens=1024)
+    req = engine.make_request(list(range(3, 240)), SamplingParams(max_new_tokens=2, temperature=0))
+    engine._run([req])
+    workers = ThreadPoolExecutor(1, thread_name_prefix="log-test")
+    with caplog.at_level(logging.INFO, logger="kiln.requests"):
+        RequestLog(3, "json", engine.tokenizer, workers=workers).finished(req)
+        RequestLog(1, "json", engine.tokenizer, workers=workers).finished(req)
+        workers.shutdown(wait=True)
+    by_level = {("input" in json.loads(r.getMessage())): r for r in caplog.records}
+    whole = by_level[True]
+    assert json.loads(whole.getMessage())["input"] == engine.tokenizer.decode(req.prompt_ids)
+    assert whole.threadName.startswith("log-test")
+    assert by_level[False].threadName == threading.current_thread().name  # nothing to decode
