@@ -59,6 +59,9 @@ class EngineThread:
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
+        # /pause_generation: no step runs (calls still do) until resume(). Set and read on
+        # this thread only.
+        self.paused = False
 
     def start(self) -> None:
         release_openmp_pool()
@@ -96,6 +99,26 @@ class EngineThread:
 
         self.call(stop)
 
+    def pause(self, retract: bool) -> Future[int]:
+        """Stop stepping after the step in progress; with `retract`, every running request
+        gives its KV pages back and waits again at the front of the queue, to be prefilled
+        anew (prompt and output so far) on resume. The future holds how many were."""
+
+        def stop(engine: Engine) -> int:
+            self.paused = True
+            running = list(engine.scheduler.running) if retract else []
+            for req in reversed(running):  # each goes to the front: the order is kept
+                engine.scheduler.retract(req)
+            return len(running)
+
+        return self.call(stop)
+
+    def resume(self) -> Future[None]:
+        def go(engine: Engine) -> None:
+            self.paused = False
+
+        return self.call(go)
+
     def _drain(self) -> None:
         while True:
             try:
@@ -112,7 +135,7 @@ class EngineThread:
         served, idle_since = False, None
         while not self._stopping.is_set():
             self._drain()
-            if not self.engine.has_work:
+            if self.paused or not self.engine.has_work:
                 self.engine.release_memory()  # a no-op unless pages fell free since
                 now = time.monotonic()
                 idle_since = idle_since or now

@@ -108,6 +108,22 @@ class AsyncEngine:
             self.thread.abort(r, reason)
         return len(rids)
 
+    async def pause(self, mode: str, reason: dict[str, Any]) -> int:
+        """SGLang's /pause_generation: no step runs until `resume`; requests that arrive
+        meanwhile wait in the queue. mode "abort": every request in flight ends now with
+        `reason`; "retract": running requests give their KV pages back and are prefilled
+        again on resume; "in_place": they keep them. How many requests were aborted or
+        retracted (none in place)."""
+        retracted = await asyncio.wrap_future(self.thread.pause(retract=mode == "retract"))
+        return self.abort(None, reason) if mode == "abort" else retracted
+
+    async def resume(self) -> None:
+        await asyncio.wrap_future(self.thread.resume())
+
+    @property
+    def paused(self) -> bool:
+        return self.thread.paused
+
     def fail_all(self, reason: dict[str, Any]) -> None:
         """End every stream in flight now with `reason`, here on the event loop: for when
         the engine thread cannot answer (a step waiting on a rank that is gone)."""

@@ -407,7 +407,10 @@ class ServingContext:
         """/health_generate's answer. Concurrent callers await one shared probe, and an
         answer younger than HEALTH_PROBE_SECONDS is reused, so keyless callers (the route
         is public) cost at most one one-token generation a second. A caller that leaves
-        does not cancel the probe the others wait for."""
+        does not cancel the probe the others wait for. While /pause_generation holds the
+        engine no token comes: healthy is then the engine thread's being alive."""
+        if self.async_engine.paused:
+            return self.async_engine.thread.alive
         at, healthy = self._probed
         if self._probe is None and time.monotonic() - at < HEALTH_PROBE_SECONDS:
             return healthy

@@ -34,8 +34,11 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # Paths a load balancer or Prometheus reaches without a key.
 PUBLIC_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
-# Paths that take --admin-api-key when it is set (/abort_request refuses to run without it).
-ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request"})
+# Paths that take --admin-api-key when it is set (those that stop other clients' requests
+# refuse to run without it).
+ADMIN_PATHS = frozenset(
+    {"/flush_cache", "/abort_request", "/pause_generation", "/continue_generation"}
+)
 # Content types a browser may send cross-site without a preflight request.
 _FORM_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
 

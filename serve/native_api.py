@@ -18,6 +18,7 @@ from kiln.serve.protocol import (
     EncodeRequest,
     GenerateRequest,
     ParseFunctionCallRequest,
+    PauseGeneration,
     SeparateReasoningRequest,
 )
 from kiln.serve.reasoning import CONTENT, PARSERS, REASONING, splitter
@@ -27,6 +28,7 @@ from kiln.version import __version__
 
 router = APIRouter()
 ABORTED = {"type": "abort", "message": "aborted by /abort_request"}
+PAUSED = {"type": "abort", "message": "aborted by /pause_generation"}
 
 
 def _ctx(request: Request) -> ServingContext:
@@ -244,23 +246,50 @@ async def get_load(request: Request) -> list[dict[str, Any]]:
     return [await _ctx(request).async_engine.run(load)]
 
 
+def _admin_only(ctx: ServingContext, route: str) -> None:
+    """Refuse a route that stops other clients' requests on a server without
+    --admin-api-key: with the shared API key alone, one client could stop another's."""
+    if not ctx.args.admin_api_key:
+        raise ApiError(
+            403,
+            f"{route} needs --admin-api-key (it stops other clients' requests)",
+            "PermissionDeniedError",
+        )
+
+
 @router.post("/abort_request")
 async def abort_request(body: AbortRequest, request: Request) -> dict[str, Any]:
     """SGLang's: stop the request with id `rid` (the id its client gave, or the server's
     `id`), or every request with abort_all; each ends with finish reason abort. Only on a
-    server with --admin-api-key, whose key it takes: with the shared API key alone, one
-    client could stop another's request."""
+    server with --admin-api-key, whose key it takes."""
     ctx = _ctx(request)
-    if not ctx.args.admin_api_key:
-        raise ApiError(
-            403,
-            "/abort_request needs --admin-api-key (it stops other clients' requests)",
-            "PermissionDeniedError",
-        )
+    _admin_only(ctx, "/abort_request")
     if not body.abort_all and not body.rid:
         raise ApiError(400, "give the rid of the request to abort, or abort_all: true")
     aborted = ctx.async_engine.abort(None if body.abort_all else body.rid, ABORTED)
     return {"aborted": aborted}
+
+
+@router.post("/pause_generation")
+async def pause_generation(body: PauseGeneration, request: Request) -> dict[str, Any]:
+    """SGLang's (for updating weights between rounds of reinforcement learning): no
+    decode or prefill runs until /continue_generation; new requests wait. `mode`: abort
+    (the default: every request in flight ends with finish reason abort), retract (running
+    requests free their KV cache and are prefilled again after) or in_place (they keep
+    it). Only on a server with --admin-api-key, whose key it takes."""
+    ctx = _ctx(request)
+    _admin_only(ctx, "/pause_generation")
+    await ctx.async_engine.pause(body.mode, PAUSED)
+    return {"message": "Generation paused successfully.", "status": "ok"}
+
+
+@router.post("/continue_generation")
+async def continue_generation(request: Request) -> dict[str, Any]:
+    """SGLang's: undo /pause_generation; what waited runs."""
+    ctx = _ctx(request)
+    _admin_only(ctx, "/continue_generation")
+    await ctx.async_engine.resume()
+    return {"message": "Generation continued successfully.", "status": "ok"}
 
 
 @router.post("/parse_function_call")

@@ -521,6 +521,12 @@ class AbortRequest(Body):
     abort_all: bool = False
 
 
+class PauseGeneration(Body):
+    """SGLang's /pause_generation body: what happens to the requests in flight."""
+
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
 class ParseFunctionCallRequest(Body):
     """SGLang's /parse_function_call body: model text, the tools it may call, and the
     parser (default: the server's --tool-call-parser)."""

@@ -456,6 +456,69 @@ def test_abort_request_stops_the_named_request_only(server) -> None:
     assert server.post("/abort_request", json={}, **admin).status_code == 400
 
 
+def test_pause_and_continue_generation(server, engine) -> None:
+    """SGLang's /pause_generation: in place and retracted, a paused stream gains no token
+    and then ends as the engine's greedy text (retracted: prefilled again from what it
+    had); a request that arrives while paused waits; abort ends the one in flight. The
+    routes take the admin key only."""
+    new = 160
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    expected = engine.generate("Hello", {**GREEDY, "max_new_tokens": new})["text"]
+
+    async def run(http: httpx.AsyncClient, mode: str) -> tuple[dict, int, int, dict]:
+        chunks: list[dict] = []
+
+        async def stream() -> None:
+            body = {"text": "Hello", "stream": True,
+                    "sampling_params": {**GREEDY, "max_new_tokens": new}}  # fmt: skip
+            async with http.stream("POST", "/generate", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        chunks.append(json.loads(line[6:]))
+
+        task = asyncio.create_task(stream())
+        await wait_until_running(http, 1)
+        paused = await http.post("/pause_generation", json={"mode": mode}, headers=admin)
+        assert paused.json() == {"message": "Generation paused successfully.", "status": "ok"}
+        later = asyncio.create_task(
+            http.post("/generate", json={"text": "One", "sampling_params": GREEDY})
+        )
+        await asyncio.sleep(0.2)
+        held = len(chunks)
+        await asyncio.sleep(0.8)
+        seen = len(chunks)
+        assert not later.done()  # it waits for the engine
+        [load] = (await http.get("/get_load")).json()
+        assert load["num_reqs"] == (1 if mode == "abort" else 2), mode
+        # retracted: the stream waits again beside the later request, its pages given back
+        assert load["num_waiting_reqs"] == (2 if mode == "retract" else 1), mode
+        assert (await http.get("/health_generate")).status_code == 200
+        resumed = await http.post("/continue_generation", headers=admin)
+        assert resumed.json()["status"] == "ok"
+        await task
+        assert (await later).json()["meta_info"]["completion_tokens"] == MAX_TOKENS
+        return chunks[-1], held, seen, chunks[-1]["meta_info"]
+
+    async def all_modes() -> dict[str, tuple[dict, int, int, dict]]:
+        async with httpx.AsyncClient(
+            base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
+        ) as http:
+            refused = await http.post("/pause_generation", json={"mode": "in_place"})
+            assert refused.status_code == 401
+            bad = await http.post("/pause_generation", json={"mode": "later"}, headers=admin)
+            assert bad.status_code == 400
+            return {m: await run(http, m) for m in ("in_place", "retract", "abort")}
+
+    got = asyncio.run(all_modes())
+    for mode in ("in_place", "retract"):
+        last, held, seen, meta = got[mode]
+        assert held == seen and 0 < held < new, mode  # nothing while paused
+        assert last["text"] == expected and meta["finish_reason"]["type"] == "length", mode
+    _, held, _, meta = got["abort"]
+    assert meta["finish_reason"]["message"] == "aborted by /pause_generation"
+    assert meta["completion_tokens"] < new
+
+
 def test_info_and_health_endpoints(server) -> None:
     assert server.get("/health_generate", key=None).status_code == 200
     for path in ("/get_model_info", "/model_info"):  # SGLang's older name and its newer
