@@ -18,14 +18,18 @@ Formats (each a parser of the text from where its calls begin):
   functions.NAME:INDEX<|tool_call_argument_begin|>{...}<|tool_call_end|>`;
 - `qwen3_coder`: `<tool_call><function=NAME><parameter=KEY>value</parameter>...
   </function></tool_call>`;
-- `glm45`: `<tool_call>NAME`, then `<arg_key>KEY</arg_key><arg_value>value</arg_value>`
-  pairs, `</tool_call>`;
+- `glm45` (and `glm`, SGLang's other name for it): `<tool_call>NAME`, then
+  `<arg_key>KEY</arg_key><arg_value>value</arg_value>` pairs, `</tool_call>`;
+- `step3`: `<｜tool_calls_begin｜>`, then per call `<｜tool_call_begin｜>function<｜tool_sep｜>
+  <steptml:invoke name="NAME"><steptml:parameter name="KEY">value</steptml:parameter>...
+  </steptml:invoke><｜tool_call_end｜>`, `<｜tool_calls_end｜>`;
 - `gpt-oss`: harmony messages to a function, `to=functions.NAME [<|constrain|>json]
   <|message|>{...}<|call|>` (with the gpt-oss reasoning parser, which hands them on so).
 
-The last two write each argument's value as bare text: it is read as the tool's JSON
-schema types it (a string stays the text as written; integer, number, boolean, object,
-array and null values are parsed, and stay text when they do not parse as that type).
+qwen3_coder, glm45 and step3 write each argument's value as bare text: it is read as the
+tool's JSON schema types it (a string stays the text as written; integer, number, boolean,
+object, array and null values are parsed, and stay text when they do not parse as that
+type).
 
 With `tool_choice` `required` or a named function the output is instead constrained by a
 JSON schema to a list of `{"name": ..., "parameters": {...}}` whose names and parameters
@@ -234,12 +238,17 @@ _QC_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTAL
 
 
 def _tagged_calls(
-    text: str, tools: Mapping[str, Any], call: re.Pattern[str], arg: re.Pattern[str]
+    text: str,
+    tools: Mapping[str, Any],
+    call: re.Pattern[str],
+    arg: re.Pattern[str],
+    section: tuple[str, str] = ("", ""),
 ) -> list[Call]:
     """Calls each `call` match of (name, body) makes, the body's `arg` matches its
-    (key, bare-text value) pairs; nothing else between the calls or in a body."""
-    body = text.strip()
-    _between_calls(call.sub("", body))
+    (key, bare-text value) pairs; nothing else between the calls or in a body (but the
+    `section`'s begin and end markers around them)."""
+    body = text.strip().removeprefix(section[0])
+    _between_calls(call.sub("", body), section[1])
     calls = []
     for name, args in call.findall(body):
         _between_calls(arg.sub("", args))
@@ -257,6 +266,21 @@ _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>"
 
 def _glm45(text: str, tools: Mapping[str, Any]) -> list[Call]:
     return _tagged_calls(text, tools, _GLM_CALL, _GLM_ARG)
+
+
+_S3_SECTION = ("<｜tool_calls_begin｜>", "<｜tool_calls_end｜>")
+_S3_CALL = re.compile(
+    r"<｜tool_call_begin｜>\s*function\s*<｜tool_sep｜>\s*"
+    r'<steptml:invoke name="([^"]+)">(.*?)</steptml:invoke>\s*<｜tool_call_end｜>',
+    re.DOTALL,
+)
+_S3_PARAM = re.compile(
+    r'<steptml:parameter name="([^"]+)">\s*(.*?)\s*</steptml:parameter>', re.DOTALL
+)
+
+
+def _step3(text: str, tools: Mapping[str, Any]) -> list[Call]:
+    return _tagged_calls(text, tools, _S3_CALL, _S3_PARAM, _S3_SECTION)
 
 
 _OSS_CALL = re.compile(
@@ -291,6 +315,8 @@ FORMATS = {
     ),
     "qwen3_coder": ToolFormat("qwen3_coder", "<tool_call>", None, _qwen3_coder),
     "glm45": ToolFormat("glm45", "<tool_call>", None, _glm45, special_markers=True),
+    "glm": ToolFormat("glm", "<tool_call>", None, _glm45, special_markers=True),
+    "step3": ToolFormat("step3", _S3_SECTION[0], None, _step3, special_markers=True),
     "gpt-oss": ToolFormat("gpt-oss", "to=functions.", None, _gpt_oss, special_markers=True),
 }
 # tool_choice "required" or named: the output the schema below forces.

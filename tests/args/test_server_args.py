@@ -137,12 +137,9 @@ def test_support_status() -> None:
     # refused by name.
     args = cli("--tool-call-parser", "qwen25", "--reasoning-parser", "deepseek-r1")
     assert (args.tool_call_parser, args.reasoning_parser) == ("qwen25", "deepseek-r1")
-    for flag, value in (
-        ("--tool-call-parser", "step3"),
-        ("--grammar-backend", "outlines"),
-    ):
-        with pytest.raises(ArgError, match=f"{flag} {value}: is not implemented in kiln yet"):
-            cli(flag, value)
+    assert cli("--tool-call-parser", "step3").tool_call_parser == "step3"
+    with pytest.raises(ArgError, match="--grammar-backend outlines: is not implemented in kiln"):
+        cli("--grammar-backend", "outlines")
 
 
 def test_deprecated_flags_print_the_advice(caplog) -> None:

@@ -89,7 +89,18 @@ CALLS = {
         "</tool_call>",
         "Checking.\n",
     ),
+    "step3": (
+        "Let me check.<｜tool_calls_begin｜>\n<｜tool_call_begin｜>function<｜tool_sep｜>"
+        '<steptml:invoke name="get_weather">\n<steptml:parameter name="city">Paris'
+        '</steptml:parameter>\n<steptml:parameter name="unit"> °C </steptml:parameter>\n'
+        "</steptml:invoke><｜tool_call_end｜>\n<｜tool_call_begin｜>function<｜tool_sep｜>"
+        '<steptml:invoke name="add"><steptml:parameter name="a">1</steptml:parameter>'
+        '<steptml:parameter name="b">[2, 3.5]</steptml:parameter><steptml:parameter name="c">'
+        "null</steptml:parameter></steptml:invoke><｜tool_call_end｜>\n<｜tool_calls_end｜>",
+        "Let me check.",
+    ),
 }
+CALLS["glm"] = CALLS["glm45"]  # SGLang's other name for the format
 
 
 def read(fmt, text: str, step: int, first_only: bool = False) -> tuple[str, list]:
@@ -132,6 +143,17 @@ def test_each_format_gives_its_calls_however_streamed(parser: str, step: int) ->
         ),
         ("qwen3_coder", "<tool_call><function=add><parameter=a>1</parameter></function>"),
         ("glm45", "<tool_call>add\n<arg_key>a</arg_key>1</tool_call>"),
+        (
+            "step3",
+            "<｜tool_calls_begin｜><｜tool_call_begin｜>function<｜tool_sep｜>"
+            '<steptml:invoke name="add">1<steptml:parameter name="a">1</steptml:parameter>'
+            "</steptml:invoke><｜tool_call_end｜><｜tool_calls_end｜>",
+        ),
+        (
+            "step3",
+            "<｜tool_calls_begin｜><｜tool_call_begin｜>function<｜tool_sep｜>"
+            '<steptml:invoke name="add"></steptml:invoke><｜tool_call_end｜> and then prose',
+        ),
     ],
 )
 def test_what_is_not_a_call_stays_content(parser: str, text: str) -> None:
@@ -246,7 +268,7 @@ def test_a_message_is_its_stream_joined() -> None:
 
 
 def test_bare_text_arguments_are_read_as_their_schema_types() -> None:
-    """qwen3_coder and glm45 write values as text: a string stays as written (an id of
+    """qwen3_coder, glm45 and step3 write values as text: a string stays as written (an id of
     digits too), typed values parse, and one that does not parse as its type stays text."""
     tools = {
         "f": {
