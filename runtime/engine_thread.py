@@ -62,6 +62,10 @@ class EngineThread:
         # /pause_generation: no step runs (calls still do) until resume(). Set and read on
         # this thread only.
         self.paused = False
+        # The step in progress, for the watchdog (runtime/watchdog.py): its number and when
+        # it began (None between steps).
+        self.steps = 0
+        self.step_started: float | None = None
 
     def start(self) -> None:
         release_openmp_pool()
@@ -75,6 +79,10 @@ class EngineThread:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def ident(self) -> int | None:
+        return self._thread.ident
 
     def call(self, fn: Callable[[Engine], T]) -> Future[T]:
         """Run `fn(engine)` on the engine thread between steps."""
@@ -145,6 +153,8 @@ class EngineThread:
                 self._wake.clear()
                 continue
             served, idle_since = True, None
+            self.steps += 1
+            self.step_started = time.monotonic()
             try:
                 outputs = self.engine.step()
             except Exception:
@@ -152,6 +162,7 @@ class EngineThread:
                 # the scheduler's or the engine's own bookkeeping failing.
                 log.exception("engine step failed; aborting the requests in flight")
                 outputs = self._abort_all("internal error in the engine step")
+            self.step_started = None
             for out in outputs:
                 self._on_output(out)
 

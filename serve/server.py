@@ -9,6 +9,7 @@ turns 503, every request in flight ends with a 503 naming the rank, and the serv
 (within seconds, not after --dist-timeout: runtime/parallel.py watches processes and the
 other nodes' heartbeats and stops the other ranks), so a supervisor restarts it. The 503s
 are sent from the event loop, since the engine thread may be waiting on the lost rank.
+A step that runs past --watchdog-timeout ends the server the same way (runtime/watchdog.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import uvicorn
 
 from kiln.args import ServerArgs
 from kiln.core.artefact import FileCheck
+from kiln.runtime.watchdog import Watchdog
 from kiln.serve.context import ServingContext
 
 log = logging.getLogger("kiln.serve")
@@ -179,7 +181,15 @@ def serve(
         )
         server = KilnServer(config, app.state.kiln, args.shutdown_timeout)
         engine.on_rank_failure(server.fatal)
+        watchdog = Watchdog(
+            app.state.kiln.async_engine.thread,
+            args.watchdog_timeout,
+            args.soft_watchdog_timeout,
+            server.fatal,
+        )
+        watchdog.start()
         server.run(sockets=[sock])
+        watchdog.stop()
     finally:
         sock.close()
     if server.failure is not None:

@@ -83,7 +83,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--random-seed', type='int', stage=RUNTIME, status=IMPLEMENTED, help="Seed for requests that bring no seed of their own."),
         Flag('--constrained-json-whitespace-pattern', type='str', stage=RUNTIME),
         Flag('--constrained-json-disable-any-whitespace', type='bool', stage=RUNTIME, status=IMPLEMENTED, help='JSON from a json_schema or response_format constraint is compact: no whitespace beyond what the schema asks for (xgrammar).'),
-        Flag('--watchdog-timeout', type='float', default=300.0, stage=RUNTIME),
+        Flag('--watchdog-timeout', type='float', default=300.0, stage=RUNTIME, status=IMPLEMENTED, help='A step (prefill chunk or decode batch) running longer than this many seconds means the engine is stuck: its stack is logged, every client gets a 503 and the server exits 1 (runtime/watchdog.py).'),
         Flag('--dist-timeout', type='int', stage=RUNTIME, status=IMPLEMENTED, help="Seconds a tensor-parallel collective (and the ranks' rendezvous) may wait before failing; default 600."),
         Flag('--download-dir', type='str', stage=RUNTIME),
         Flag('--base-gpu-id', type='int', default=0, stage=RUNTIME),
@@ -91,7 +91,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--sleep-on-idle', type='bool', stage=RUNTIME),
         Flag('--mm-process-config', type='str', default='{}', stage=RUNTIME),
         Flag('--pp-async-batch-depth', type='int', stage=RUNTIME),
-        Flag('--soft-watchdog-timeout', type='float', default=300.0, stage=RUNTIME),
+        Flag('--soft-watchdog-timeout', type='float', default=300.0, stage=RUNTIME, status=IMPLEMENTED, help='A step running longer than this many seconds is logged once, with the engine thread\'s stack and its batch; the server goes on.'),
         Flag('--custom-sigquit-handler', type='str', stage=RUNTIME),
     )),
     Section('Logging', 'logging', (

@@ -41,6 +41,8 @@ POSITIVE = (
     "ep_size",
     "nnodes",
     "stream_interval",
+    "watchdog_timeout",
+    "soft_watchdog_timeout",
     "tokenizer_worker_num",
     "max_loras_per_batch",
     "max_loaded_loras",

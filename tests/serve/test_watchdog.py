@@ -1,0 +1,47 @@
+"""--watchdog-timeout and --soft-watchdog-timeout (runtime/watchdog.py): a step past the
+soft limit is logged with the engine thread's stack and the server goes on; past the hard
+limit the clients are answered and the server exits 1. Tiny limits make every step of a
+long generation overrun them."""
+
+from __future__ import annotations
+
+import time
+
+from serve_helpers import API_KEY
+
+LONG = {
+    "model": "default",
+    "prompt": "Hello",
+    "max_tokens": 200,
+    "temperature": 0,
+    "ignore_eos": True,
+}
+
+
+def test_a_step_past_the_soft_limit_is_logged_and_the_server_goes_on(artefact, launch) -> None:
+    server = launch(
+        artefact("llama"), "--api-key", API_KEY, "--skip-server-warmup",
+        "--soft-watchdog-timeout", "1e-6",
+    )  # fmt: skip
+    answer = server.post("/v1/completions", json=LONG).json()
+    assert answer["usage"]["completion_tokens"] == 200
+    log = server.log.read_text()
+    assert "a step has run for" in log and "(--soft-watchdog-timeout 1e-06)" in log
+    assert "the engine thread:" in log and "in step" in log  # its Python stack
+    assert server.get("/health").status_code == 200
+
+
+def test_a_step_past_the_hard_limit_ends_the_server(artefact, launch) -> None:
+    server = launch(
+        artefact("llama"), "--api-key", API_KEY, "--skip-server-warmup",
+        "--watchdog-timeout", "1e-6",
+    )  # fmt: skip
+    r = server.post("/v1/completions", json=LONG)
+    assert r.status_code == 503 and "--watchdog-timeout 1e-06" in r.json()["error"]["message"]
+    deadline = time.monotonic() + 30
+    while server.process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.process.returncode == 1  # a supervisor restarts it
+    log = server.log.read_text()
+    assert "without returning (--watchdog-timeout 1e-06); the server stops" in log
+    assert "running requests (1)" in log
