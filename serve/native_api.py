@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
+from kiln.runtime.gc_watch import freeze
 from kiln.runtime.request import Request as EngineRequest
 from kiln.runtime.request import logprob_meta
 from kiln.serve.context import EMBED_PARAMS, ServingContext
@@ -343,6 +344,15 @@ async def flush_cache(request: Request) -> dict[str, Any]:
     """Drop every prefix-cache entry that no running request uses."""
     freed = await _ctx(request).async_engine.run(lambda e: e.flush_cache())
     return {"message": "cache flushed", "freed_tokens": freed}
+
+
+@router.api_route("/freeze_gc", methods=["GET", "POST"])
+async def freeze_gc(request: Request) -> Response:
+    """SGLang's: exempt every object the server holds now from the cyclic garbage
+    collector (runtime/gc_watch.py), so its walks no longer stall streams; meant for after
+    a few warm-up requests."""
+    freeze()
+    return Response("Garbage collection frozen.\n", media_type="text/plain")
 
 
 @router.get("/metrics")

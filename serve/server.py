@@ -28,6 +28,7 @@ import uvicorn
 
 from kiln.args import ServerArgs
 from kiln.core.artefact import FileCheck
+from kiln.runtime.gc_watch import warn_long_collections
 from kiln.runtime.watchdog import Watchdog
 from kiln.serve.context import ServingContext
 
@@ -188,6 +189,8 @@ def serve(
             server.fatal,
         )
         watchdog.start()
+        if args.gc_warning_threshold_secs > 0:
+            warn_long_collections(args.gc_warning_threshold_secs)
         server.run(sockets=[sock])
         watchdog.stop()
     finally:

@@ -112,7 +112,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--collect-tokens-histogram', type='bool', stage=RUNTIME),
         Flag('--prompt-tokens-buckets', type='list[str]', stage=RUNTIME),
         Flag('--generation-tokens-buckets', type='list[str]', stage=RUNTIME),
-        Flag('--gc-warning-threshold-secs', type='float', default=0.0, stage=RUNTIME),
+        Flag('--gc-warning-threshold-secs', type='float', default=0.0, stage=RUNTIME, status=IMPLEMENTED, help='Log each garbage collection of the server process that takes longer than this many seconds (0: off), with the objects each generation holds; POST /freeze_gc exempts what the server holds (runtime/gc_watch.py).'),
         Flag('--decode-log-interval', type='int', default=40, stage=RUNTIME, status=IMPLEMENTED, help="Log a 'Decode batch.' line (running requests, their tokens, token usage, generation throughput since the last line, queue) every this many decode steps; every prefill batch logs a 'Prefill batch.' line (SGLang's lines, at info level: runtime/batch_log.py)."),
         Flag('--enable-request-time-stats-logging', type='bool', stage=RUNTIME),
         Flag('--kv-events-config', type='str', stage=RUNTIME),

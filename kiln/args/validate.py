@@ -159,6 +159,11 @@ def _check_ranges(v: dict[str, Any]) -> None:
         _fail(f"--chunked-prefill-size: must be -1 (off) or > 0, got {v['chunked_prefill_size']}")
     if v["shutdown_timeout"] < 0:
         _fail(f"--shutdown-timeout: must be >= 0 seconds, got {v['shutdown_timeout']}")
+    if v["gc_warning_threshold_secs"] < 0:
+        _fail(
+            "--gc-warning-threshold-secs: must be >= 0 seconds (0: off), "
+            f"got {v['gc_warning_threshold_secs']}"
+        )
     if v["schedule_conservativeness"] < 0:
         _fail(f"--schedule-conservativeness: must be >= 0, got {v['schedule_conservativeness']}")
     if v["log_level"].lower() not in LOG_LEVELS:

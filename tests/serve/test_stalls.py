@@ -1,7 +1,8 @@
-"""--watchdog-timeout and --soft-watchdog-timeout (runtime/watchdog.py): a step past the
-soft limit is logged with the engine thread's stack and the server goes on; past the hard
-limit the clients are answered and the server exits 1. Tiny limits make every step of a
-long generation overrun them."""
+"""What stalls a server, watched: --watchdog-timeout and --soft-watchdog-timeout
+(runtime/watchdog.py): a step past the soft limit is logged with the engine thread's stack
+and the server goes on; past the hard limit the clients are answered and the server exits
+1. --gc-warning-threshold-secs (runtime/gc_watch.py): long garbage collections are logged.
+Tiny limits make every step of a long generation, and every collection, overrun them."""
 
 from __future__ import annotations
 
@@ -45,3 +46,19 @@ def test_a_step_past_the_hard_limit_ends_the_server(artefact, launch) -> None:
     log = server.log.read_text()
     assert "without returning (--watchdog-timeout 1e-06); the server stops" in log
     assert "running requests (1)" in log
+
+
+def test_long_collections_are_logged_and_freeze_gc_answers(artefact, launch) -> None:
+    """--gc-warning-threshold-secs: with a threshold every collection passes, serving a
+    request logs them; /freeze_gc (SGLang's route) answers as SGLang's does."""
+    server = launch(
+        artefact("llama"), "--api-key", API_KEY, "--skip-server-warmup",
+        "--gc-warning-threshold-secs", "1e-9",
+    )  # fmt: skip
+    server.post("/v1/completions", json={**LONG, "max_tokens": 50})
+    r = server.post("/freeze_gc")
+    assert r.status_code == 200 and r.text == "Garbage collection frozen.\n"
+    log = server.log.read_text()
+    assert "garbage collection of generation" in log
+    assert "(--gc-warning-threshold-secs 1e-09); objects tracked: gen0=" in log
+    assert "garbage collector: froze" in log
