@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kiln.args import ArgError, ServerArgs
+from kiln.args import ArgError, ServerArgs, flag_true
 from kiln.args.stages import refuse_compile_time_changes
 from kiln.core import artefact as fmt
 from kiln.core.lazy import lazy_module
@@ -87,6 +87,10 @@ class RequestError(ValueError):
 
 class RankLost(RuntimeError):
     """A tensor-parallel rank died during the step."""
+
+
+class NanLogits(RuntimeError):
+    """A step's logits held NaN, with --crash-on-nan: the server stops."""
 
 
 class Engine:
@@ -177,6 +181,11 @@ class Engine:
             cache = RadixCache(self.runner.pool, self.args.radix_eviction_policy)
         self.scheduler = Scheduler(self.runner.pool, self._scheduler_config(), cache)
         self.batch_log = BatchLog(self.args.decode_log_interval, self.scheduler, self.runner.pool)
+        # --enable-nan-detection: NaN logits are read as -1e5 (never sampled) and logged;
+        # --crash-on-nan: the batch's requests fail and `_on_fatal` (the server) stops.
+        self.crash_on_nan = flag_true(self.args.crash_on_nan)
+        self.nan_detection = self.args.enable_nan_detection or self.crash_on_nan
+        self._on_fatal: Callable[[str], None] | None = None
         if self.draft_model is not None:
             self.scheduler.on_release = self.draft_model.release
         self._eos = set(spec.eos_token_ids)
@@ -550,8 +559,9 @@ class Engine:
         failed = dict(self._execute(batch))
         for req, error in failed.items():
             log.error("request %s failed and was stopped: %s", req.rid, error)
-            # a lost rank takes the server down, not this request: 503 and the rank
-            lost = isinstance(error, RankLost)
+            # a lost rank (or --crash-on-nan) takes the server down, not this request: 503
+            # and why
+            lost = isinstance(error, RankLost | NanLogits)
             message = str(error) if lost else f"internal error: {error}"
             self._finish(
                 req, {"type": "abort", "message": message, "status_code": 503 if lost else 500}
@@ -654,6 +664,8 @@ class Engine:
                 fed = [len(f) for f in batch.new_tokens]
                 kv = sum(rows_kv(r.kv_len, n) for r, n in zip(batch.requests, fed, strict=True))
                 costs.observe(sum(fed), kv, time.perf_counter() - start)
+            if self.nan_detection:
+                logits = self._without_nan(logits, batch)
             if batch.verify:
                 return self._accept(batch, logits)
             if self.art.spec.is_embedding:
@@ -666,6 +678,10 @@ class Engine:
                 logits, scores = self._score_prompts(batch, logits)
             rows = [self._sampling_row(r) for r in sampling]
             tokens, logprobs = sample(logits, rows) if rows else ([], [])
+        except NanLogits as e:  # no retry: the weights or the kernels are broken
+            if self._on_fatal is not None:
+                self._on_fatal(str(e))
+            return [(r, e) for r in batch.requests]
         except Exception as e:
             group = self.runner.group
             lost = group.lost_rank(e) if group is not None else None
@@ -683,6 +699,29 @@ class Engine:
         for req, lps in scores:
             req.prompt_logprobs += lps
         return []
+
+    def _without_nan(self, logits: Logits, batch: Batch) -> Logits:
+        """`logits` with NaN read as -1e5 (SGLang's value: never sampled, no inf to upset a
+        softmax), the batch's requests named in a warning; NanLogits with --crash-on-nan."""
+        if isinstance(logits, np.ndarray):
+            bad = np.isnan(logits).any(axis=-1).reshape(-1)
+        else:
+            bad = torch.isnan(logits).any(dim=-1).reshape(-1).cpu().numpy()
+        if not bad.any():
+            return logits
+        rids = ", ".join(r.rid for r in batch.requests[:8])
+        more = f" and {len(batch.requests) - 8} more" if len(batch.requests) > 8 else ""
+        what = f"NaN in the logits of {int(bad.sum())} of {bad.size} rows (batch: {rids}{more})"
+        if self.crash_on_nan:
+            raise NanLogits(f"{what}; the server stops (--crash-on-nan)")
+        log.warning("%s; NaN read as -1e5 (--enable-nan-detection)", what)
+        if isinstance(logits, np.ndarray):
+            return np.where(np.isnan(logits), np.float32(-1e5), logits)
+        return torch.nan_to_num(logits, nan=-1e5)
+
+    def on_fatal(self, fn: Callable[[str], None]) -> None:
+        """Have `fn(reason)` called when the engine cannot go on (--crash-on-nan)."""
+        self._on_fatal = fn
 
     def _score_prompts(
         self, batch: Batch, logits: Logits

@@ -182,6 +182,7 @@ def serve(
         )
         server = KilnServer(config, app.state.kiln, args.shutdown_timeout)
         engine.on_rank_failure(server.fatal)
+        engine.on_fatal(server.fatal)
         watchdog = Watchdog(
             app.state.kiln.async_engine.thread,
             args.watchdog_timeout,

@@ -7,7 +7,7 @@
 from kiln.args.flags import COMPILE, RUNTIME, Flag, Section, Stage, Status
 from kiln.args.server_args import ServerArgs, add_cli_args, explicit_values, load_yaml
 from kiln.args.spec import FLAGS, SECTIONS, SPELLINGS, ArgError, flag_of
-from kiln.args.validate import json_object
+from kiln.args.validate import flag_true, json_object
 
 __all__ = [
     "COMPILE",
@@ -24,6 +24,7 @@ __all__ = [
     "add_cli_args",
     "explicit_values",
     "flag_of",
+    "flag_true",
     "json_object",
     "load_yaml",
 ]

@@ -82,6 +82,16 @@ def json_object(flag: str, text: str) -> dict[str, Any]:
     return value
 
 
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off", "")
+
+
+def flag_true(value: str | bool) -> bool:
+    """A flag SGLang types as text but reads as on or off (--crash-on-nan)."""
+    if isinstance(value, bool):
+        return value
+    return value.strip().lower() in _TRUE
+
+
 def translate_deprecated(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     """Print each deprecated flag's advice and apply the setting it stands for.
 
@@ -159,6 +169,8 @@ def _check_ranges(v: dict[str, Any]) -> None:
         _fail(f"--chunked-prefill-size: must be -1 (off) or > 0, got {v['chunked_prefill_size']}")
     if v["shutdown_timeout"] < 0:
         _fail(f"--shutdown-timeout: must be >= 0 seconds, got {v['shutdown_timeout']}")
+    if str(v["crash_on_nan"]).strip().lower() not in _TRUE + _FALSE:
+        _fail(f"--crash-on-nan: true or false, got {v['crash_on_nan']!r}")
     if v["gc_warning_threshold_secs"] < 0:
         _fail(
             "--gc-warning-threshold-secs: must be >= 0 seconds (0: off), "
