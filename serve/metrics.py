@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kiln.args import token_buckets
+
 if TYPE_CHECKING:
     from kiln.runtime.request import RequestOutput
     from kiln.serve.async_engine import AsyncEngine
@@ -50,6 +52,24 @@ class Metrics:
             "kiln:generation_tokens", "Generated tokens.", registry=reg
         )
         self.requests = Counter("kiln:num_requests", "Finished requests.", registry=reg)
+        self.token_histograms: tuple[Histogram, Histogram] | None = None
+        if args.collect_tokens_histogram:
+            self.token_histograms = (
+                Histogram(
+                    "kiln:prompt_tokens_histogram",
+                    "Prompt tokens of finished requests.",
+                    buckets=token_buckets("--prompt-tokens-buckets", args.prompt_tokens_buckets),
+                    registry=reg,
+                ),
+                Histogram(
+                    "kiln:generation_tokens_histogram",
+                    "Generated tokens of finished requests.",
+                    buckets=token_buckets(
+                        "--generation-tokens-buckets", args.generation_tokens_buckets
+                    ),
+                    registry=reg,
+                ),
+            )
         pool = engine.engine.runner.pool
         Gauge("kiln:num_running_reqs", "Requests decoding now.", registry=reg).set_function(
             lambda: engine.num_running
@@ -86,6 +106,9 @@ class Metrics:
             self._prompt_seen += out.prompt_tokens
             self._prompt_cached += out.cached_tokens
             self.requests.inc()
+            if self.token_histograms is not None:
+                self.token_histograms[0].observe(out.prompt_tokens)
+                self.token_histograms[1].observe(out.completion_tokens)
 
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))

@@ -7,7 +7,7 @@
 from kiln.args.flags import COMPILE, RUNTIME, Flag, Section, Stage, Status
 from kiln.args.server_args import ServerArgs, add_cli_args, explicit_values, load_yaml
 from kiln.args.spec import FLAGS, SECTIONS, SPELLINGS, ArgError, flag_of
-from kiln.args.validate import flag_true, json_object
+from kiln.args.validate import flag_true, json_object, token_buckets
 
 __all__ = [
     "COMPILE",
@@ -27,4 +27,5 @@ __all__ = [
     "flag_true",
     "json_object",
     "load_yaml",
+    "token_buckets",
 ]

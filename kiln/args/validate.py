@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +81,47 @@ def json_object(flag: str, text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ArgError(f"{flag}: a JSON object, got {type(value).__name__}")
     return value
+
+
+# --collect-tokens-histogram's default buckets (tokens), SGLang's for both histograms.
+TOKEN_BUCKETS = (
+    100, 300, 500, 700, 1000, 1500, 2000, 3000, 4000, 5000, 6000, 7000, 8000, 9000, 10000,
+    12000, 15000, 20000, 22000, 25000, 30000, 35000, 40000, 66000, 99000, 132000, 300000,
+    600000, 900000, 1100000,
+)  # fmt: skip
+
+
+def token_buckets(flag: str, rule: list[str] | None) -> list[float]:
+    """SGLang's bucket rules (--prompt-tokens-buckets, --generation-tokens-buckets):
+    `default`; `tse MIDDLE BASE COUNT`, buckets at MIDDLE and MIDDLE +- BASE^i for i in
+    1..ceil(COUNT / 2), none below 0; `custom V1 V2 ...`. ArgError naming the flag
+    otherwise."""
+    rule = rule or ["default"]
+    kind, values = rule[0], rule[1:]
+    try:
+        if kind == "default" and not values:
+            return sorted(set(map(float, TOKEN_BUCKETS)))
+        if kind == "tse" and len(values) == 3:
+            middle, base, count = float(values[0]), float(values[1]), int(values[2])
+            if base > 1 and count >= 1:
+                points, distance = {middle}, 1.0
+                for _ in range(math.ceil(count / 2)):
+                    distance *= base
+                    points |= {middle + distance, max(0.0, middle - distance)}
+                return sorted(points)
+        if kind == "custom" and values:
+            return sorted({float(v) for v in values})
+    except ValueError:
+        pass
+    raise ArgError(
+        f"{flag}: 'default', 'tse MIDDLE BASE COUNT' (BASE > 1, COUNT >= 1) or 'custom V1 "
+        f"V2 ...', got {' '.join(rule)!r}"
+    )
+
+
+def _token_buckets(v: dict[str, Any]) -> None:
+    token_buckets("--prompt-tokens-buckets", v["prompt_tokens_buckets"])
+    token_buckets("--generation-tokens-buckets", v["generation_tokens_buckets"])
 
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off", "")
@@ -238,4 +280,5 @@ RULES: tuple[Callable[[dict[str, Any]], None], ...] = (
     _dynamic_batch_tokenizer,
     _speculative,
     _mixed_chunk,
+    _token_buckets,
 )

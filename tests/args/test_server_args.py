@@ -197,3 +197,18 @@ def test_readme_states_the_implemented_count() -> None:
 
     readme = (DOC.parents[1] / "README.md").read_text()
     assert f"{counts()[0]} arguments are implemented today" in readme
+
+
+def test_token_histogram_bucket_rules() -> None:
+    """SGLang's rules for --prompt-tokens-buckets / --generation-tokens-buckets, its own
+    example for tse; a rule that is none of them is a one-line error naming the flag."""
+    from kiln.args import token_buckets
+
+    tse = [984.0, 992.0, 996.0, 998.0, 1000.0, 1002.0, 1004.0, 1008.0, 1016.0]
+    assert token_buckets("--prompt-tokens-buckets", ["tse", "1000", "2", "8"]) == tse
+    assert token_buckets("--prompt-tokens-buckets", ["custom", "50", "10", "10"]) == [10, 50]
+    assert token_buckets("--prompt-tokens-buckets", None)[:3] == [100, 300, 500]
+    assert cli("--collect-tokens-histogram", "--prompt-tokens-buckets", "tse", "9", "3", "2")
+    for bad in (["tse", "1000", "1", "8"], ["custom"], ["linear", "1"], ["custom", "x"]):
+        with pytest.raises(ArgError, match="--generation-tokens-buckets: 'default', 'tse"):
+            cli("--generation-tokens-buckets", *bad)

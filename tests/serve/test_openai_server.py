@@ -35,6 +35,12 @@ def server(artefact, launch, request):
         "--admin-api-key",
         ADMIN_KEY,
         "--enable-metrics",
+        "--collect-tokens-histogram",
+        "--generation-tokens-buckets",
+        "custom",
+        "5",
+        "12",
+        "50",
         "--max-total-tokens",
         "4096",
         "--served-model-name",
@@ -611,12 +617,19 @@ def test_metrics(server, client) -> None:
         "kiln:cache_hit_rate",
     ):
         assert name in text, name
-    count = next(
-        line
+    values = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith("kiln:time_to_first_token_seconds_count")
-    )
-    assert float(count.split()[-1]) >= 1
+        if line.startswith("kiln:")
+    }
+    assert values["kiln:time_to_first_token_seconds_count"] >= 1
+    # --collect-tokens-histogram: one observation a finished request, in the given buckets
+    finished = values["kiln:num_requests_total"]
+    assert values["kiln:generation_tokens_histogram_count"] == finished >= 1
+    assert values["kiln:prompt_tokens_histogram_count"] == finished
+    assert values['kiln:generation_tokens_histogram_bucket{le="12.0"}'] >= 1  # "Hello"'s 12
+    assert 'kiln:prompt_tokens_histogram_bucket{le="1.1e+06"}' in values  # SGLang's default
+    assert 'kiln:generation_tokens_histogram_bucket{le="100.0"}' not in values
 
 
 def test_queue_limit_answers_503_and_sigterm_exits_cleanly(artefact, launch) -> None:
