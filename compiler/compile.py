@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from kiln.args import ArgError, ServerArgs
 from kiln.compiler.checkpoint import CheckpointReader
+from kiln.compiler.hub import hub_name
 from kiln.compiler.key import CompileKey, draft_args, model_overrides, resolve_dtype
 from kiln.compiler.lower_step import LoweredStep, Refused, lower_step
 from kiln.compiler.options import KV_DTYPES, compile_options
@@ -223,16 +224,19 @@ def _native_build(target: Target, toolchain: native.Toolchain, root: Path) -> di
 
 
 def _model_name(model_path: str | None) -> str:
+    """The served name a checkpoint gives: its Hub id when fetched from the Hub (as SGLang
+    serves `--model-path` itself), else its folder's or file's name."""
     path = Path(model_path or "model")
-    return path.stem if path.suffix == ".gguf" else path.name
+    return hub_name(path) or (path.stem if path.suffix == ".gguf" else path.name)
 
 
 def _recorded_args(args: ServerArgs) -> dict[str, Any]:
-    # Paths are inputs, not properties of the artefact: only the folder name is kept.
+    # Paths are inputs, not properties of the artefact: only the folder name (a Hub
+    # snapshot's repository id) is kept.
     values = args.stage_values("compile")
     for name in ("model_path", "tokenizer_path"):
         if values.get(name):
-            values[name] = Path(values[name]).name
+            values[name] = hub_name(values[name]) or Path(values[name]).name
     return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
 
 

@@ -45,12 +45,14 @@ DTYPE_NAMES = {
 # targets with native bf16 dot products would make `auto` keep bf16 checkpoints in bf16.
 CPU_FAST_DTYPES = ("float32",)
 # Compile-time arguments that name inputs rather than shape the artefact: their contents
-# are factors instead.
+# are factors instead (a Hub revision picks the files whose contents are hashed).
 _PATH_ARGS = (
     "model_path",
     "tokenizer_path",
     "quantization_param_path",
     "speculative_draft_model_path",
+    "revision",
+    "speculative_draft_model_revision",
 )
 # The compile arguments a STANDALONE draft model's own compile takes from the model's: the
 # target, and what the KV pool and pages must agree on.

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.args import ServerArgs
+from kiln.compiler.hub import local_paths
 from kiln.compiler.key import CompileKey, compile_key
 from kiln.compiler.publish import publish, staging_dir, sweep
 from kiln.core import artefact as fmt
@@ -196,6 +197,7 @@ def compile_cached(
     never needs.)"""
     t0 = time.perf_counter()
     limit = max_cache_bytes()  # a bad value fails before the compile, not after
+    args = local_paths(args)  # Hub ids: fetched (compiler/hub.py)
     ck = compile_key(args, rehash=rehash)
     store = Store()
     path = store.lookup(ck.key)

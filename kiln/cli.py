@@ -168,12 +168,13 @@ def _cache_parser(sub: argparse._SubParsersAction) -> None:
 def _cmd_cache(ns: argparse.Namespace) -> int:
     import time
 
+    from kiln.compiler.hub import local_paths
     from kiln.compiler.key import compile_key
     from kiln.compiler.store import Store, max_cache_bytes, max_cache_setting, parse_size
 
     store = Store()
     if ns.action == "key":
-        print(compile_key(ServerArgs.from_namespace(ns), rehash=ns.rehash).key)
+        print(compile_key(local_paths(ServerArgs.from_namespace(ns)), rehash=ns.rehash).key)
     elif ns.action == "ls":
         bound = "no bound" if max_cache_bytes() is None else f"bound {max_cache_setting()}"
         entries = sorted(store.entries(), key=lambda e: e.last_used)

@@ -26,7 +26,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--context-length', type='int', stage=RUNTIME, status=IMPLEMENTED, help="Longest prompt plus output per request; at most the model's own."),
         Flag('--is-embedding', type='bool', stage=COMPILE, status=IMPLEMENTED, help="Compile an embedding model: steps end at the final norm (no lm_head); `kiln serve` answers /v1/embeddings and /encode with the last token's hidden state, L2-normalised (SGLang's pooling for causal LMs), and refuses generation."),
         Flag('--enable-multimodal', type='bool', stage=COMPILE),
-        Flag('--revision', type='str', stage=COMPILE),
+        Flag('--revision', type='str', stage=COMPILE, status=IMPLEMENTED, help='With a Hugging Face Hub id as --model-path: the branch, tag or commit to fetch (default main; compiler/hub.py).'),
         Flag('--model-impl', type='str', default='auto', stage=COMPILE),
     )),
     Section('HTTP server', 'http_server', (
@@ -85,7 +85,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--constrained-json-disable-any-whitespace', type='bool', stage=RUNTIME, status=IMPLEMENTED, help='JSON from a json_schema or response_format constraint is compact: no whitespace beyond what the schema asks for (xgrammar).'),
         Flag('--watchdog-timeout', type='float', default=300.0, stage=RUNTIME, status=IMPLEMENTED, help='A step (prefill chunk or decode batch) running longer than this many seconds means the engine is stuck: its stack is logged, every client gets a 503 and the server exits 1 (runtime/watchdog.py).'),
         Flag('--dist-timeout', type='int', stage=RUNTIME, status=IMPLEMENTED, help="Seconds a tensor-parallel collective (and the ranks' rendezvous) may wait before failing; default 600."),
-        Flag('--download-dir', type='str', stage=RUNTIME),
+        Flag('--download-dir', type='str', stage=RUNTIME, status=IMPLEMENTED, help='Where checkpoints named by Hub id are fetched (the Hub cache\'s layout; default: HF_HOME\'s).'),
         Flag('--base-gpu-id', type='int', default=0, stage=RUNTIME),
         Flag('--gpu-id-step', type='int', default=1, stage=RUNTIME),
         Flag('--sleep-on-idle', type='bool', stage=RUNTIME),
@@ -177,7 +177,7 @@ SECTIONS: tuple[Section, ...] = (
     Section('Speculative decoding', 'speculative_decoding', (
         Flag('--speculative-algorithm', type='str', choices=('EAGLE', 'EAGLE3', 'NEXTN', 'STANDALONE', 'NGRAM'), stage=COMPILE, status=IMPLEMENTED, choice_status={c: PLANNED for c in ('EAGLE', 'EAGLE3', 'NEXTN')}, help="Speculative decoding: tokens are drafted, then the model checks them all in one verify step (runtime/speculative.py). NGRAM: drafts continue the longest recent n-gram of the request's own prompt and output that occurred before (no draft model). STANDALONE: a smaller model with the same vocabulary (--speculative-draft-model-path, compiled into the artefact) drafts greedily. Greedy and sampled output are token for token what decoding without it gives."),
         Flag('--speculative-draft-model-path', '--speculative-draft-model', type='str', stage=COMPILE, status=IMPLEMENTED, help='STANDALONE: the draft checkpoint, compiled through the cache for the same target and placed in the artefact (draft/); its weights as stored, with int8 activations where they are integer blocks unless --quantize-activations says otherwise. Its vocabulary must be the model\'s.'),
-        Flag('--speculative-draft-model-revision', type='str', stage=COMPILE),
+        Flag('--speculative-draft-model-revision', type='str', stage=COMPILE, status=IMPLEMENTED, help='The revision of a draft model named by Hub id.'),
         Flag('--speculative-num-steps', type='int', stage=COMPILE, status=IMPLEMENTED, help='STANDALONE: most tokens the draft model drafts a step (default 3; --speculative-num-draft-tokens is this plus one, as SGLang sets it with top-k 1). NGRAM ignores it, as SGLang does.'),
         Flag('--speculative-eagle-topk', type='int', stage=COMPILE),
         Flag('--speculative-num-draft-tokens', type='int', stage=COMPILE, status=IMPLEMENTED, help='Tokens a verify step feeds per request: the last accepted one plus up to this minus one drafted (NGRAM default: --speculative-ngram-max-match-window-size, as SGLang).'),
