@@ -11,7 +11,8 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 def _same(dest: str, given: Any, recorded: Any, manifest: dict[str, Any]) -> bool:
     if dest in ("model_path", "tokenizer_path") and isinstance(given, str) and recorded:
-        return given.rstrip("/").rsplit("/", 1)[-1] == recorded  # stored as a folder name
+        given = given.rstrip("/")  # stored as a folder's name, or a Hub id as given
+        return recorded in (given, given.rsplit("/", 1)[-1])
     if dest == "dtype":
         return _DTYPE_ALIASES.get(given, given) in (
             _DTYPE_ALIASES.get(recorded, recorded),

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from kiln.args import ArgError, ServerArgs
+from kiln.args.stages import refuse_compile_time_changes
 from kiln.compiler.compile import compile_model
 from kiln.compiler.hub import hub_name, is_repo_id
 
@@ -43,6 +44,10 @@ def test_a_hub_id_compiles_from_the_hub_cache(hub_cache, checkpoint, tmp_path, f
     manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
     assert manifest["runtime"]["served_model_name"] == "kiln-test/tiny-llama"
     assert manifest["compile_args"]["model_path"] == "kiln-test/tiny-llama"
+    # `kiln launch --model-path ID` serves what it compiled: the id agrees with the artefact
+    refuse_compile_time_changes({"model_path": "kiln-test/tiny-llama"}, manifest)
+    with pytest.raises(ArgError, match="--model-path: 'kiln-test/other' disagrees"):
+        refuse_compile_time_changes({"model_path": "kiln-test/other"}, manifest)
     # the same files from a folder: the same entry (contents, not names, are the key)
     local = compile_model(ServerArgs(model_path=str(checkpoint("llama")), dtype="float32"))
     assert local.cache_hit and local.cache_key == manifest["cache_key"]
