@@ -7,6 +7,10 @@ writes slots after its cached length, which is page-aligned) and gives its pages
 tree when it ends. Nodes in use by a running request are locked; unlocked leaves are
 evicted, least recently (lru) or least frequently (lfu) used first, when the pool needs
 pages.
+
+A request's `cache_key` (SGLang's extra_key, vLLM's cache_salt) names a tree of its own:
+requests share cached prefixes only with requests of the same key, so a tenant cannot
+learn from another's time to first token what prompts the server has seen.
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ class RadixCache:
         self.pool = pool
         self.page = pool.page_size
         self.policy = policy
-        self.root = Node()
+        self.root = Node()  # the tree of requests without a cache key
         self.root.locks = 1  # never evicted
+        self._roots: dict[str, Node] = {}  # one tree a cache key, dropped once empty
         self._clock = itertools.count(1)
         self.cached_pages = 0
 
@@ -46,11 +51,22 @@ class RadixCache:
     def _first(self, tokens: Sequence[int], at: int) -> tuple[int, ...]:
         return tuple(tokens[at : at + self.page])
 
-    def match(self, tokens: Sequence[int]) -> tuple[list[int], int, Node]:
-        """Longest cached prefix of `tokens` in whole pages: (pages, length, last node).
-        Splits a node when the match ends inside it, so the returned node covers exactly
-        the match (and can be locked)."""
-        node, at, pages = self.root, 0, []
+    def _root(self, space: str | None, make: bool = False) -> Node | None:
+        if space is None:
+            return self.root
+        root = self._roots.get(space)
+        if root is None and make:
+            root = self._roots[space] = Node(locks=1)
+        return root
+
+    def match(self, tokens: Sequence[int], space: str | None = None) -> tuple[list[int], int, Node]:
+        """Longest cached prefix of `tokens` in whole pages in the tree of cache key
+        `space`: (pages, length, last node). Splits a node when the match ends inside it,
+        so the returned node covers exactly the match (and can be locked)."""
+        root = self._root(space)
+        if root is None:  # no tree for this key yet (a root locks nothing)
+            return [], 0, self.root
+        node, at, pages = root, 0, []
         now = next(self._clock)
         while at + self.page <= len(tokens):
             child = node.children.get(self._first(tokens, at))
@@ -65,10 +81,12 @@ class RadixCache:
             node = child
         return pages, at, node
 
-    def prefix_len(self, tokens: Sequence[int]) -> int:
+    def prefix_len(self, tokens: Sequence[int], space: str | None = None) -> int:
         """Length of the longest cached prefix, without touching the tree (no splits, no
         use counts): for ranking requests, which must not skew eviction order."""
-        node, at = self.root, 0
+        node, at = self._root(space), 0
+        if node is None:
+            return 0
         while at + self.page <= len(tokens):
             child = node.children.get(self._first(tokens, at))
             if child is None:
@@ -112,20 +130,26 @@ class RadixCache:
 
     # -- ownership -------------------------------------------------------------------------
     def lock(self, node: Node) -> None:
-        while node is not self.root:
+        while node.parent is not None:  # up to its tree's root
             node.locks += 1
-            node = node.parent  # type: ignore[assignment]
+            node = node.parent
 
     def unlock(self, node: Node) -> None:
-        while node is not self.root:
+        while node.parent is not None:
             node.locks -= 1
-            node = node.parent  # type: ignore[assignment]
+            node = node.parent
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> list[int]:
-        """Give the tree `pages` holding `tokens` (whole pages only). Returns the pages the
-        caller still owns and must free: copies of segments the tree already had."""
+    def insert(
+        self, tokens: Sequence[int], pages: Sequence[int], space: str | None = None
+    ) -> list[int]:
+        """Give the tree of cache key `space` `pages` holding `tokens` (whole pages only).
+        Returns the pages the caller still owns and must free: copies of segments the tree
+        already had."""
         assert len(tokens) == len(pages) * self.page
-        node, at = self.root, 0
+        if not tokens:
+            return []
+        node, at = self._root(space, make=True), 0
+        assert node is not None
         leftover: list[int] = []
         now = next(self._clock)
         while at < len(tokens):
@@ -150,7 +174,8 @@ class RadixCache:
         return sum(len(n.pages) for n in self._nodes() if n.locks == 0)
 
     def _nodes(self) -> list[Node]:
-        out, stack = [], list(self.root.children.values())
+        roots = [self.root, *self._roots.values()]
+        out, stack = [], [c for r in roots for c in r.children.values()]
         while stack:
             n = stack.pop()
             out.append(n)
@@ -175,8 +200,10 @@ class RadixCache:
             self.pool.free(leaf.pages)
             freed += len(leaf.pages)
             self.cached_pages -= len(leaf.pages)
-            if parent is not self.root and not parent.children and parent.locks == 0:
+            if parent.parent is not None and not parent.children and parent.locks == 0:
                 heapq.heappush(heap, (rank(parent), id(parent), parent))
+        for space in [k for k, r in self._roots.items() if not r.children]:
+            del self._roots[space]
         return freed
 
     def reset(self) -> int:

@@ -89,3 +89,27 @@ def test_prefix_len_peeks_without_touching_the_tree() -> None:
     assert cache.prefix_len([8, 8]) == 0
     assert (node.key, node.hits, node.last_used) == before  # no split, no use counted
     assert cache.match([1, 2, 3, 4, 9, 9])[1] == 4  # agrees with match
+
+
+def test_cache_keys_keep_trees_apart() -> None:
+    """SGLang's extra_key / cache_salt: the same tokens under another key match nothing,
+    under the same key everything; a key's tree locks and evicts as the default one does,
+    and goes once empty."""
+    pool = PagePool(32, 2)
+    cache = RadixCache(pool)
+    a = list(range(8))
+    salted = filled(pool, a)
+    assert cache.insert(a, salted, "tenant-a") == []
+    assert cache.match(a)[1] == 0 and cache.prefix_len(a) == 0
+    assert cache.match(a, "tenant-b")[1] == 0 and cache.prefix_len(a, "tenant-b") == 0
+    pages, length, node = cache.match(a, "tenant-a")
+    assert (pages, length) == (salted, 8) and cache.prefix_len(a, "tenant-a") == 8
+    plain = filled(pool, a)
+    assert cache.insert(a, plain) == []  # its own copy: nothing shared across keys
+    assert cache.match(a)[0] == plain and cache.cached_pages == 8
+    cache.lock(node)
+    assert cache.evict(8) == 4  # only the unkeyed copy: the keyed one is in use
+    assert cache.match(a, "tenant-a")[1] == 8
+    cache.unlock(node)
+    assert cache.reset() == 4 and cache.cached_pages == 0
+    assert cache._roots == {}  # the key's emptied tree went with it
