@@ -855,6 +855,24 @@ class Engine:
         self._live.pop(req.rid, None)
         if req.detok is not None:
             req.detok.flush()
+        if self.args.enable_request_time_stats_logging:
+            self._log_time_stats(req)
+
+    def _log_time_stats(self, req: Request) -> None:
+        """SGLang's --enable-request-time-stats-logging line: the time a request waited for
+        its first step and the time from there to its end."""
+        now = time.perf_counter()
+        start = req.started_at if req.started_at is not None else now  # never ran
+        log.info(
+            "Req Time Stats(rid=%s, input len=%d, output len=%d, type=unified): "
+            "queue_duration=%.2fms, forward_duration=%.2fms, start_time=%.3f",
+            req.rid,
+            len(req.prompt_ids),
+            len(req.output_ids),
+            (start - req.created) * 1e3,
+            (now - start) * 1e3,
+            time.time() - (now - req.created),
+        )
 
     # -- reporting ----------------------------------------------------------------------------
     def output(self, req: Request) -> RequestOutput:

@@ -46,10 +46,14 @@ class Request:
     priority: int = 0
     created: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    started_at: float | None = None  # when it first ran (left the waiting queue)
     retractions: int = 0
     reported: int = 0  # output tokens already handed out in a RequestOutput
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     cache_node: Any = None  # the prefix-cache node this request holds locked
+    # SGLang's extra_key / cache_salt: shares cached prefixes only with requests of the
+    # same key (runtime/radix_cache.py)
+    cache_key: str | None = None
     grammar: Any = None  # its constraint's matcher (runtime/grammar.py), if it has one
     drafter: Any = None  # its NGRAM drafting state (runtime/speculative.py)
     draft: Any = None  # its sequence in a draft model's KV pool (speculative.DraftSeq)

@@ -11,6 +11,7 @@ again later, losing nothing.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,7 +128,7 @@ class Scheduler:
 
     def _cached_len(self, req: Request) -> int:
         assert self.cache is not None
-        return self.cache.prefix_len(req.all_ids[:-1])
+        return self.cache.prefix_len(req.all_ids[:-1], req.cache_key)
 
     # -- scheduling --------------------------------------------------------------------------
     def schedule(self) -> Batch | None:
@@ -182,6 +183,8 @@ class Scheduler:
                 self.waiting.remove(req)
                 req.status = Status.RUNNING
                 self.running.append(req)
+                if req.started_at is None:
+                    req.started_at = time.perf_counter()
             picked.append(req)
             fed.append(req.all_ids[req.kv_len : req.kv_len + take])
             budget -= take
@@ -297,7 +300,7 @@ class Scheduler:
     # -- prefix cache ------------------------------------------------------------------------
     def _attach_prefix(self, req: Request) -> None:
         assert self.cache is not None
-        pages, length, node = self.cache.match(req.all_ids[:-1])
+        pages, length, node = self.cache.match(req.all_ids[:-1], req.cache_key)
         if length:
             self.cache.lock(node)
             req.pages, req.kv_len, req.cache_node = list(pages), length, node
@@ -315,7 +318,7 @@ class Scheduler:
         if self.cache is not None:
             full = req.kv_len // self.pool.page_size
             keep = req.all_ids[: full * self.pool.page_size]
-            self.pool.free(self.cache.insert(keep, pages[:full]))
+            self.pool.free(self.cache.insert(keep, pages[:full], req.cache_key))
             pages = pages[full:]
             if req.cache_node is not None:
                 self.cache.unlock(req.cache_node)

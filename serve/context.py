@@ -95,6 +95,9 @@ class ServingContext:
         self.async_engine = AsyncEngine(engine, args.max_queued_requests, requests)
         self.tokenizer = engine.tokenizer
         self.model_name = args.served_model_name or engine.art.spec.served_model_name
+        # --weight-version, then what /update_weight_version sets (SGLang's label of the
+        # weights a reinforcement-learning trainer last synced; reported in meta_info).
+        self.weight_version = args.weight_version
         self.context_length = engine.context_length
         self.metrics = Metrics(args, self.async_engine)
         self.chat_template = _read_template(args.chat_template)
@@ -233,6 +236,7 @@ class ServingContext:
         embed: bool = False,
         dimensions: int | None = None,
         defaults: str | None = None,
+        cache_key: str | list[str] | None = None,
     ) -> list[Request]:
         """`n` requests per prompt (default: the params' own `n`), validated; raises
         ApiError(400) naming the problem. `params` is one dict for all prompts or one per
@@ -244,7 +248,9 @@ class ServingContext:
         Matryoshka model's vectors are cut to. `defaults`, a client's generation request:
         "native" (/generate) starts from --preferred-sampling-params, "openai" from the
         model's recommended sampling (--sampling-defaults model) under those; the
-        request's own fields win."""
+        request's own fields win. `cache_key`: SGLang's extra_key (with cache_salt), for
+        all prompts or one per prompt: requests share cached prefixes only with requests
+        of the same key."""
         if embed != self.engine.art.spec.is_embedding:
             raise ApiError(400, NOT_EMBEDDING if embed else EMBEDDING_ONLY)
         if n is not None and not 1 <= n <= MAX_N:
@@ -270,9 +276,10 @@ class ServingContext:
             )
         rids = _request_ids(rid, counts)
         named = _per_prompt_ids(logprob_ids, len(prompts))
+        keys = _per_prompt_keys(cache_key, len(prompts))
         reqs = []
-        for ids, p, sp, count, names, lp_ids in zip(
-            prompts, per_prompt, parsed, counts, rids, named, strict=True
+        for ids, p, sp, count, names, lp_ids, key in zip(
+            prompts, per_prompt, parsed, counts, rids, named, keys, strict=True
         ):
             # No max_new_tokens: generate up to the end of the context, as SGLang does.
             given = p.get("max_new_tokens") is not None
@@ -296,6 +303,8 @@ class ServingContext:
                 ]
             except (ValueError, RequestError) as e:
                 raise ApiError(400, str(e)) from e
+            for req in reqs[len(reqs) - count :]:
+                req.cache_key = key
         return reqs
 
     def admit(self, reqs: list[Request]) -> None:
@@ -462,6 +471,37 @@ def _per_prompt_ids(ids: list[int] | list[list[int]] | None, prompts: int) -> li
     if len(ids) != prompts:
         raise ApiError(400, f"{len(ids)} token_ids_logprob lists for {prompts} prompts")
     return [tuple(row) for row in ids]
+
+
+MAX_CACHE_KEY_CHARS = 256
+
+
+def cache_key(*parts: str | list[str] | None) -> str | list[str] | None:
+    """SGLang's cache_salt and extra_key as one key (each a string, or a list of one per
+    prompt), the parts kept apart so that ("ab", "c") and ("a", "bc") differ."""
+    given = [p for p in parts if p]
+    if not given:
+        return None
+    if all(isinstance(p, str) for p in given):
+        return "\x1f".join(given)  # type: ignore[arg-type]
+    lists = [p if isinstance(p, list) else None for p in given]
+    n = max(len(p) for p in lists if p is not None)
+    if any(p is not None and len(p) != n for p in lists):
+        raise ApiError(400, "cache_salt and extra_key: lists of different lengths")
+    cols = [p if isinstance(p, list) else [p] * n for p in given]
+    return ["\x1f".join(row) for row in zip(*cols, strict=True)]
+
+
+def _per_prompt_keys(key: str | list[str] | None, prompts: int) -> list[str | None]:
+    """The cache key of each prompt: one for all, or one each; each at most
+    MAX_CACHE_KEY_CHARS characters."""
+    keys: list[str | None] = list(key) if isinstance(key, list) else [key] * prompts
+    if len(keys) != prompts:
+        raise ApiError(400, f"{len(keys)} extra_key / cache_salt values for {prompts} prompts")
+    for k in keys:
+        if k is not None and len(k) > MAX_CACHE_KEY_CHARS:
+            raise ApiError(400, f"extra_key / cache_salt: at most {MAX_CACHE_KEY_CHARS} characters")
+    return keys
 
 
 def _request_ids(rid: str | list[str] | None, counts: list[int]) -> list[list[str | None]]:

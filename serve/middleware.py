@@ -33,11 +33,17 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # Paths a load balancer or Prometheus reaches without a key.
-PUBLIC_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
+PUBLIC_PATHS = frozenset({"/health", "/health_generate", "/ping", "/metrics"})
 # Paths that take --admin-api-key when it is set (those that stop other clients' requests
 # refuse to run without it).
 ADMIN_PATHS = frozenset(
-    {"/flush_cache", "/abort_request", "/pause_generation", "/continue_generation"}
+    {
+        "/flush_cache",
+        "/abort_request",
+        "/pause_generation",
+        "/continue_generation",
+        "/update_weight_version",
+    }
 )
 # Content types a browser may send cross-site without a preflight request.
 _FORM_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")

@@ -21,6 +21,7 @@ from kiln.serve.protocol import (
     ParseFunctionCallRequest,
     PauseGeneration,
     SeparateReasoningRequest,
+    UpdateWeightVersion,
 )
 from kiln.serve.reasoning import CONTENT, PARSERS, REASONING, splitter
 from kiln.serve.streams import Accumulated, ApiError, events, merged, sse
@@ -30,6 +31,7 @@ from kiln.version import __version__
 router = APIRouter()
 ABORTED = {"type": "abort", "message": "aborted by /abort_request"}
 PAUSED = {"type": "abort", "message": "aborted by /pause_generation"}
+RELABELLED = {"type": "abort", "message": "aborted by /update_weight_version"}
 
 
 def _ctx(request: Request) -> ServingContext:
@@ -41,11 +43,13 @@ def _meta(
     acc: Accumulated,
     body: GenerateRequest,
     text: Callable[[int], str | None] | None,
+    weight_version: str,
 ) -> dict[str, Any]:
     """SGLang's meta_info so far; with return_logprob its logprob fields (runtime/request.py
     logprob_meta), the prompt's from logprob_start_len when that is 0 or more."""
     meta: dict[str, Any] = {
         "id": req.rid,
+        "weight_version": weight_version,
         "prompt_tokens": acc.prompt_tokens,
         "completion_tokens": acc.completion_tokens,
         "cached_tokens": acc.cached_tokens,
@@ -105,6 +109,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
             rid=body.rid,
             prompt_top_logprobs=top if start >= 0 else None,
             logprob_ids=body.token_ids_logprob if body.return_logprob else None,
+            cache_key=body.extra_key,
         )
 
     reqs = await ctx.build(build)
@@ -124,7 +129,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
                 item: dict[str, Any] = {
                     "text": acc.text,
                     "output_ids": acc.token_ids,
-                    "meta_info": _meta(reqs[i], acc, body, text),
+                    "meta_info": _meta(reqs[i], acc, body, text, ctx.weight_version),
                 }
                 if len(reqs) > 1:
                     item["index"] = i
@@ -134,7 +139,11 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
 
     results = await ctx.collect(request, reqs)
     items = [
-        {"text": acc.text, "output_ids": acc.token_ids, "meta_info": _meta(r, acc, body, text)}
+        {
+            "text": acc.text,
+            "output_ids": acc.token_ids,
+            "meta_info": _meta(r, acc, body, text, ctx.weight_version),
+        }
         for r, acc in zip(reqs, results, strict=True)
     ]
     return items[0] if single and len(items) == 1 else items
@@ -180,6 +189,12 @@ async def health(request: Request) -> Response:
     return Response(status_code=200 if engine.thread.alive and not engine.draining else 503)
 
 
+@router.get("/ping")
+async def ping(request: Request) -> Response:
+    """SageMaker's health check, as SGLang answers it: /health's answer (public)."""
+    return await health(request)
+
+
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
     """Healthy only if the engine generates a token end to end. Public (as in SGLang), so
@@ -199,7 +214,7 @@ async def model_info(request: Request) -> dict[str, Any]:
         "served_model_name": ctx.model_name,
         "is_generation": not ctx.engine.art.spec.is_embedding,
         "max_model_len": ctx.context_length,
-        "weight_version": ctx.args.weight_version,
+        "weight_version": ctx.weight_version,
         "preferred_sampling_params": ctx.preferred,
     }
 
@@ -291,6 +306,31 @@ async def continue_generation(request: Request) -> dict[str, Any]:
     _admin_only(ctx, "/continue_generation")
     await ctx.async_engine.resume()
     return {"message": "Generation continued successfully.", "status": "ok"}
+
+
+@router.get("/weight_version")
+@router.get("/get_weight_version")
+async def weight_version(request: Request) -> dict[str, Any]:
+    """SGLang's: the label of the weights served (--weight-version, or the last
+    /update_weight_version)."""
+    return {"weight_version": _ctx(request).weight_version}
+
+
+@router.post("/update_weight_version")
+async def update_weight_version(body: UpdateWeightVersion, request: Request) -> dict[str, Any]:
+    """SGLang's: relabel the weights served (after a trainer synced them), ending every
+    request in flight first unless abort_all_requests is false, so that no answer carries
+    the new label from the old weights. The admin key only, as /abort_request."""
+    ctx = _ctx(request)
+    if body.abort_all_requests:
+        _admin_only(ctx, "/update_weight_version with abort_all_requests")
+        ctx.async_engine.abort_all(RELABELLED)
+    ctx.weight_version = body.new_version
+    return {
+        "success": True,
+        "message": f"Weight version updated to {body.new_version}",
+        "new_version": body.new_version,
+    }
 
 
 @router.post("/parse_function_call")

@@ -19,7 +19,7 @@ from kiln.runtime.request import prompt_positions
 from kiln.runtime.sampler import TokenLogprob
 from kiln.runtime.sampling_params import MAX_N
 from kiln.serve.chat_output import plan_chat
-from kiln.serve.context import EMBED_PARAMS, MAX_BEST_OF, ServingContext
+from kiln.serve.context import EMBED_PARAMS, MAX_BEST_OF, ServingContext, cache_key
 from kiln.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -175,6 +175,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             priority=ctx.priority(body),
             rid=body.rid,
             prompt_top_logprobs=scored,
+            cache_key=cache_key(body.cache_salt, body.extra_key),
         )
         return prompts, echo, reqs
 
@@ -288,6 +289,7 @@ def _completion_logprobs(
 
 # -- /v1/chat/completions ---------------------------------------------------------------------
 @router.post("/v1/chat/completions", response_model=None)
+@router.post("/invocations", response_model=None)  # SageMaker's route for it, as SGLang's
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     ctx = _ctx(request)
     ctx.refuse_unsupported(body.unsupported())
@@ -307,6 +309,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             top_logprobs=top,
             priority=ctx.priority(body),
             rid=body.rid,
+            cache_key=cache_key(body.cache_salt, body.extra_key),
         )
 
     try:

@@ -168,8 +168,6 @@ _SGLANG_REFUSED: dict[str, Any] = {
     "routed_dp_rank": None,
     "disagg_prefill_dp_rank": None,
     "data_parallel_rank": None,
-    "extra_key": None,
-    "cache_salt": None,
     "ngram_corpus_id": None,
     "custom_labels": None,
 }
@@ -230,6 +228,10 @@ class _Sampling(Body):
     logit_bias: dict[str, float] | None = None
     rid: Texts | None = None
     priority: int = 0  # used with --enable-priority-scheduling
+    # SGLang's (vLLM's cache_salt): a request shares cached prefixes only with requests
+    # of the same salt and key; a string, or one per prompt.
+    cache_salt: Texts | None = None
+    extra_key: Texts | None = None
     response_format: ResponseFormat | None = None
     # SGLang's constraints, as extra body fields (runtime/grammar.py): at most one, and not
     # with a response_format that constrains.
@@ -428,6 +430,7 @@ class GenerateRequest(Body):
     return_text_in_logprobs: bool = False
     rid: Texts | None = None
     priority: int = 0
+    extra_key: Texts | None = None  # prefix-cache isolation, as on the OpenAI routes
     # Accepted and ignored: metric and logging switches (kiln logs no request content).
     log_metrics: bool = True
     no_logs: bool = False
@@ -449,7 +452,6 @@ class GenerateRequest(Body):
         "bootstrap_room": None,
         "routed_dp_rank": None,
         "data_parallel_rank": None,
-        "extra_key": None,
         "cache_salt": None,
         "background": False,
         "custom_labels": None,
@@ -525,6 +527,13 @@ class PauseGeneration(Body):
     """SGLang's /pause_generation body: what happens to the requests in flight."""
 
     mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class UpdateWeightVersion(Body):
+    """SGLang's /update_weight_version body."""
+
+    new_version: str = Field(min_length=1, max_length=256)
+    abort_all_requests: bool = True
 
 
 class ParseFunctionCallRequest(Body):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from kiln import Engine
@@ -430,3 +432,19 @@ def test_prefill_max_requests_caps_a_prefill_batch(artefact) -> None:
     plain = Engine(artefact("llama"), max_total_tokens=1024)
     want = plain.generate(input_ids=[*PROMPTS, [9, 9, 9]], sampling_params=GREEDY)
     assert [r.output_ids for r in reqs] == [w["output_ids"] for w in want]
+
+
+def test_request_time_stats_are_logged_as_each_request_ends(artefact, caplog) -> None:
+    """--enable-request-time-stats-logging: SGLang's line, with the wait for a first step
+    and the time from there to the end."""
+    engine = Engine(
+        artefact("llama"), max_total_tokens=1024, enable_request_time_stats_logging=True
+    )
+    with caplog.at_level(logging.INFO, logger="kiln.engine"):
+        out = engine.generate("Hello", {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True})
+    rid = out["meta_info"]["id"]
+    [line] = [r.getMessage() for r in caplog.records if "Req Time Stats" in r.getMessage()]
+    head = f"Req Time Stats(rid={rid}, input len={out['meta_info']['prompt_tokens']}, output len=3"
+    assert line.startswith(head + ", type=unified): queue_duration=")
+    queue, forward = (float(x.split("=")[1].removesuffix("ms")) for x in line.split(", ")[4:6])
+    assert queue >= 0 and forward > 0

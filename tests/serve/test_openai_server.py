@@ -525,6 +525,54 @@ def test_pause_and_continue_generation(server, engine) -> None:
     assert meta["completion_tokens"] < new
 
 
+def test_cache_salt_and_extra_key_keep_cached_prefixes_apart(server, client) -> None:
+    """SGLang's extra_key (and cache_salt on the OpenAI routes): a prompt cached under one
+    key is a hit for that key only, so one tenant's time to first token says nothing of
+    another's prompts."""
+    prompt = "Salted prefix: the cache must not share these tokens between tenants, ever."
+
+    def cached(**key: str) -> int:
+        body = {"text": prompt, "sampling_params": {"max_new_tokens": 1}, **key}
+        return server.post("/generate", json=body).json()["meta_info"]["cached_tokens"]
+
+    cached(extra_key="tenant-a")
+    assert cached(extra_key="tenant-a") > 1
+    assert cached(extra_key="tenant-b") == 0
+    assert cached() <= 1  # no key is a key of its own: at most the BOS other tests sent
+    # a salt alone on an OpenAI route is SGLang's extra_key of the same value
+    completion(client, prompt, max_tokens=1, extra_body={"cache_salt": "tenant-c"})
+    assert cached(extra_key="tenant-c") > 1
+    completion(client, prompt, max_tokens=1, extra_body={"cache_salt": "x", "extra_key": "y"})
+    assert cached(extra_key="xy") == 0  # the two parts are kept apart
+    with pytest.raises(openai.BadRequestError, match="at most 256 characters"):
+        completion(client, prompt, extra_body={"extra_key": "k" * 257})
+
+
+def test_weight_version_and_sagemaker_routes(server) -> None:
+    """SGLang's weight-version label: read, relabelled with the admin key (the shared key
+    is refused), carried in /generate's meta_info; SageMaker's /ping (public) and
+    /invocations (chat completions)."""
+    assert server.get("/weight_version").json() == {"weight_version": "default"}
+    assert server.get("/ping", key=None).status_code == 200
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    answer = server.post("/invocations", json=chat).json()
+    assert answer["object"] == "chat.completion" and answer["usage"]["completion_tokens"] == 3
+    assert server.post("/update_weight_version", json={"new_version": "v2"}).status_code == 401
+    try:
+        r = server.post("/update_weight_version", json={"new_version": "v2"}, key=ADMIN_KEY)
+        assert r.json() == {
+            "success": True,
+            "message": "Weight version updated to v2",
+            "new_version": "v2",
+        }
+        body = {"text": "Hi", "sampling_params": {"max_new_tokens": 2}}
+        assert server.post("/generate", json=body).json()["meta_info"]["weight_version"] == "v2"
+        assert server.get("/get_weight_version").json() == {"weight_version": "v2"}
+        assert server.get("/get_model_info").json()["weight_version"] == "v2"
+    finally:
+        server.post("/update_weight_version", json={"new_version": "default"}, key=ADMIN_KEY)
+
+
 def test_info_and_health_endpoints(server) -> None:
     assert server.get("/health_generate", key=None).status_code == 200
     for path in ("/get_model_info", "/model_info"):  # SGLang's older name and its newer
