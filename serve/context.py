@@ -84,15 +84,8 @@ class ServingContext:
         # --log-requests: its texts are decoded and its lines written on a thread of its
         # own, in order; a line still waiting there as the server stops is written still.
         self._log_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-log")
-        requests = None
-        if args.log_requests:
-            requests = RequestLog(
-                args.log_requests_level,
-                args.log_requests_format,
-                engine.tokenizer,
-                workers=self._log_worker,
-            )
-        self.async_engine = AsyncEngine(engine, args.max_queued_requests, requests)
+        self.async_engine = AsyncEngine(engine, args.max_queued_requests)
+        self.configure_logging(args.log_requests, args.log_requests_level)
         self.tokenizer = engine.tokenizer
         self.model_name = args.served_model_name or engine.art.spec.served_model_name
         # --weight-version, then what /update_weight_version sets (SGLang's label of the
@@ -109,6 +102,16 @@ class ServingContext:
         )
         self._probe: asyncio.Future[bool] | None = None
         self._probed = (-HEALTH_PROBE_SECONDS, False)  # (when, healthy)
+
+    def configure_logging(self, on: bool, level: int) -> None:
+        """--log-requests and its level, at start and from /configure_logging: a request
+        that ends later is logged (or not) as they say."""
+        self.async_engine.request_log = (
+            RequestLog(level, self.args.log_requests_format, self.engine.tokenizer,
+                       workers=self._log_worker)
+            if on
+            else None
+        )  # fmt: skip
 
     def close(self) -> None:
         self._workers.shutdown(wait=False, cancel_futures=True)

@@ -43,6 +43,7 @@ ADMIN_PATHS = frozenset(
         "/pause_generation",
         "/continue_generation",
         "/update_weight_version",
+        "/configure_logging",
     }
 )
 # Content types a browser may send cross-site without a preflight request.

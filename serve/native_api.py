@@ -16,6 +16,7 @@ from kiln.runtime.request import logprob_meta
 from kiln.serve.context import EMBED_PARAMS, ServingContext
 from kiln.serve.protocol import (
     AbortRequest,
+    ConfigureLogging,
     EncodeRequest,
     GenerateRequest,
     ParseFunctionCallRequest,
@@ -262,13 +263,13 @@ async def get_load(request: Request) -> list[dict[str, Any]]:
     return [await _ctx(request).async_engine.run(load)]
 
 
-def _admin_only(ctx: ServingContext, route: str) -> None:
-    """Refuse a route that stops other clients' requests on a server without
+def _admin_only(ctx: ServingContext, route: str, why: str = "stops") -> None:
+    """Refuse a route that stops (or logs) other clients' requests on a server without
     --admin-api-key: with the shared API key alone, one client could stop another's."""
     if not ctx.args.admin_api_key:
         raise ApiError(
             403,
-            f"{route} needs --admin-api-key (it stops other clients' requests)",
+            f"{route} needs --admin-api-key (it {why} other clients' requests)",
             "PermissionDeniedError",
         )
 
@@ -306,6 +307,23 @@ async def continue_generation(request: Request) -> dict[str, Any]:
     _admin_only(ctx, "/continue_generation")
     await ctx.async_engine.resume()
     return {"message": "Generation continued successfully.", "status": "ok"}
+
+
+@router.api_route("/configure_logging", methods=["GET", "POST"])
+async def configure_logging(body: ConfigureLogging, request: Request) -> dict[str, Any]:
+    """SGLang's: turn --log-requests on or off and set its level while serving; answers
+    what is now set. Only on a server with --admin-api-key, whose key it takes: the log
+    holds every client's texts."""
+    ctx = _ctx(request)
+    _admin_only(ctx, "/configure_logging", "logs")
+    ctx.refuse_unsupported(body.unsupported())
+    now = ctx.async_engine.request_log
+    on = body.log_requests if body.log_requests is not None else now is not None
+    level: int = ctx.args.log_requests_level if now is None else now.level
+    if body.log_requests_level is not None:
+        level = body.log_requests_level
+    ctx.configure_logging(on, level)
+    return {"log_requests": on, "log_requests_level": level}
 
 
 @router.get("/weight_version")

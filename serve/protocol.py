@@ -529,6 +529,21 @@ class PauseGeneration(Body):
     mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
+class ConfigureLogging(Body):
+    """SGLang's /configure_logging body: what it sets of request logging (unset: kept).
+    SGLang's request dumps (dump_requests_folder, crash_dump_folder: files a request
+    would name on the server) are refused."""
+
+    log_requests: bool | None = None
+    log_requests_level: Literal[0, 1, 2, 3] | None = None
+
+    REFUSED = {
+        "dump_requests_folder": None,
+        "dump_requests_threshold": None,
+        "crash_dump_folder": None,
+    }
+
+
 class UpdateWeightVersion(Body):
     """SGLang's /update_weight_version body."""
 

@@ -91,3 +91,29 @@ def test_texts_are_decoded_off_the_callers_thread(artefact, caplog) -> None:
     assert json.loads(whole.getMessage())["input"] == engine.tokenizer.decode(req.prompt_ids)
     assert whole.threadName.startswith("log-test")
     assert by_level[False].threadName == threading.current_thread().name  # nothing to decode
+
+
+def test_configure_logging_turns_request_logging_on_and_off(artefact, launch) -> None:
+    """SGLang's /configure_logging, with the admin key only: on at level 3, a request is
+    logged whole; off again, the next is not; SGLang's dump folders are refused."""
+    from serve_helpers import ADMIN_KEY
+
+    server = launch(artefact("llama"), "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY,
+                    "--skip-server-warmup")  # fmt: skip
+    on = {"log_requests": True, "log_requests_level": 3}
+    assert server.post("/configure_logging", json=on).status_code == 401  # the shared key
+    assert server.post("/configure_logging", json=on, key=ADMIN_KEY).json() == on
+    body = {"model": "default", "prompt": "Hello there", "max_tokens": 3, "temperature": 0}
+    server.post("/v1/completions", json={**body, "rid": "logged"})
+    off = server.post("/configure_logging", json={"log_requests": False}, key=ADMIN_KEY)
+    assert off.json() == {"log_requests": False, "log_requests_level": 3}
+    server.post("/v1/completions", json={**body, "rid": "quiet"})
+    dump = server.post("/configure_logging", json={"dump_requests_folder": "/tmp/x"}, key=ADMIN_KEY)
+    assert dump.status_code == 400 and "dump_requests_folder" in dump.json()["error"]["message"]
+    deadline = time.monotonic() + 10
+    while "rid='logged'" not in server.log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    log = server.log.read_text()
+    [line] = [ln for ln in log.splitlines() if "rid='logged'" in ln]
+    assert "Hello there" in line and "input=" in line  # level 3: the texts
+    assert "rid='quiet'" not in log
