@@ -43,7 +43,8 @@ def render() -> str:
         "  every start.",
         "- **status**: `implemented`; `needs X` (works only where this machine has X; asking",
         "  elsewhere is an error naming X); `planned` (not implemented yet: any value but the",
-        "  default is refused with an error, never ignored).",
+        "  default is refused with an error, never ignored); `refused: why` (not planned: a",
+        "  flag whose use would run code a request or a flag names, refused the same way).",
         "",
     ]
     for section in SECTIONS:

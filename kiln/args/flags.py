@@ -55,15 +55,20 @@ class Status:
     implemented: bool
     requires: str | None = None  # in words, for the error: "a CUDA GPU"
     probe: str | None = None  # key of PROBES
+    refused: str | None = None  # why kiln will not do it (not planned: refused by design)
 
     @property
     def label(self) -> str:
+        if self.refused:
+            return f"refused: {self.refused}"
         if self.requires:
             return f"needs {self.requires}" + ("" if self.implemented else " (then planned)")
         return "implemented" if self.implemented else "planned"
 
     def problem(self) -> str | None:
         """Why this value cannot be used on this machine, or None when it can."""
+        if self.refused:
+            return f"is refused by kiln: {self.refused}"
         if self.requires and self.probe and not PROBES[self.probe]():
             return f"needs {self.requires}, which this machine lacks"
         if not self.implemented:
@@ -73,6 +78,10 @@ class Status:
 
 IMPLEMENTED = Status(True)
 PLANNED = Status(False)
+
+
+def refused(why: str) -> Status:
+    return Status(False, refused=why)
 
 
 def needs(requires: str, probe: str, implemented: bool = False) -> Status:

@@ -7,7 +7,7 @@ the later Ascend revision of it (the union of both). Stage and status are kiln's
 
 from __future__ import annotations
 
-from kiln.args.flags import COMPILE, IMPLEMENTED, PLANNED, RUNTIME, Flag, Section, needs
+from kiln.args.flags import COMPILE, IMPLEMENTED, PLANNED, RUNTIME, Flag, Section, needs, refused
 
 # The title of the section holding kiln's own flags (not SGLang's).
 KILN_SECTION = "kiln additions (not SGLang flags)"
@@ -301,7 +301,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--enable-memory-saver', type='bool', stage=RUNTIME),
         Flag('--enable-weights-cpu-backup', type='bool', stage=RUNTIME),
         Flag('--allow-auto-truncate', type='bool', stage=RUNTIME, status=IMPLEMENTED, help='Cut prompts longer than the context instead of answering 400.'),
-        Flag('--enable-custom-logit-processor', type='bool', stage=RUNTIME),
+        Flag('--enable-custom-logit-processor', type='bool', stage=RUNTIME, status=refused('requests would send serialized Python callables to run in the server; kiln runs no code from a request')),
         Flag('--flashinfer-mla-disable-ragged', type='bool', stage=RUNTIME),
         Flag('--disable-shared-experts-fusion', type='bool', stage=RUNTIME),
         Flag('--disable-chunked-prefix-cache', type='bool', stage=RUNTIME),
@@ -322,7 +322,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--enable-fused-qk-norm-rope', type='bool', stage=COMPILE),
     )),
     Section('Forward hooks', 'forward_hooks', (
-        Flag('--forward-hooks', type='str', stage=RUNTIME),
+        Flag('--forward-hooks', type='str', stage=RUNTIME, status=refused('hooks are Python callables named by import path; kiln\'s runtime runs the compiled graph, no imported code')),
     )),
     Section('Debug tensor dumps', 'debug_tensor_dumps', (
         Flag('--debug-tensor-dump-output-folder', type='str', stage=RUNTIME),
@@ -347,7 +347,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--disaggregation-decode-enable-fake-auto', type='bool', stage=RUNTIME),
     )),
     Section('Custom weight loader', 'custom_weight_loader', (
-        Flag('--custom-weight-loader', type='list[str]', stage=RUNTIME),
+        Flag('--custom-weight-loader', type='list[str]', stage=RUNTIME, status=refused('a loader is a Python function named by import path; kiln loads weights only from its artefact')),
         Flag('--weight-loader-disable-mmap', type='bool', stage=RUNTIME),
         Flag('--remote-instance-weight-loader-seed-instance-ip', type='str', stage=RUNTIME),
         Flag('--remote-instance-weight-loader-seed-instance-service-port', type='int', stage=RUNTIME),

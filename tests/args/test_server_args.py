@@ -212,3 +212,15 @@ def test_token_histogram_bucket_rules() -> None:
     for bad in (["tse", "1000", "1", "8"], ["custom"], ["linear", "1"], ["custom", "x"]):
         with pytest.raises(ArgError, match="--generation-tokens-buckets: 'default', 'tse"):
             cli("--generation-tokens-buckets", *bad)
+
+
+def test_flags_that_would_run_foreign_code_are_refused_by_design() -> None:
+    """Not planned: refused, saying why, so no one waits for them."""
+    for flag, value in (
+        ("--enable-custom-logit-processor", None),
+        ("--forward-hooks", '{"name": "x"}'),
+        ("--custom-weight-loader", "pkg.loader"),
+    ):
+        with pytest.raises(ArgError, match=f"{flag}.*: is refused by kiln: "):
+            cli(flag) if value is None else cli(flag, value)
+    assert FLAGS["forward_hooks"].status.label.startswith("refused: ")
