@@ -61,7 +61,7 @@ def attention_rates(lib: ctypes.CDLL, tokens: int, repeats: int) -> tuple[float,
         args = (qs.data_ptr(), HEADS * DIM, pool[0].data_ptr(), pool[1].data_ptr(), tokens + 1,
                 table.data_ptr(), tokens, lens.data_ptr(), rows.data_ptr(), out.data_ptr(),
                 tokens, HEADS, KV_HEADS, DIM, 1, 0, DIM**-0.5, 0, 1.0, 0.0, None,
-                torch.get_num_threads())  # fmt: skip
+                torch.get_num_threads(), 0)  # fmt: skip
         held = (lens, rows, qs)  # the memory `args` points into lives as long as the call
 
         def call() -> None:

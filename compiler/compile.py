@@ -76,6 +76,8 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
         )
 
         step = _lower_step(graph, options, uses_native)
+        if options.deterministic:
+            _all_steps_native(graph)
 
         tmp = staging_dir(out)
         try:
@@ -144,6 +146,22 @@ def _draft_model(args: ServerArgs, cfg: ModelConfig, tmp: Path) -> dict[str, Any
                 "model's: a draft model must share the model's tokenizer"
             )
     return {"cache_key": result.cache_key, "vocab_size": vocab}
+
+
+def _all_steps_native(graph: Graph) -> None:
+    """--enable-deterministic-inference holds where every step is the lowered C step (its
+    attention the batch-invariant kernel): refuse an artefact whose prompts or decode
+    steps would run the executor's other attention."""
+    plan = graph.plan or {}
+    eager = [k for k in ("prefill", "decode") if plan.get(k, {}).get("mode") != "native"]
+    if eager:
+        why = plan.get("decode", {}).get("native_refused") or (
+            "an fp8 KV pool's prompts run in the executor"
+        )
+        raise ArgError(
+            f"--enable-deterministic-inference: needs every step lowered to C, and the "
+            f"{' and '.join(eager)} steps are not ({why})"
+        )
 
 
 def _lower_step(graph: Graph, options: Any, uses_native: bool) -> LoweredStep | None:

@@ -250,8 +250,10 @@ class _Lowering:
         self.emit(i, call(out), checked)
         self.keep(n, out)
 
-    def emit(self, i: int, call: str, checked: bool = True) -> None:
-        self.lines.append(f"    STEP_CALL({i}, {call});" if checked else f"    {call};")
+    def emit(self, i: int, call: str, checked: bool = True, per_row: str | None = None) -> None:
+        """One kernel call (`per_row`: once for each r_ below that row count)."""
+        loop = f"for (int64_t r_ = 0; r_ < {per_row}; r_++) " if per_row else ""
+        self.lines.append(f"    {loop}STEP_CALL({i}, {call});" if checked else f"    {loop}{call};")
         self.lines.append(f"    STEP_TICK({self.calls});")
         self.call_nodes.append(i)
         self.calls += 1
@@ -428,6 +430,18 @@ class _Lowering:
         else:
             fn, kind = ("ga8_linear", form.ga8) if form.kernel == "ga8" else ("qlinear", form.qfmt)
             kind_group = f"{_int(kind, 'kind')}, {group}, "
+        if a.get("deterministic") and fn == "qlinear":
+            # --enable-deterministic-inference: each row its own call, so it rounds as
+            # it would alone (passes/deterministic.py)
+            out = self.new(n, width, x.rows)
+            row = f"{x.expr} + r_ * {x.stride}, {x.stride}, 1, {k}, {codes}, {scales}"
+            call = (
+                f"s->k->{fn}({row}, {kind_group}{width}, {bias}, {out.expr} + r_ * "
+                f"{out.stride}, {prologue}, T)"
+            )
+            self.emit(i, call, per_row=x.rows)
+            self.keep(n, out)
+            return
         self.produce(
             i,
             n,
@@ -511,7 +525,7 @@ class _Lowering:
             f"s->k->decode_attention({q.expr}, {q.stride}, {kp}, {vp}, s->pool_slots, "
             f"s->kv_index, s->kv_pages, s->kv_lens, s->kv_rows, {out.expr}, M, {heads}, {kv}, {d}, "
             f"s->page_size, {window}, {_float(a['scale'], 'scale')}, {self.kv_format}, {scale}, "
-            f"{_float(a['softcap'], 'softcap')}, {sinks}, T)",
+            f"{_float(a['softcap'], 'softcap')}, {sinks}, T, {int(a.get('deterministic', 0))})",
         )
         self.keep(n, out)
 
@@ -537,7 +551,8 @@ class _Lowering:
             f"s->k->rope_decode_attention({qkv.expr}, {qkv.stride}, {cos.expr}, {sin.expr}, "
             f"s->slots, {kp}, {vp}, s->pool_slots, s->kv_index, s->kv_pages, s->kv_lens, "
             f"s->kv_rows, {out.expr}, M, {heads}, {kv}, {d}, s->page_size, {window}, "
-            f"{_float(a['scale'], 'scale')}, {_float(a['softcap'], 'softcap')}, NULL, T)",
+            f"{_float(a['scale'], 'scale')}, {_float(a['softcap'], 'softcap')}, NULL, T, "
+            f"{int(a.get('deterministic', 0))})",
         )
         self.keep(n, out)
 

@@ -62,7 +62,19 @@ def compile_options(
         capture=capture_options(args, target, tp.size, speculative),
         tp=tp,
         speculative=speculative,
+        deterministic=deterministic_options(args, target),
     )
+
+
+def deterministic_options(args: ServerArgs, target: Target) -> bool:
+    """--enable-deterministic-inference: kiln's CPU attention has a batch-invariant mode
+    (passes/deterministic.py); the CUDA target's Triton kernels have none yet."""
+    if args.enable_deterministic_inference and target.device != "cpu":
+        raise ArgError(
+            "--enable-deterministic-inference: batch-invariant kernels are kiln's CPU ones; "
+            f"the {target.device} target's have no such mode yet"
+        )
+    return bool(args.enable_deterministic_inference)
 
 
 def tensor_parallel(args: ServerArgs, cfg: ModelConfig) -> TensorParallel:

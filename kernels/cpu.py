@@ -131,21 +131,25 @@ def quant_linear(
             fn, kind = lib.kiln_ga8_linear_f32, form.ga8
         else:
             fn, kind = lib.kiln_qlinear_f32, form.qfmt
-        rc = fn(
-            x.data_ptr(),
-            x.stride(0),
-            m,
-            k,
-            codes.data_ptr(),
-            scales.data_ptr(),
-            kind,
-            group,
-            out_features,
-            None if bias is None else bias.data_ptr(),
-            out.data_ptr(),
-            _PROLOGUES[prologue],
-            _threads(),
-        )
+        # --enable-deterministic-inference: each row its own call (passes/deterministic.py)
+        rows = [(r, 1) for r in range(m)] if a.deterministic else [(0, m)]
+        rc = 0
+        for r, count in rows:
+            rc = rc or fn(
+                x.data_ptr() + r * x.stride(0) * 4,
+                x.stride(0),
+                count,
+                k,
+                codes.data_ptr(),
+                scales.data_ptr(),
+                kind,
+                group,
+                out_features,
+                None if bias is None else bias.data_ptr(),
+                out.data_ptr() + r * out_features * 4,
+                _PROLOGUES[prologue],
+                _threads(),
+            )
     if rc == -1:
         raise MemoryError(f"kiln_cpu quant_linear: no memory for a {m} x {k} copy of its input")
     if rc != 0:
@@ -383,6 +387,7 @@ def rope_attention(
         a.softcap,
         None,
         _threads(),
+        a.deterministic,
     )
     if rc != 0:
         raise MemoryError("kiln_cpu decode attention: out of memory for its scratch rows")
@@ -423,6 +428,7 @@ def _decode(
         a.softcap,
         None if sinks is None else sinks.data_ptr(),
         _threads(),
+        a.deterministic,
     )
     if rc == -2:
         raise KernelError(f"kiln_cpu decode attention: no kernel for a {pool.dtype} pool")

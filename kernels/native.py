@@ -41,7 +41,7 @@ BASE_FLAGS = (
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 # kiln_abi_version() of a library whose exports match _SIGNATURES.
-ABI_VERSION = 12
+ABI_VERSION = 13
 _SIGNATURES = {
     "kiln_abi_version": (_I64, []),
     "kiln_rmsnorm_f32": (None, [_P, _I64, _I64, _P, _P, _I64, _I64, _F32, _INT]),
@@ -74,13 +74,13 @@ _SIGNATURES = {
         _INT,
         [_P, _I64, _P, _P, _I64, _P, _I64, _P, _P, _P]
         + [_I64] * 5
-        + [_I64, _F32, _INT, _F32, _F32, _P, _INT],
+        + [_I64, _F32, _INT, _F32, _F32, _P, _INT, _INT],
     ),
     "kiln_rope_decode_attention_f32": (
         _INT,
         [_P, _I64, _P, _P, _P, _P, _P, _I64, _P, _I64, _P, _P, _P]
         + [_I64] * 6
-        + [_F32, _F32, _P, _INT],
+        + [_F32, _F32, _P, _INT, _INT],
     ),
 }
 

@@ -6,6 +6,7 @@ from kiln.passes.absorb_mla import absorb_mla
 from kiln.passes.base import PassError, run_passes
 from kiln.passes.capture_plan import capture_plan
 from kiln.passes.dce import dce
+from kiln.passes.deterministic import deterministic
 from kiln.passes.fuse_add_rmsnorm import fuse_add_rmsnorm
 from kiln.passes.fuse_gate_up import fuse_gate_up
 from kiln.passes.fuse_qkv import fuse_qkv
@@ -33,6 +34,7 @@ PIPELINE: list[Pass] = [
     dce,
     quantize,
     kv_cache,
+    deterministic,
     pack_weights,
     fuse_silu_linear,
     select_backends,
@@ -50,6 +52,7 @@ __all__ = [
     "capture_plan",
     "compiler_pass",
     "dce",
+    "deterministic",
     "fuse_add_rmsnorm",
     "fuse_gate_up",
     "fuse_qkv",

@@ -74,6 +74,8 @@ class CompileOptions:
     # Speculative decoding as compiled (compiler/options.py speculative_options): the
     # manifest's runtime.speculative; verify steps are decode steps of more rows.
     speculative: dict[str, Any] | None = None
+    # --enable-deterministic-inference: batch-invariant attention (passes/deterministic.py)
+    deterministic: bool = False
 
     @property
     def device(self) -> str:

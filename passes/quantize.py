@@ -103,7 +103,7 @@ def quantize(graph: Graph, ctx: CompileOptions) -> PassResult:
             attrs = {"format": fmt, "group": group}
             if r.op == "linear":
                 r.op, r.args = "quant_linear", [r.args[0], param, scales, *r.args[2:]]
-                r.attrs = {**attrs, "out_features": n, "prologue": "none"}
+                r.attrs = {**attrs, "out_features": n, "prologue": "none", "deterministic": 0}
             else:
                 r.op, r.args = "quant_embedding", [r.args[0], param, scales]
                 r.attrs = {**attrs, "num_embeddings": n}

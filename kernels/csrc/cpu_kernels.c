@@ -787,14 +787,18 @@ static inline __attribute__((always_inline)) int decode_attention(
     const int64_t *page_table, int64_t max_pages, const int64_t *kv_lens,
     const int64_t *table_rows, float *out, int64_t batch, int64_t heads, int64_t kv_heads,
     int64_t dim, int64_t page_size, int64_t window, float scale, int fmt, float kv_scale,
-    float softcap, const float *sinks, int threads) {
+    float softcap, const float *sinks, int threads, int deterministic) {
     const int64_t group = heads / kv_heads;
     int64_t longest = 1;
     for (int64_t b = 0; b < batch; b++) longest = kv_lens[b] > longest ? kv_lens[b] : longest;
     int failed = 0;
-    /* Runs of one sequence's rows go together (attend_runs); the other rows one by one. */
+    /* Runs of one sequence's rows go together (attend_runs); the other rows one by one.
+     * `deterministic` (--enable-deterministic-inference): every row one by one, whole (no
+     * runs, no split keys), so a row's arithmetic is the same whatever else the step
+     * holds: which rows came with it, how its prompt was chunked, what the prefix cache
+     * gave it. */
     char *in_run = NULL;
-    if (fmt == KV_F32 && dim % AT_LANES == 0 && batch >= RUN_MIN) {
+    if (!deterministic && fmt == KV_F32 && dim % AT_LANES == 0 && batch >= RUN_MIN) {
         int64_t *first = malloc((size_t)batch * 2 * sizeof(int64_t));
         in_run = malloc((size_t)batch);
         if (!first || !in_run) {
@@ -824,7 +828,7 @@ static inline __attribute__((always_inline)) int decode_attention(
      * merged after (part_out: [batch][heads][parts][dim], then [..][parts] maxima and
      * sums). */
     int64_t parts = 1;
-    if (batch * kv_heads < 2 * threads && !in_run) {
+    if (!deterministic && batch * kv_heads < 2 * threads && !in_run) {
         parts = (2 * threads + batch * kv_heads - 1) / (batch * kv_heads);
         const int64_t fit = longest / DECODE_PART_MIN;
         parts = parts < fit ? parts : fit > 1 ? fit : 1;
@@ -952,11 +956,11 @@ int kiln_decode_attention(const float *q, int64_t q_stride, const void *k_cache,
                           const int64_t *table_rows, float *out, int64_t batch, int64_t heads,
                           int64_t kv_heads, int64_t dim, int64_t page_size, int64_t window,
                           float scale, int kv_format, float kv_scale, float softcap,
-                          const float *sinks, int threads) {
+                          const float *sinks, int threads, int deterministic) {
 #define DECODE_ATTENTION(F)                                                                  \
     decode_attention(q, q_stride, k_cache, v_cache, slots, page_table, max_pages, kv_lens,   \
                      table_rows, out, batch, heads, kv_heads, dim, page_size, window, scale, \
-                     F, kv_scale, softcap, sinks, threads)
+                     F, kv_scale, softcap, sinks, threads, deterministic)
     switch (kv_format) {
     case KV_F32: return DECODE_ATTENTION(KV_F32);
     case KV_E4M3: return DECODE_ATTENTION(KV_E4M3);
@@ -980,7 +984,8 @@ int kiln_rope_decode_attention_f32(const float *qkv, int64_t qkv_stride, const f
                                    float *out, int64_t batch, int64_t heads, int64_t kv_heads,
                                    int64_t dim,
                                    int64_t page_size, int64_t window, float scale,
-                                   float softcap, const float *sinks, int threads) {
+                                   float softcap, const float *sinks, int threads,
+                                   int deterministic) {
     float *q = malloc((size_t)(batch * heads * dim) * sizeof(float));
     if (!q) return -1;
     for (int64_t t = 0; t < batch; t++) {
@@ -997,7 +1002,7 @@ int kiln_rope_decode_attention_f32(const float *qkv, int64_t qkv_stride, const f
     const int rc = decode_attention(q, heads * dim, k_cache, v_cache, slots, page_table,
                                     max_pages, kv_lens, table_rows, out, batch, heads,
                                     kv_heads, dim, page_size, window, scale, KV_F32, 1.0f,
-                                    softcap, sinks, threads);
+                                    softcap, sinks, threads, deterministic);
     free(q);
     return rc;
 }
@@ -1061,7 +1066,7 @@ int64_t kiln_linear_lanes(void) { return LANES; }
 
 /* The exported functions' signatures, as kernels/native.py declares them: bumped with any
  * change, so a library built from another kiln's source is refused, not misread. */
-int64_t kiln_abi_version(void) { return 12; }
+int64_t kiln_abi_version(void) { return 13; }
 int64_t kiln_linear_group_panels(void) { return GROUP_PANELS; }
 
 /* One narrow tile: `rows` rows (xt: [k][TILE_ROWS]) against one panel. Always inlined with

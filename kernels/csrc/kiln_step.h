@@ -48,13 +48,13 @@ typedef int (*kiln_decode_attention_fn)(const float *, int64_t, const void *, co
                                         int64_t, const int64_t *, int64_t, const int64_t *,
                                         const int64_t *, float *, int64_t, int64_t, int64_t,
                                         int64_t, int64_t, int64_t, float, int, float, float,
-                                        const float *, int);
+                                        const float *, int, int);
 typedef int (*kiln_rope_decode_attention_fn)(const float *, int64_t, const float *,
                                              const float *, const int64_t *, float *, float *,
                                              int64_t, const int64_t *, int64_t,
                                              const int64_t *, const int64_t *, float *, int64_t,
                                              int64_t, int64_t, int64_t, int64_t, int64_t, float,
-                                             float, const float *, int);
+                                             float, const float *, int, int);
 
 /* In kernels/native.py STEP_KERNELS order. */
 typedef struct {

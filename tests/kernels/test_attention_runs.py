@@ -27,7 +27,7 @@ def _reference(q, kp, vp, tables, lens, heads, kv_heads, d, page, window, scale,
     return out
 
 
-def _run(lib, q, kp, vp, tables, lens, heads, kv_heads, d, page, window, scale, cap, sinks):
+def _run(lib, q, kp, vp, tables, lens, heads, kv_heads, d, page, window, scale, cap, sinks, det=0):
     width = max(len(t) for t in tables)
     index = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
     kv_lens = torch.tensor(lens, dtype=torch.int64)
@@ -36,7 +36,7 @@ def _run(lib, q, kp, vp, tables, lens, heads, kv_heads, d, page, window, scale, 
         q.data_ptr(), q.stride(0), kp.data_ptr(), vp.data_ptr(), kp.shape[1],
         index.data_ptr(), width, kv_lens.data_ptr(), None, out.data_ptr(), q.shape[0], heads,
         kv_heads, d, page, window or 0, scale, 0, 1.0, cap,
-        None if sinks is None else sinks.data_ptr(), 2,
+        None if sinks is None else sinks.data_ptr(), 2, det,
     )  # fmt: skip
     assert rc == 0
     return out
@@ -90,3 +90,31 @@ def test_rows_whose_tables_differ_are_not_one_run(level):
     q = torch.randn(len(lens), heads * d)
     args = (kp, vp, tables, lens, heads, kv_heads, d, page, 0, 0.25, 0.0, None)
     torch.testing.assert_close(_run(library(level), q, *args), _reference(q, *args))
+
+
+@pytest.mark.parametrize("level", HOST_LEVELS)
+def test_deterministic_rows_do_not_depend_on_the_rest_of_the_step(level):
+    """--enable-deterministic-inference: a row's output is bitwise the same alone, in any
+    batch, inside a run of its sequence's rows (a prompt chunk) or after it (a cache hit's
+    one-row extend). Without it, a long row alone splits its keys over the threads and a
+    prompt's rows are scored as a run: other arithmetic, other roundings."""
+    torch.manual_seed(11)
+    heads, kv_heads, d, page = 9, 3, 64, 16
+    kp, vp = torch.randn(kv_heads, 40 * page, d), torch.randn(kv_heads, 40 * page, d)
+    table = torch.randperm(40).tolist()
+    lens = list(range(300, 340))  # a prompt chunk's rows, long enough to split alone
+    tables = [table] * len(lens)
+    q = torch.randn(len(lens), heads * d)
+    shape = (heads, kv_heads, d, page, 0, d**-0.5, 0.0, None)
+
+    def run(rows, det):
+        picked = [tables[r] for r in rows], [lens[r] for r in rows]
+        return _run(library(level), q[rows].contiguous(), kp, vp, *picked, *shape, det)
+
+    whole = run(list(range(len(lens))), 1)
+    for r in (0, 17, 39):
+        assert torch.equal(run([r], 1)[0], whole[r])  # alone: a decode or a cache hit's row
+        assert torch.equal(run(list(range(r, len(lens))), 1)[0], whole[r])  # a later chunk
+    loose = run(list(range(len(lens))), 0)
+    assert not all(torch.equal(run([r], 0)[0], loose[r]) for r in (0, 17, 39))
+    torch.testing.assert_close(loose, whole, atol=2e-5, rtol=1e-4)

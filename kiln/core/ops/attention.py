@@ -152,6 +152,10 @@ class Attention(Attrs):
     # which joins each row's softmax and takes its share of the weight, attending to
     # nothing.
     sinks: int = 0
+    # --enable-deterministic-inference: 1 when every row is attended on its own, whole, so
+    # that its result does not depend on what else a step holds (kernels/csrc/cpu_kernels.c
+    # decode_attention).
+    deterministic: int = 0
 
 
 def _heads(check: Check, a: dict[str, Any]) -> tuple[int, int, int]:

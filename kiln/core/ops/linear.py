@@ -46,6 +46,10 @@ class QuantLinear(Attrs):
     group: int
     out_features: int
     prologue: Prologue = "none"
+    # --enable-deterministic-inference: 1 when each row of a float-activation format is
+    # its own call (passes/deterministic.py): that kernel's 1-row, few-row and prompt
+    # tiles round differently.
+    deterministic: int = 0
 
 
 @dataclass(frozen=True, slots=True)
