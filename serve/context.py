@@ -25,6 +25,7 @@ from kiln.runtime.detokenizer import token_bytes
 from kiln.runtime.engine import EMBED, Engine, RequestError
 from kiln.runtime.request import Request, RequestOutput
 from kiln.runtime.sampling_params import MAX_N, SamplingParams
+from kiln.serve import fim
 from kiln.serve.async_engine import AsyncEngine, QueueFull, RidInUse, Unavailable
 from kiln.serve.metrics import Metrics
 from kiln.serve.protocol import ChatMessage
@@ -94,6 +95,7 @@ class ServingContext:
         self.context_length = engine.context_length
         self.metrics = Metrics(args, self.async_engine)
         self.chat_template = _read_template(args.chat_template)
+        self.completion_template = fim.load(args.completion_template)
         self.preferred = _preferred_sampling(args.preferred_sampling_params)
         self.model_defaults = _model_sampling(engine, args.sampling_defaults)
         self.started = time.time()

@@ -163,8 +163,23 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     # request, often with max_tokens 0), the first's null.
     scored = body.logprobs if body.echo and body.logprobs is not None else None
 
+    prompt = body.prompt
+    if body.suffix:  # fill in the middle: the template wraps each text prompt
+        template = ctx.completion_template
+        if template is None:
+            raise ApiError(
+                400,
+                "suffix: this server has no --completion-template (how its model reads a "
+                "fill-in-the-middle prompt)",
+            )
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        if not all(isinstance(t, str) for t in texts):
+            raise ApiError(400, "suffix: needs text prompts, not token ids")
+        fim = [template.prompt(t, body.suffix) for t in texts]
+        prompt = fim[0] if isinstance(prompt, str) else fim
+
     def build() -> tuple[list[list[int]], list[str], list[Any]]:
-        prompts = ctx.prompt_ids(body.prompt)
+        prompts = ctx.prompt_ids(prompt)
         echo = [ctx.decode(p) if body.echo else "" for p in prompts]
         reqs = ctx.make_requests(
             prompts,

@@ -299,8 +299,10 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
     best_of: int | None = None
+    # the text after the completion (code infilling): with --completion-template only
+    suffix: str | None = None
 
-    REFUSED = {**_SGLANG_REFUSED, "suffix": None}
+    REFUSED = _SGLANG_REFUSED
 
 
 # OpenAI's limit on the tools of one request.

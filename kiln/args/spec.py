@@ -125,7 +125,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--served-model-name', type='str', stage=RUNTIME, status=IMPLEMENTED, help='Model name in /v1/models and responses; default: the checkpoint folder.'),
         Flag('--weight-version', type='str', default='default', stage=RUNTIME, status=IMPLEMENTED, help='Weights version label reported by /get_model_info.'),
         Flag('--chat-template', type='str', stage=RUNTIME, status=IMPLEMENTED, help="Jinja chat template file, instead of the tokenizer's."),
-        Flag('--completion-template', type='str', stage=RUNTIME),
+        Flag('--completion-template', type='str', stage=RUNTIME, status=IMPLEMENTED, help='Fill-in-the-middle prompts for /v1/completions with a suffix: deepseek_coder, star_coder, qwen_coder, or a JSON file of SGLang\'s fields (serve/fim.py).'),
         Flag('--file-storage-path', type='str', default='sglang_storage', stage=RUNTIME),
         Flag('--enable-cache-report', type='bool', stage=RUNTIME, status=IMPLEMENTED, help='Report cached prompt tokens in usage.prompt_tokens_details.'),
         Flag('--reasoning-parser', type='str', choices=('deepseek-r1', 'deepseek-v3', 'glm45', 'gpt-oss', 'kimi', 'qwen3', 'qwen3-thinking', 'step3'), stage=RUNTIME, status=IMPLEMENTED, help='Chat answers carry the reasoning (between <think> and </think>; Kimi: ◁think▷; gpt-oss: the harmony analysis channel) as reasoning_content (serve/reasoning.py); per request: separate_reasoning, stream_reasoning.'),

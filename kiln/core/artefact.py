@@ -41,7 +41,9 @@ from pydantic import (
 # 6: new attributes (rope_cos_sin's scaled_pairs, attention's sinks, moe's routing and
 # biases), the latent attention ops, and the manifest's long_rope and v_head_dim; the C
 # library's decode attention takes a soft cap and sinks (ABI 4).
-FORMAT_VERSION = 6
+# 7: attention ops and quant_linear take `deterministic` (--enable-deterministic-inference);
+# the C library's decode attention takes it too (ABI 13).
+FORMAT_VERSION = 7
 MANIFEST = "manifest.json"
 GRAPH = "graph.json"
 WEIGHTS = "weights/rank0.safetensors"

@@ -719,7 +719,7 @@ def test_logit_bias_and_unsupported_fields(server, client, engine) -> None:
     forced = completion(client, "Hello", max_tokens=3, logit_bias={"42": 100})
     assert forced.choices[0].text == engine.tokenizer.decode([42, 42, 42])
     for body, field in (
-        ({"prompt": "x", "suffix": "y"}, "suffix"),
+        ({"prompt": "x", "lora_path": "a"}, "lora_path"),
         ({"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias names tokens outside"),
         ({"prompt": "x", "logit_bias": {"1": 500}}, r"logit_bias values must be in \[-100, 100\]"),
     ):
@@ -776,3 +776,38 @@ def test_echo_with_logprobs_scores_the_prompt(client, server, engine) -> None:
     assert got == pytest.approx(values[2:], abs=1e-5) and r.json()["output_ids"] == []
     r = server.post("/generate", json={**body, "logprob_start_len": len(prompt)})
     assert r.status_code == 400 and "logprob_start_len" in r.json()["error"]["message"]
+
+
+def test_suffix_needs_a_completion_template(server) -> None:
+    body = {"model": "m", "max_tokens": 2, "prompt": "a", "suffix": "b"}
+    plain = server.post("/v1/completions", json=body)
+    assert plain.status_code == 400 and "--completion-template" in plain.json()["error"]["message"]
+
+
+def test_suffix_fills_in_the_middle_with_a_completion_template(artefact, launch) -> None:
+    """--completion-template: a completion with a suffix is the completion of the prompt
+    the template builds (star_coder's: prefix, the suffix after its end token, then the
+    middle token); with token ids a suffix is a 400."""
+    fim = launch(artefact("llama"), "--completion-template", "star_coder", "--skip-server-warmup")
+    body = {"model": "m", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    got = fim.post("/v1/completions", json={**body, "prompt": "def f(", "suffix": "    return x"})
+    wrapped = "<fim_prefix>def f(<fim_suffix>    return x<fim_middle>"
+    want = fim.post("/v1/completions", json={**body, "prompt": wrapped}).json()
+    assert got.json()["choices"][0]["text"] == want["choices"][0]["text"]
+    assert got.json()["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+    ids = fim.post("/v1/completions", json={**body, "prompt": [1, 2, 3], "suffix": "x"})
+    assert ids.status_code == 400 and "text prompts" in ids.json()["error"]["message"]
+
+
+def test_completion_template_files(tmp_path) -> None:
+    from kiln.serve import fim
+
+    spec = {"name": "mine", "fim_begin_token": "<B>", "fim_middle_token": "<M>",
+            "fim_end_token": "<E>", "fim_position": "MIDDLE"}  # fmt: skip
+    (tmp_path / "t.json").write_text(json.dumps(spec))
+    assert fim.load(str(tmp_path / "t.json")).prompt("p", "s") == "<B>p<M>s<E>"
+    assert fim.load("qwen_coder").prompt("p", "s") == "<|fim_prefix|>p<|fim_suffix|>s<|fim_middle|>"
+    (tmp_path / "bad.json").write_text(json.dumps({**spec, "fim_position": "START"}))
+    for bad, why in (("nope", "neither one of"), (str(tmp_path / "bad.json"), "MIDDLE or END")):
+        with pytest.raises(ValueError, match=f"--completion-template .*: .*{why}"):
+            fim.load(bad)
