@@ -162,6 +162,11 @@ class FastTokenizer:
         )
         return list(batch[0].ids)
 
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Every text's ids in one call (the Rust library's threads share them out)."""
+        fast = self.backend_tokenizer.encode_batch_fast
+        return [list(e.ids) for e in fast(texts, add_special_tokens=add_special_tokens)]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         batch = self.backend_tokenizer.decode_batch(
             [list(ids)], skip_special_tokens=skip_special_tokens

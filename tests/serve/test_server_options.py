@@ -34,6 +34,7 @@ def server(artefact, launch, tmp_path_factory):
         "--abort-on-priority-when-disabled",
         "--fastapi-root-path",
         "/kiln",
+        "--enable-tokenizer-batch-encode",
     )
 
 
@@ -239,3 +240,20 @@ def test_priority_without_priority_scheduling_and_a_root_path(server) -> None:
     chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "priority": 0}
     assert httpx.post(server.url + "/v1/chat/completions", json=chat).status_code == 400
     assert httpx.get(server.url + "/openapi.json").json()["servers"] == [{"url": "/kiln"}]
+
+
+def test_batch_encode_tokenizes_a_list_as_one_by_one(server) -> None:
+    """--enable-tokenizer-batch-encode: a list of texts is tokenized in one call; each
+    prompt is what it is alone (ids, order), and an empty one is still a 400."""
+    import httpx
+
+    texts = ["Hello there", "A much longer prompt, with punctuation; and more words.", "x"]
+    params = {"max_new_tokens": 3, "temperature": 0}
+    url = server.url + "/generate"
+    together = httpx.post(url, json={"text": texts, "sampling_params": params}).json()
+    for text, got in zip(texts, together, strict=True):
+        alone = httpx.post(url, json={"text": text, "sampling_params": params}).json()
+        assert got["meta_info"]["prompt_tokens"] == alone["meta_info"]["prompt_tokens"]
+        assert got["output_ids"] == alone["output_ids"]
+    empty = httpx.post(url, json={"text": ["a", ""], "sampling_params": params})
+    assert empty.status_code == 400 and "empty" in empty.json()["error"]["message"]
