@@ -27,7 +27,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--is-embedding', type='bool', stage=COMPILE, status=IMPLEMENTED, help="Compile an embedding model: steps end at the final norm (no lm_head); `kiln serve` answers /v1/embeddings and /encode with the last token's hidden state, L2-normalised (SGLang's pooling for causal LMs), and refuses generation."),
         Flag('--enable-multimodal', type='bool', stage=COMPILE),
         Flag('--revision', type='str', stage=COMPILE, status=IMPLEMENTED, help='With a Hugging Face Hub id as --model-path: the branch, tag or commit to fetch (default main; compiler/hub.py).'),
-        Flag('--model-impl', type='str', default='auto', stage=COMPILE),
+        Flag('--model-impl', type='str', default='auto', choices=('auto', 'sglang', 'transformers'), stage=COMPILE, status=IMPLEMENTED, choice_status={'transformers': PLANNED}, help='auto and sglang: kiln\'s own model definitions (models/), what SGLang\'s are to SGLang; transformers (tracing transformers\' modeling code) is planned.'),
     )),
     Section('HTTP server', 'http_server', (
         Flag('--host', type='str', default='127.0.0.1', stage=RUNTIME, status=IMPLEMENTED, help='Address the HTTP server binds.'),

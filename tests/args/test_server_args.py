@@ -224,3 +224,13 @@ def test_flags_that_would_run_foreign_code_are_refused_by_design() -> None:
         with pytest.raises(ArgError, match=f"{flag}.*: is refused by kiln: "):
             cli(flag) if value is None else cli(flag, value)
     assert FLAGS["forward_hooks"].status.label.startswith("refused: ")
+
+
+def test_model_impl_names_kilns_own_definitions() -> None:
+    """--model-impl: auto and sglang are kiln's own model definitions (what SGLang's are to
+    SGLang); transformers is refused by name, an unknown value as not a choice."""
+    assert cli("--model-impl", "sglang").model_impl == "sglang"
+    with pytest.raises(ArgError, match="--model-impl transformers: is not implemented"):
+        cli("--model-impl", "transformers")
+    with pytest.raises(ArgError, match="--model-impl: 'vllm' is not one of auto, sglang"):
+        cli("--model-impl", "vllm")
