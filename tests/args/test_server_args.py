@@ -233,4 +233,4 @@ def test_model_impl_names_kilns_own_definitions() -> None:
     with pytest.raises(ArgError, match="--model-impl transformers: is not implemented"):
         cli("--model-impl", "transformers")
     with pytest.raises(ArgError, match="--model-impl: 'vllm' is not one of auto, sglang"):
-        cli("--model-impl", "vllm")
+        ServerArgs(model_impl="vllm")  # a YAML config's value (the command line: argparse's)
