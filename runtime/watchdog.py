@@ -7,8 +7,9 @@ batch's requests); one that runs longer than the hard timeout means the engine i
 `on_timeout` is called with why, and the server answers every client and exits 1, so a
 supervisor restarts it, where it would otherwise hang for good.
 
-The watchdog sleeps until the earliest deadline of the step in progress, so it costs
-nothing between steps and reports within milliseconds of a deadline. Both timeouts are
+The watchdog sleeps until the earliest deadline of the step in progress (at most half a
+limit), so it costs nothing between steps and reports a step within 1.5 limits of its
+start, as SGLang's does. Both timeouts are
 SGLang's, 300 s by default: a CPU server of a large model whose one prefill chunk
 legitimately takes longer needs a larger --watchdog-timeout or a smaller
 --chunked-prefill-size.
@@ -79,7 +80,9 @@ class Watchdog:
             if soft and step != self._soft_step:
                 pending.append(started + soft)
             wait = min(pending) - time.monotonic() if pending else IDLE_POLL_S
-            self._stop.wait(max(wait, 0.001))
+            # at most half a limit: the step waited on may end and a later one hang, which
+            # is then seen within 1.5 limits of its start (SGLang's own bound)
+            self._stop.wait(max(min(wait, min(self._limits()) / 2), 0.001))
 
     def _limits(self) -> list[float]:
         return [t for t in (self.timeout, self.soft_timeout) if t]
