@@ -128,18 +128,13 @@ class ServingContext:
     def prompt_ids(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
         """Completions' `prompt`: text, list of texts, token ids, or lists of token ids."""
         if isinstance(prompt, str):
-            return [self._encode(prompt)]
+            return self._encode(prompt)
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]  # type: ignore[arg-type]
         texts = [p for p in prompt if isinstance(p, str)]
         if self.args.enable_tokenizer_batch_encode and len(texts) == len(prompt) > 1:
-            if not all(texts):
-                raise ApiError(400, "the prompt is empty")
-            try:
-                return self.engine.encode_batch(texts)
-            except RequestError as e:
-                raise ApiError(400, str(e)) from e
-        return [self._encode(p) if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[arg-type]
+            return self._encode(*texts)
+        return [self._encode(p)[0] if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[arg-type]
 
     def chat_prompt(
         self,
@@ -172,11 +167,15 @@ class ServingContext:
             raise ApiError(400, f"the chat template failed on these messages: {e}") from e
         return text, list(tokenizer.encode(text, add_special_tokens=False))
 
-    def _encode(self, text: str) -> list[int]:
-        if not text:
+    def _encode(self, *texts: str) -> list[list[int]]:
+        """Each text's ids (several: in one tokenizer call, Engine.encode_batch); a 400
+        for an empty one or a server without a tokenizer."""
+        if not all(texts):
             raise ApiError(400, "the prompt is empty")
         try:
-            return self.engine.encode(text)
+            if len(texts) == 1:
+                return [self.engine.encode(texts[0])]
+            return self.engine.encode_batch(list(texts))
         except RequestError as e:
             raise ApiError(400, str(e)) from e
 
