@@ -234,3 +234,10 @@ def test_model_impl_names_kilns_own_definitions() -> None:
         cli("--model-impl", "transformers")
     with pytest.raises(ArgError, match="--model-impl: 'vllm' is not one of auto, sglang"):
         ServerArgs(model_impl="vllm")  # a YAML config's value (the command line: argparse's)
+
+
+def test_flags_that_ask_for_what_kiln_does_are_accepted() -> None:
+    """--sleep-on-idle (kiln's engine thread always sleeps when idle) and
+    --disable-overlap-schedule (kiln does not overlap steps) are accepted, not refused."""
+    args = cli("--sleep-on-idle", "--disable-overlap-schedule")
+    assert args.sleep_on_idle and args.disable_overlap_schedule
