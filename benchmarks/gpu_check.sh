@@ -11,7 +11,8 @@
 #      KILN_TRITON_DEVICE=cuda);
 #   3. decode with and without CUDA graphs on a real shape with dummy weights
 #      (benchmarks/gpu_decode.py; $GPU_CONFIG, default qwen2.5-0.5b, a config.json path or
-#      a name in ../shared/model-configs).
+#      a name in ../shared/model-configs; $DECODE_ARGS adds gpu_decode.py's options, e.g.
+#      "--deterministic" for --enable-deterministic-inference's cost).
 # Each step has its own time limit, so one that hangs cannot take the others' time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,5 +53,5 @@ KILN_TRITON_DEVICE=cuda timeout "${TEST_LIMIT:-240}" "$PY" -P -m pytest -q -p no
     tests/kernels/test_triton.py 2>&1 \
     | tee "$OUT/tests.log" || status=1
 timeout "${DECODE_LIMIT:-180}" "$PY" -P benchmarks/gpu_decode.py \
-    --config "${GPU_CONFIG:-qwen2.5-0.5b}" 2>&1 | tee "$OUT/decode.log" || status=1
+    --config "${GPU_CONFIG:-qwen2.5-0.5b}" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" || status=1
 exit $status

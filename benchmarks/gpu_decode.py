@@ -2,15 +2,20 @@
 
     python benchmarks/gpu_decode.py                        # llama-3.2-1b, bf16, batch 1/16/64
     python benchmarks/gpu_decode.py --config qwen2.5-0.5b --batches 1 8 --profile
+    python benchmarks/gpu_decode.py --config qwen2.5-0.5b --deterministic
 
 Run by benchmarks/gpu_check.sh on a machine with an NVIDIA GPU (first run 2026-11-26 on an
 H100: benchmarks/RESULTS.md, "GPU"). The model is a shape from ../shared/model-configs (or
 a config.json path), compiled for the host's GPU (`--device cuda`, `--load-format dummy`: a
 step's speed does not depend on the weights' values). Two artefacts: the default plan
 (decode replayed from CUDA graphs at SGLang's batch-size buckets) and
-`--disable-cuda-graph` (left out with `--graphs-only`). For B requests, decode step time
-is (time of T + 1 tokens - time of 1 token) / T, alternating rounds, median (min-max); the
-roofline is the GPU's nominal bandwidth over the weight bytes a step reads. `--profile`
+`--disable-cuda-graph` (left out with `--graphs-only`; `--deterministic` puts
+`--enable-deterministic-inference`'s artefact, CUDA graphs and the batch-invariant kernels,
+in its place). For B requests, decode step time is (time of T + 1 tokens - time of 1
+token) / T, alternating rounds, median (min-max); the roofline is the GPU's nominal
+bandwidth over the weight bytes a step reads. Prefill: one prompt of `--prefill-tokens`
+(default 1024; 0 leaves it out), the prefix cache flushed before each, time to its first
+token. `--profile`
 adds the GPU kernels a decode step of `--profile-batch` requests (default 1) launches, the
 GPU's busy time against the wall clock's (the rest is the host's: scheduling, step inputs,
 sampling), and the kernels the GPU spends its time in. An 8B shape writes two 16 GB
@@ -60,6 +65,12 @@ def main() -> None:
         action="store_true",
         help="only the CUDA-graph artefact (no eager column: half the compile and time)",
     )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="compare with --enable-deterministic-inference's artefact instead of eager steps",
+    )
+    p.add_argument("--prefill-tokens", type=int, default=1024)
     args = p.parse_args()
 
     import torch
@@ -79,7 +90,12 @@ def main() -> None:
     ckpt.mkdir()
     shutil.copy(cfg_path, ckpt / "config.json")
     arts = {}
-    modes = [("cuda graphs", {}), ("eager", {"disable_cuda_graph": True})]
+    other = (
+        ("deterministic", {"enable_deterministic_inference": True})
+        if args.deterministic
+        else ("eager", {"disable_cuda_graph": True})
+    )
+    modes = [("cuda graphs", {}), other]
     for label, extra in modes[:1] if args.graphs_only else modes:
         arts[label] = work / label.replace(" ", "-")
         flags = {"load_format": "dummy", "dtype": "bfloat16", "device": "cuda", **extra}
@@ -87,7 +103,9 @@ def main() -> None:
     prompt = list(range(100, 132))
     # Two engines share the GPU: each KV pool holds what the largest batch needs, not a
     # fraction of the whole card (the first would leave the second too little).
-    tokens = args.pool_tokens or max(args.batches) * (len(prompt) + args.tokens + 2)
+    tokens = args.pool_tokens or max(
+        max(args.batches) * (len(prompt) + args.tokens + 2), args.prefill_tokens + 64
+    )
     engines = {}
     for label, art in arts.items():
         t = time.perf_counter()
@@ -100,11 +118,11 @@ def main() -> None:
         print(f"{label}: started in {time.perf_counter() - t:.1f}s", flush=True)
     weight_bytes = (arts["cuda graphs"] / "weights" / "rank0.safetensors").stat().st_size
 
-    def run(engine: Engine, batch: int, new: int) -> float:
+    def run(engine: Engine, batch: int, new: int, ids: list[int] = prompt) -> float:
         params = {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}
         torch.cuda.synchronize()
         t = time.perf_counter()
-        engine.generate(input_ids=[prompt] * batch, sampling_params=params)
+        engine.generate(input_ids=[ids] * batch, sampling_params=params)
         torch.cuda.synchronize()
         return time.perf_counter() - t
 
@@ -116,21 +134,32 @@ def main() -> None:
             for label, engine in engines.items():
                 first, full = run(engine, b, 1), run(engine, b, args.tokens + 1)
                 got.setdefault((label, b), []).append((full - first) / args.tokens * 1e3)
+    long = list(range(100, 100 + args.prefill_tokens))
+    for _ in range(args.rounds if long else 0):
+        for label, engine in engines.items():
+            engine.flush_cache()
+            got.setdefault((label, 0), []).append(run(engine, 1, 1, long) * 1e3)
     bw = next((v for k, v in NOMINAL_GBS.items() if k in name), None)
     floor = weight_bytes / (bw * 1e9) * 1e3 if bw else None
+    second = other[0]
     print(f"\n{cfg_path.stem} bf16 on {name}; torch {torch.__version__}")
-    print("| batch | cuda graphs ms/step | eager ms/step | speed-up | tok/s (graphs) | roofline |")
+    print(
+        f"| batch | cuda graphs ms/step | {second} ms/step | {second} / graphs "
+        "| tok/s (graphs) | roofline |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
-    for b in args.batches:
-        g, e = got[("cuda graphs", b)], got.get(("eager", b))
+    for b in [*args.batches, *([0] if long else [])]:
+        g, e = got[("cuda graphs", b)], got.get((second, b))
         mg = statistics.median(g)
-        roof = f"{floor / mg:.0%}" if floor else "n/a"
+        roof = f"{floor / mg:.0%}" if floor and b else "-"
         me = statistics.median(e) if e else None
-        eager = f"{me:.2f} ({min(e):.2f}-{max(e):.2f})" if e and me else "-"
-        gain = f"{me / mg:.2f}x" if me else "-"
+        col = f"{me:.2f} ({min(e):.2f}-{max(e):.2f})" if e and me else "-"
+        ratio = f"{me / mg:.2f}x" if me else "-"
+        rate = (b or len(long)) / mg * 1e3
+        what = b or f"prefill of {len(long)} (ms)"
         print(
-            f"| {b} | {mg:.2f} ({min(g):.2f}-{max(g):.2f}) | {eager}"
-            f" | {gain} | {b / mg * 1e3:.0f} | {roof} |"
+            f"| {what} | {mg:.2f} ({min(g):.2f}-{max(g):.2f}) | {col}"
+            f" | {ratio} | {rate:.0f} | {roof} |"
         )
     print(json.dumps({"weights_gb": weight_bytes / 1e9}))
     if args.profile:

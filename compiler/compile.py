@@ -76,7 +76,7 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
         )
 
         step = _lower_step(graph, options, uses_native)
-        if options.deterministic:
+        if options.deterministic and target.device == "cpu":
             _all_steps_native(graph)
 
         tmp = staging_dir(out)

@@ -67,12 +67,13 @@ def compile_options(
 
 
 def deterministic_options(args: ServerArgs, target: Target) -> bool:
-    """--enable-deterministic-inference: kiln's CPU attention has a batch-invariant mode
-    (passes/deterministic.py); the CUDA target's Triton kernels have none yet."""
-    if args.enable_deterministic_inference and target.device != "cpu":
+    """--enable-deterministic-inference: on CPU targets the lowered C step's batch-invariant
+    attention and linears (passes/deterministic.py), on CUDA targets the batch-invariant
+    kernels (passes/select_backends.py). Inductor's generated code is neither."""
+    if args.enable_deterministic_inference and args.enable_torch_compile:
         raise ArgError(
-            "--enable-deterministic-inference: batch-invariant kernels are kiln's CPU ones; "
-            f"the {target.device} target's have no such mode yet"
+            "--enable-deterministic-inference: --enable-torch-compile's generated kernels "
+            "are not batch-invariant; leave one of the two out"
         )
     return bool(args.enable_deterministic_inference)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.core.opdef import OpDef, signature_problem
-from kiln.core.ops import OPS, STRUCTURAL_OPS
+from kiln.core.ops import ELEMENTWISE, OPS, STRUCTURAL_OPS
 
 # torch_native: the reference, every device. kiln_cpu: kiln's own C kernels for fp32 on CPU
 # (linears on packed weights, paged decode attention, norms, rope). triton / flashinfer:
@@ -43,6 +43,14 @@ class Kernel:
     # Optional attributes of the op this kernel does not compute (attention's `softcap`):
     # it is no kernel of a node that sets one (select_backends; checked again at load).
     unsupported: tuple[str, ...] = ()
+    # A row's output is the same whatever other rows share the call: every row takes the
+    # same arithmetic in the same order for any row count (no tile, split or library
+    # algorithm chosen by the batch). --enable-deterministic-inference on a CUDA target
+    # takes only such kernels (passes/select_backends.py).
+    batch_invariant: bool = False
+    # Slower than the op's usual kernel and chosen only for that flag (the Triton linear,
+    # whose fixed tiles give up cuBLAS's per-shape choice).
+    deterministic_only: bool = False
 
     def refuses(self, attrs: dict[str, Any]) -> str | None:
         """The attribute of `attrs` this kernel does not compute, if any."""
@@ -54,8 +62,16 @@ class Kernel:
         return self.op.needs_ctx
 
 
+# Reference kernels that compute each row from that row alone without a reduction a
+# library tiles by the batch: elementwise ops, gathers and the rotary tables.
+ROW_LOCAL = ELEMENTWISE | {"embedding", "index_select", "split", "rope_cos_sin", "rope"}
+
 _KERNELS: dict[str, dict[str, Kernel]] = {
-    name: {"torch_native": Kernel(d, "torch_native", d.reference, ("cpu", "cuda"))}
+    name: {
+        "torch_native": Kernel(
+            d, "torch_native", d.reference, ("cpu", "cuda"), batch_invariant=name in ROW_LOCAL
+        )
+    }
     for name, d in OPS.items()
     if name not in STRUCTURAL_OPS and d.reference is not None
 }
@@ -68,8 +84,11 @@ def register(
     native: bool = False,
     phases: tuple[str, ...] = ("decode", "prefill"),
     unsupported: tuple[str, ...] = (),
+    batch_invariant: bool = False,
+    deterministic_only: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Register the decorated function as `backend`'s kernel of `op`."""
+    """Register the decorated function as `backend`'s kernel of `op` (see `Kernel` for what
+    the arguments mean)."""
     if backend not in BACKENDS or backend == "torch_native":
         raise ValueError(f"unknown backend {backend!r} (torch_native is each op's reference)")
     definition = OPS.get(op)
@@ -81,7 +100,15 @@ def register(
         if problem is not None:
             raise TypeError(f"{backend} kernel of {op} ({fn.__qualname__}) {problem}")
         _KERNELS.setdefault(op, {})[backend] = Kernel(
-            definition, backend, fn, devices, native, phases, unsupported
+            definition,
+            backend,
+            fn,
+            devices,
+            native,
+            phases,
+            unsupported,
+            batch_invariant,
+            deterministic_only,
         )
         return fn
 
@@ -97,14 +124,22 @@ def get(op: str, backend: str) -> Kernel:
 
 
 def available(
-    op: str, device: str, phase: str = "decode", attrs: dict[str, Any] | None = None
+    op: str,
+    device: str,
+    phase: str = "decode",
+    attrs: dict[str, Any] | None = None,
+    batch_invariant: bool = False,
 ) -> list[str]:
     """Backends that implement `op` on `device` for `phase` (and, given a node's `attrs`,
-    compute all of them), the reference first."""
+    compute all of them), the reference first. `batch_invariant`: only the kernels that are
+    (--enable-deterministic-inference), else none that is only for that."""
     return [
         k.backend
         for k in _KERNELS.get(op, {}).values()
-        if device in k.devices and phase in k.phases and not k.refuses(attrs or {})
+        if device in k.devices
+        and phase in k.phases
+        and not k.refuses(attrs or {})
+        and (k.batch_invariant if batch_invariant else not k.deterministic_only)
     ]
 
 

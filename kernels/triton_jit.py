@@ -46,6 +46,55 @@ def rmsnorm_kernel(
 
 
 @triton.jit
+def linear_kernel(
+    X,
+    W,
+    B,
+    Y,
+    M,
+    N,
+    K,
+    stride_x,
+    stride_w,
+    stride_y,
+    HAS_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One BLOCK_M x BLOCK_N tile of y = x @ w.T (+ b): the whole K in order, BLOCK_K at a
+    time into one fp32 accumulator. The tile sizes never depend on M, so each output is
+    the same sum in the same order at any row count. IEEE: the products in fp32 FMAs (fp32
+    inputs, not TF32; and 16-bit ones under Triton's interpreter, whose bf16 dot is not
+    one), else 16-bit inputs on the tensor cores."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        k_ok = kk[None, :] < K
+        x_ok = (rm[:, None] < M) & k_ok
+        w_ok = (rn[:, None] < N) & k_ok
+        x = tl.load(X + rm[:, None] * stride_x + kk[None, :], mask=x_ok, other=0.0)
+        w = tl.load(W + rn[:, None] * stride_w + kk[None, :], mask=w_ok, other=0.0)
+        if IEEE:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    if HAS_BIAS:
+        acc += tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        Y + rm[:, None] * stride_y + rn[None, :],
+        acc.to(Y.dtype.element_ty),
+        mask=(rm[:, None] < M) & (rn[None, :] < N),
+    )
+
+
+@triton.jit
 def silu_and_mul_kernel(X, Y, stride_x, stride_y, d, BLOCK: tl.constexpr):
     """One row, one block of features: y = silu(x[:d]) * x[d:]."""
     row = tl.program_id(0)

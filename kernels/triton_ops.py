@@ -1,20 +1,22 @@
 """triton: the CUDA target's kernels, Triton programs (kernels/triton_jit.py).
 
 Registered for cuda only: select_backends takes them on a CUDA target and keeps
-torch_native for the ops they do not cover (the linears are cuBLAS GEMMs through torch).
+torch_native for the ops they do not cover (the linears are cuBLAS GEMMs through torch,
+except under --enable-deterministic-inference, which takes the Triton linear).
 Attention is one program for prefill, extend and decode over the paged pool
 (`StepContext.plan` gives every step a page table, so one layout serves all three), after
 the step's K/V are stored with the reference `write_kv`. fp8 pools are read back through
 their scale inside the program.
 
 Hardware: every kernel here is tested against torch_native on the CPU under
-TRITON_INTERPRET=1 (tests/kernels/test_triton.py, in CI); none has run on a GPU yet
-(benchmarks/gpu_check.sh runs them the day one is lent).
+TRITON_INTERPRET=1 (tests/kernels/test_triton.py, in CI) and, compiled for sm_90, on the
+H100 and H200 the `device` tool lent (benchmarks/gpu_check.sh; benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +32,7 @@ else:
     torch = lazy_module("torch")
 
 BLOCK_M, BLOCK_N = 16, 32
+LINEAR_TILE = (64, 64, 64)  # BLOCK_M, BLOCK_N, BLOCK_K of the batch-invariant linear
 
 
 @functools.cache
@@ -44,12 +47,29 @@ def _jit() -> ModuleType:
     return triton_jit
 
 
+def _interpreted() -> bool:
+    """Triton's interpreter runs the programs (TRITON_INTERPRET=1, the CPU's tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
 
-def _triton(op: str, unsupported: tuple[str, ...] = ()) -> Any:
-    return register(op, backend="triton", devices=("cuda",), unsupported=unsupported)
+def _triton(op: str, unsupported: tuple[str, ...] = (), deterministic_only: bool = False) -> Any:
+    # Every program here gives a row the same arithmetic whatever else the call holds: the
+    # norms, rope and silu take a row (or a row's heads) a program; attention's tiles start
+    # at key 0 in blocks of BLOCK_N and its products are fp32 FMAs, so a query's sums run in
+    # one order whether it comes alone, in a prompt or beside other sequences; the linear's
+    # tiles are fixed.
+    return register(
+        op,
+        backend="triton",
+        devices=("cuda",),
+        unsupported=unsupported,
+        batch_invariant=True,
+        deterministic_only=deterministic_only,
+    )
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -94,6 +114,28 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     grid = (rows.shape[0], -(-d // block))
     _jit().silu_and_mul_kernel[grid](rows, y, rows.stride(0), y.stride(0), d, BLOCK=block)
     return y.view(*x.shape[:-1], d)
+
+
+@_triton("linear", deterministic_only=True)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T (+ bias) in fixed 64 x 64 tiles over K in order (no split-K, no per-shape
+    choice): a row's outputs are bitwise the same at any row count, which cuBLAS's
+    heuristics do not promise. For --enable-deterministic-inference only: slower than
+    cuBLAS at most shapes."""
+    rows = _rows(x)
+    m, k = rows.shape
+    n = weight.shape[0]
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (-(-m // LINEAR_TILE[0]), -(-n // LINEAR_TILE[1]))
+    _jit().linear_kernel[grid](
+        rows, weight, y if bias is None else bias, y, m, n, k,
+        rows.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32 or _interpreted(),
+        BLOCK_M=LINEAR_TILE[0], BLOCK_N=LINEAR_TILE[1], BLOCK_K=LINEAR_TILE[2],
+    )  # fmt: skip
+    return y.view(*x.shape[:-1], n)
 
 
 @_triton("rope")

@@ -7,6 +7,12 @@ kiln_cpu (measurements in benchmarks/RESULTS.md) where the node's shapes suit th
 other node runs the reference kernels. CUDA targets take the triton kernels where there is
 one (kernels/triton_ops.py) and the reference kernels (torch's cuBLAS GEMMs for the
 linears) elsewhere. The runtime runs exactly what is recorded here.
+
+--enable-deterministic-inference on a CUDA target takes only batch-invariant kernels
+(kernels/registry.py: the Triton programs, the Triton linear in place of cuBLAS, and the
+references that compute a row from that row alone); a node with none is refused, naming
+its op. CPU targets get the flag's batch invariance from the lowered C step instead
+(passes/deterministic.py), so their selection is unchanged.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from kiln.passes.options import CompileOptions, PassResult, compiler_pass
     "prefill_attention_backend",
     "decode_attention_backend",
     "capture",
+    "deterministic",
 )
 def select_backends(graph: Graph, ctx: CompileOptions) -> PassResult:
     changed = False
@@ -48,7 +55,13 @@ def select_backends(graph: Graph, ctx: CompileOptions) -> PassResult:
 def _pick(n: Node, ctx: CompileOptions, phase: str, flag: str | None) -> str:
     """The backend of `n` for `phase`: the flag's (--prefill- / --decode-attention-backend,
     else --attention-backend, for ops that attend), else kiln's choice."""
-    have = catalog.available(n.op, ctx.device, phase, n.attrs)
+    invariant = ctx.deterministic and ctx.device == "cuda"
+    have = catalog.available(n.op, ctx.device, phase, n.attrs, batch_invariant=invariant)
+    if not have and invariant:
+        raise ValueError(
+            f"%{n.name}: --enable-deterministic-inference: kiln has no batch-invariant "
+            f"{n.op} kernel on {ctx.device}" + (f" for its {_refused(n)}" if _refused(n) else "")
+        )
     if not have:
         raise ValueError(f"%{n.name}: no kernel for op {n.op!r} on {ctx.device}")
     wanted = flag or (ctx.attention_backend if n.op in ATTENTION_OPS else None)
@@ -58,6 +71,14 @@ def _pick(n: Node, ctx: CompileOptions, phase: str, flag: str | None) -> str:
             f"(available: {', '.join(have)})"
         )
     return wanted or _preferred(n, ctx, have)
+
+
+def _refused(n: Node) -> str | None:
+    """The attribute that keeps `n` off the kernels that would otherwise take it."""
+    for k in catalog.kernels():
+        if k.op.name == n.op and k.refuses(n.attrs):
+            return k.refuses(n.attrs)
+    return None
 
 
 def native_suits(n: Node) -> bool:

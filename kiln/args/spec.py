@@ -361,7 +361,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--sm-group-num', type='int', default=8, stage=RUNTIME),
     )),
     Section('For deterministic inference', 'deterministic_inference', (
-        Flag('--enable-deterministic-inference', type='bool', stage=COMPILE, status=IMPLEMENTED, help='A request\'s tokens and logprobs do not depend on the batch it runs in, how its prompt is chunked or what the prefix cache gives it: each attention row is computed on its own, whole (CPU targets, every step lowered to C; slower prompts; passes/deterministic.py).'),
+        Flag('--enable-deterministic-inference', type='bool', stage=COMPILE, status=IMPLEMENTED, help='A request\'s tokens and logprobs do not depend on the batch it runs in, how its prompt is chunked or what the prefix cache gives it: each attention row is computed on its own, whole (CPU targets: every step lowered to C, passes/deterministic.py; CUDA targets: batch-invariant Triton kernels, a Triton linear in place of cuBLAS; not with --enable-torch-compile).'),
     )),
     Section('Deprecated arguments', 'deprecated_arguments', (
         Flag('--enable-ep-moe', type='bool', stage=RUNTIME, status=IMPLEMENTED, deprecated='set --ep-size to the same value as --tp-size instead'),

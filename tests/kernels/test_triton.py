@@ -56,6 +56,31 @@ def test_norms_and_silu(dtype: torch.dtype, hidden: int) -> None:
     torch.testing.assert_close(tri(wide), ref(wide), **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_batch_invariant_linear(dtype: torch.dtype) -> None:
+    """--enable-deterministic-inference's linear: F.linear's values (K not a whole tile, N
+    and M not whole tiles, with and without a bias), and each row bitwise the same alone,
+    in a few rows and in a batch past one 64-row tile, where cuBLAS may pick other tiles."""
+    tol = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
+    x = randn(70, 200, dtype=dtype)
+    w = randn(90, 200, dtype=dtype)
+    b = randn(90, dtype=dtype)
+    tri, ref = both("linear")
+    full = tri(x, w, b)
+    torch.testing.assert_close(full, ref(x, w, b), **tol)
+    torch.testing.assert_close(tri(x, w), ref(x, w), **tol)
+    # A GPU's tensor cores give an output the same sum wherever its row sits in a tile; the
+    # interpreter's tile products are numpy's BLAS, whose last rows of a 64-row tile take
+    # another micro-kernel, so on the CPU rows are compared at the places BLAS treats alike.
+    rows = (0, 5, 60, 63, 64, 69) if DEVICE == "cuda" else (0, 5, 64, 69)
+    for i in rows:
+        assert torch.equal(tri(x[i : i + 1], w, b), full[i : i + 1])
+    assert torch.equal(tri(x[64:70], w, b), full[64:70])
+    if DEVICE == "cuda":
+        assert torch.equal(tri(x[60:67], w, b), full[60:67])
+    assert torch.equal(tri(x.view(7, 10, 200), w, b), full.view(7, 10, 90))
+
+
 @pytest.mark.parametrize("head_dim", [24, 64])
 def test_rope_qkv_on_a_fused_projection(head_dim: int) -> None:
     """q and k columns of [q | k | v] rotated, v passed through, from strided rows."""
@@ -142,4 +167,16 @@ def test_a_cuda_artefact_runs_them(artefact) -> None:
     backends = {n.op: n.meta.get("backend") for n in graph.nodes if "backend" in n.meta}
     for op in ("rope_attention", "add_rmsnorm", "rmsnorm"):
         assert backends[op] == "triton", backends
-    assert backends["linear"] == "torch_native"
+    assert backends["linear"] == "torch_native"  # cuBLAS: the Triton linear is slower
+
+
+def test_a_deterministic_cuda_artefact_takes_batch_invariant_kernels(artefact) -> None:
+    """--enable-deterministic-inference on CUDA: the linears (the LM head's too) take the
+    Triton linear in place of cuBLAS, and every other node a batch-invariant kernel."""
+    from kiln.core.graph_json import load_graph
+
+    flags = {"device": "cuda", "target_isa": "sm_90", "enable_deterministic_inference": True}
+    graph = load_graph((artefact("llama", compile_args=flags) / "graph.json").read_text())
+    picked = [(n.op, n.meta["backend"]) for n in graph.nodes if "backend" in n.meta]
+    assert ("linear", "triton") in picked and ("linear", "torch_native") not in picked
+    assert all(catalog.get(op, backend).batch_invariant for op, backend in picked), picked

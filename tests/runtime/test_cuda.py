@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+from batch_invariance import scenarios
 
 from kiln import Engine
 from kiln.core.ops import HOST_SYNC_OPS
@@ -179,3 +180,18 @@ def test_embeddings_on_the_gpu_are_the_cpus(artefact) -> None:
     again = gpu.embed(input_ids=prompts[1])
     assert again["meta_info"]["cached_tokens"] > 0
     assert np.allclose(again["embedding"], want[1]["embedding"], atol=1e-5)
+
+
+def test_deterministic_inference_on_the_gpu(artefact) -> None:
+    """--enable-deterministic-inference on CUDA (the Triton linear in place of cuBLAS, the
+    Triton attention and norms; decode replayed from CUDA graphs, padded to their buckets):
+    a request's greedy logprobs are bitwise the same alone, after a prefix-cache hit,
+    beside four others of other lengths and with its prompt in 64-token chunks, and close
+    to the default kernels'."""
+    cuda = {"device": "cuda", "cuda_graph_max_bs": 8}
+    flag = {**cuda, "enable_deterministic_inference": True}
+    det = scenarios(artefact("llama", compile_args=flag))
+    assert all(run == det[0] for run in det[1:]), det
+    loose = scenarios(artefact("llama", compile_args=cuda))
+    print("default kernels' runs equal:", [run == loose[0] for run in loose[1:]])
+    assert max(abs(a - b) for run in loose for a, b in zip(run, det[0], strict=True)) < 0.05

@@ -6,32 +6,14 @@ threads), so they can fail."""
 
 from __future__ import annotations
 
-import pytest
+import re
 
-from kiln import Engine
+import pytest
+from batch_invariance import scenarios
+
 from kiln.args import ArgError, ServerArgs
 from kiln.compiler.compile import compile_model
-
-GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
-PROMPT = list(range(5, 205))  # 200 tokens: a lone row's keys split when not deterministic
-OTHERS = [list(range(7, 7 + n)) for n in (3, 40, 90, 150)]
-
-
-def logprobs(engine: Engine, prompts: list[list[int]]) -> list[list[float]]:
-    outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
-    return [[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outs]
-
-
-def scenarios(art, **chunked) -> list[list[float]]:
-    """The prompt's logprobs: alone; again (its prefix from the cache); after the others,
-    with them in the step; alone on an engine that cuts prompts into 64-token chunks."""
-    engine = Engine(art, max_total_tokens=4096)
-    first = logprobs(engine, [PROMPT])[0]
-    again = logprobs(engine, [PROMPT])[0]
-    engine.flush_cache()
-    mixed = logprobs(engine, [*OTHERS, PROMPT])[-1]
-    small = Engine(art, max_total_tokens=4096, chunked_prefill_size=64)
-    return [first, again, mixed, logprobs(small, [PROMPT])[0]]
+from kiln.passes.base import PassError
 
 
 # fp32 weights, and 4-bit ones with float activations (the kernel whose 1-row, few-row and
@@ -46,12 +28,22 @@ def test_a_requests_logprobs_do_not_depend_on_its_batch(artefact, scheme) -> Non
     assert max(abs(a - b) for run in loose for a, b in zip(run, det[0], strict=True)) < 1e-4
 
 
-def test_deterministic_needs_a_cpu_target(checkpoint) -> None:
+@pytest.mark.parametrize(
+    ("family", "flags", "refusal"),
+    [
+        # Gemma 2's soft cap keeps attention off the Triton kernel
+        ("gemma2", {}, "no batch-invariant rope_attention kernel on cuda for its softcap"),
+        ("mixtral", {}, "no batch-invariant moe kernel on cuda"),
+        ("llama", {"enable_torch_compile": True}, "--enable-torch-compile's generated"),
+    ],
+)
+def test_what_a_cuda_target_cannot_make_batch_invariant(checkpoint, family, flags, refusal):
     args = ServerArgs(
-        model_path=str(checkpoint("llama")),
+        model_path=str(checkpoint(family)),
         device="cuda",
         target_isa="sm_90",
         enable_deterministic_inference=True,
+        **flags,
     )
-    with pytest.raises(ArgError, match="--enable-deterministic-inference: batch-invariant"):
+    with pytest.raises((ArgError, PassError), match=re.escape(refusal)):
         compile_model(args)
