@@ -3,8 +3,9 @@ that a machine without Triton can still import kiln).
 
 Every program takes its row strides, so views (the q and k columns of a fused projection)
 need no copy; head dims that are not a power of two are masked to the next one. Sums and
-softmax are fp32 whatever the storage type (attention's products are fp32 `tl.dot`s with
-IEEE precision: the reference's numerics, not the tensor cores' TF32). Tested against
+softmax are fp32 whatever the storage type (attention's products: 16-bit inputs on the
+tensor cores with fp32 sums for 16-bit models on a GPU, else fp32 `tl.dot`s with IEEE
+precision, not the tensor cores' TF32). Tested against
 torch_native under TRITON_INTERPRET=1 on the CPU; see kernels/triton_ops.py for what ran on
 which hardware.
 """
@@ -148,6 +149,7 @@ def paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    TENSOR_CORES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -158,7 +160,10 @@ def paged_attention_kernel(
     kv_head * GROUP + r % GROUP, so each K/V block is read once for the whole group (a
     decode step's GROUP heads are one tile). Query i of the sequence sits at position
     kv_len - q_len + i and sees keys j <= it (and j > it - window with a window). Prefill,
-    extend and decode are the same program; the online softmax keeps one pass over K/V."""
+    extend and decode are the same program; the online softmax keeps one pass over K/V.
+    TENSOR_CORES (16-bit queries on a GPU): q, k, v and the probabilities enter the two
+    products in the queries' type, summed in fp32; else every product is an fp32 FMA.
+    Either way a row's sums take the same tiles in the same order in any step."""
     s = tl.program_id(0)
     kvh = tl.program_id(1)
     block = tl.program_id(2)
@@ -173,7 +178,9 @@ def paged_attention_kernel(
         m_ok = r < q_len * GROUP
         d_ok = d < HEAD_DIM
         q_offs = (q_start + i)[:, None] * stride_q + h[:, None] * HEAD_DIM + d[None, :]
-        q = tl.load(Q + q_offs, mask=m_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        q = tl.load(Q + q_offs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        if not TENSOR_CORES:
+            q = q.to(tl.float32)
         pos = kv_len - q_len + i
         first = block * BLOCK_M // GROUP  # the block's first and last queries
         last = tl.minimum(((block + 1) * BLOCK_M - 1) // GROUP, q_len - 1)
@@ -194,7 +201,12 @@ def paged_attention_kernel(
             offs = kvh * stride_kh + slot[:, None] * HEAD_DIM + d[None, :]
             k = tl.load(K + offs, mask=kv_mask, other=0.0).to(tl.float32) * kv_scale
             v = tl.load(V + offs, mask=kv_mask, other=0.0).to(tl.float32) * kv_scale
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            if TENSOR_CORES:
+                k = k.to(Q.dtype.element_ty)
+                v = v.to(Q.dtype.element_ty)
+                scores = tl.dot(q, tl.trans(k)) * scale
+            else:
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             seen = (n[None, :] <= pos[:, None]) & n_ok[None, :]
             if HAS_WINDOW:
                 seen = seen & (n[None, :] > pos[:, None] - window)
@@ -204,7 +216,10 @@ def paged_attention_kernel(
             p = tl.exp(scores - safe[:, None])
             alpha = tl.exp(best - safe)
             total = total * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            if TENSOR_CORES:
+                acc = acc * alpha[:, None] + tl.dot(p.to(Q.dtype.element_ty), v)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             best = new_best
         out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
         tl.store(

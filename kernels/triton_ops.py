@@ -58,10 +58,10 @@ def _pow2(n: int, least: int = 16) -> int:
 
 def _triton(op: str, unsupported: tuple[str, ...] = (), deterministic_only: bool = False) -> Any:
     # Every program here gives a row the same arithmetic whatever else the call holds: the
-    # norms, rope and silu take a row (or a row's heads) a program; attention's tiles start
-    # at key 0 in blocks of BLOCK_N and its products are fp32 FMAs, so a query's sums run in
-    # one order whether it comes alone, in a prompt or beside other sequences; the linear's
-    # tiles are fixed.
+    # norms, rope and silu take a row (or a row's heads) a program; attention's tiles are
+    # BLOCK_M (query, head) rows by BLOCK_N keys from key 0 in every step, so a query's sums
+    # run in one order whether it comes alone, in a prompt or beside other sequences; the
+    # linear's tiles are fixed.
     return register(
         op,
         backend="triton",
@@ -188,6 +188,7 @@ def attention(
         scale, kv_scale, sliding_window or 0,
         GROUP=group, HEAD_DIM=head_dim, PAGE=ctx.page_size,
         HAS_WINDOW=sliding_window is not None,
+        TENSOR_CORES=q.dtype in (torch.bfloat16, torch.float16) and not _interpreted(),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=_pow2(head_dim),
     )  # fmt: skip
     return out

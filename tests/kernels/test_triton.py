@@ -111,10 +111,28 @@ def test_paged_attention_prefill_extend_mixed_decode(
 ) -> None:
     """Against torch_native, two KV heads shared by groups of 2 or 7 query heads (a
     program's rows are (query, head) pairs: 7 does not divide its 16 rows)."""
+    _check_paged_attention(page, head_dim, window, heads, torch.float32)
+
+
+@pytest.mark.parametrize("head_dim", [24, 64])
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_attention_in_bf16(head_dim: int, window: int | None) -> None:
+    """A bf16 model's queries and pool: on a GPU its products run on the tensor cores
+    (bf16 inputs, fp32 sums), under the interpreter as fp32 FMAs."""
+    _check_paged_attention(16, head_dim, window, 14, torch.bfloat16)
+
+
+def _check_paged_attention(
+    page: int, head_dim: int, window: int | None, heads: int, dtype: torch.dtype
+) -> None:
     kv_heads, layers = 2, 2
     pages = 64 // page + 1
     shape = (layers, kv_heads, pages * page, head_dim)
-    pools = {b: (zeros(shape), zeros(shape), page) for b in ("triton", "torch_native")}
+    pools = {
+        b: (zeros(shape, dtype=dtype), zeros(shape, dtype=dtype), page)
+        for b in ("triton", "torch_native")
+    }
+    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     attrs = {
         "layer": 1,
         "num_heads": heads,
@@ -146,12 +164,12 @@ def test_paged_attention_prefill_extend_mixed_decode(
     for new in ([9, 13, 0], [1, 6, 11], [1, 1, 1], [1, 1, 1]):
         s = step(new)
         t = len(s.ids)
-        q = randn(t, heads * head_dim)
-        k = randn(t, kv_heads * head_dim)
-        v = randn(t, kv_heads * head_dim)
+        q = randn(t, heads * head_dim, dtype=dtype)
+        k = randn(t, kv_heads * head_dim, dtype=dtype)
+        v = randn(t, kv_heads * head_dim, dtype=dtype)
         got = _attend("triton", s, pools["triton"], q, k, v, attrs)
         want = _attend("torch_native", s, pools["torch_native"], q, k, v, attrs)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got, want, **tol)
         for i, n in enumerate(new):
             cached[i] += n
     # The K/V both wrote are the same.
