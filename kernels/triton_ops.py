@@ -31,7 +31,11 @@ if TYPE_CHECKING:
 else:
     torch = lazy_module("torch")
 
-BLOCK_M, BLOCK_N = 16, 32
+# The paged attention's tiles, (query, head) rows by keys: a decode step's group of query
+# heads fits the small one; a prompt's rows take the large one (a quarter of the K/V reads,
+# fuller tensor-core products), except under --enable-deterministic-inference, where every
+# step keeps the small one so a row's sums run over the same key blocks in any step.
+DECODE_TILE, PROMPT_TILE = (16, 32), (64, 64)
 LINEAR_TILE = (64, 64, 64)  # BLOCK_M, BLOCK_N, BLOCK_K of the batch-invariant linear
 
 
@@ -58,10 +62,10 @@ def _pow2(n: int, least: int = 16) -> int:
 
 def _triton(op: str, unsupported: tuple[str, ...] = (), deterministic_only: bool = False) -> Any:
     # Every program here gives a row the same arithmetic whatever else the call holds: the
-    # norms, rope and silu take a row (or a row's heads) a program; attention's tiles are
-    # BLOCK_M (query, head) rows by BLOCK_N keys from key 0 in every step, so a query's sums
-    # run in one order whether it comes alone, in a prompt or beside other sequences; the
-    # linear's tiles are fixed.
+    # norms, rope and silu take a row (or a row's heads) a program; attention's tiles (the
+    # decode tile in every step of an attention node marked deterministic) run over keys
+    # from key 0, so a query's sums run in one order whether it comes alone, in a prompt or
+    # beside other sequences; the linear's tiles are fixed.
     return register(
         op,
         backend="triton",
@@ -181,7 +185,9 @@ def attention(
     k_pool, v_pool = ctx.k_cache[layer], ctx.v_cache[layer]
     table = ctx.page_table
     group = num_heads // num_kv_heads
-    grid = (ctx.num_seqs, num_kv_heads, -(-ctx.max_q_len * group // BLOCK_M))
+    rows = ctx.max_q_len * group
+    block_m, block_n = DECODE_TILE if a.deterministic or rows < PROMPT_TILE[0] else PROMPT_TILE
+    grid = (ctx.num_seqs, num_kv_heads, -(-rows // block_m))
     _jit().paged_attention_kernel[grid](
         q, k_pool, v_pool, out, table, ctx.q_starts, ctx.q_lens, ctx.seq_kv_lens,
         q.stride(0), out.stride(0), k_pool.stride(0), table.stride(0),
@@ -189,7 +195,7 @@ def attention(
         GROUP=group, HEAD_DIM=head_dim, PAGE=ctx.page_size,
         HAS_WINDOW=sliding_window is not None,
         TENSOR_CORES=q.dtype in (torch.bfloat16, torch.float16) and not _interpreted(),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=_pow2(head_dim),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_pow2(head_dim),
     )  # fmt: skip
     return out
 

@@ -198,3 +198,5 @@ def test_a_deterministic_cuda_artefact_takes_batch_invariant_kernels(artefact) -
     picked = [(n.op, n.meta["backend"]) for n in graph.nodes if "backend" in n.meta]
     assert ("linear", "triton") in picked and ("linear", "torch_native") not in picked
     assert all(catalog.get(op, backend).batch_invariant for op, backend in picked), picked
+    # the Triton attention keeps one tile for prompts and decode steps alike
+    assert all(n.attrs["deterministic"] for n in graph.nodes if n.op == "rope_attention")

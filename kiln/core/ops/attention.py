@@ -154,7 +154,7 @@ class Attention(Attrs):
     sinks: int = 0
     # --enable-deterministic-inference: 1 when every row is attended on its own, whole, so
     # that its result does not depend on what else a step holds (kernels/csrc/cpu_kernels.c
-    # decode_attention).
+    # decode_attention; the Triton kernel keeps its decode tile in every step).
     deterministic: int = 0
 
 
