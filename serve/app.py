@@ -18,6 +18,7 @@ from kiln.runtime.engine import Engine
 from kiln.runtime.model_runner import freeze_startup_heap
 from kiln.serve import native_api, openai_api
 from kiln.serve.context import ServingContext
+from kiln.serve.metrics import CustomLabels
 from kiln.serve.middleware import FrontDoor, error_body
 from kiln.serve.streams import ApiError
 
@@ -46,6 +47,13 @@ def create_app(engine: Engine, args: ServerArgs, clean_start: bool = False) -> F
     app.state.kiln = ctx
     app.include_router(openai_api.router)
     app.include_router(native_api.router)
+    if args.enable_metrics and ctx.metrics.custom:
+        # inside the front door: a refused request's header is never read
+        app.add_middleware(
+            CustomLabels,
+            header=args.tokenizer_metrics_custom_labels_header,
+            allowed=ctx.metrics.custom,
+        )
     app.add_middleware(
         FrontDoor,
         api_key=args.api_key,

@@ -93,7 +93,7 @@ class ServingContext:
         # weights a reinforcement-learning trainer last synced; reported in meta_info).
         self.weight_version = args.weight_version
         self.context_length = engine.context_length
-        self.metrics = Metrics(args, self.async_engine)
+        self.metrics = Metrics(args, self.async_engine, self.model_name)
         self.chat_template = _read_template(args.chat_template)
         self.completion_template = fim.load(args.completion_template)
         self.preferred = _preferred_sampling(args.preferred_sampling_params)

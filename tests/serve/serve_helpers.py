@@ -58,11 +58,25 @@ async def wait_until_running(client: httpx.AsyncClient, count: int, timeout: flo
     raise AssertionError(f"{count} requests never ran at once within {timeout} s (at most {most})")
 
 
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of a /metrics text's samples called `name` whose labels include `labels`
+    (Prometheus's own parser); KeyError when there is none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = [
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    ]
+    if not found:
+        raise KeyError(f"no sample {name} {labels or ''} in /metrics")
+    return sum(found)
+
+
 def generated_tokens(server: Server) -> float:
     """kiln:generation_tokens_total from the server's /metrics (--enable-metrics)."""
-    text = server.get("/metrics", key=None).text
-    line = next(x for x in text.splitlines() if x.startswith("kiln:generation_tokens_total"))
-    return float(line.split()[-1])
+    return metric(server.get("/metrics", key=None).text, "kiln:generation_tokens_total")
 
 
 def stream_completions(server: Server, prompts: list[str], max_tokens: int) -> list[str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import openai
-from serve_helpers import API_KEY, start_server, stop_server
+from serve_helpers import API_KEY, metric, start_server, stop_server
 
 from kiln import Engine
 
@@ -30,9 +30,7 @@ def _replicas(server) -> list[str]:
 
 
 def _served(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    line = next(x for x in text.splitlines() if x.startswith("kiln:num_requests_total"))
-    return float(line.split()[-1])
+    return metric(httpx.get(url + "/metrics", timeout=10).text, "kiln:num_requests_total")
 
 
 def _children(pid: int) -> list[int]:

@@ -13,6 +13,7 @@ import pytest
 from serve_helpers import (
     ADMIN_KEY,
     API_KEY,
+    metric,
     stop_server,
     stream_completions,
     wait_until_running,
@@ -665,19 +666,15 @@ def test_metrics(server, client) -> None:
         "kiln:cache_hit_rate",
     ):
         assert name in text, name
-    values = {
-        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("kiln:")
-    }
-    assert values["kiln:time_to_first_token_seconds_count"] >= 1
+    assert metric(text, "kiln:time_to_first_token_seconds_count") >= 1
     # --collect-tokens-histogram: one observation a finished request, in the given buckets
-    finished = values["kiln:num_requests_total"]
-    assert values["kiln:generation_tokens_histogram_count"] == finished >= 1
-    assert values["kiln:prompt_tokens_histogram_count"] == finished
-    assert values['kiln:generation_tokens_histogram_bucket{le="12.0"}'] >= 1  # "Hello"'s 12
-    assert 'kiln:prompt_tokens_histogram_bucket{le="1.1e+06"}' in values  # SGLang's default
-    assert 'kiln:generation_tokens_histogram_bucket{le="100.0"}' not in values
+    finished = metric(text, "kiln:num_requests_total", model_name="tiny")  # SGLang's label
+    assert metric(text, "kiln:generation_tokens_histogram_count") == finished >= 1
+    assert metric(text, "kiln:prompt_tokens_histogram_count") == finished
+    assert metric(text, "kiln:generation_tokens_histogram_bucket", le="12.0") >= 1  # "Hello"'s 12
+    assert metric(text, "kiln:prompt_tokens_histogram_bucket", le="1.1e+06")  # SGLang's default
+    with pytest.raises(KeyError):
+        metric(text, "kiln:generation_tokens_histogram_bucket", le="100.0")
 
 
 def test_queue_limit_answers_503_and_sigterm_exits_cleanly(artefact, launch) -> None:

@@ -3,9 +3,12 @@ cache reporting and flushing, and `kiln launch`."""
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import openai
 import pytest
-from serve_helpers import start_kiln, stop_server
+from serve_helpers import metric, start_kiln, stop_server
 
 TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
 
@@ -35,6 +38,9 @@ def server(artefact, launch, tmp_path_factory):
         "--fastapi-root-path",
         "/kiln",
         "--enable-tokenizer-batch-encode",
+        "--tokenizer-metrics-allowed-custom-labels",
+        "team",
+        "tier",
     )
 
 
@@ -69,9 +75,78 @@ def test_metric_buckets_follow_the_flags(server, client) -> None:
     buckets = [
         line
         for line in text.splitlines()
-        if line.startswith("kiln:time_to_first_token_seconds_bucket")
+        if line.startswith("kiln:time_to_first_token_seconds_bucket") and 'team=""' in line
     ]
     assert [b.split('le="')[1].split('"')[0] for b in buckets] == ["0.25", "0.5", "7.5", "+Inf"]
+
+
+def test_custom_metric_labels_from_the_header(server, client) -> None:
+    """SGLang's scheme: the allowed labels a request's x-custom-labels JSON gives label its
+    series (others dropped, "" when absent); a malformed header is a 400 and the server
+    serves on."""
+    before = server.get("/metrics", key=None).text
+    sent = {"team": "search", "tier": 2, "user": "dropped"}
+    client.completions.create(
+        model="m",
+        prompt="Hello",
+        max_tokens=2,
+        extra_headers={"x-custom-labels": json.dumps(sent)},
+    )
+    text = server.get("/metrics", key=None).text
+    mine = {"model_name": "m", "team": "search", "tier": "2"}
+    assert metric(text, "kiln:num_requests_total", **mine) == 1 + _or_zero(
+        before, "kiln:num_requests_total", **mine
+    )
+    assert metric(text, "kiln:time_to_first_token_seconds_count", **mine) >= 1
+    assert "user=" not in text and "dropped" not in text
+    for bad, why in (
+        ("{not json", "not JSON"),
+        ('["team"]', "a JSON object"),
+        ('{"team": {"a": 1}}', "a string or number"),
+        (json.dumps({"team": "x" * 129}), "over 128 characters"),
+    ):
+        r = httpx.post(
+            server.url + "/v1/completions",
+            json={"model": "m", "prompt": "Hi", "max_tokens": 1},
+            headers={"x-custom-labels": bad},
+            timeout=30,
+        )
+        assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+    assert client.completions.create(model="m", prompt="Hi", max_tokens=1).choices
+
+
+def _or_zero(text: str, name: str, **labels: str) -> float:
+    try:
+        return metric(text, name, **labels)
+    except KeyError:
+        return 0.0
+
+
+def test_label_sets_past_the_limit_count_as_other() -> None:
+    from kiln.serve.metrics import LabelSets
+
+    sets = LabelSets(("team", "tier"), limit=2)
+    assert sets.values({"team": "a"}) == ("a", "")
+    assert sets.values({"team": "b", "tier": "1"}) == ("b", "1")
+    assert sets.values({"team": "c"}) == ("other", "other")
+    assert sets.values({"team": "a"}) == ("a", "")  # a set already seen keeps its series
+    assert sets.values(None) == ("other", "other")
+
+
+def test_custom_label_names_are_checked() -> None:
+    from kiln.args import ArgError
+    from kiln.serve.metrics import allowed_labels
+
+    assert allowed_labels(["team", "_x1"]) == ("team", "_x1")
+    for bad, why in (
+        (["1x"], "not a Prometheus label"),
+        (["model_name"], "kiln sets"),
+        (["le"], "kiln sets"),
+        (["a", "a"], "named twice"),
+        (["__a"], "not a"),
+    ):
+        with pytest.raises(ArgError, match=why):
+            allowed_labels(bad)
 
 
 def test_auto_truncate_cuts_long_prompts(client) -> None:
@@ -174,12 +249,8 @@ def test_cache_hit_rate_metric(server, client) -> None:
     prompt = "One, two, three, four, five, six, seven. " * 3
     for _ in range(2):
         client.completions.create(model="m", prompt=prompt, max_tokens=1)
-    line = next(
-        x
-        for x in server.get("/metrics", key=None).text.splitlines()
-        if x.startswith("kiln:cache_hit_rate ")
-    )
-    assert 0.0 < float(line.split()[-1]) < 1.0
+    rate = metric(server.get("/metrics", key=None).text, "kiln:cache_hit_rate", model_name="m")
+    assert 0.0 < rate < 1.0
 
 
 def test_stream_interval_groups_tokens(server) -> None:
