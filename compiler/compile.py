@@ -64,7 +64,9 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
         options = compile_options(args, ck, reader, cfg)
         ranks = []  # (graph, pass log, constants) of each rank
         for rank in range(options.tp.size):
-            graph, constants = trace(build(cfg, embedding=args.is_embedding))
+            graph, constants = trace(
+                build(cfg, args.is_embedding, hidden_states=args.enable_return_hidden_states)
+            )
             graph.context_length = cfg.max_position_embeddings
             for spec in graph.weights.values():
                 if "constant" not in spec.source:  # a checkpoint tensor, however cut
@@ -518,6 +520,8 @@ def _manifest(
             "embedding_dim": cfg.hidden_size if args.is_embedding else None,
             "matryoshka": args.is_embedding and cfg.is_matryoshka,
             "matryoshka_dimensions": list(cfg.matryoshka_dimensions) if args.is_embedding else [],
+            # --enable-return-hidden-states: steps return (logits, final hidden states)
+            "return_hidden_states": args.enable_return_hidden_states,
         },
         # As given (serving compares what it is given with these); the key's are resolved.
         "compile_args": _recorded_args(args),

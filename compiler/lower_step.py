@@ -195,7 +195,7 @@ class _Lowering:
                 last[id(a)] = i
         out = g.output
         if len(out.args) != 1:
-            raise Refused("the graph returns more than the logits")
+            raise Refused("the graph returns its hidden states too (--enable-return-hidden-states)")
         self.out_node = out.args[0]
         for i, n in enumerate(g.nodes):
             if n.op == "output":

@@ -50,6 +50,7 @@ def compile_options(
     if scheme is not None:
         check_groups(scheme, cfg, tp.size)
     speculative = speculative_options(args)
+    hidden_states_options(args, speculative)
     return CompileOptions(
         target=target,
         dtype=key.dtype,
@@ -64,6 +65,23 @@ def compile_options(
         speculative=speculative,
         deterministic=deterministic_options(args, target),
     )
+
+
+def hidden_states_options(args: ServerArgs, speculative: dict[str, Any] | None) -> None:
+    """--enable-return-hidden-states: the steps' second output, which a verify step, an
+    embedding model's pooled output and a recorded step (CUDA graphs, compiled pieces)
+    have no place for."""
+    if not args.enable_return_hidden_states:
+        return
+    clash = (
+        "--speculative-algorithm" if speculative
+        else "--is-embedding" if args.is_embedding
+        else "--enable-torch-compile" if args.enable_torch_compile
+        else "--enable-piecewise-cuda-graph" if args.enable_piecewise_cuda_graph
+        else None
+    )  # fmt: skip
+    if clash is not None:
+        raise ArgError(f"--enable-return-hidden-states: not with {clash}")
 
 
 def deterministic_options(args: ServerArgs, target: Target) -> bool:
@@ -248,7 +266,8 @@ def capture_options(
     if args.enable_torch_compile:
         limit = args.torch_compile_max_bs or 32
         capture.update(decode="compiled", batch_sizes=tuple(b for b in buckets if b <= limit))
-    elif device == "cuda" and not args.disable_cuda_graph:
+    elif device == "cuda" and not args.disable_cuda_graph and not args.enable_return_hidden_states:
+        # (--enable-return-hidden-states: a step's two outputs are not recorded; eager)
         capture.update(decode="cuda_graph", batch_sizes=tuple(buckets))
     elif device == "cpu" and not args.disable_cuda_graph and tp == 1:
         # kiln's CPU form of a captured step: every step as one native call, a prefill's

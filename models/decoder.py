@@ -342,12 +342,13 @@ class Backbone(nn.Module):
 class CausalLM(nn.Module):
     """forward(input_ids, positions, logits_indices) -> logits of the selected rows; with
     `embedding` (SGLang's --is-embedding), their final hidden states instead (no lm_head:
-    the runtime pools the last token's)."""
+    the runtime pools the last token's); with `hidden_states`
+    (--enable-return-hidden-states), (logits, final hidden states) of those rows."""
 
-    def __init__(self, cfg: ModelConfig, embedding: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, embedding: bool = False, hidden_states: bool = False):
         super().__init__()
         self.cfg = cfg
-        self.embedding = embedding
+        self.embedding, self.hidden_states = embedding, hidden_states
         self.model = Backbone(cfg)
         if not cfg.tie_word_embeddings and not embedding:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -357,7 +358,9 @@ class CausalLM(nn.Module):
         tied = self.cfg.tie_word_embeddings
         return self.model.embed_tokens.weight if tied else self.lm_head.weight
 
-    def forward(self, input_ids: Value, positions: Value, logits_indices: Value) -> Value:
+    def forward(
+        self, input_ids: Value, positions: Value, logits_indices: Value
+    ) -> Value | tuple[Value, Value]:
         cfg = self.cfg
         freqs = ops.constant("rope.inv_freq", inv_freq(cfg.rope, cfg.rotary, cfg.head_dim))
         pairs = cfg.rotary_dim // 2  # 0 (all) unless a partial rotary
@@ -381,10 +384,12 @@ class CausalLM(nn.Module):
         if self.embedding:
             return h
         logits = ops.linear(h, self.lm_head_weight, role="lm_head")
-        return ops.softcap(logits, cap=cfg.final_softcap) if cfg.final_softcap else logits
+        if cfg.final_softcap:
+            logits = ops.softcap(logits, cap=cfg.final_softcap)
+        return (logits, h) if self.hidden_states else logits
 
 
-def build(cfg: ModelConfig, embedding: bool = False) -> CausalLM:
+def build(cfg: ModelConfig, embedding: bool = False, hidden_states: bool = False) -> CausalLM:
     """The definition on the meta device: names and shapes, no memory."""
     with torch.device("meta"):
-        return CausalLM(cfg, embedding)
+        return CausalLM(cfg, embedding, hidden_states)

@@ -67,6 +67,8 @@ class ModelSpec:
     # widths (empty: any up to embedding_dim).
     matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] = ()
+    # --enable-return-hidden-states: its steps give the logits rows' final hidden states too
+    return_hidden_states: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -307,7 +309,10 @@ def _check_agreement(root: Path, spec: ModelSpec, graph: Graph) -> None:
                 refuse("vocab_size", spec.vocab_size, f"an embedding of {table.shape[0]} rows")
             if table.dtype != spec.dtype and n.op != "quant_embedding":
                 refuse("dtype", spec.dtype, table.dtype)
-    [out] = infer_types(graph)[graph.output.name]
+    outs = infer_types(graph)[graph.output.name]
+    if len(outs) != 1 + spec.return_hidden_states:
+        refuse("return_hidden_states", spec.return_hidden_states, f"{len(outs)} step outputs")
+    out = outs[0]
     head = any(n.meta.get("role") == "lm_head" for n in graph.nodes)
     if spec.is_embedding == head:  # an embedding model's steps end at the final norm
         refuse("is_embedding", spec.is_embedding, "an lm_head" if head else "no lm_head")

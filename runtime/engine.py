@@ -31,7 +31,7 @@ from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.parallel import TPGroup, check_nodes
 from kiln.runtime.placement import KVDemand, Placement, available_ram, gpu_memory, place
 from kiln.runtime.radix_cache import RadixCache
-from kiln.runtime.request import Request, RequestOutput, logprob_meta
+from kiln.runtime.request import Request, RequestOutput, hidden_meta, logprob_meta
 from kiln.runtime.sampler import (
     Logits,
     SamplingRow,
@@ -324,11 +324,14 @@ class Engine:
         logprob_start_len: int = -1,
         token_ids_logprob: list[int] | None = None,
         return_text_in_logprobs: bool = False,
+        return_hidden_states: bool = False,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Generate for one prompt (returns a dict) or a batch (returns a list of dicts).
         With return_logprob, `logprob_start_len` >= 0 reports the prompt's logprobs from
         that position on too (SGLang's input_token_logprobs; -1: the output's only), and
-        `token_ids_logprob` those tokens' logprobs at every reported position."""
+        `token_ids_logprob` those tokens' logprobs at every reported position.
+        `return_hidden_states` (an --enable-return-hidden-states artefact): SGLang's
+        meta_info hidden_states, the prompt's rows then one a generated token but the last."""
         if self.art.spec.is_embedding:
             raise RequestError(f"{self.art.root} is an embedding model (--is-embedding): embed()")
         single, ids_list = self._prompts(prompt, input_ids)
@@ -351,6 +354,7 @@ class Engine:
                 top_logprobs=top,
                 prompt_top_logprobs=scored,
                 logprob_ids=named,
+                return_hidden_states=return_hidden_states,
             )
             for ids, p in zip(ids_list, params, strict=True)
             for i in range(p.n)
@@ -435,14 +439,22 @@ class Engine:
         prompt_top_logprobs: int | None = None,
         logprob_ids: tuple[int, ...] = (),
         dimensions: int | None = None,
+        return_hidden_states: bool = False,
     ) -> Request:
         """A validated request (not yet queued). `prompt_top_logprobs`: the prompt's
         logprobs too (with the top k of each), its prompt computed whole (no prefix-cache
         hit); with max_new_tokens 0 it only scores its prompt. `logprob_ids`: with logprobs,
         these tokens' at each position too (at most MAX_LOGPROB_IDS). `dimensions`: a
-        Matryoshka embedding model's request, its vector cut to that many features."""
+        Matryoshka embedding model's request, its vector cut to that many features.
+        `return_hidden_states`: its final hidden states, kept as its steps run (its prompt
+        computed whole: a cached prefix has none)."""
         if not ids:
             raise RequestError("the prompt is empty")
+        if return_hidden_states and not self.art.spec.return_hidden_states:
+            raise RequestError(
+                "return_hidden_states: this model was compiled without "
+                "--enable-return-hidden-states"
+            )
         if dimensions is not None:
             self.check_dimensions(dimensions)
         self.check_vocabulary(ids, "token ids")
@@ -486,6 +498,7 @@ class Engine:
             priority=priority,
             prompt_top_logprobs=prompt_top_logprobs,
             dimensions=dimensions,
+            return_hidden_states=return_hidden_states,
         )
 
     def check_dimensions(self, dimensions: int) -> None:
@@ -674,6 +687,8 @@ class Engine:
                 costs.observe(sum(fed), kv, time.perf_counter() - start)
             if self.nan_detection:
                 logits = self._without_nan(logits, batch)
+            if self.art.spec.return_hidden_states:
+                self._keep_hidden_states(batch)
             if batch.verify:
                 return self._accept(batch, logits)
             if self.art.spec.is_embedding:
@@ -707,6 +722,19 @@ class Engine:
         for req, lps in scores:
             req.prompt_logprobs += lps
         return []
+
+    def _keep_hidden_states(self, batch: Batch) -> None:
+        """The step's final hidden states (one row per logits row, runtime/model_runner.py)
+        of the requests that asked for them, by position: a row at a position a request
+        already holds (a retracted request fed again) is not added twice."""
+        hidden, at = self.runner.hidden, 0
+        for req, fed, count in zip(batch.requests, batch.new_tokens, batch.rows(), strict=True):
+            if req.return_hidden_states and count:
+                rows = hidden[at : at + count].float().cpu().numpy()
+                first = req.kv_len + len(fed) - count  # the position of the first row
+                for j in range(len(req.hidden_states) - first, count):
+                    req.hidden_states.append(rows[j].tolist())
+            at += count
 
     def _without_nan(self, logits: Logits, batch: Batch) -> Logits:
         """`logits` with NaN read as -1e5 (SGLang's value: never sampled, no inf to upset a
@@ -742,7 +770,8 @@ class Engine:
         scores: list[tuple[Request, list[TokenLogprob]]] = []
         at = 0
         for i, (req, count) in enumerate(zip(batch.requests, batch.rows(), strict=True)):
-            if batch.scored[i]:
+            # (a request scored for its hidden states alone wants no prompt logprobs)
+            if batch.scored[i] and req.prompt_top_logprobs is not None:
                 first = len(req.prompt_logprobs)  # the next position to score
                 if req.kv_len > first:  # a scored prompt is fed whole
                     raise RuntimeError("the prompt's logprobs would skip cached tokens")
@@ -904,6 +933,7 @@ class Engine:
             self._spec_meta(req) if self.speculative is not None else None,
             prompt_lps,
             req.embedding,
+            req.hidden_states if req.return_hidden_states and req.finished else None,
         )
 
     @staticmethod
@@ -940,6 +970,8 @@ class Engine:
         }
         if self.speculative is not None:
             meta.update(self._spec_meta(req))
+        if req.return_hidden_states:
+            meta["hidden_states"] = hidden_meta(len(req.prompt_ids), req.hidden_states)
         if req.top_logprobs is not None:
             meta.update(
                 logprob_meta(

@@ -13,7 +13,7 @@ import gc
 import math
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -76,6 +76,9 @@ class ModelRunner:
         )
         self.step = StepContext.over(self.kv, spec.page_size)
         self._recorder: Recorder | None = None
+        # --enable-return-hidden-states: the last step's final hidden states, one row per
+        # logits row (what `run` returned the logits of)
+        self.hidden: Any = None
         self.decode = self._decode_runner(art, context_length or spec.context_length)
         self.prefill = self._prefill_runner(art)
         self.group: TPGroup | None = None  # rank 0 of a tensor-parallel artefact
@@ -178,7 +181,10 @@ class ModelRunner:
             assert self.prefill is not None
             return self.prefill.run(self.step, step, tokens)
         ctx, ids, positions, rows = self.step.plan(step)
-        return self.executor(ctx, ids, positions, rows)
+        out = self.executor(ctx, ids, positions, rows)
+        if isinstance(out, tuple):  # --enable-return-hidden-states: (logits, hidden)
+            out, self.hidden = out
+        return out
 
     def decode_mode(self, art: Artefact) -> str:
         """How decode steps run, for the start-up log: a slow mode says why."""

@@ -69,6 +69,11 @@ class Request:
     # An embedding model's (ModelSpec.is_embedding): its last prompt token's final hidden
     # state, L2-normalised, once its prompt is in.
     embedding: list[float] | None = None
+    # return_hidden_states (an --enable-return-hidden-states artefact): the final hidden
+    # state of each prompt token, then of each token fed after it (SGLang's meta_info
+    # hidden_states: the prompt's rows, then one a generated token but the last).
+    return_hidden_states: bool = False
+    hidden_states: list[list[float]] = field(default_factory=list)
 
     @property
     def all_ids(self) -> list[int]:
@@ -89,7 +94,10 @@ class Request:
 
     @property
     def scoring(self) -> bool:
-        """It wants its prompt's logprobs and has not all of them yet."""
+        """It wants every prompt row's logits (its prompt's logprobs, or its prompt's
+        hidden states) and has not had all of them yet: its prompt is computed whole."""
+        if self.return_hidden_states and len(self.hidden_states) < len(self.prompt_ids):
+            return True
         return (
             self.prompt_top_logprobs is not None
             and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
@@ -119,6 +127,14 @@ class RequestOutput:
     # The prompt's logprobs (Request.prompt_logprobs), in the first output that has them.
     prompt_logprobs: list[TokenLogprob] | None = None
     embedding: list[float] | None = None  # an embedding model's, in its last output
+    # return_hidden_states: every row so far (Request.hidden_states), in its last output
+    hidden_states: list[list[float]] | None = None
+
+
+def hidden_meta(prompt_len: int, rows: list[list[float]]) -> list[Any]:
+    """SGLang's meta_info hidden_states from a request's rows by position: the prompt's
+    rows as one list of rows, then one row a generated token (but the last, never fed)."""
+    return [rows[:prompt_len], *rows[prompt_len:]] if rows else []
 
 
 def prompt_positions(prompt_len: int, scored: list[TokenLogprob]) -> list[TokenLogprob | None]:

@@ -249,6 +249,7 @@ class ServingContext:
         dimensions: int | None = None,
         defaults: str | None = None,
         cache_key: str | list[str] | None = None,
+        hidden_states: bool = False,
     ) -> list[Request]:
         """`n` requests per prompt (default: the params' own `n`), validated; raises
         ApiError(400) naming the problem. `params` is one dict for all prompts or one per
@@ -262,7 +263,8 @@ class ServingContext:
         model's recommended sampling (--sampling-defaults model) under those; the
         request's own fields win. `cache_key`: SGLang's extra_key (with cache_salt), for
         all prompts or one per prompt: requests share cached prefixes only with requests
-        of the same key."""
+        of the same key. `hidden_states`: SGLang's return_hidden_states (an
+        --enable-return-hidden-states artefact)."""
         if embed != self.engine.art.spec.is_embedding:
             raise ApiError(400, NOT_EMBEDDING if embed else EMBEDDING_ONLY)
         if n is not None and not 1 <= n <= MAX_N:
@@ -310,6 +312,7 @@ class ServingContext:
                         prompt_top_logprobs=prompt_top_logprobs,
                         logprob_ids=lp_ids,
                         dimensions=dimensions,
+                        return_hidden_states=hidden_states,
                     )
                     for i, name in zip(range(count), names, strict=True)
                 ]

@@ -12,7 +12,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from kiln.runtime.gc_watch import freeze
 from kiln.runtime.request import Request as EngineRequest
-from kiln.runtime.request import logprob_meta
+from kiln.runtime.request import hidden_meta, logprob_meta
 from kiln.serve.context import EMBED_PARAMS, ServingContext
 from kiln.serve.protocol import (
     AbortRequest,
@@ -58,6 +58,8 @@ def _meta(
     }
     if acc.spec is not None:
         meta.update(acc.spec)
+    if body.return_hidden_states and acc.hidden_states is not None:  # in the last output
+        meta["hidden_states"] = hidden_meta(len(req.prompt_ids), acc.hidden_states)
     if body.return_logprob:
         meta |= logprob_meta(
             acc.logprobs,
@@ -111,6 +113,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
             prompt_top_logprobs=top if start >= 0 else None,
             logprob_ids=body.token_ids_logprob if body.return_logprob else None,
             cache_key=body.extra_key,
+            hidden_states=body.return_hidden_states,
         )
 
     reqs = await ctx.build(build)

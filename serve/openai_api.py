@@ -37,6 +37,13 @@ def _ctx(request: Request) -> ServingContext:
     return request.app.state.kiln
 
 
+def _last_hidden(out: Any) -> list[float]:
+    """SGLang's OpenAI `hidden_states` of a choice: the last of meta_info's hidden states
+    when it holds more than the prompt's rows (the last fed token's), else []."""
+    rows = out.hidden_states or []
+    return rows[-1] if len(rows) > out.prompt_tokens else []
+
+
 def _finish_reason(out: Any) -> tuple[str | None, Any]:
     reason = out.finish_reason or {}
     kind = reason.get("type")
@@ -191,6 +198,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             rid=body.rid,
             prompt_top_logprobs=scored,
             cache_key=cache_key(body.cache_salt, body.extra_key),
+            hidden_states=body.return_hidden_states,
         )
         return prompts, echo, reqs
 
@@ -232,6 +240,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                     "finish_reason": reason,
                     "matched_stop": matched,
                 }
+                if body.return_hidden_states and out.finished:
+                    choice["hidden_states"] = _last_hidden(out)
                 yield sse({**head, "choices": [choice], **(usage() if continuous else {})})
             if include_usage:
                 yield sse({**head, "choices": [], **usage()})
@@ -257,6 +267,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                     else None,
                     "finish_reason": reason,
                     "matched_stop": matched,
+                    **({"hidden_states": _last_hidden(res)} if body.return_hidden_states else {}),
                 }
             )
     cached = sum(finals[i * best_of].cached_tokens for i in range(len(prompts)))
@@ -325,6 +336,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             priority=ctx.priority(body),
             rid=body.rid,
             cache_key=cache_key(body.cache_salt, body.extra_key),
+            hidden_states=body.return_hidden_states,
         )
 
     try:
@@ -367,15 +379,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                     reason = "tool_calls"
                 for k, delta in enumerate(deltas or [{}]):
                     last = k == max(len(deltas) - 1, 0)
-                    yield chunk(
-                        {
-                            "index": i,
-                            "delta": delta,
-                            "logprobs": logprobs if k == 0 else None,
-                            "finish_reason": reason if last else None,
-                            "matched_stop": matched if last else None,
-                        }
-                    )
+                    choice = {
+                        "index": i,
+                        "delta": delta,
+                        "logprobs": logprobs if k == 0 else None,
+                        "finish_reason": reason if last else None,
+                        "matched_stop": matched if last else None,
+                    }
+                    if body.return_hidden_states and last and out.finished:
+                        choice["hidden_states"] = _last_hidden(out)
+                    yield chunk(choice)
             if include_usage:
                 yield sse({**chunk_head, "choices": [], **usage()})
 
@@ -395,6 +408,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 "logprobs": _chat_logprobs(ctx, res.logprobs) if body.logprobs else None,
                 "finish_reason": reason,
                 "matched_stop": matched,
+                **({"hidden_states": _last_hidden(res)} if body.return_hidden_states else {}),
             }
         )
     usage = ctx.usage(

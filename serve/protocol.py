@@ -157,7 +157,6 @@ _SGLANG_REFUSED: dict[str, Any] = {
     "custom_params": None,
     "custom_logit_processor": None,
     "images_config": None,
-    "return_hidden_states": False,
     "return_routed_experts": False,
     "routed_experts_start_len": 0,
     "return_cached_tokens_details": False,
@@ -241,6 +240,9 @@ class _Sampling(Body):
     structural_tag: str | dict[str, Any] | None = None
     # Accepted and ignored: who is asking, not what to generate (OpenAI).
     user: str | None = None
+    # SGLang's: each choice's `hidden_states`, a final hidden state (an
+    # --enable-return-hidden-states artefact)
+    return_hidden_states: bool = False
 
     REFUSED = _SGLANG_REFUSED
 
@@ -433,6 +435,8 @@ class GenerateRequest(Body):
     rid: Texts | None = None
     priority: int = 0
     extra_key: Texts | None = None  # prefix-cache isolation, as on the OpenAI routes
+    # meta_info hidden_states (an --enable-return-hidden-states artefact)
+    return_hidden_states: bool = False
     # Accepted and ignored: metric and logging switches (kiln logs no request content).
     log_metrics: bool = True
     no_logs: bool = False
@@ -447,7 +451,6 @@ class GenerateRequest(Body):
         "lora_id": None,
         "session_params": None,
         "custom_logit_processor": None,
-        "return_hidden_states": False,
         "return_routed_experts": False,
         "bootstrap_host": None,
         "bootstrap_port": None,

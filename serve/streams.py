@@ -51,8 +51,11 @@ class Accumulated:
     spec: dict[str, Any] | None = None  # speculative decoding's meta_info
     prompt_logprobs: list[TokenLogprob] | None = None  # when the request scored its prompt
     embedding: list[float] | None = None  # an embedding model's
+    hidden_states: list[list[float]] | None = None  # return_hidden_states: every row
 
     def add(self, out: RequestOutput) -> None:
+        if out.hidden_states is not None:
+            self.hidden_states = out.hidden_states
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         if out.embedding is not None:

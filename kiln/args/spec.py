@@ -307,7 +307,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--disable-chunked-prefix-cache', type='bool', stage=RUNTIME),
         Flag('--disable-fast-image-processor', type='bool', stage=RUNTIME),
         Flag('--keep-mm-feature-on-device', type='bool', stage=RUNTIME),
-        Flag('--enable-return-hidden-states', type='bool', stage=RUNTIME),
+        Flag('--enable-return-hidden-states', type='bool', stage=COMPILE, status=IMPLEMENTED, help='Steps also return the final norm\'s hidden states, so a request may ask for them (`return_hidden_states`): the prompt\'s rows, then each fed token\'s. Its decode steps run in the Python executor (no native step, no CUDA graphs); not with speculative decoding or --is-embedding.'),
         Flag('--scheduler-recv-interval', type='int', default=1, stage=RUNTIME),
         Flag('--numa-node', type='list[int]', stage=RUNTIME),
         Flag('--enable-layerwise-nvtx-marker', type='bool', stage=RUNTIME),

@@ -299,6 +299,8 @@ class RuntimeSpec(_Strict):
     matryoshka_dimensions: list[Annotated[int, Field(gt=0, le=MAX_HIDDEN)]] = Field(
         default=[], max_length=MAX_MATRYOSHKA_DIMS
     )
+    # --enable-return-hidden-states: the graph returns (logits, final hidden states)
+    return_hidden_states: bool = False
 
 
 class Manifest(_Strict):
