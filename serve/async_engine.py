@@ -16,7 +16,7 @@ from typing import Any
 from kiln.runtime.engine import Engine
 from kiln.runtime.engine_thread import EngineThread
 from kiln.runtime.request import Request, RequestOutput
-from kiln.serve.request_log import RequestLog
+from kiln.serve.request_log import MetricsFile, RequestLog
 
 
 class QueueFull(RuntimeError):
@@ -41,6 +41,7 @@ class AsyncEngine:
         self.engine = engine
         self.max_queued = max_queued
         self.request_log = request_log  # --log-requests
+        self.metrics_file: MetricsFile | None = None  # --export-metrics-to-file
         self.thread = EngineThread(engine, self._on_output)
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._claimed: weakref.WeakValueDictionary[str, Request] = weakref.WeakValueDictionary()
@@ -132,6 +133,14 @@ class AsyncEngine:
         for rid, stream in list(self._streams.items()):
             stream.put_nowait(RequestOutput(rid, [], "", [], True, reason, 0, 0))
 
+    def _ended(self, req: Request, reason: dict[str, Any] | None = None) -> None:
+        """A request's stream ended (`reason` where the request does not say why: a
+        client that went away): --log-requests' line and --export-metrics-to-file's."""
+        if self.request_log is not None:
+            self.request_log.finished(req, reason)
+        if self.metrics_file is not None:
+            self.metrics_file.finished(req, reason)
+
     async def stream(self, req: Request) -> AsyncIterator[RequestOutput]:
         """Submit `req`; yield its outputs until it finishes. Closing the iterator early
         (the client went away) aborts the request, which frees its memory."""
@@ -155,8 +164,8 @@ class AsyncEngine:
                     started = True
                     self._queued -= 1
                 finished = out.finished
-                if finished and self.request_log is not None:
-                    self.request_log.finished(req)
+                if finished:
+                    self._ended(req)
                 yield out
         finally:
             if not started:
@@ -164,6 +173,4 @@ class AsyncEngine:
             self._streams.pop(req.rid, None)
             if not finished:
                 self.thread.abort(req.rid)
-                if self.request_log is not None:
-                    gone = {"type": "abort", "message": "the client went away"}
-                    self.request_log.finished(req, gone)
+                self._ended(req, {"type": "abort", "message": "the client went away"})

@@ -15,12 +15,13 @@ import json
 import logging
 import re
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kiln.args import ServerArgs, json_object
+from kiln.args import ArgError, ServerArgs, json_object
 from kiln.runtime.detokenizer import token_bytes
 from kiln.runtime.engine import EMBED, Engine, RequestError
 from kiln.runtime.request import Request, RequestOutput
@@ -29,7 +30,7 @@ from kiln.serve import fim
 from kiln.serve.async_engine import AsyncEngine, QueueFull, RidInUse, Unavailable
 from kiln.serve.metrics import Metrics
 from kiln.serve.protocol import ChatMessage
-from kiln.serve.request_log import RequestLog
+from kiln.serve.request_log import PROBE_RID, MetricsFile, RequestLog
 from kiln.serve.streams import Accumulated, ApiError, failure, join, merged
 
 log = logging.getLogger("kiln.serve")
@@ -94,6 +95,12 @@ class ServingContext:
         self.weight_version = args.weight_version
         self.context_length = engine.context_length
         self.metrics = Metrics(args, self.async_engine, self.model_name)
+        if args.export_metrics_to_file:
+            if not args.export_metrics_to_file_dir:
+                raise ArgError("--export-metrics-to-file: needs --export-metrics-to-file-dir")
+            self.async_engine.metrics_file = MetricsFile(
+                args.export_metrics_to_file_dir, self.model_name, self._log_worker
+            )
         self.chat_template = _read_template(args.chat_template)
         self.completion_template = fim.load(args.completion_template)
         self.preferred = _preferred_sampling(args.preferred_sampling_params)
@@ -118,7 +125,9 @@ class ServingContext:
     def close(self) -> None:
         self._workers.shutdown(wait=False, cancel_futures=True)
         self._grammar_workers.shutdown(wait=False, cancel_futures=True)
-        self._log_worker.shutdown(wait=False)
+        self._log_worker.shutdown(wait=True)  # the last lines and records are written
+        if self.async_engine.metrics_file is not None:
+            self.async_engine.metrics_file.close()
 
     async def off_loop(self, fn: Callable[[], T]) -> T:
         """Run `fn` on a tokenizer thread and await it."""
@@ -420,7 +429,12 @@ class ServingContext:
         bos = self.engine.art.spec.bos_token_id or 0
         params = {"max_new_tokens": max_new_tokens, "temperature": 0}
         embed = self.engine.art.spec.is_embedding  # then one pooled step, not tokens
-        reqs = self.make_requests([[bos]], EMBED_PARAMS if embed else params, embed=embed)
+        reqs = self.make_requests(
+            [[bos]],
+            EMBED_PARAMS if embed else params,
+            embed=embed,
+            rid=PROBE_RID + uuid.uuid4().hex,
+        )
         self.admit(reqs)
         finished = False
         async for out in self.stream(reqs[0]):

@@ -17,15 +17,108 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
 from concurrent.futures import Executor
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
+from kiln.args import ArgError
 from kiln.runtime.request import Request
+from kiln.serve.metrics import REQUEST_LABELS
+
+# The rid prefix of the server's own probes (warm-up, /health_generate): SGLang's.
+PROBE_RID = "HEALTH_CHECK_"
 
 log = logging.getLogger("kiln.requests")
 
 PARTIAL_CHARS = 2048  # level 2's cut, of the prompt and of the output
+
+
+def ended(req: Request, reason: dict[str, Any] | None, sampling: bool) -> dict[str, Any]:
+    """What a request that ended is, without its texts: id, token counts, finish reason
+    (`reason` where the request does not say yet), times, and with `sampling` its
+    sampling parameters."""
+    now = time.perf_counter()
+    fields: dict[str, Any] = {
+        "rid": req.rid,
+        "prompt_tokens": len(req.prompt_ids),
+        "completion_tokens": len(req.output_ids),
+        "cached_tokens": req.cached_tokens,
+        "finish_reason": reason or req.finish_reason,
+        "e2e_latency": round(now - req.created, 4),
+    }
+    if req.first_token_at is not None:
+        fields["ttft"] = round(req.first_token_at - req.created, 4)
+    if sampling:
+        fields["sampling_params"] = {
+            k: v for k, v in dataclasses.asdict(req.params).items() if v not in (None, ())
+        }
+    return fields
+
+
+class MetricsFile:
+    """--export-metrics-to-file: a JSON object a line for each request that ends, in
+    `kiln-request-metrics-YYYYMMDD_HH.log` (the UTC hour it ended in) under
+    --export-metrics-to-file-dir: when, the served model name, what `ended` gives with the
+    sampling parameters, and its custom metric labels (serve/metrics.py); never its prompt
+    or output. Health and warm-up probes are left out. Written on `workers` (the request
+    log's thread), so a slow disk holds no client's stream; a write that fails is logged
+    once and the server serves on."""
+
+    def __init__(self, folder: str, model_name: str, workers: Executor | None = None) -> None:
+        self.folder, self.model_name, self.workers = Path(folder), model_name, workers
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ArgError(f"--export-metrics-to-file-dir: cannot create {folder}: {e}") from None
+        if not os.access(self.folder, os.W_OK):
+            raise ArgError(f"--export-metrics-to-file-dir: {folder} is not writable")
+        self._hour = ""
+        self._file: Any = None
+        self._failed = False
+
+    def finished(self, req: Request, reason: dict[str, Any] | None = None) -> None:
+        if req.rid.startswith(PROBE_RID):
+            return
+        at = time.time()
+        record = {
+            "time": datetime.fromtimestamp(at, timezone.utc).isoformat(timespec="milliseconds"),
+            "model_name": self.model_name,
+            **ended(req, reason, sampling=True),
+        }
+        labels = REQUEST_LABELS.get()
+        if labels:
+            record["custom_labels"] = labels
+        line = json.dumps(record, default=str)
+        if self.workers is not None:
+            try:
+                self.workers.submit(self._write, at, line)
+                return
+            except RuntimeError:  # the workers are shut down: the server is stopping
+                pass
+        self._write(at, line)
+
+    def _write(self, at: float, line: str) -> None:
+        try:
+            hour = time.strftime("%Y%m%d_%H", time.gmtime(at))
+            if hour != self._hour:
+                self.close()
+                name = f"kiln-request-metrics-{hour}.log"
+                self._file = open(self.folder / name, "a", encoding="utf-8")  # noqa: SIM115
+                self._hour = hour
+            self._file.write(line + "\n")
+            self._file.flush()
+        except OSError as e:
+            if not self._failed:
+                self._failed = True
+                log.warning("--export-metrics-to-file: cannot write under %s: %s", self.folder, e)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file, self._hour = None, ""
 
 
 class RequestLog:
@@ -43,21 +136,7 @@ class RequestLog:
     def finished(self, req: Request, reason: dict[str, Any] | None = None) -> None:
         """Log `req`, which has ended (with `reason` where it does not say why yet: a
         client that went away)."""
-        now = time.perf_counter()
-        fields: dict[str, Any] = {
-            "rid": req.rid,
-            "prompt_tokens": len(req.prompt_ids),
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": req.cached_tokens,
-            "finish_reason": reason or req.finish_reason,
-            "e2e_latency": round(now - req.created, 4),
-        }
-        if req.first_token_at is not None:
-            fields["ttft"] = round(req.first_token_at - req.created, 4)
-        if self.level >= 1:
-            fields["sampling_params"] = {
-                k: v for k, v in dataclasses.asdict(req.params).items() if v not in (None, ())
-            }
+        fields = ended(req, reason, sampling=self.level >= 1)
         if self.level < 2:
             self._write(fields)
             return

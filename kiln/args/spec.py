@@ -376,8 +376,8 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--config', type='str', stage=RUNTIME, status=IMPLEMENTED, help="YAML file of arguments (either spelling as keys); the command line wins."),
     )),
     Section('RequestMetricsExporter configuration', 'request_metrics_exporter', (
-        Flag('--export-metrics-to-file', type='bool', stage=RUNTIME),
-        Flag('--export-metrics-to-file-dir', type='str', stage=RUNTIME),
+        Flag('--export-metrics-to-file', type='bool', stage=RUNTIME, status=IMPLEMENTED, help='A JSON line for each request that ends (times, token counts, finish reason, sampling parameters, custom metric labels; never its texts) in hourly files kiln-request-metrics-YYYYMMDD_HH.log (serve/request_log.py).'),
+        Flag('--export-metrics-to-file-dir', type='str', stage=RUNTIME, status=IMPLEMENTED, help='The folder of --export-metrics-to-file\'s files (created if missing; required with it).'),
     )),
     Section('Encode prefill disaggregation', 'encode_prefill_disaggregation', (
         Flag('--encoder-only', type='bool', stage=RUNTIME),

@@ -4,6 +4,8 @@ cache reporting and flushing, and `kiln launch`."""
 from __future__ import annotations
 
 import json
+import re
+import time
 
 import httpx
 import openai
@@ -14,7 +16,12 @@ TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endf
 
 
 @pytest.fixture(scope="module")
-def server(artefact, launch, tmp_path_factory):
+def metrics_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("metrics") / "exported"  # made by the server
+
+
+@pytest.fixture(scope="module")
+def server(artefact, launch, tmp_path_factory, metrics_dir):
     template = tmp_path_factory.mktemp("tpl") / "chat.jinja"
     template.write_text(TEMPLATE)
     return launch(
@@ -41,6 +48,9 @@ def server(artefact, launch, tmp_path_factory):
         "--tokenizer-metrics-allowed-custom-labels",
         "team",
         "tier",
+        "--export-metrics-to-file",
+        "--export-metrics-to-file-dir",
+        str(metrics_dir),
     )
 
 
@@ -113,6 +123,33 @@ def test_custom_metric_labels_from_the_header(server, client) -> None:
         )
         assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
     assert client.completions.create(model="m", prompt="Hi", max_tokens=1).choices
+
+
+def test_metrics_exported_to_file(server, client, metrics_dir) -> None:
+    """--export-metrics-to-file: a JSON line for each request that ends, with its custom
+    labels and sampling parameters, never its texts; the warm-up probe left out."""
+    client.completions.create(
+        model="m",
+        prompt="Exported once",
+        max_tokens=3,
+        extra_headers={"x-custom-labels": json.dumps({"team": "export"})},
+    )
+    record = None
+    for _ in range(100):  # written on the log thread
+        files = sorted(metrics_dir.glob("kiln-request-metrics-*.log"))
+        lines = [json.loads(x) for f in files for x in f.read_text().splitlines()]
+        mine = [r for r in lines if r.get("custom_labels") == {"team": "export"}]
+        if mine:
+            record = mine[0]
+            break
+        time.sleep(0.05)
+    assert record is not None, lines
+    assert re.fullmatch(r"kiln-request-metrics-\d{8}_\d{2}\.log", files[-1].name)
+    assert record["model_name"] == "m" and record["completion_tokens"] == 3
+    assert record["sampling_params"]["max_new_tokens"] == 3 and record["e2e_latency"] > 0
+    assert record["finish_reason"]["type"] == "length" and "T" in record["time"]
+    assert "Exported" not in json.dumps(lines)  # no prompt text
+    assert not any(r["rid"].startswith("HEALTH_CHECK_") for r in lines)  # nor the probes
 
 
 def _or_zero(text: str, name: str, **labels: str) -> float:
