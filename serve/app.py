@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 from kiln.args import ServerArgs
 from kiln.runtime.engine import Engine
 from kiln.runtime.model_runner import freeze_startup_heap
-from kiln.serve import native_api, openai_api
+from kiln.serve import native_api, openai_api, responses_api
 from kiln.serve.context import ServingContext
 from kiln.serve.metrics import CustomLabels
 from kiln.serve.middleware import FrontDoor, error_body
@@ -47,6 +47,7 @@ def create_app(engine: Engine, args: ServerArgs, clean_start: bool = False) -> F
     app.state.kiln = ctx
     app.include_router(openai_api.router)
     app.include_router(native_api.router)
+    app.include_router(responses_api.router)
     if args.enable_metrics and ctx.metrics.custom:
         # inside the front door: a refused request's header is never read
         app.add_middleware(

@@ -592,3 +592,37 @@ class EncodeRequest(Body):
     input_ids: TokenIds | None = None
     rid: Texts | None = None
     dimensions: int | None = None  # as /v1/embeddings'
+
+
+class ResponsesRequest(Body):
+    """OpenAI's /v1/responses body (serve/responses_api.py serves it as a chat completion)."""
+
+    model: str = "default"
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    # Accepted: kiln keeps no responses, so there is nothing stored to fetch later.
+    store: bool | None = None
+    # Accepted and echoed: metadata, who is asking, how the input is cut (it never is).
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Literal["disabled"] | None = None
+
+    REFUSED = {
+        "previous_response_id": None,
+        "conversation": None,
+        "background": False,
+        "include": None,
+        "reasoning": None,
+        "prompt": None,
+        "top_logprobs": None,
+        "max_tool_calls": None,
+        "service_tier": None,
+    }

@@ -304,3 +304,127 @@ def test_the_parsers_on_their_own_routes(server) -> None:
     )
     assert r.json() == {"reasoning_text": "Add. ", "text": "4"}
     assert server.post("/separate_reasoning", json={"text": 4}).status_code == 400
+
+
+# -- /v1/responses: OpenAI's Responses API, served as the chat completion it asks for ------
+def test_responses_text_is_the_chat_completions(client) -> None:
+    kw = {"max_tokens": 8, "temperature": 0}
+    want = chat(client, messages=[{"role": "system", "content": "Be brief."}, *ASK], **kw)
+    got = client.responses.create(
+        model="tiny",
+        instructions="Be brief.",
+        input=ASK[0]["content"],
+        max_output_tokens=8,
+        temperature=0,
+    )
+    assert got.output_text == want.choices[0].message.content
+    assert got.usage.input_tokens == want.usage.prompt_tokens
+    assert got.usage.output_tokens == want.usage.completion_tokens
+    status = "incomplete" if want.choices[0].finish_reason == "length" else "completed"
+    assert got.status == status and got.object == "response" and got.id.startswith("resp_")
+    # streamed: the text deltas join to the same text, ending with the whole response
+    events = list(
+        client.responses.create(
+            model="tiny", instructions="Be brief.", input=ASK[0]["content"],
+            max_output_tokens=8, temperature=0, stream=True,
+        )
+    )  # fmt: skip
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == f"response.{status}"
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == got.output_text == events[-1].response.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_tool_calls_and_their_round_trip(client) -> None:
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]  # Responses' flat tools
+    got = client.responses.create(
+        model="tiny", input=ASK, tools=tools, tool_choice={"type": "function", "name": "add"},
+        parallel_tool_calls=False, max_output_tokens=60, temperature=0,
+    )  # fmt: skip
+    (call,) = [item for item in got.output if item.type == "function_call"]
+    assert call.name == "add" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), ADD)
+    events = list(
+        client.responses.create(
+            model="tiny", input=ASK, tools=tools, tool_choice={"type": "function", "name": "add"},
+            parallel_tool_calls=False, max_output_tokens=60, temperature=0, stream=True,
+        )
+    )  # fmt: skip
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(i.type, i.name, i.arguments) for i in done] == [
+        ("function_call", "add", call.arguments)
+    ]
+    # the call and its output go back as input items: a text answer
+    history = [
+        *ASK,
+        {"type": "function_call", "call_id": call.call_id, "name": call.name,
+         "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "4"},
+    ]  # fmt: skip
+    answer = client.responses.create(
+        model="tiny", input=history, tools=tools, tool_choice="none", max_output_tokens=6
+    )
+    assert [item.type for item in answer.output] == ["message"]
+    assert answer.usage.input_tokens > got.usage.input_tokens  # the call and output rendered
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id: not supported"),
+        ({"background": True}, "background: not supported"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+         "input[0].content[0].type 'input_image': kiln takes text parts"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type 'web_search'"),
+        ({"input": [{"type": "reasoning"}]}, "input[0].type 'reasoning'"),
+    ],
+)  # fmt: skip
+def test_responses_refusals_name_the_field(server, extra, message) -> None:
+    body = {"model": "tiny", "input": "Hi", "max_output_tokens": 2, **extra}
+    r = server.post("/v1/responses", json=body)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+
+
+def test_response_events_for_reasoning_text_and_calls() -> None:
+    """The translation of a chat stream holding all three kinds of output (what the
+    parsers above read from a Qwen answer): one item each, in order, closed in turn."""
+    from kiln.serve.protocol import ResponsesRequest
+    from kiln.serve.responses_api import ResponseEvents
+
+    call = {"index": 0, "id": "call_1", "type": "function",
+            "function": {"name": "add", "arguments": ""}}  # fmt: skip
+    deltas = [
+        {"reasoning_content": "o"}, {"reasoning_content": "k"}, {"content": "Sure."},
+        {"tool_calls": [call]}, {"tool_calls": [{"index": 0, "function": {"arguments": '{"a":'}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": " 4}"}}]},
+    ]  # fmt: skip
+    chunks = [f"data: {json.dumps({'choices': [{'delta': d}]})}\n\n" for d in deltas]
+    chunks.append(
+        f"data: {json.dumps({'choices': [{'delta': {}, 'finish_reason': 'tool_calls'}]})}\n\n"
+    )
+    chunks.append("data: [DONE]\n\n")
+
+    async def source():
+        for c in chunks:
+            yield c
+
+    async def run() -> list[dict]:
+        stream = ResponseEvents(ResponsesRequest(input="x"), {"id": "resp_1"})
+        return [json.loads(e.split("data: ", 1)[1]) async for e in stream.translate(source())]
+
+    import asyncio
+
+    events = asyncio.run(run())
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed"
+    assert [i["type"] for i in final["output"]] == ["reasoning", "message", "function_call"]
+    assert final["output"][0]["content"][0]["text"] == "ok"
+    assert final["output"][1]["content"][0]["text"] == "Sure."
+    assert (
+        final["output"][2]["arguments"] == '{"a": 4}' and final["output"][2]["call_id"] == "call_1"
+    )
+    done = [e["item"]["type"] for e in events if e["type"] == "response.output_item.done"]
+    assert done == ["reasoning", "message", "function_call"]
+    assert all(i["status"] == "completed" for i in final["output"])
