@@ -732,6 +732,8 @@ class Engine:
             if req.return_hidden_states and count:
                 rows = hidden[at : at + count].float().cpu().numpy()
                 first = req.kv_len + len(fed) - count  # the position of the first row
+                if first > len(req.hidden_states):  # its rows are computed in order
+                    raise RuntimeError(f"hidden states from position {first} would leave a gap")
                 for j in range(len(req.hidden_states) - first, count):
                     req.hidden_states.append(rows[j].tolist())
             at += count
