@@ -48,8 +48,9 @@ def create_app(engine: Engine, args: ServerArgs, clean_start: bool = False) -> F
     app.include_router(openai_api.router)
     app.include_router(native_api.router)
     app.include_router(responses_api.router)
-    if args.enable_metrics and ctx.metrics.custom:
-        # inside the front door: a refused request's header is never read
+    if (args.enable_metrics or args.export_metrics_to_file) and ctx.metrics.custom:
+        # inside the front door: a refused request's header is never read (the labels go
+        # to /metrics and to --export-metrics-to-file's records)
         app.add_middleware(
             CustomLabels,
             header=args.tokenizer_metrics_custom_labels_header,

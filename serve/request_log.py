@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 from datetime import datetime, timezone
 from pathlib import Path
@@ -34,6 +35,18 @@ PROBE_RID = "HEALTH_CHECK_"
 log = logging.getLogger("kiln.requests")
 
 PARTIAL_CHARS = 2048  # level 2's cut, of the prompt and of the output
+
+
+def run_on(workers: Executor | None, fn: Callable[..., None], *args: Any) -> None:
+    """`fn(*args)` on `workers` (in order, off the event loop), or here when there are none
+    or they are shut down (the server is stopping: the line is still written)."""
+    if workers is not None:
+        try:
+            workers.submit(fn, *args)
+            return
+        except RuntimeError:
+            pass
+    fn(*args)
 
 
 def ended(req: Request, reason: dict[str, Any] | None, sampling: bool) -> dict[str, Any]:
@@ -91,14 +104,7 @@ class MetricsFile:
         labels = REQUEST_LABELS.get()
         if labels:
             record["custom_labels"] = labels
-        line = json.dumps(record, default=str)
-        if self.workers is not None:
-            try:
-                self.workers.submit(self._write, at, line)
-                return
-            except RuntimeError:  # the workers are shut down: the server is stopping
-                pass
-        self._write(at, line)
+        run_on(self.workers, self._write, at, json.dumps(record, default=str))
 
     def _write(self, at: float, line: str) -> None:
         try:
@@ -140,14 +146,7 @@ class RequestLog:
         if self.level < 2:
             self._write(fields)
             return
-        texts = (req.prompt_ids, list(req.output_ids))
-        if self.workers is not None:
-            try:
-                self.workers.submit(self._write, fields, texts)
-                return
-            except RuntimeError:  # the workers are shut down: the server is stopping
-                pass
-        self._write(fields, texts)
+        run_on(self.workers, self._write, fields, (req.prompt_ids, list(req.output_ids)))
 
     def _write(
         self, fields: dict[str, Any], texts: tuple[list[int], list[int]] | None = None
