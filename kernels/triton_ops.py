@@ -51,6 +51,7 @@ def _jit() -> ModuleType:
     return triton_jit
 
 
+@functools.cache
 def _interpreted() -> bool:
     """Triton's interpreter runs the programs (TRITON_INTERPRET=1, the CPU's tests)."""
     return os.environ.get("TRITON_INTERPRET") == "1"

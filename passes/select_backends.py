@@ -58,9 +58,10 @@ def _pick(n: Node, ctx: CompileOptions, phase: str, flag: str | None) -> str:
     invariant = ctx.deterministic and ctx.device == "cuda"
     have = catalog.available(n.op, ctx.device, phase, n.attrs, batch_invariant=invariant)
     if not have and invariant:
+        why = _refused(n)
         raise ValueError(
             f"%{n.name}: --enable-deterministic-inference: kiln has no batch-invariant "
-            f"{n.op} kernel on {ctx.device}" + (f" for its {_refused(n)}" if _refused(n) else "")
+            f"{n.op} kernel on {ctx.device}" + (f" for its {why}" if why else "")
         )
     if not have:
         raise ValueError(f"%{n.name}: no kernel for op {n.op!r} on {ctx.device}")
@@ -75,10 +76,8 @@ def _pick(n: Node, ctx: CompileOptions, phase: str, flag: str | None) -> str:
 
 def _refused(n: Node) -> str | None:
     """The attribute that keeps `n` off the kernels that would otherwise take it."""
-    for k in catalog.kernels():
-        if k.op.name == n.op and k.refuses(n.attrs):
-            return k.refuses(n.attrs)
-    return None
+    reasons = (k.refuses(n.attrs) for k in catalog.kernels() if k.op.name == n.op)
+    return next((r for r in reasons if r), None)
 
 
 def native_suits(n: Node) -> bool:

@@ -342,10 +342,8 @@ class ResponseEvents:
         if self.open is not None and self.open["type"] == kind:
             return []
         out = self.close()
-        item = reasoning_item("", "in_progress") if kind == "reasoning" else None
-        if item is None:
-            item = message_item("", "in_progress")
-        self.open = item
+        make = reasoning_item if kind == "reasoning" else message_item
+        item = self.open = make("", "in_progress")
         self.output.append(item)
         out.append(self.event("response.output_item.added",
                               output_index=len(self.output) - 1, item=item))  # fmt: skip
