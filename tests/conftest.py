@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import hf_oracle
 import pytest
 
 from kiln.args import ServerArgs
@@ -22,8 +26,68 @@ os.environ["KILN_CACHE_DIR"] = tempfile.mkdtemp(prefix="kiln-test-cache-")
 SESSION_KERNELS = Path(os.environ["KILN_CACHE_DIR"]) / "kernels"
 
 
+# transformers' answers for the real models, computed beside the session (tests/hf_oracle.py)
+ORACLE_DIR = Path(os.environ["KILN_CACHE_DIR"]) / "hf-oracle"
+_oracles: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}  # name -> process, its log
+
+
+def _start_oracle(names: list[str]) -> None:
+    ORACLE_DIR.mkdir(parents=True, exist_ok=True)
+    log = ORACLE_DIR / f"{'-'.join(names)}.log"
+    with open(log, "wb") as out:
+        script = Path(__file__).with_name("hf_oracle.py")
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(ORACLE_DIR), *names], stdout=out, stderr=out
+        )
+    _oracles.update(dict.fromkeys(names, (proc, log)))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start transformers on the real models the collected tests will hold kiln to, so their
+    30-60 s of reading GGUF files run on the core the tests leave idle."""
+    if session.config.option.collectonly:
+        return
+    wanted = {f"{name}_oracle": name for name in hf_oracle.CASES}
+    names = {
+        wanted[f]
+        for item in session.items
+        for f in getattr(item, "fixturenames", ())
+        if f in wanted
+    }
+    if names:
+        _start_oracle(sorted(names, key=list(hf_oracle.CASES).index))
+
+
+def _oracle(name: str) -> dict[str, Any]:
+    if name not in _oracles:
+        _start_oracle([name])
+    (proc, log), done = _oracles[name], ORACLE_DIR / f"{name}.json"
+    while not done.exists():
+        if proc.poll() is not None and not done.exists():
+            pytest.fail(f"transformers' oracle for {name} failed:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    return hf_oracle.load(name, ORACLE_DIR)
+
+
+@pytest.fixture(scope="session")
+def smollm2_oracle() -> dict[str, Any]:
+    """transformers on SmolLM2's Q4_1 file: its chat answer to tests/hf_oracle.py's question."""
+    return _oracle("smollm2")
+
+
+@pytest.fixture(scope="session")
+def gemma3_oracle() -> dict[str, Any]:
+    """transformers on Gemma 3's Q4_K_M file: its greedy continuations of three prompts."""
+    return _oracle("gemma3")
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """The session's cache goes with it (its artefacts are tens of MB a session)."""
+    """The session's cache goes with it (its artefacts are tens of MB a session), and an
+    oracle still running (a session stopped early) with it."""
+    for proc, _ in set(_oracles.values()):
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     shutil.rmtree(os.environ["KILN_CACHE_DIR"], ignore_errors=True)
 
 

@@ -11,16 +11,16 @@ from pathlib import Path
 import openai
 import pytest
 import torch
+from hf_oracle import CASES
 from oracle import kiln_all_logits
 from serve_helpers import API_KEY
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kiln import Engine
 from kiln.args import ServerArgs
 from kiln.compiler.compile import compile_model
 from kiln.example import fetch
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION = list(CASES["smollm2"].chat)
 
 
 @pytest.fixture(scope="module")
@@ -35,24 +35,23 @@ def smollm2_art(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
     return art
 
 
-def test_real_model_answers_as_transformers_does(smollm2: Path, smollm2_art: Path) -> None:
-    tok = AutoTokenizer.from_pretrained(smollm2.parent, gguf_file=smollm2.name)
-    hf = AutoModelForCausalLM.from_pretrained(
-        smollm2.parent, gguf_file=smollm2.name, dtype=torch.float32
-    ).eval()
-    text = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
-    ids = tok(text)["input_ids"]
+def test_real_model_answers_as_transformers_does(smollm2_art: Path, smollm2_oracle) -> None:
+    """transformers' greedy chat answer (tests/hf_oracle.py: the file dequantized, fp32,
+    computed beside the session)."""
+    [want] = smollm2_oracle["answers"]  # the question through the file's chat template
     engine = Engine(smollm2_art, max_total_tokens=2048)
-    assert engine.encode(text) == ids  # the tokenizer kiln wrote from the GGUF file
-    out = engine.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 32})
-    ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
-    assert out["output_ids"] == ref[0, len(ids) :].tolist()
+    assert engine.encode(want["prompt"]) == want["ids"]  # the tokenizer kiln wrote from the file
+    out = engine.generate(
+        input_ids=want["ids"],
+        sampling_params={"temperature": 0, "max_new_tokens": CASES["smollm2"].new_tokens},
+    )
+    assert out["output_ids"] == want["continuation"]
     assert out["text"] == "The capital of France is Paris."
-    seq = ids + out["output_ids"]
-    with torch.no_grad():
-        ref_logits = hf(torch.tensor([seq])).logits[0]
+    seq = want["ids"] + out["output_ids"]
     # Real weights give logits up to ~30; fp32 sums in another order differ by ~1e-4.
-    torch.testing.assert_close(kiln_all_logits(engine, seq), ref_logits, atol=1e-3, rtol=0)
+    torch.testing.assert_close(
+        kiln_all_logits(engine, seq), smollm2_oracle["logits"], atol=1e-3, rtol=0
+    )
 
 
 def test_real_model_chats_through_the_server(smollm2_art: Path, launch) -> None:
