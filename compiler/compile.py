@@ -236,7 +236,7 @@ def _native_build(target: Target, toolchain: native.Toolchain, root: Path) -> di
         "build_id": native.build_id(target, toolchain),
         "sha256": fmt.sha256_file(dst),
         "source_sha256": native.source_sha256(),
-        "flags": list(native.flags(target)),
+        "flags": list(native.library_flags(target, toolchain)),
         "compiler": toolchain.version,
         "lanes": lanes,
         "group_panels": group,

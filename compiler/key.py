@@ -160,7 +160,10 @@ def compile_key(args: ServerArgs, rehash: bool = False) -> CompileKey:
         # The C compiler and its flags make the native kernels (the source is in kiln's).
         "native_toolchain": None
         if toolchain is None
-        else {"compiler": toolchain.version, "flags": list(native.flags(target))},
+        else {
+            "compiler": toolchain.version,
+            "flags": list(native.library_flags(target, toolchain)),
+        },
         "config_sha256": None if config is None else hashed(config),
         # By file name inside the checkpoint folder (a .gguf file is its own folder).
         "weights_sha256": {

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import statistics
 import time
 
 import httpx
@@ -84,11 +83,12 @@ def test_kept_alive_requests_do_not_wait_for_a_delayed_ack(server) -> None:
             info.append(time.perf_counter() - t0)
         chat = []
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-        # 11: the median stands a few requests slowed by the machine (each Nagle wait
-        # would add ~40 ms to every one of them)
         for _ in range(11):
             t0 = time.perf_counter()
             assert c.post("/v1/chat/completions", json=body).status_code == 200
             chat.append(time.perf_counter() - t0)
-    assert statistics.median(info) < 0.030, info
-    assert statistics.median(chat) < 0.035, chat
+    # A Nagle wait adds ~40 ms to every request on the connection; a busy machine slows
+    # some (the median of 11 failed on a CI run with a test beside it, at 40 ms): so the
+    # fastest few must be fast, not most.
+    assert sorted(info)[3] < 0.030, info
+    assert sorted(chat)[2] < 0.035, chat
