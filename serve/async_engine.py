@@ -16,7 +16,7 @@ from typing import Any
 from kiln.runtime.engine import Engine
 from kiln.runtime.engine_thread import EngineThread
 from kiln.runtime.request import Request, RequestOutput
-from kiln.serve.request_log import MetricsFile, RequestLog
+from kiln.serve.request_log import CrashDump, MetricsFile, RequestLog
 
 
 class QueueFull(RuntimeError):
@@ -42,6 +42,7 @@ class AsyncEngine:
         self.max_queued = max_queued
         self.request_log = request_log  # --log-requests
         self.metrics_file: MetricsFile | None = None  # --export-metrics-to-file
+        self.crash_dump: CrashDump | None = None  # --crash-dump-folder
         self.thread = EngineThread(engine, self._on_output)
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._claimed: weakref.WeakValueDictionary[str, Request] = weakref.WeakValueDictionary()
@@ -125,6 +126,10 @@ class AsyncEngine:
     def paused(self) -> bool:
         return self.thread.paused
 
+    def in_flight(self) -> list[Request]:
+        """The requests in flight (submitted and not finished)."""
+        return [r for r in list(self._claimed.values()) if not r.finished]
+
     def fail_all(self, reason: dict[str, Any]) -> None:
         """End every stream in flight now with `reason`, here on the event loop: for when
         the engine thread cannot answer (a step waiting on a rank that is gone)."""
@@ -135,11 +140,14 @@ class AsyncEngine:
 
     def _ended(self, req: Request, reason: dict[str, Any] | None = None) -> None:
         """A request's stream ended (`reason` where the request does not say why: a
-        client that went away): --log-requests' line and --export-metrics-to-file's."""
+        client that went away): --log-requests' line, --export-metrics-to-file's record and
+        --crash-dump-folder's."""
         if self.request_log is not None:
             self.request_log.finished(req, reason)
         if self.metrics_file is not None:
             self.metrics_file.finished(req, reason)
+        if self.crash_dump is not None:
+            self.crash_dump.finished(req, reason)
 
     async def stream(self, req: Request) -> AsyncIterator[RequestOutput]:
         """Submit `req`; yield its outputs until it finishes. Closing the iterator early

@@ -30,7 +30,7 @@ from kiln.serve import fim
 from kiln.serve.async_engine import AsyncEngine, QueueFull, RidInUse, Unavailable
 from kiln.serve.metrics import Metrics
 from kiln.serve.protocol import ChatMessage
-from kiln.serve.request_log import PROBE_RID, MetricsFile, RequestLog
+from kiln.serve.request_log import PROBE_RID, CrashDump, MetricsFile, RequestLog
 from kiln.serve.streams import Accumulated, ApiError, failure, join, merged
 
 log = logging.getLogger("kiln.serve")
@@ -101,6 +101,8 @@ class ServingContext:
             self.async_engine.metrics_file = MetricsFile(
                 args.export_metrics_to_file_dir, self.model_name, self._log_worker
             )
+        if args.crash_dump_folder:
+            self.async_engine.crash_dump = CrashDump(args.crash_dump_folder, args.to_dict())
         self.chat_template = _read_template(args.chat_template)
         self.completion_template = fim.load(args.completion_template)
         self.preferred = _preferred_sampling(args.preferred_sampling_params)

@@ -18,7 +18,10 @@ import dataclasses
 import json
 import logging
 import os
+import socket
 import time
+from array import array
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
 from datetime import datetime, timezone
@@ -125,6 +128,96 @@ class MetricsFile:
         if self._file is not None:
             self._file.close()
             self._file, self._hour = None, ""
+
+
+# --crash-dump-folder: the requests that ended in the last five minutes (SGLang's window) ...
+CRASH_DUMP_WINDOW_S = 300.0
+# ... at most this many, the oldest dropped first: kiln's bound on the memory the dump holds
+# (each keeps its prompt and output ids, 8 bytes a token).
+CRASH_DUMP_MAX_ENDED = 1000
+# Flags whose values never reach a dump.
+_SECRETS = frozenset({"api_key", "admin_api_key"})
+
+
+class CrashDump:
+    """--crash-dump-folder: when the server fails (a lost rank, --crash-on-nan, a step past
+    --watchdog-timeout), the requests that ended in the last CRASH_DUMP_WINDOW_S seconds
+    and every request still in flight are written to
+    `<folder>/<host name>/crash_dump_YYYY-MM-DD_HH-MM-SS.json` (SGLang's place; it writes a
+    pickle, kiln JSON): per request what `ended` gives with its sampling parameters, its
+    prompt and output token ids and whether it finished, so the failing mix can be
+    replayed through /generate with `input_ids`. Prompts are clients' data: the file is
+    readable by its owner only, and the server's flags in it leave out the API keys. Probes
+    are left out; one dump a server."""
+
+    def __init__(self, folder: str, args: dict[str, Any]) -> None:
+        self.folder = Path(folder)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as e:
+            raise ArgError(f"--crash-dump-folder: cannot create {folder}: {e}") from None
+        if not os.access(self.folder, os.W_OK):
+            raise ArgError(f"--crash-dump-folder: {folder} is not writable")
+        self.args = {k: v for k, v in args.items() if k not in _SECRETS}
+        self._ended: deque[tuple[float, dict[str, Any]]] = deque(maxlen=CRASH_DUMP_MAX_ENDED)
+        self.written: Path | None = None
+
+    def finished(self, req: Request, reason: dict[str, Any] | None = None) -> None:
+        if req.rid.startswith(PROBE_RID):
+            return
+        now = time.time()
+        self._ended.append((now, _dumped(req, reason, finished=True)))
+        while self._ended and now - self._ended[0][0] > CRASH_DUMP_WINDOW_S:
+            self._ended.popleft()
+
+    def dump(self, reason: str, in_flight: list[Request]) -> Path | None:
+        """Write the dump (once); its path, or None when it was written before or cannot be."""
+        if self.written is not None:
+            return None
+        now = time.time()
+        ended = [r for at, r in self._ended if now - at <= CRASH_DUMP_WINDOW_S]
+        running = [
+            _dumped(r, None, finished=False) for r in in_flight if not r.rid.startswith(PROBE_RID)
+        ]
+        host = os.environ.get("HOSTNAME") or socket.gethostname()
+        stamp = time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(now))
+        path = self.folder / host / f"crash_dump_{stamp}.json"
+        record = {
+            "time": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"),
+            "reason": reason,
+            "server_args": self.args,
+            "requests": ended + running,
+        }
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(record, f, default=_plain)
+        except OSError as e:
+            log.error("--crash-dump-folder: cannot write %s: %s", path, e)
+            return None
+        self.written = path
+        log.error(
+            "dumped %d ended and %d unfinished requests before the failure to %s",
+            len(ended),
+            len(running),
+            path,
+        )
+        return path
+
+
+def _dumped(req: Request, reason: dict[str, Any] | None, finished: bool) -> dict[str, Any]:
+    """A request as a crash dump keeps it: `ended`'s fields, wall-clock arrival, its ids."""
+    fields = ended(req, reason, sampling=True)
+    fields["created"] = round(time.time() - (time.perf_counter() - req.created), 3)
+    fields["finished"] = finished
+    fields["input_ids"] = array("q", req.prompt_ids)
+    fields["output_ids"] = array("q", req.output_ids)
+    return fields
+
+
+def _plain(value: Any) -> Any:
+    return value.tolist() if isinstance(value, array) else str(value)
 
 
 class RequestLog:

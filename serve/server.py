@@ -92,6 +92,8 @@ class KilnServer(uvicorn.Server):
     def _on_fatal(self) -> None:
         assert self.failure is not None
         engine = self.ctx.async_engine
+        if engine.crash_dump is not None:  # before the requests in flight are failed
+            engine.crash_dump.dump(self.failure, engine.in_flight())
         reason = {"type": "abort", "message": self.failure, "status_code": 503}
         engine.abort_all(reason)  # frees the engine's state, if its thread can still run
         engine.fail_all(reason)  # answers every client now, whether or not it can

@@ -99,7 +99,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--log-level-http', type='str', stage=RUNTIME, status=IMPLEMENTED, help='Log level of the HTTP server; default: --log-level.'),
         Flag('--log-requests', type='bool', stage=RUNTIME, status=IMPLEMENTED, help='One log line (logger kiln.requests) as each request ends: id, token counts, finish reason, latency; what else by --log-requests-level. Off by default: prompts and answers are clients\' data.'),
         Flag('--log-requests-level', type='int', default=2, choices=(0, 1, 2, 3), stage=RUNTIME, status=IMPLEMENTED, help='0: metadata; 1: and the sampling parameters; 2: and the prompt and output text, each cut to 2048 characters; 3: the whole texts (serve/request_log.py).'),
-        Flag('--crash-dump-folder', type='str', stage=RUNTIME),
+        Flag('--crash-dump-folder', type='str', stage=RUNTIME, status=IMPLEMENTED, help='When the server fails (a lost rank, --crash-on-nan, --watchdog-timeout), the requests that ended in the last 5 minutes (at most 1000) and those in flight go to <folder>/<host>/crash_dump_<time>.json: ids, sampling parameters, token ids; owner-readable only, no API keys (serve/request_log.py).'),
         Flag('--crash-on-nan', type='str', default='False', stage=RUNTIME, status=IMPLEMENTED, help='true: a step whose logits hold NaN fails its batch\'s requests and stops the server (exit 1); implies --enable-nan-detection.'),
         Flag('--show-time-cost', type='bool', stage=RUNTIME),
         Flag('--enable-metrics', type='bool', stage=RUNTIME, status=IMPLEMENTED, help='Serve Prometheus metrics at /metrics.'),

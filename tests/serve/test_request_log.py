@@ -14,7 +14,8 @@ from serve_helpers import API_KEY
 
 from kiln import Engine
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.serve.request_log import RequestLog
+from kiln.serve import request_log
+from kiln.serve.request_log import CrashDump, RequestLog
 
 
 def test_a_served_request_is_logged_whole_at_level_3_as_json(artefact, launch) -> None:
@@ -91,6 +92,41 @@ def test_texts_are_decoded_off_the_callers_thread(artefact, caplog) -> None:
     assert json.loads(whole.getMessage())["input"] == engine.tokenizer.decode(req.prompt_ids)
     assert whole.threadName.startswith("log-test")
     assert by_level[False].threadName == threading.current_thread().name  # nothing to decode
+
+
+def test_a_crash_dump_keeps_five_minutes_of_ended_requests_and_those_in_flight(
+    artefact, tmp_path, monkeypatch
+) -> None:
+    """--crash-dump-folder in-process: what ended inside the window (and under the cap) and
+    every unfinished request, with their ids; the API keys left out; one dump."""
+    engine = Engine(artefact("llama"), max_total_tokens=1024)
+    reqs = [
+        engine.make_request([3, 4, 5 + i], SamplingParams(max_new_tokens=2, temperature=0))
+        for i in range(4)
+    ]
+    engine._run(reqs[:3])
+    dump = CrashDump(str(tmp_path / "dumps"), {"api_key": "sk-secret", "port": 30000})
+    clock = [1000.0]
+    monkeypatch.setattr(request_log.time, "time", lambda: clock[0])
+    dump.finished(reqs[0])
+    clock[0] += request_log.CRASH_DUMP_WINDOW_S + 1  # reqs[0] ended more than 5 min ago
+    dump.finished(reqs[1])
+    dump.finished(reqs[2])
+    monkeypatch.setattr(request_log, "CRASH_DUMP_MAX_ENDED", 1)
+    path = dump.dump("a rank is gone", [reqs[3]])
+    assert path is not None and path.parent.parent == tmp_path / "dumps"
+    assert path.name.startswith("crash_dump_") and path.suffix == ".json"
+    assert path.stat().st_mode & 0o777 == 0o600
+    record = json.loads(path.read_text())
+    assert record["reason"] == "a rank is gone"
+    assert record["server_args"] == {"port": 30000}
+    got = {r["rid"]: r for r in record["requests"]}
+    assert list(got) == [reqs[1].rid, reqs[2].rid, reqs[3].rid]
+    assert got[reqs[1].rid]["input_ids"] == [3, 4, 6] and got[reqs[1].rid]["finished"]
+    assert got[reqs[1].rid]["output_ids"] == reqs[1].output_ids
+    assert got[reqs[1].rid]["sampling_params"]["max_new_tokens"] == 2
+    assert got[reqs[3].rid]["finished"] is False and got[reqs[3].rid]["output_ids"] == []
+    assert dump.dump("again", []) is None  # one dump a server
 
 
 def test_configure_logging_turns_request_logging_on_and_off(artefact, launch) -> None:

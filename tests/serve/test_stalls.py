@@ -6,9 +6,11 @@ Tiny limits make every step of a long generation, and every collection, overrun 
 
 from __future__ import annotations
 
+import json
 import time
 
 from serve_helpers import API_KEY
+from tokenizers import Tokenizer
 
 LONG = {
     "model": "default",
@@ -32,10 +34,10 @@ def test_a_step_past_the_soft_limit_is_logged_and_the_server_goes_on(artefact, l
     assert server.get("/health").status_code == 200
 
 
-def test_a_step_past_the_hard_limit_ends_the_server(artefact, launch) -> None:
+def test_a_step_past_the_hard_limit_ends_the_server(artefact, launch, tmp_path) -> None:
     server = launch(
         artefact("llama"), "--api-key", API_KEY, "--skip-server-warmup",
-        "--watchdog-timeout", "1e-6",
+        "--watchdog-timeout", "1e-6", "--crash-dump-folder", str(tmp_path / "dumps"),
     )  # fmt: skip
     r = server.post("/v1/completions", json=LONG)
     assert r.status_code == 503 and "--watchdog-timeout 1e-06" in r.json()["error"]["message"]
@@ -46,6 +48,17 @@ def test_a_step_past_the_hard_limit_ends_the_server(artefact, launch) -> None:
     log = server.log.read_text()
     assert "without returning (--watchdog-timeout 1e-06); the server stops" in log
     assert "running requests (1)" in log
+    # --crash-dump-folder: the request in flight, to replay; the API key left out
+    [dump] = (tmp_path / "dumps").glob("*/crash_dump_*.json")
+    assert "dumped 0 ended and 1 unfinished requests before the failure to" in log
+    record = json.loads(dump.read_text())
+    assert "--watchdog-timeout 1e-06" in record["reason"]
+    assert record["server_args"]["watchdog_timeout"] == 1e-6
+    assert API_KEY not in dump.read_text()
+    [req] = record["requests"]
+    assert req["finished"] is False and req["sampling_params"]["max_new_tokens"] == 200
+    tokenizer = Tokenizer.from_file(str(artefact("llama") / "tokenizer/tokenizer.json"))
+    assert req["input_ids"] == tokenizer.encode("Hello").ids
 
 
 def test_long_collections_are_logged_and_freeze_gc_answers(artefact, launch) -> None:
