@@ -102,18 +102,20 @@ def test_a_crash_dump_keeps_five_minutes_of_ended_requests_and_those_in_flight(
     engine = Engine(artefact("llama"), max_total_tokens=1024)
     reqs = [
         engine.make_request([3, 4, 5 + i], SamplingParams(max_new_tokens=2, temperature=0))
-        for i in range(4)
+        for i in range(5)
     ]
-    engine._run(reqs[:3])
+    engine._run(reqs[:4])
+    monkeypatch.setattr(request_log, "CRASH_DUMP_MAX_ENDED", 2)
     dump = CrashDump(str(tmp_path / "dumps"), {"api_key": "sk-secret", "port": 30000})
     clock = [1000.0]
     monkeypatch.setattr(request_log.time, "time", lambda: clock[0])
     dump.finished(reqs[0])
-    clock[0] += request_log.CRASH_DUMP_WINDOW_S + 1  # reqs[0] ended more than 5 min ago
-    dump.finished(reqs[1])
+    clock[0] += request_log.CRASH_DUMP_WINDOW_S + 1
+    dump.finished(reqs[1])  # reqs[0] ended more than 5 minutes before: gone (not the cap)
+    assert [r["rid"] for _, r in dump._ended] == [reqs[1].rid]
     dump.finished(reqs[2])
-    monkeypatch.setattr(request_log, "CRASH_DUMP_MAX_ENDED", 1)
-    path = dump.dump("a rank is gone", [reqs[3]])
+    dump.finished(reqs[3])  # past the cap of 2: the oldest, reqs[1], goes
+    path = dump.dump("a rank is gone", [reqs[4]])
     assert path is not None and path.parent.parent == tmp_path / "dumps"
     assert path.name.startswith("crash_dump_") and path.suffix == ".json"
     assert path.stat().st_mode & 0o777 == 0o600
@@ -121,11 +123,11 @@ def test_a_crash_dump_keeps_five_minutes_of_ended_requests_and_those_in_flight(
     assert record["reason"] == "a rank is gone"
     assert record["server_args"] == {"port": 30000}
     got = {r["rid"]: r for r in record["requests"]}
-    assert list(got) == [reqs[1].rid, reqs[2].rid, reqs[3].rid]
-    assert got[reqs[1].rid]["input_ids"] == [3, 4, 6] and got[reqs[1].rid]["finished"]
-    assert got[reqs[1].rid]["output_ids"] == reqs[1].output_ids
-    assert got[reqs[1].rid]["sampling_params"]["max_new_tokens"] == 2
-    assert got[reqs[3].rid]["finished"] is False and got[reqs[3].rid]["output_ids"] == []
+    assert list(got) == [reqs[2].rid, reqs[3].rid, reqs[4].rid]
+    assert got[reqs[2].rid]["input_ids"] == [3, 4, 7] and got[reqs[2].rid]["finished"]
+    assert got[reqs[2].rid]["output_ids"] == reqs[2].output_ids
+    assert got[reqs[2].rid]["sampling_params"]["max_new_tokens"] == 2
+    assert got[reqs[4].rid]["finished"] is False and got[reqs[4].rid]["output_ids"] == []
     assert dump.dump("again", []) is None  # one dump a server
 
 
