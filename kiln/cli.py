@@ -229,6 +229,36 @@ def _inspect_parser(sub: argparse._SubParsersAction) -> None:
     d.set_defaults(func=_cmd_diff)
 
 
+def _replay_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "replay",
+        help="send a --crash-dump-folder dump's requests to a server again, as they arrived",
+        usage="kiln replay DUMP --url URL [--api-key KEY] [--speed S]",
+        prog="kiln replay",
+    )
+    p.add_argument("dump", help="a crash_dump_*.json file")
+    p.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:30000")
+    p.add_argument("--api-key", help="the server's --api-key, if it has one")
+    p.add_argument(
+        "--speed", type=float, default=1.0, help="arrival times divided by this (default 1)"
+    )
+    p.set_defaults(func=_cmd_replay)
+
+
+def _cmd_replay(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kiln.serve import replay
+
+    if not ns.speed > 0:
+        raise ValueError(f"--speed {ns.speed}: must be above 0")
+    lines, ok = replay.report(
+        replay.replay(replay.load(Path(ns.dump)), ns.url, ns.api_key, ns.speed)
+    )
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
 def _cmd_inspect(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -345,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = Parser(
         prog="kiln",
         description="compile and serve LLMs",
-        usage="kiln {compile,generate,serve,launch,cache,inspect,diff} ...  (kiln --help)",
+        usage="kiln {compile,generate,serve,launch,cache,inspect,diff,replay} ...  (kiln --help)",
     )
     parser.add_argument("--version", action="version", version=f"kiln {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
@@ -355,6 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _launch_parser(sub)
     _cache_parser(sub)
     _inspect_parser(sub)
+    _replay_parser(sub)
     ns, extra = parser.parse_known_args(argv)
     if extra:  # reported by the subcommand, which knows its flags (for "did you mean")
         sub.choices[ns.command].error(f"unrecognized arguments: {' '.join(extra)}")

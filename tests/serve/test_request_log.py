@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +16,7 @@ from serve_helpers import API_KEY
 
 from kiln import Engine
 from kiln.runtime.sampling_params import SamplingParams
-from kiln.serve import request_log
+from kiln.serve import replay, request_log
 from kiln.serve.request_log import CrashDump, RequestLog
 
 
@@ -129,6 +131,38 @@ def test_a_crash_dump_keeps_five_minutes_of_ended_requests_and_those_in_flight(
     assert got[reqs[2].rid]["sampling_params"]["max_new_tokens"] == 2
     assert got[reqs[4].rid]["finished"] is False and got[reqs[4].rid]["output_ids"] == []
     assert dump.dump("again", []) is None  # one dump a server
+
+
+def test_kiln_replay_sends_a_dump_again(artefact, launch, tmp_path) -> None:
+    """`kiln replay`: a dump's requests through a live server give what they gave (greedy),
+    in the dump's order; the CLI prints a line each and exits 0; a file that is no dump is
+    one line."""
+    engine = Engine(artefact("llama"), max_total_tokens=1024)
+    greedy = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    reqs = [engine.make_request([3, 4, 5 + i], greedy) for i in range(3)]
+    engine._run(reqs)
+    dump = CrashDump(str(tmp_path / "dumps"), {})
+    for req in reqs:
+        dump.finished(req)
+    path = dump.dump("test", [])
+    assert path is not None
+    server = launch(artefact("llama"), "--api-key", API_KEY)
+    answers = replay.replay(replay.load(path), server.url, API_KEY)
+    assert [a.rid for a in answers] == [r.rid for r in reqs]
+    assert [a.body["output_ids"] for a in answers] == [r.output_ids for r in reqs]
+    cli = [sys.executable, "-m", "kiln", "replay", str(path), "--url", server.url]
+    done = subprocess.run([*cli, "--api-key", API_KEY], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[-1] == "replayed 3 requests: 3 answered 200, 0 not"
+    assert lines[0].startswith(f"{reqs[0].rid}: 200 prompt_tokens=3 completion_tokens=6")
+    refused = subprocess.run(cli, capture_output=True, text=True)  # no API key: 401s
+    assert refused.returncode == 1 and refused.stdout.splitlines()[0].startswith(
+        f"{reqs[0].rid}: 401"
+    )
+    not_a_dump = [*cli[:4], str(tmp_path), "--url", server.url]
+    bad = subprocess.run(not_a_dump, capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.startswith(f"kiln replay: error: {tmp_path}: not a")
 
 
 def test_configure_logging_turns_request_logging_on_and_off(artefact, launch) -> None:
