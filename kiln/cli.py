@@ -129,13 +129,16 @@ def _launch_parser(sub: argparse._SubParsersAction) -> None:
     )
 
 
+def _command(
+    sub: argparse._SubParsersAction, name: str, help: str, usage: str
+) -> argparse.ArgumentParser:
+    """A `kiln NAME` subcommand's parser."""
+    return sub.add_parser(name, help=help, usage=usage, prog=f"kiln {name}")
+
+
 def _cache_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "cache",
-        help="the compiled-artefact cache: key, ls, rm, gc",
-        usage="kiln cache {key,ls,rm,gc} ...",
-        prog="kiln cache",
-    )
+    about = "the compiled-artefact cache: key, ls, rm, gc"
+    p = _command(sub, "cache", about, "kiln cache {key,ls,rm,gc} ...")
     actions = p.add_subparsers(dest="action", required=True, parser_class=Parser)
     key = actions.add_parser(
         "key",
@@ -205,12 +208,8 @@ def _ago(seconds: float) -> str:
 
 
 def _inspect_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "inspect",
-        help="what an artefact holds: model, target, passes, kernels, weights, KV",
-        usage="kiln inspect ARTEFACT [--graph | --json | --dot | --step]",
-        prog="kiln inspect",
-    )
+    about = "what an artefact holds: model, target, passes, kernels, weights, KV"
+    p = _command(sub, "inspect", about, "kiln inspect ARTEFACT [--graph | --json | --dot | --step]")
     p.add_argument("artefact")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--graph", action="store_true", help="print the IR")
@@ -218,24 +217,16 @@ def _inspect_parser(sub: argparse._SubParsersAction) -> None:
     how.add_argument("--dot", action="store_true", help="the graph for graphviz")
     how.add_argument("--step", action="store_true", help="the step lowered to C")
     p.set_defaults(func=_cmd_inspect)
-    d = sub.add_parser(
-        "diff",
-        help="how two artefacts differ: cache factors, graph, weights",
-        usage="kiln diff ARTEFACT_A ARTEFACT_B",
-        prog="kiln diff",
-    )
+    about = "how two artefacts differ: cache factors, graph, weights"
+    d = _command(sub, "diff", about, "kiln diff ARTEFACT_A ARTEFACT_B")
     d.add_argument("a")
     d.add_argument("b")
     d.set_defaults(func=_cmd_diff)
 
 
 def _replay_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "replay",
-        help="send a --crash-dump-folder dump's requests to a server again, as they arrived",
-        usage="kiln replay DUMP --url URL [--api-key KEY] [--speed S]",
-        prog="kiln replay",
-    )
+    about = "send a --crash-dump-folder dump's requests to a server again, as they arrived"
+    p = _command(sub, "replay", about, "kiln replay DUMP --url URL [--api-key KEY] [--speed S]")
     p.add_argument("dump", help="a crash_dump_*.json file")
     p.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:30000")
     p.add_argument("--api-key", help="the server's --api-key, if it has one")
