@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
+from kiln.args import SECRET_ARGS
 from kiln.runtime.gc_watch import freeze
 from kiln.runtime.request import Request as EngineRequest
 from kiln.runtime.request import hidden_meta, logprob_meta
@@ -228,7 +229,7 @@ async def model_info(request: Request) -> dict[str, Any]:
 async def server_info(request: Request) -> dict[str, Any]:
     ctx = _ctx(request)
     args = {k: list(v) if isinstance(v, tuple) else v for k, v in ctx.args.to_dict().items()}
-    for secret in ("api_key", "admin_api_key"):
+    for secret in SECRET_ARGS:
         if args.get(secret):
             args[secret] = "***"
     manifest = ctx.engine.art.manifest

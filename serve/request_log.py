@@ -28,7 +28,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from kiln.args import ArgError
+from kiln.args import SECRET_ARGS, ArgError
 from kiln.runtime.request import Request
 from kiln.serve.metrics import REQUEST_LABELS
 
@@ -50,6 +50,19 @@ def run_on(workers: Executor | None, fn: Callable[..., None], *args: Any) -> Non
         except RuntimeError:
             pass
     fn(*args)
+
+
+def writable_folder(folder: str, flag: str, mode: int = 0o777) -> Path:
+    """`folder`, made if missing (with `mode`); ArgError naming `flag` when it cannot be
+    made or written to: the server refuses to start rather than lose records later."""
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=mode)
+    except OSError as e:
+        raise ArgError(f"{flag}: cannot create {folder}: {e}") from None
+    if not os.access(path, os.W_OK):
+        raise ArgError(f"{flag}: {folder} is not writable")
+    return path
 
 
 def ended(req: Request, reason: dict[str, Any] | None, sampling: bool) -> dict[str, Any]:
@@ -84,13 +97,8 @@ class MetricsFile:
     once and the server serves on."""
 
     def __init__(self, folder: str, model_name: str, workers: Executor | None = None) -> None:
-        self.folder, self.model_name, self.workers = Path(folder), model_name, workers
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ArgError(f"--export-metrics-to-file-dir: cannot create {folder}: {e}") from None
-        if not os.access(self.folder, os.W_OK):
-            raise ArgError(f"--export-metrics-to-file-dir: {folder} is not writable")
+        self.folder = writable_folder(folder, "--export-metrics-to-file-dir")
+        self.model_name, self.workers = model_name, workers
         self._hour = ""
         self._file: Any = None
         self._failed = False
@@ -135,8 +143,6 @@ CRASH_DUMP_WINDOW_S = 300.0
 # ... at most this many, the oldest dropped first: kiln's bound on the memory the dump holds
 # (each keeps its prompt and output ids, 8 bytes a token).
 CRASH_DUMP_MAX_ENDED = 1000
-# Flags whose values never reach a dump.
-_SECRETS = frozenset({"api_key", "admin_api_key"})
 
 
 class CrashDump:
@@ -151,14 +157,8 @@ class CrashDump:
     are left out; one dump a server."""
 
     def __init__(self, folder: str, args: dict[str, Any]) -> None:
-        self.folder = Path(folder)
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        except OSError as e:
-            raise ArgError(f"--crash-dump-folder: cannot create {folder}: {e}") from None
-        if not os.access(self.folder, os.W_OK):
-            raise ArgError(f"--crash-dump-folder: {folder} is not writable")
-        self.args = {k: v for k, v in args.items() if k not in _SECRETS}
+        self.folder = writable_folder(folder, "--crash-dump-folder", mode=0o700)
+        self.args = {k: v for k, v in args.items() if k not in SECRET_ARGS}
         self._ended: deque[tuple[float, dict[str, Any]]] = deque(maxlen=CRASH_DUMP_MAX_ENDED)
         self.written: Path | None = None
 

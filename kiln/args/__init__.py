@@ -5,7 +5,13 @@
 """
 
 from kiln.args.flags import COMPILE, RUNTIME, Flag, Section, Stage, Status
-from kiln.args.server_args import ServerArgs, add_cli_args, explicit_values, load_yaml
+from kiln.args.server_args import (
+    SECRET_ARGS,
+    ServerArgs,
+    add_cli_args,
+    explicit_values,
+    load_yaml,
+)
 from kiln.args.spec import FLAGS, SECTIONS, SPELLINGS, ArgError, flag_of
 from kiln.args.validate import flag_true, json_object, token_buckets
 
@@ -13,6 +19,7 @@ __all__ = [
     "COMPILE",
     "FLAGS",
     "RUNTIME",
+    "SECRET_ARGS",
     "SECTIONS",
     "SPELLINGS",
     "ArgError",

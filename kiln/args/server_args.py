@@ -38,6 +38,10 @@ def _section_class(attr: str, flags: Iterable[Flag]) -> type:
 SECTION_CLASSES: dict[str, type] = {s.attr: _section_class(s.attr, s.flags) for s in SECTIONS}
 
 
+# Flags whose values are credentials: never shown (/get_server_info) or written (crash dumps).
+SECRET_ARGS = ("api_key", "admin_api_key")
+
+
 class ServerArgs:
     """The argument tree. Immutable; `replace` returns a new, re-validated tree."""
 
