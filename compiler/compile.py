@@ -28,12 +28,13 @@ from kiln.core.ir import Graph
 from kiln.core.layout import pack_panels, pack_qpanels, panel_shape
 from kiln.core.ops import ATTENTION_OPS, STRUCTURAL_OPS
 from kiln.core.quant import FORMATS, quantize, with_int8_activations
+from kiln.core.recipes import head_part_rows, rotary_rows
 from kiln.core.target import Target
 from kiln.core.trace import trace
 from kiln.kernels import native
 from kiln.models import ModelConfig, build
 from kiln.models.config import read_hf_config
-from kiln.models.rope import inv_freq, rotary_order
+from kiln.models.rope import inv_freq
 from kiln.passes import PIPELINE, run_passes
 from kiln.version import __version__
 
@@ -284,27 +285,12 @@ def _materialise(
             _STACKED[key] = _materialise(src["expert"], reader, constants)
         return _expert_part(_STACKED[key], src)
     if "head_parts" in src:  # DeepSeek's q and latent projections (models/decoder.py)
-        return _materialise(src["head_parts"], reader, constants)[_head_part_rows(src)]
+        return _materialise(src["head_parts"], reader, constants)[head_part_rows(src)]
     if "mla_absorb" in src:  # kv_b_proj's key or value half, per head (passes/absorb_mla.py)
         return _absorbed(_materialise(src["mla_absorb"], reader, constants), src)
     if "rotary_order" in src:  # a partial rotary's q or k rows (kiln.models.rope)
-        return _materialise(src["rotary_order"], reader, constants)[_rotary_rows(src)]
+        return _materialise(src["rotary_order"], reader, constants)[rotary_rows(src)]
     raise ValueError(f"unknown weight recipe {src}")
-
-
-def _head_part_rows(src: dict[str, Any]) -> torch.Tensor:
-    """Row order of a {"head_parts"} recipe."""
-    parts = src["parts"]
-    width = sum(parts)
-    lo, hi = src.get("head_range") or (0, src["heads"])  # a tensor-parallel rank's heads
-    out, start = [], 0
-    for i, n in enumerate(parts):
-        within = torch.arange(start, start + n)
-        if src["deinterleave"] and i == len(parts) - 1:
-            within = torch.cat((within[0::2], within[1::2]))
-        out.append((torch.arange(lo, hi)[:, None] * width + within[None, :]).reshape(-1))
-        start += n
-    return torch.cat(out)
 
 
 def _absorbed(kv_b: torch.Tensor, src: dict[str, Any]) -> torch.Tensor:
@@ -329,15 +315,6 @@ def _expert_part(whole: torch.Tensor, src: dict[str, Any]) -> torch.Tensor:
     if (start, step) != (0, 1):
         t = t[..., start::step]
     return t.transpose(0, 1) if src.get("transpose") else t
-
-
-def _rotary_rows(src: dict[str, Any]) -> torch.Tensor:
-    """Row order of a {"rotary_order"} recipe: each head's rows in rotary_order."""
-    head, rotary = src["head_dim"], src["rotary_dim"]
-    inner = src["rotary_order"]
-    rows = (inner["stop"] - inner["start"]) if "slice" in inner else inner["shape"][0]
-    order = rotary_order(head, rotary)
-    return (torch.arange(0, rows, head)[:, None] + order[None, :]).reshape(-1)
 
 
 def _quantized(
@@ -371,7 +348,7 @@ def _quantized(
         return (codes, scales) if base == fmt else with_int8_activations(codes, scales, fmt)
     if "rotary_order" in inner:  # whole rows move: their codes and scales with them
         codes, scales = _quantized({**src, "quantize": inner["rotary_order"]}, reader, constants)
-        rows = _rotary_rows(inner)
+        rows = rotary_rows(inner)
         return codes[rows], scales[rows]
     if "load" in inner:
         return reader.quantized(inner["load"], fmt, group)

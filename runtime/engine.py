@@ -163,6 +163,8 @@ class Engine:
         self.threads, threads_from = _set_threads(self.args.threads)
         kv_tokens = self.placement.kv_tokens
         self.runner = ModelRunner(self.art, kv_tokens, self.context_length)
+        # --enable-lora: adapter name -> its slot in the runner (runtime/lora.py)
+        self.adapters: dict[str, int] = self._load_adapters() if self.args.enable_lora else {}
         if spec.tp_size > 1:
             self._start_ranks(kv_tokens)
         self.runner.warm_up()
@@ -291,7 +293,35 @@ class Engine:
             conservativeness=a.schedule_conservativeness,
             seed=a.random_seed or 0,
             prefill_max_requests=a.prefill_max_requests,
+            max_loras=a.max_loras_per_batch if a.enable_lora else None,
         )
+
+    def _load_adapters(self) -> dict[str, int]:
+        """--lora-paths' adapters, each into a slot of the runner's LoRA bank; an adapter
+        that cannot be served stops the start with an ArgError naming it."""
+        from kiln.runtime.lora import LoraBank, LoraError, parse_lora_paths, read_adapter
+
+        a = self.args
+        try:
+            if self.speculative is not None:
+                raise LoraError("LoRA with speculative decoding is not supported")
+            bank = LoraBank(self.art.graph, a.lora_target_modules)
+            bank.check_graph(self.art.graph)
+            sources = parse_lora_paths(a.lora_paths or ())
+            if a.max_loaded_loras is not None and len(sources) > a.max_loaded_loras:
+                raise LoraError(
+                    f"--lora-paths: {len(sources)} adapters; --max-loaded-loras is "
+                    f"{a.max_loaded_loras}"
+                )
+            slots = {}
+            for slot, source in enumerate(sources, start=1):
+                bank.add(slot, read_adapter(source, a.max_lora_rank))
+                slots[source.name] = slot
+        except LoraError as e:
+            raise ArgError(f"--enable-lora: {e}") from None
+        self.runner.enable_lora(bank)
+        log.info("LoRA: %d adapters (%s)", len(slots), ", ".join(slots) or "none yet")
+        return slots
 
     def _place(self, manifest: dict[str, Any], spec: ModelSpec) -> Placement:
         """Rank 0's placement (runtime/placement.py): its device, and the KV pool every
@@ -325,13 +355,15 @@ class Engine:
         token_ids_logprob: list[int] | None = None,
         return_text_in_logprobs: bool = False,
         return_hidden_states: bool = False,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Generate for one prompt (returns a dict) or a batch (returns a list of dicts).
         With return_logprob, `logprob_start_len` >= 0 reports the prompt's logprobs from
         that position on too (SGLang's input_token_logprobs; -1: the output's only), and
         `token_ids_logprob` those tokens' logprobs at every reported position.
         `return_hidden_states` (an --enable-return-hidden-states artefact): SGLang's
-        meta_info hidden_states, the prompt's rows then one a generated token but the last."""
+        meta_info hidden_states, the prompt's rows then one a generated token but the last.
+        `lora_path`: the LoRA adapter (by name) of all prompts, or one per prompt."""
         if self.art.spec.is_embedding:
             raise RequestError(f"{self.art.root} is an embedding model (--is-embedding): embed()")
         single, ids_list = self._prompts(prompt, input_ids)
@@ -346,6 +378,9 @@ class Engine:
         top = top_logprobs_num if return_logprob else None
         scored = top if logprob_start_len >= 0 else None
         named = tuple(token_ids_logprob or ()) if return_logprob else ()
+        loras = lora_path if isinstance(lora_path, list) else [lora_path] * len(ids_list)
+        if len(loras) != len(ids_list):
+            raise RequestError(f"{len(loras)} lora_path values for {len(ids_list)} prompts")
         requests = [
             self.make_request(
                 list(ids),
@@ -355,8 +390,9 @@ class Engine:
                 prompt_top_logprobs=scored,
                 logprob_ids=named,
                 return_hidden_states=return_hidden_states,
+                lora=lora,
             )
-            for ids, p in zip(ids_list, params, strict=True)
+            for ids, p, lora in zip(ids_list, params, loras, strict=True)
             for i in range(p.n)
         ]
         self._run(requests)
@@ -440,6 +476,7 @@ class Engine:
         logprob_ids: tuple[int, ...] = (),
         dimensions: int | None = None,
         return_hidden_states: bool = False,
+        lora: str | None = None,
     ) -> Request:
         """A validated request (not yet queued). `prompt_top_logprobs`: the prompt's
         logprobs too (with the top k of each), its prompt computed whole (no prefix-cache
@@ -447,9 +484,10 @@ class Engine:
         these tokens' at each position too (at most MAX_LOGPROB_IDS). `dimensions`: a
         Matryoshka embedding model's request, its vector cut to that many features.
         `return_hidden_states`: its final hidden states, kept as its steps run (its prompt
-        computed whole: a cached prefix has none)."""
+        computed whole: a cached prefix has none). `lora`: a loaded LoRA adapter's name."""
         if not ids:
             raise RequestError("the prompt is empty")
+        adapter = self.adapter_slot(lora)
         if return_hidden_states and not self.art.spec.return_hidden_states:
             raise RequestError(
                 "return_hidden_states: this model was compiled without "
@@ -499,7 +537,21 @@ class Engine:
             prompt_top_logprobs=prompt_top_logprobs,
             dimensions=dimensions,
             return_hidden_states=return_hidden_states,
+            lora=lora,
+            adapter=adapter,
         )
+
+    def adapter_slot(self, name: str | None) -> int:
+        """The runner's slot of LoRA adapter `name` (0: None, the base model)."""
+        if name is None:
+            return 0
+        if not self.args.enable_lora:
+            raise RequestError(f"lora_path {name!r}: this server runs without --enable-lora")
+        slot = self.adapters.get(name)
+        if slot is None:
+            loaded = ", ".join(sorted(self.adapters)) or "none"
+            raise RequestError(f"lora_path: no LoRA adapter {name!r} is loaded (loaded: {loaded})")
+        return slot
 
     def check_dimensions(self, dimensions: int) -> None:
         """RequestError unless an embedding of `dimensions` features is one this model
@@ -991,17 +1043,21 @@ class Engine:
             "meta_info": meta,
         }
 
-    def prompt_logits(self, input_ids: list[int], chunk: int | None = None) -> torch.Tensor:
+    def prompt_logits(
+        self, input_ids: list[int], chunk: int | None = None, lora: str | None = None
+    ) -> torch.Tensor:
         """Logits after every token of `input_ids` ([len, vocab], float32), outside the
         scheduler (for scoring text: perplexity, quality gates): one prefill, or steps of
         `chunk` tokens, each attending to the earlier ones through the KV pool as decoding
-        does (chunk=1 is decoding; what an fp8 --kv-cache-dtype changes)."""
+        does (chunk=1 is decoding; what an fp8 --kv-cache-dtype changes); through LoRA
+        adapter `lora` when given."""
+        adapter = self.adapter_slot(lora)
         if not input_ids or len(input_ids) > self.runner.pool.free_tokens:
             raise RequestError(
                 f"prompt_logits: {len(input_ids)} tokens; 1 to {self.runner.pool.free_tokens}"
             )
         step = chunk or len(input_ids)
-        req = Request("score", list(input_ids), SamplingParams())
+        req = Request("score", list(input_ids), SamplingParams(), lora=lora, adapter=adapter)
         req.pages = self.runner.pool.allocate(self.runner.pool.pages_for(len(input_ids)))
         try:
             out = []

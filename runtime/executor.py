@@ -59,10 +59,19 @@ def last_uses(graph: Graph) -> dict[int, int]:
     return last
 
 
+Wrap = Callable[[Node, Callable[..., Any], bool], tuple[Callable[..., Any], bool]]
+
+
 def generate(
-    graph: Graph, weights: dict[str, Any], lib: Any = None, phase: Phase = "decode"
+    graph: Graph,
+    weights: dict[str, Any],
+    lib: Any = None,
+    phase: Phase = "decode",
+    wrap: Wrap | None = None,
 ) -> Program:
-    """`forward(ctx, input_ids, positions, logits_indices)` with `phase`'s kernels."""
+    """`forward(ctx, input_ids, positions, logits_indices)` with `phase`'s kernels.
+    `wrap(node, kernel, takes_ctx)`, if given, may replace a node's kernel (and whether it
+    takes the step context): LoRA's linears (runtime/lora.py)."""
     env: dict[str, Any] = {}
     names: dict[int, str] = {}
     last_use = last_uses(graph)
@@ -92,6 +101,8 @@ def generate(
             lines.append(f"    {var} = {args[0]}[{index:d}]")
         else:
             env[f"k{i}"], needs_ctx = bound_kernel(n, lib, phase)
+            if wrap is not None:
+                env[f"k{i}"], needs_ctx = wrap(n, env[f"k{i}"], needs_ctx)
             call_args = (["ctx"] if needs_ctx else []) + args
             lines.append(f"    {var} = k{i}({', '.join(call_args)})")
         dead = [
@@ -310,15 +321,22 @@ class Executor:
     """Runs the compiled graph: `executor(ctx, input_ids, positions, logits_indices)`, with
     the decode kernels on a decode step (`ctx.decode`) and the prefill kernels otherwise."""
 
-    def __init__(self, graph: Graph, weights: dict[str, torch.Tensor], lib: Any = None) -> None:
-        """`lib`: the artefact's native library (runtime/native.py), for kiln_cpu nodes."""
-        self.decode = generate(graph, weights, lib, "decode")
+    def __init__(
+        self,
+        graph: Graph,
+        weights: dict[str, torch.Tensor],
+        lib: Any = None,
+        wrap: Wrap | None = None,
+    ) -> None:
+        """`lib`: the artefact's native library (runtime/native.py), for kiln_cpu nodes;
+        `wrap`: see `generate`."""
+        self.decode = generate(graph, weights, lib, "decode", wrap)
         phased = any(
             backend_of(n, "prefill") != backend_of(n, "decode")
             for n in graph.nodes
             if n.op in ATTENTION_OPS
         )
-        self.prefill = generate(graph, weights, lib, "prefill") if phased else self.decode
+        self.prefill = generate(graph, weights, lib, "prefill", wrap) if phased else self.decode
 
     @torch.inference_mode()
     def __call__(

@@ -28,6 +28,7 @@ from kiln.runtime.step import StepContext, StepInputs
 if TYPE_CHECKING:
     from kiln.runtime.capture import CompiledDecode, GraphDecode, PiecewisePrefill, Recorder
     from kiln.runtime.executor import Executor
+    from kiln.runtime.lora import LoraBank
     from kiln.runtime.parallel import TPGroup
 
 
@@ -82,6 +83,14 @@ class ModelRunner:
         self.decode = self._decode_runner(art, context_length or spec.context_length)
         self.prefill = self._prefill_runner(art)
         self.group: TPGroup | None = None  # rank 0 of a tensor-parallel artefact
+        # --enable-lora: the adapters' deltas (runtime/lora.py) and the executor that adds
+        # them, which runs every step with an adapter's rows
+        self.lora: LoraBank | None = None
+        self._lora_executor: Executor | None = None
+
+    def enable_lora(self, bank: LoraBank) -> None:
+        self.lora = bank
+        self._lora_executor = None
 
     @property
     def executor(self) -> Executor:
@@ -109,6 +118,7 @@ class ModelRunner:
         positions: list[int] = []
         last: list[int] = []
         q_lens, kv_lens, counts, pages = [], [], [], []
+        slots = [req.adapter for req in batch.requests]
         if batch.verify:
             # Each fed token a decode row of its own over its request's pages, its KV
             # length ending at its position (runtime/speculative.py): every row's logits.
@@ -121,7 +131,10 @@ class ModelRunner:
                     counts.append(len(req.pages))
                     pages += req.pages
             rows = list(range(len(ids)))
-            return StepInputs(ids, positions, rows, q_lens, kv_lens, counts, pages)
+            # each fed token its own sequence, of its request's adapter
+            per_token = [s for s, fed in zip(slots, batch.new_tokens, strict=True) for _ in fed]
+            adapters = per_token if any(slots) else None
+            return StepInputs(ids, positions, rows, q_lens, kv_lens, counts, pages, adapters)
         for req, fed, count in zip(batch.requests, batch.new_tokens, batch.rows(), strict=True):
             kv_len = req.kv_len + len(fed)
             ids += fed
@@ -132,7 +145,9 @@ class ModelRunner:
             counts.append(len(req.pages))
             pages += req.pages
         rows = list(range(len(ids))) if all_logits else last
-        return StepInputs(ids, positions, rows, q_lens, kv_lens, counts, pages)
+        return StepInputs(
+            ids, positions, rows, q_lens, kv_lens, counts, pages, slots if any(slots) else None
+        )
 
     def warm_up(self) -> None:
         """Compile or record the capture plan's decode buckets, then its prefill buckets
@@ -170,6 +185,8 @@ class ModelRunner:
         return times
 
     def run(self, step: StepInputs) -> Logits:
+        if step.adapters is not None:
+            return self._run_lora(step)
         bucket = None if self.decode is None else self.decode.bucket(step)
         if bucket is not None:
             assert self.decode is not None
@@ -183,6 +200,23 @@ class ModelRunner:
         ctx, ids, positions, rows = self.step.plan(step)
         out = self.executor(ctx, ids, positions, rows)
         if isinstance(out, tuple):  # --enable-return-hidden-states: (logits, hidden)
+            out, self.hidden = out
+        return out
+
+    def _run_lora(self, step: StepInputs) -> Logits:
+        """A step with an adapter's rows: the executor, its linears adding each adapter's
+        delta on that adapter's rows (runtime/lora.py)."""
+        from kiln.runtime.executor import Executor
+        from kiln.runtime.lora import step_groups
+
+        assert self.lora is not None and step.adapters is not None
+        if self._lora_executor is None:
+            art = self.art
+            self._lora_executor = Executor(art.graph, art.weights, art.lib, self.lora.wrap)
+        ctx, ids, positions, rows = self.step.plan(step)
+        ctx.lora = step_groups(step.adapters, step.q_lens)
+        out = self._lora_executor(ctx, ids, positions, rows)
+        if isinstance(out, tuple):
             out, self.hidden = out
         return out
 

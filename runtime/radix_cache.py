@@ -10,7 +10,9 @@ pages.
 
 A request's `cache_key` (SGLang's extra_key, vLLM's cache_salt) names a tree of its own:
 requests share cached prefixes only with requests of the same key, so a tenant cannot
-learn from another's time to first token what prompts the server has seen.
+learn from another's time to first token what prompts the server has seen. A LoRA
+adapter's requests (runtime/lora.py) have trees of their own too: their K/V are not the
+base model's.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kiln.runtime.kv_cache import PagePool
+
+# A tree's name: a request's cache key, or (LoRA adapter, cache key) (runtime/request.py
+# `prefix_space`); None, the shared tree.
+Space = str | tuple[str, str | None] | None
 
 
 @dataclass(eq=False)
@@ -43,7 +49,8 @@ class RadixCache:
         self.policy = policy
         self.root = Node()  # the tree of requests without a cache key
         self.root.locks = 1  # never evicted
-        self._roots: dict[str, Node] = {}  # one tree a cache key, dropped once empty
+        # one tree a cache key (or adapter), dropped once empty
+        self._roots: dict[str | tuple[str, str | None], Node] = {}
         self._clock = itertools.count(1)
         self.cached_pages = 0
 
@@ -51,7 +58,7 @@ class RadixCache:
     def _first(self, tokens: Sequence[int], at: int) -> tuple[int, ...]:
         return tuple(tokens[at : at + self.page])
 
-    def _root(self, space: str | None, make: bool = False) -> Node | None:
+    def _root(self, space: Space, make: bool = False) -> Node | None:
         if space is None:
             return self.root
         root = self._roots.get(space)
@@ -59,7 +66,7 @@ class RadixCache:
             root = self._roots[space] = Node(locks=1)
         return root
 
-    def match(self, tokens: Sequence[int], space: str | None = None) -> tuple[list[int], int, Node]:
+    def match(self, tokens: Sequence[int], space: Space = None) -> tuple[list[int], int, Node]:
         """Longest cached prefix of `tokens` in whole pages in the tree of cache key
         `space`: (pages, length, last node). Splits a node when the match ends inside it,
         so the returned node covers exactly the match (and can be locked)."""
@@ -81,7 +88,7 @@ class RadixCache:
             node = child
         return pages, at, node
 
-    def prefix_len(self, tokens: Sequence[int], space: str | None = None) -> int:
+    def prefix_len(self, tokens: Sequence[int], space: Space = None) -> int:
         """Length of the longest cached prefix, without touching the tree (no splits, no
         use counts): for ranking requests, which must not skew eviction order."""
         node, at = self._root(space), 0
@@ -139,9 +146,7 @@ class RadixCache:
             node.locks -= 1
             node = node.parent
 
-    def insert(
-        self, tokens: Sequence[int], pages: Sequence[int], space: str | None = None
-    ) -> list[int]:
+    def insert(self, tokens: Sequence[int], pages: Sequence[int], space: Space = None) -> list[int]:
         """Give the tree of cache key `space` `pages` holding `tokens` (whole pages only).
         Returns the pages the caller still owns and must free: copies of segments the tree
         already had."""

@@ -54,6 +54,10 @@ class Request:
     # SGLang's extra_key / cache_salt: shares cached prefixes only with requests of the
     # same key (runtime/radix_cache.py)
     cache_key: str | None = None
+    # Its LoRA adapter (--enable-lora, runtime/lora.py): the name, and the runner's slot
+    # holding it (0: the base model alone).
+    lora: str | None = None
+    adapter: int = 0
     grammar: Any = None  # its constraint's matcher (runtime/grammar.py), if it has one
     drafter: Any = None  # its NGRAM drafting state (runtime/speculative.py)
     draft: Any = None  # its sequence in a draft model's KV pool (speculative.DraftSeq)
@@ -74,6 +78,12 @@ class Request:
     # hidden_states: the prompt's rows, then one a generated token but the last).
     return_hidden_states: bool = False
     hidden_states: list[list[float]] = field(default_factory=list)
+
+    @property
+    def prefix_space(self) -> str | tuple[str, str | None] | None:
+        """The prefix-cache tree it shares pages in (runtime/radix_cache.py): its cache
+        key's, within its adapter's (an adapter's K/V differ from the base model's)."""
+        return self.cache_key if self.lora is None else (self.lora, self.cache_key)
 
     @property
     def all_ids(self) -> list[int]:

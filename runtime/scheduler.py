@@ -41,6 +41,9 @@ class SchedulerConfig:
     conservativeness: float = 1.0
     seed: int = 0
     prefill_max_requests: int | None = None  # prompts a prefill batch takes at most
+    # --max-loras-per-batch (with --enable-lora): distinct adapters among the running
+    # requests, the base model counted as one; None, no limit
+    max_loras: int | None = None
 
 
 @dataclass
@@ -128,7 +131,7 @@ class Scheduler:
 
     def _cached_len(self, req: Request) -> int:
         assert self.cache is not None
-        return self.cache.prefix_len(req.all_ids[:-1], req.cache_key)
+        return self.cache.prefix_len(req.all_ids[:-1], req.prefix_space)
 
     # -- scheduling --------------------------------------------------------------------------
     def schedule(self) -> Batch | None:
@@ -157,10 +160,15 @@ class Scheduler:
         # A prompt mid-way through chunked prefill goes first.
         queue = [r for r in self.running if r.kv_len < r.num_tokens - 1] + self._ordered()
         most = self.cfg.prefill_max_requests
+        adapters = {r.lora for r in self.running} if self.cfg.max_loras else set()
         for req in queue:
             if most is not None and len(picked) >= most:
                 break
             fresh = req.status is Status.WAITING
+            if fresh and self.cfg.max_loras and req.lora not in adapters:
+                if len(adapters) >= self.cfg.max_loras:
+                    continue  # waits until a running adapter's requests are done
+                adapters.add(req.lora)
             full = fresh and len(self.running) >= self.cfg.max_running
             if full and not self._preempt_for(req):
                 break
@@ -300,7 +308,7 @@ class Scheduler:
     # -- prefix cache ------------------------------------------------------------------------
     def _attach_prefix(self, req: Request) -> None:
         assert self.cache is not None
-        pages, length, node = self.cache.match(req.all_ids[:-1], req.cache_key)
+        pages, length, node = self.cache.match(req.all_ids[:-1], req.prefix_space)
         if length:
             self.cache.lock(node)
             req.pages, req.kv_len, req.cache_node = list(pages), length, node
@@ -318,7 +326,7 @@ class Scheduler:
         if self.cache is not None:
             full = req.kv_len // self.pool.page_size
             keep = req.all_ids[: full * self.pool.page_size]
-            self.pool.free(self.cache.insert(keep, pages[:full], req.cache_key))
+            self.pool.free(self.cache.insert(keep, pages[:full], req.prefix_space))
             pages = pages[full:]
             if req.cache_node is not None:
                 self.cache.unlock(req.cache_node)

@@ -46,6 +46,9 @@ class StepInputs:
     kv_lens: list[int]  # cached plus new tokens of each sequence
     page_counts: list[int]  # pages of each sequence
     pages: list[int]  # every sequence's pages, back to back
+    # Each sequence's LoRA adapter slot (runtime/lora.py; 0: the base model), or None when
+    # no sequence has one. Rank 0's only: tensor-parallel artefacts take no adapters.
+    adapters: list[int] | None = None
 
     @property
     def decode(self) -> bool:

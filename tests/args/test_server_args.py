@@ -118,8 +118,8 @@ def test_support_status() -> None:
     ):
         cli("--pp-size", "2")
     assert cli("--tp", "2").tp_size == 2  # implemented: a compiler pass
-    with pytest.raises(ArgError, match="--enable-lora: is not implemented in kiln yet"):
-        cli("--enable-lora")
+    with pytest.raises(ArgError, match="--lora-backend csgmv: is not implemented in kiln yet"):
+        cli("--enable-lora", "--lora-backend", "csgmv")
     with pytest.raises(ArgError, match=r"--enable-dp-attention: is not implemented in"):
         cli("--enable-dp-attention")
     with pytest.raises(ArgError, match=r"--piecewise-cuda-graph-compiler inductor: is not impl"):
@@ -154,8 +154,11 @@ def test_deprecated_flags_print_the_advice(caplog) -> None:
 
 
 def test_lora_paths_turn_lora_on() -> None:
-    with pytest.raises(ArgError, match=r"--enable-lora \(set by --lora-paths\): is not impl"):
-        cli("--lora-paths", "a=/x")
+    args = cli("--lora-paths", "a=/x", "b=/y", "--lora-target-modules", "q_proj", "v_proj")
+    assert args.enable_lora and args.lora_paths == ("a=/x", "b=/y")
+    assert args.lora_target_modules == ("q_proj", "v_proj")
+    with pytest.raises(ArgError, match="--lora-target-modules: 'lm_head' is not one of"):
+        ServerArgs(lora_target_modules=("lm_head",))
 
 
 def test_help_is_grouped_by_section() -> None:

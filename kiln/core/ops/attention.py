@@ -73,6 +73,9 @@ class AttentionBatch:
     q_starts: torch.Tensor | None = None
     q_lens: torch.Tensor | None = None
     seq_kv_lens: torch.Tensor | None = None
+    # A step with LoRA adapters' rows (runtime/lora.py): per adapter slot, its rows (an
+    # index tensor, or None for all)
+    lora: list[tuple[int, Any]] = field(default_factory=list)
     max_q_len: int = 0
 
     @classmethod

@@ -1,0 +1,421 @@
+"""LoRA adapters served beside the base model (SGLang's --enable-lora and --lora-paths).
+
+An adapter is a PEFT folder: `adapter_config.json` (rank `r`, `lora_alpha`, the target
+modules) and `adapter_model.safetensors` (per module, `lora_A` [r, in] and `lora_B`
+[out, r]). A request that names one gets, on every linear the adapter targets,
+y = x W^T + scale (x A^T) B^T, scale = lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA);
+requests of other adapters and of the base model share its steps.
+
+The compiled graph fused and reordered the base weights (q, k and v into one linear, gate
+and up into another, rows of q and k in the rotary kernel's order): every linear's weight
+records the recipe that built it from checkpoint tensors (kiln/core/ir.py WeightSpec). An
+adapter's B matrices go through the same recipe, with each checkpoint tensor replaced by
+its module's B, so the delta's rows land where the base weight's rows did: one A [R, in]
+and one B [out, R] per graph linear, R the ranks of its modules summed (B block-diagonal
+over them). Nothing is merged into the base weights, which stay shared (and quantized).
+
+Steps with an adapter's rows run through the Python executor, its linears wrapped to add
+each adapter's delta on that adapter's rows; steps of base requests alone keep the native
+step. Tensor parallelism, speculative decoding and latent-attention models are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.core.ir import Graph, Node
+from kiln.core.recipes import head_part_rows, rotary_rows
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# PEFT module names (SGLang's --lora-target-modules choices). A graph linear kiln fused
+# serves the modules of its parts; qkv_proj and gate_up_proj are checkpoints' own fused
+# modules (Phi-3), and --lora-target-modules qkv_proj admits q, k and v too.
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", *FUSED)
+LINEAR_OPS = ("linear", "packed_linear", "quant_linear")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_KEY = re.compile(r"^base_model\.model\.(.+)\.(lora_A|lora_B)(?:\.default)?\.weight$")
+MAX_ADAPTER_BYTES = 4 << 30
+
+
+class LoraError(ValueError):
+    """An adapter that cannot be served: the message names it and what is wrong."""
+
+
+@dataclass(frozen=True)
+class AdapterSource:
+    """One --lora-paths entry: `PATH`, `NAME=PATH` or {"lora_name", "lora_path", "pinned"}."""
+
+    name: str
+    path: str
+    pinned: bool = False
+
+    @classmethod
+    def parse(cls, entry: str) -> AdapterSource:
+        text = entry.strip()
+        if text.startswith("{"):
+            try:
+                d = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise LoraError(f"--lora-paths: {entry!r} is not valid JSON ({e})") from None
+            if not isinstance(d, dict) or set(d) - {"lora_name", "lora_path", "pinned"}:
+                raise LoraError(
+                    f"--lora-paths: {entry!r}: a JSON entry has lora_name, lora_path and pinned"
+                )
+            name, path, pinned = d.get("lora_name"), d.get("lora_path"), d.get("pinned", False)
+            if not isinstance(name, str) or not isinstance(path, str):
+                raise LoraError(f"--lora-paths: {entry!r}: lora_name and lora_path are strings")
+            if not isinstance(pinned, bool):
+                raise LoraError(f"--lora-paths: {entry!r}: pinned is true or false")
+        elif "=" in text:
+            name, path = (s.strip() for s in text.split("=", 1))
+            pinned = False
+        else:
+            path, pinned = text, False
+            name = Path(path).name
+        if not _NAME.match(name):
+            raise LoraError(
+                f"--lora-paths: adapter name {name!r}: letters, digits, '.', '_' and '-', "
+                "at most 128, starting with a letter or digit"
+            )
+        return cls(name, path, pinned)
+
+
+def parse_lora_paths(entries: Iterable[str]) -> list[AdapterSource]:
+    sources = [AdapterSource.parse(e) for e in entries]
+    names = [s.name for s in sources]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise LoraError(f"--lora-paths: adapter name {twice[0]!r} is given twice")
+    return sources
+
+
+@dataclass
+class Adapter:
+    """An adapter as read: per module name (`model.layers.0.self_attn.q_proj`), A [r, in]
+    and B [out, r] in float32, B already times the scale."""
+
+    name: str
+    path: str
+    rank: int
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def targets(self) -> set[str]:
+        """The PEFT module kinds it touches (q_proj, down_proj...)."""
+        return {m.rsplit(".", 1)[-1] for m in self.modules}
+
+
+def read_adapter(source: AdapterSource, max_rank: int | None = None) -> Adapter:
+    """The adapter in folder `source.path`, checked: a LoraError names what is wrong."""
+    from safetensors import safe_open
+
+    root = Path(source.path)
+    where = f"LoRA adapter {source.name!r} ({root})"
+    if not (root / ADAPTER_CONFIG).is_file():
+        raise LoraError(f"{where}: no {ADAPTER_CONFIG} (a PEFT adapter folder is expected)")
+    weights = root / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        pickled = (root / "adapter_model.bin").is_file()
+        raise LoraError(
+            f"{where}: no {ADAPTER_WEIGHTS}"
+            + ("; adapter_model.bin is a pickle, which kiln does not load" if pickled else "")
+        )
+    if weights.stat().st_size > MAX_ADAPTER_BYTES:
+        raise LoraError(f"{where}: {ADAPTER_WEIGHTS} is over {MAX_ADAPTER_BYTES >> 30} GiB")
+    try:
+        cfg = json.loads((root / ADAPTER_CONFIG).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoraError(f"{where}: {ADAPTER_CONFIG}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise LoraError(f"{where}: {ADAPTER_CONFIG} is not a JSON object")
+    _check_config(cfg, where)
+    rank: int = cfg["r"]
+    alpha: float = cfg.get("lora_alpha", rank)
+    scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    if max_rank is not None and rank > max_rank:
+        raise LoraError(f"{where}: rank {rank} is above --max-lora-rank {max_rank}")
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            names = f.keys()  # a safetensors handle is not iterable
+            for key in names:
+                m = _KEY.match(key)
+                if m is None:
+                    raise LoraError(
+                        f"{where}: tensor {key!r} is not a linear's lora_A or lora_B (embedding "
+                        "adapters, modules_to_save and DoRA are not supported)"
+                    )
+                parts.setdefault(m.group(1), {})[m.group(2)] = f.get_tensor(key)
+    except LoraError:
+        raise
+    except Exception as e:  # a damaged file: safetensors' own error, named
+        raise LoraError(f"{where}: {ADAPTER_WEIGHTS}: {e}") from None
+    modules = {}
+    for module, ab in sorted(parts.items()):
+        if set(ab) != {"lora_A", "lora_B"}:
+            raise LoraError(f"{where}: {module} has {sorted(ab)}, not lora_A and lora_B")
+        a, b = ab["lora_A"], ab["lora_B"]
+        if not (a.dtype.is_floating_point and b.dtype.is_floating_point):
+            raise LoraError(f"{where}: {module}: lora_A and lora_B must be float tensors")
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
+            raise LoraError(
+                f"{where}: {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
+                f"do not have rank {rank}"
+            )
+        a, b = a.float(), b.float() * scale
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise LoraError(f"{where}: {module}: lora_A or lora_B holds inf or NaN")
+        modules[module] = (a.contiguous(), b.contiguous())
+    if not modules:
+        raise LoraError(f"{where}: {ADAPTER_WEIGHTS} holds no lora_A / lora_B tensors")
+    return Adapter(source.name, str(root), rank, modules)
+
+
+def _check_config(cfg: dict[str, Any], where: str) -> None:
+    peft_type = cfg.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise LoraError(f"{where}: peft_type {peft_type!r}; kiln serves LORA adapters")
+    rank = cfg.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise LoraError(f"{where}: r must be a positive integer, got {rank!r}")
+    alpha = cfg.get("lora_alpha", rank)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise LoraError(f"{where}: lora_alpha must be a number, got {alpha!r}")
+    refused = {
+        "use_dora": "DoRA",
+        "fan_in_fan_out": "fan_in_fan_out weights",
+        "rank_pattern": "per-module ranks (rank_pattern)",
+        "alpha_pattern": "per-module alphas (alpha_pattern)",
+        "modules_to_save": "modules_to_save",
+        "layers_to_transform": "layers_to_transform",
+    }
+    for key, what in refused.items():
+        if cfg.get(key):
+            raise LoraError(f"{where}: {what} is not supported")
+    if cfg.get("bias", "none") != "none":
+        raise LoraError(f"{where}: bias {cfg['bias']!r} is not supported (only 'none')")
+
+
+@dataclass
+class _Linear:
+    """A graph linear an adapter may touch: its weight's recipe, with the checkpoint
+    modules it is built from, in order."""
+
+    param: str
+    recipe: dict[str, Any]
+    modules: list[str]
+    out_features: int
+    in_features: int
+    prologue: str
+    # slot -> (A [R, in], B [out, R]) of each adapter that touches it
+    deltas: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+def _loads(src: dict[str, Any]) -> list[dict[str, Any]]:
+    """The checkpoint tensors a recipe reads, in the order it reads them."""
+    if "load" in src:
+        return [src]
+    out: list[dict[str, Any]] = []
+    for key in ("quantize", "concat", "slice", "rotary_order", "head_parts", "shift"):
+        inner = src.get(key)
+        if isinstance(inner, dict):
+            out += _loads(inner)
+        elif isinstance(inner, list):
+            for s in inner:
+                out += _loads(s)
+    return out
+
+
+class LoraBank:
+    """Every linear of a graph that adapters may touch, the adapters loaded into slots
+    (slot 0 is the base model), and the executor's wrapped kernels."""
+
+    def __init__(self, graph: Graph, targets: Iterable[str] | None = None) -> None:
+        """`targets`: --lora-target-modules (None or "all": every module kiln supports)."""
+        chosen = set(targets or ()) - {"all"}
+        if not chosen or "all" in (targets or ()):
+            chosen = set(MODULES)
+        for fused, parts in FUSED.items():
+            if fused in chosen:
+                chosen |= set(parts)
+        self.targets = chosen & set(MODULES)
+        self.linears: dict[str, _Linear] = {}
+        self._by_module: dict[str, _Linear] = {}
+        for n in graph.nodes:
+            if n.op not in LINEAR_OPS:
+                continue
+            param = n.args[1]
+            if param.op != "param":
+                continue
+            name = param.attrs["name"]
+            spec = graph.weights.get(name)
+            if spec is None:
+                continue
+            recipe = spec.source.get("quantize", spec.source)
+            loads = _loads(recipe)
+            modules = [str(s["load"]).removesuffix(".weight") for s in loads]
+            if not modules or any(m.rsplit(".", 1)[-1] not in MODULES for m in modules):
+                continue
+            shapes = [tuple(s["shape"]) for s in loads]
+            linear = _Linear(
+                name,
+                recipe,
+                modules,
+                int(n.attrs.get("out_features") or spec.shape[0]),
+                int(shapes[0][1]),
+                str(n.attrs.get("prologue", "none")),
+            )
+            self.linears[name] = linear
+            for m in modules:
+                self._by_module[m] = linear
+
+    def check_graph(self, graph: Graph) -> None:
+        """Refuse graphs whose linears an adapter's deltas cannot follow."""
+        for n in graph.nodes:
+            if n.op in ("all_reduce", "all_gather"):
+                raise LoraError("LoRA: tensor-parallel artefacts (--tp-size > 1) are not supported")
+            if n.op in ("mla_attention", "latent_attention"):
+                raise LoraError("LoRA: latent-attention models (DeepSeek) are not supported")
+
+    def add(self, slot: int, adapter: Adapter) -> None:
+        """Load `adapter` into `slot` (1, 2, ...): its deltas per graph linear."""
+        outside = sorted({m.rsplit(".", 1)[-1] for m in adapter.modules} - self.targets)
+        if outside:
+            raise LoraError(
+                f"LoRA adapter {adapter.name!r} targets {', '.join(outside)}, outside "
+                f"--lora-target-modules ({', '.join(sorted(self.targets))})"
+            )
+        touched: dict[str, _Linear] = {}
+        for module in adapter.modules:
+            linear = self._by_module.get(module)
+            if linear is None:
+                raise LoraError(
+                    f"LoRA adapter {adapter.name!r}: this model has no linear {module!r}"
+                )
+            touched[linear.param] = linear
+        made = {name: self._delta(linear, adapter) for name, linear in touched.items()}
+        for name, delta in made.items():  # all checked first: nothing half-loaded
+            self.linears[name].deltas[slot] = delta
+
+    def remove(self, slot: int) -> None:
+        for linear in self.linears.values():
+            linear.deltas.pop(slot, None)
+
+    def _delta(self, linear: _Linear, adapter: Adapter) -> tuple[torch.Tensor, torch.Tensor]:
+        where = f"LoRA adapter {adapter.name!r}"
+        # a checkpoint's fused module is read once a part (Phi-3's q, k, v slices of qkv_proj)
+        present = list(dict.fromkeys(m for m in linear.modules if m in adapter.modules))
+        cols: dict[str, int] = {}
+        total = 0
+        for m in present:
+            cols[m] = total
+            total += adapter.modules[m][0].shape[0]
+        a_parts = []
+        for m in present:
+            a = adapter.modules[m][0]
+            if a.shape[1] != linear.in_features:
+                raise LoraError(
+                    f"{where}: {m}.lora_A has {a.shape[1]} inputs; the model's has "
+                    f"{linear.in_features}"
+                )
+            a_parts.append(a)
+
+        def b_of(load: dict[str, Any]) -> torch.Tensor:
+            module = str(load["load"]).removesuffix(".weight")
+            rows = int(load["shape"][0])
+            out = torch.zeros(rows, total)
+            if module in cols:
+                b = adapter.modules[module][1]
+                if b.shape[0] != rows:
+                    raise LoraError(
+                        f"{where}: {module}.lora_B has {b.shape[0]} outputs; the model's has {rows}"
+                    )
+                out[:, cols[module] : cols[module] + b.shape[1]] = b
+            return out
+
+        b = _rows(linear.recipe, b_of)
+        if b.shape[0] != linear.out_features:
+            rows = f"{b.shape[0]} rows, not {linear.out_features}"
+            raise LoraError(f"{where}: {linear.param}: {rows}")
+        return torch.cat(a_parts).contiguous(), b.contiguous()
+
+    def wrap(
+        self, node: Node, kernel: Callable[..., Any], needs_ctx: bool
+    ) -> tuple[Callable[..., Any], bool]:
+        """The executor's kernel for `node`: a linear adapters may touch adds their deltas
+        on their rows (`ctx.lora`: (slot, row indices or None for all) per adapter)."""
+        if node.op not in LINEAR_OPS or node.args[1].op != "param":
+            return kernel, needs_ctx
+        linear = self.linears.get(node.args[1].attrs["name"])
+        if linear is None:
+            return kernel, needs_ctx
+        return _lora_linear(kernel, needs_ctx, linear), True
+
+    def __len__(self) -> int:
+        return len(self.linears)
+
+
+def _rows(src: dict[str, Any], load: Callable[[dict[str, Any]], torch.Tensor]) -> torch.Tensor:
+    """A weight recipe's row operations (concat, slice along rows, rotary and head-part
+    orders) applied to other tensors: `load` gives each checkpoint tensor's stand-in."""
+    if "load" in src:
+        return load(src)
+    if "concat" in src and src.get("dim", 0) == 0:
+        return torch.cat([_rows(s, load) for s in src["concat"]])
+    if "slice" in src and src["dim"] == 0:
+        return _rows(src["slice"], load)[src["start"] : src["stop"]]
+    if "rotary_order" in src:
+        return _rows(src["rotary_order"], load)[rotary_rows(src)]
+    if "head_parts" in src:
+        return _rows(src["head_parts"], load)[head_part_rows(src)]
+    raise LoraError(f"LoRA: a weight built by {sorted(src)} cannot take an adapter")
+
+
+def _lora_linear(
+    kernel: Callable[..., Any], needs_ctx: bool, linear: _Linear
+) -> Callable[..., Any]:
+    from kiln.core.ops.elementwise import silu_and_mul
+
+    deltas = linear.deltas
+    gated = linear.prologue == "silu_and_mul"
+
+    def run(ctx: Any, x: torch.Tensor, *rest: Any) -> torch.Tensor:
+        out = kernel(ctx, x, *rest) if needs_ctx else kernel(x, *rest)
+        groups = [(deltas[s], rows) for s, rows in ctx.lora if s in deltas]
+        if not groups:
+            return out
+        h = silu_and_mul.kernel(x) if gated else x
+        h = h.float()
+        for (a, b), rows in groups:
+            part = h if rows is None else h.index_select(0, rows)
+            delta = ((part @ a.T) @ b.T).to(out.dtype)
+            out = out + delta if rows is None else out.index_add(0, rows, delta)
+        return out
+
+    return run
+
+
+def step_groups(adapters: list[int], q_lens: list[int]) -> list[tuple[int, Any]]:
+    """Per adapter slot of a step's sequences (0, the base, left out): the rows of its
+    tokens, as an index tensor, or None when it has every row."""
+    if not any(adapters):
+        return []
+    if len(set(adapters)) == 1:
+        return [(adapters[0], None)]
+    rows: dict[int, list[int]] = {}
+    at = 0
+    for slot, q in zip(adapters, q_lens, strict=True):
+        if slot:
+            rows.setdefault(slot, []).extend(range(at, at + q))
+        at += q
+    return [(s, torch.tensor(r, dtype=torch.long)) for s, r in rows.items()]
