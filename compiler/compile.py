@@ -288,7 +288,7 @@ def _materialise(
         return _materialise(src["head_parts"], reader, constants)[head_part_rows(src)]
     if "mla_absorb" in src:  # kv_b_proj's key or value half, per head (passes/absorb_mla.py)
         return _absorbed(_materialise(src["mla_absorb"], reader, constants), src)
-    if "rotary_order" in src:  # a partial rotary's q or k rows (kiln.models.rope)
+    if "rotary_order" in src:  # a partial rotary's q or k rows (kiln.core.recipes)
         return _materialise(src["rotary_order"], reader, constants)[rotary_rows(src)]
     raise ValueError(f"unknown weight recipe {src}")
 

@@ -52,7 +52,7 @@ class Attention(nn.Module):
 
     def projections(self) -> list[tuple[Value | torch.Tensor, torch.Tensor | None]]:
         """(weight, bias) of q, k and v. A partial rotary's q and k rows are reordered so
-        that rope turns the whole head (kiln.models.rope.rotary_order)."""
+        that rope turns the whole head (kiln.core.recipes.rotary_order)."""
         cfg = self.cfg
         rotary = (cfg.head_dim, cfg.rotary_dim) if cfg.rotary_dim else (0, 0)
         if cfg.fused_projections:

@@ -20,17 +20,6 @@ def inv_freq(
     return torch.cat((freq, torch.zeros(pad))) if pad else freq
 
 
-def rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
-    """The order of a head's features under which rope over the first `rotary_dim` of them
-    (rotate-half pairs i, i + rotary_dim/2) is rope over the whole head (pairs i,
-    i + head_dim/2) with the pass-through pairs at frequency 0: [rotated first half,
-    passed first half, rotated second half, passed second half]. q and k rows are stored in
-    this order; their dot products, hence attention, do not change."""
-    r, p = rotary_dim // 2, (head_dim - rotary_dim) // 2
-    spans = ((0, r), (2 * r, 2 * r + p), (r, 2 * r), (2 * r + p, head_dim))
-    return torch.cat([torch.arange(lo, hi) for lo, hi in spans])
-
-
 def _inv_freq(rope: RopeConfig, rotary_dim: int, long: bool) -> torch.Tensor:
     exps = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
     freq = 1.0 / (rope.theta**exps)

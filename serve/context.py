@@ -261,6 +261,7 @@ class ServingContext:
         defaults: str | None = None,
         cache_key: str | list[str] | None = None,
         hidden_states: bool = False,
+        lora: str | list[str | None] | None = None,
     ) -> list[Request]:
         """`n` requests per prompt (default: the params' own `n`), validated; raises
         ApiError(400) naming the problem. `params` is one dict for all prompts or one per
@@ -275,7 +276,8 @@ class ServingContext:
         request's own fields win. `cache_key`: SGLang's extra_key (with cache_salt), for
         all prompts or one per prompt: requests share cached prefixes only with requests
         of the same key. `hidden_states`: SGLang's return_hidden_states (an
-        --enable-return-hidden-states artefact)."""
+        --enable-return-hidden-states artefact). `lora`: a loaded LoRA adapter's name,
+        for all prompts or one (or None) per prompt."""
         if embed != self.engine.art.spec.is_embedding:
             raise ApiError(400, NOT_EMBEDDING if embed else EMBEDDING_ONLY)
         if n is not None and not 1 <= n <= MAX_N:
@@ -302,9 +304,12 @@ class ServingContext:
         rids = _request_ids(rid, counts)
         named = _per_prompt_ids(logprob_ids, len(prompts))
         keys = _per_prompt_keys(cache_key, len(prompts))
+        loras = lora if isinstance(lora, list) else [lora] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ApiError(400, f"{len(loras)} lora_path values for {len(prompts)} prompts")
         reqs = []
-        for ids, p, sp, count, names, lp_ids, key in zip(
-            prompts, per_prompt, parsed, counts, rids, named, keys, strict=True
+        for ids, p, sp, count, names, lp_ids, key, adapter in zip(
+            prompts, per_prompt, parsed, counts, rids, named, keys, loras, strict=True
         ):
             # No max_new_tokens: generate up to the end of the context, as SGLang does.
             given = p.get("max_new_tokens") is not None
@@ -324,6 +329,7 @@ class ServingContext:
                         logprob_ids=lp_ids,
                         dimensions=dimensions,
                         return_hidden_states=hidden_states,
+                        lora=adapter,
                     )
                     for i, name in zip(range(count), names, strict=True)
                 ]
@@ -484,15 +490,30 @@ class ServingContext:
             usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
         return usage
 
-    def model_card(self) -> dict[str, Any]:
-        return {
-            "id": self.model_name,
+    def model_card(self, adapter: str | None = None) -> dict[str, Any]:
+        """/v1/models' entry of the model, or of a LoRA adapter on it (vLLM's form: its
+        name the id, the served model its parent)."""
+        card = {
+            "id": adapter or self.model_name,
             "object": "model",
             "created": int(self.started),
             "owned_by": "kiln",
-            "root": self.model_name,
+            "root": adapter or self.model_name,
             "max_model_len": self.context_length,
         }
+        return card if adapter is None else {**card, "parent": self.model_name}
+
+    def adapter_for(self, model: str, lora_path: str | None) -> str | None:
+        """The LoRA adapter an OpenAI request asks for: `model` "SERVED:ADAPTER" (SGLang's
+        form, which wins over lora_path) or an adapter's own name (vLLM's, as /v1/models
+        lists them), else its lora_path. Other model names serve the model, as before."""
+        adapters = self.engine.adapters
+        if adapters and model in adapters:
+            return model
+        base, colon, name = model.partition(":")
+        if colon and name and self.engine.args.enable_lora and base == self.model_name:
+            return name  # an unknown one is the 400 make_request gives
+        return lora_path
 
 
 def _per_prompt_ids(ids: list[int] | list[list[int]] | None, prompts: int) -> list[tuple[int, ...]]:

@@ -114,6 +114,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
             prompt_top_logprobs=top if start >= 0 else None,
             logprob_ids=body.token_ids_logprob if body.return_logprob else None,
             cache_key=body.extra_key,
+            lora=body.lora_path,
             hidden_states=body.return_hidden_states,
         )
 

@@ -56,12 +56,16 @@ def _finish_reason(out: Any) -> tuple[str | None, Any]:
 # -- /v1/models -------------------------------------------------------------------------------
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [_ctx(request).model_card()]}
+    ctx = _ctx(request)
+    adapters = [ctx.model_card(name) for name in ctx.engine.adapters]
+    return {"object": "list", "data": [ctx.model_card(), *adapters]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request) -> dict[str, Any]:
     ctx = _ctx(request)
+    if model_id in ctx.engine.adapters:
+        return ctx.model_card(model_id)
     if model_id != ctx.model_name:
         raise ApiError(404, f"the model '{model_id}' does not exist", "NotFoundError")
     return ctx.model_card()
@@ -198,6 +202,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             rid=body.rid,
             prompt_top_logprobs=scored,
             cache_key=cache_key(body.cache_salt, body.extra_key),
+            lora=ctx.adapter_for(body.model, body.lora_path),
             hidden_states=body.return_hidden_states,
         )
         return prompts, echo, reqs
@@ -336,6 +341,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             priority=ctx.priority(body),
             rid=body.rid,
             cache_key=cache_key(body.cache_salt, body.extra_key),
+            lora=ctx.adapter_for(body.model, body.lora_path),
             hidden_states=body.return_hidden_states,
         )
 

@@ -151,7 +151,6 @@ class Body(BaseModel):
 # SGLang extensions both OpenAI routes define and kiln does not implement (yet).
 _SGLANG_REFUSED: dict[str, Any] = {
     "stop_regex": None,
-    "lora_path": None,
     "session_id": None,
     "session_params": None,
     "custom_params": None,
@@ -231,6 +230,8 @@ class _Sampling(Body):
     # of the same salt and key; a string, or one per prompt.
     cache_salt: Texts | None = None
     extra_key: Texts | None = None
+    # SGLang's: a loaded LoRA adapter's name (--lora-paths); `model` "BASE:ADAPTER" wins
+    lora_path: str | None = None
     response_format: ResponseFormat | None = None
     # SGLang's constraints, as extra body fields (runtime/grammar.py): at most one, and not
     # with a response_format that constrains.
@@ -435,6 +436,8 @@ class GenerateRequest(Body):
     rid: Texts | None = None
     priority: int = 0
     extra_key: Texts | None = None  # prefix-cache isolation, as on the OpenAI routes
+    # a loaded LoRA adapter's name for all prompts, or one (or null) per prompt
+    lora_path: str | list[str | None] | None = None
     # meta_info hidden_states (an --enable-return-hidden-states artefact)
     return_hidden_states: bool = False
     # Accepted and ignored: metric and logging switches (kiln logs no request content).
@@ -447,7 +450,6 @@ class GenerateRequest(Body):
         "video_data": None,
         "audio_data": None,
         "modalities": None,
-        "lora_path": None,
         "lora_id": None,
         "session_params": None,
         "custom_logit_processor": None,

@@ -49,7 +49,10 @@ def _body(request: dict[str, Any]) -> dict[str, Any]:
     params = dict(request["sampling_params"])
     if "logit_bias" in params:  # kept as (token, bias) pairs; /generate takes a mapping
         params["logit_bias"] = {str(t): b for t, b in params["logit_bias"]}
-    return {"input_ids": request["input_ids"], "sampling_params": params}
+    body = {"input_ids": request["input_ids"], "sampling_params": params}
+    if request.get("lora_path") is not None:  # the LoRA adapter it ran with
+        body["lora_path"] = request["lora_path"]
+    return body
 
 
 def replay(
@@ -66,7 +69,12 @@ def replay(
 
     def send(i: int, request: dict[str, Any]) -> None:
         try:
-            data = json.dumps(_body(request)).encode()
+            try:
+                data = json.dumps(_body(request)).encode()
+            except (TypeError, ValueError) as e:  # a damaged entry: reported, not dropped
+                why = f"the dump's entry cannot be sent: {e}"
+                results[i] = Replayed(str(request.get("rid")), 0, {"error": why})
+                return
             post = urllib.request.Request(url.rstrip("/") + "/generate", data, headers)
             try:
                 with urllib.request.urlopen(post, timeout=3600) as r:

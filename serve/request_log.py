@@ -80,6 +80,8 @@ def ended(req: Request, reason: dict[str, Any] | None, sampling: bool) -> dict[s
     }
     if req.first_token_at is not None:
         fields["ttft"] = round(req.first_token_at - req.created, 4)
+    if req.lora is not None:
+        fields["lora_path"] = req.lora
     if sampling:
         fields["sampling_params"] = {
             k: v for k, v in dataclasses.asdict(req.params).items() if v not in (None, ())

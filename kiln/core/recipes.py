@@ -9,7 +9,16 @@ from typing import Any
 
 import torch
 
-from kiln.models.rope import rotary_order
+
+def rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The order of a head's features under which rope over the first `rotary_dim` of them
+    (rotate-half pairs i, i + rotary_dim/2) is rope over the whole head (pairs i,
+    i + head_dim/2) with the pass-through pairs at frequency 0: [rotated first half,
+    passed first half, rotated second half, passed second half]. q and k rows are stored in
+    this order; their dot products, hence attention, do not change."""
+    r, p = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    spans = ((0, r), (2 * r, 2 * r + p), (r, 2 * r), (2 * r + p, head_dim))
+    return torch.cat([torch.arange(lo, hi) for lo, hi in spans])
 
 
 def head_part_rows(src: dict[str, Any]) -> torch.Tensor:

@@ -74,7 +74,7 @@ class Tracer:
         """Rows [start, stop) of a fused checkpoint weight (Phi-3's qkv_proj, gate_up_proj),
         cut at compile time and named as module `part` would name its own weight. With
         `rotary` (head_dim, rotary_dim) != (0, 0), each head's rows are put in
-        kiln.models.rope.rotary_order."""
+        kiln.core.recipes.rotary_order."""
         name, source = self._load(weight)
         full = list(weight.shape)
         if (start, stop) != (0, full[0]):

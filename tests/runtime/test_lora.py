@@ -18,6 +18,7 @@ from kiln.args import ArgError
 from kiln.runtime.engine import RequestError
 from kiln.runtime.lora import FUSED, AdapterSource, LoraError, parse_lora_paths
 from kiln.runtime.sampling_params import SamplingParams
+from kiln.serve.request_log import ended
 
 PROMPTS = [[5, 17, 33, 8, 91, 12], [40, 2, 77], [9, 9, 61, 30, 4, 18, 52, 7, 70]]
 NEW = 10
@@ -154,6 +155,8 @@ def test_max_loras_per_batch_counts_the_base_model(artefact, adapters) -> None:
         engine.step()
         assert len({r.lora for r in engine.scheduler.running}) <= 2
     assert all(len(r.output_ids) == 3 for r in reqs)
+    # request logs and crash dumps name the adapter (`kiln replay` sends it again)
+    assert [ended(r, None, False).get("lora_path") for r in reqs] == loras
 
 
 def test_requests_name_loaded_adapters(artefact, adapters) -> None:

@@ -267,7 +267,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     "path, extra, named",
     [
         ("/v1/completions", {"stop_regex": "a+"}, "stop_regex: not supported"),
-        ("/v1/completions", {"lora_path": "x"}, "lora_path: not supported"),
+        ("/v1/completions", {"lora_path": "x"}, "lora_path 'x': this server runs without --ena"),
         ("/v1/completions", {"temprature": 0.5}, "temprature: unknown field"),
         ("/v1/chat/completions", {"stop_regex": "a+"}, "stop_regex: not supported"),
         ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions: not supported"),

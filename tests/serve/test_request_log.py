@@ -150,6 +150,11 @@ def test_kiln_replay_sends_a_dump_again(artefact, launch, tmp_path) -> None:
     answers = replay.replay(replay.load(path), server.url, API_KEY)
     assert [a.rid for a in answers] == [r.rid for r in reqs]
     assert [a.body["output_ids"] for a in answers] == [r.output_ids for r in reqs]
+    damaged = replay.load(path)
+    damaged[1]["sampling_params"]["logit_bias"] = 5  # not (token, bias) pairs
+    answers = replay.replay(damaged, server.url, API_KEY)
+    assert [a.status for a in answers] == [200, 0, 200]  # reported, not dropped
+    assert "the dump's entry cannot be sent" in answers[1].body["error"]
     cli = [sys.executable, "-m", "kiln", "replay", str(path), "--url", server.url]
     done = subprocess.run([*cli, "--api-key", API_KEY], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

@@ -23,7 +23,7 @@ class Rope(Attrs):
 class Tables(Attrs):
     scale: float = 1.0  # cos and sin times this (YaRN's and LongRoPE's attention factor)
     # The pairs `scale` applies to (0: all): a partial rotary's pass-through pairs are
-    # frequency 0 and unscaled (kiln.models.rope.rotary_order).
+    # frequency 0 and unscaled (kiln.core.recipes.rotary_order).
     scaled_pairs: int = 0
 
 
