@@ -62,6 +62,8 @@ from kiln.runtime.tokenizer import TokenizerError, import_tokenizer_libraries, l
 
 if TYPE_CHECKING:
     import torch
+
+    from kiln.runtime.lora import Adapter
 else:
     torch = lazy_module("torch")
 
@@ -163,7 +165,10 @@ class Engine:
         self.threads, threads_from = _set_threads(self.args.threads)
         kv_tokens = self.placement.kv_tokens
         self.runner = ModelRunner(self.art, kv_tokens, self.context_length)
-        # --enable-lora: adapter name -> its slot in the runner (runtime/lora.py)
+        # --enable-lora: adapter name -> its slot in the runner (runtime/lora.py), and its
+        # folder; unloaded adapters' slots, freed once no request holds them
+        self.adapter_paths: dict[str, str] = {}
+        self._retiring: set[int] = set()
         self.adapters: dict[str, int] = self._load_adapters() if self.args.enable_lora else {}
         if spec.tp_size > 1:
             self._start_ranks(kv_tokens)
@@ -317,9 +322,11 @@ class Engine:
             for slot, source in enumerate(sources, start=1):
                 bank.add(slot, read_adapter(source, a.max_lora_rank))
                 slots[source.name] = slot
+                self.adapter_paths[source.name] = source.path
         except LoraError as e:
             raise ArgError(f"--enable-lora: {e}") from None
         self.runner.enable_lora(bank)
+        self._next_slot = len(slots) + 1  # a slot is never reused: no request can alias
         log.info("LoRA: %d adapters (%s)", len(slots), ", ".join(slots) or "none yet")
         return slots
 
@@ -541,6 +548,45 @@ class Engine:
             adapter=adapter,
         )
 
+    def load_adapter(self, adapter: Adapter) -> None:
+        """Serve `adapter` (read and checked off the engine thread: runtime/lora.py
+        read_adapter) from the next step on; on the engine thread, between steps."""
+        from kiln.runtime.lora import LoraError
+
+        if not self.args.enable_lora or self.runner.lora is None:
+            raise RequestError("loading a LoRA adapter needs --enable-lora")
+        if adapter.name in self.adapters:
+            raise RequestError(f"LoRA adapter {adapter.name!r} is already loaded")
+        most = self.args.max_loaded_loras
+        if most is not None and len(self.adapters) >= most:
+            raise RequestError(f"{len(self.adapters)} LoRA adapters are loaded: --max-loaded-loras")
+        try:
+            self.runner.lora.add(self._next_slot, adapter)
+        except LoraError as e:
+            raise RequestError(str(e)) from None
+        self.adapters[adapter.name] = self._next_slot
+        self.adapter_paths[adapter.name] = adapter.path
+        self._next_slot += 1
+        log.info("LoRA adapter %r loaded from %s", adapter.name, adapter.path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter `name`: new requests for it are refused now, its weights go
+        once the requests that hold it have ended (on the engine thread)."""
+        slot = self.adapters.pop(name, None)
+        if slot is None:
+            raise RequestError(f"no LoRA adapter {name!r} is loaded")
+        self.adapter_paths.pop(name, None)
+        self._retiring.add(slot)
+        self._free_retired()
+        log.info("LoRA adapter %r unloaded", name)
+
+    def _free_retired(self) -> None:
+        held = {r.adapter for r in self._live.values()}
+        for slot in self._retiring - held:
+            assert self.runner.lora is not None
+            self.runner.lora.remove(slot)
+            self._retiring.discard(slot)
+
     def adapter_slot(self, name: str | None) -> int:
         """The runner's slot of LoRA adapter `name` (0: None, the base model)."""
         if name is None:
@@ -598,6 +644,11 @@ class Engine:
     def add_request(self, req: Request) -> None:
         if req.rid in self._live:
             raise RequestError(f"rid {req.rid!r} is already in use by a request in flight")
+        if req.lora is not None and self.adapters.get(req.lora) != req.adapter:
+            # its adapter was unloaded between the request's making and now
+            gone = f"LoRA adapter {req.lora!r} was unloaded"
+            self._finish(req, {"type": "abort", "message": gone, "status_code": 400})
+            return
         self.attach_grammar(req)  # the offline API's requests; served ones have theirs
         if not req.scores_only and self._finish_if_done(req):
             return
@@ -657,6 +708,8 @@ class Engine:
                     self._postprocess(req)
                 outputs.append(self.output(req))
         self.batch_log.after(batch, outputs)
+        if self._retiring:
+            self._free_retired()
         return outputs
 
     def _may_speculate(self, batch: Batch) -> bool:

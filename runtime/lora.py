@@ -82,12 +82,17 @@ class AdapterSource:
         else:
             path, pinned = text, False
             name = Path(path).name
-        if not _NAME.match(name):
-            raise LoraError(
-                f"--lora-paths: adapter name {name!r}: letters, digits, '.', '_' and '-', "
-                "at most 128, starting with a letter or digit"
-            )
+        check_name(name, "--lora-paths: ")
         return cls(name, path, pinned)
+
+
+def check_name(name: str, where: str = "") -> None:
+    """An adapter name a request can spell (and /v1/models list): LoraError otherwise."""
+    if not _NAME.match(name):
+        raise LoraError(
+            f"{where}adapter name {name!r}: letters, digits, '.', '_' and '-', at most 128, "
+            "starting with a letter or digit"
+        )
 
 
 def parse_lora_paths(entries: Iterable[str]) -> list[AdapterSource]:

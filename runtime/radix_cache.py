@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 from kiln.runtime.kv_cache import PagePool
 
-# A tree's name: a request's cache key, or (LoRA adapter, cache key) (runtime/request.py
+# A tree's name: a request's cache key, or (LoRA adapter slot, cache key) (runtime/request.py
 # `prefix_space`); None, the shared tree.
-Space = str | tuple[str, str | None] | None
+Space = str | tuple[int, str | None] | None
 
 
 @dataclass(eq=False)
@@ -50,7 +50,7 @@ class RadixCache:
         self.root = Node()  # the tree of requests without a cache key
         self.root.locks = 1  # never evicted
         # one tree a cache key (or adapter), dropped once empty
-        self._roots: dict[str | tuple[str, str | None], Node] = {}
+        self._roots: dict[str | tuple[int, str | None], Node] = {}
         self._clock = itertools.count(1)
         self.cached_pages = 0
 

@@ -80,10 +80,11 @@ class Request:
     hidden_states: list[list[float]] = field(default_factory=list)
 
     @property
-    def prefix_space(self) -> str | tuple[str, str | None] | None:
+    def prefix_space(self) -> str | tuple[int, str | None] | None:
         """The prefix-cache tree it shares pages in (runtime/radix_cache.py): its cache
-        key's, within its adapter's (an adapter's K/V differ from the base model's)."""
-        return self.cache_key if self.lora is None else (self.lora, self.cache_key)
+        key's, within its adapter's (an adapter's K/V differ from the base model's). By
+        slot, never reused: an adapter loaded again under the same name gets new trees."""
+        return self.cache_key if not self.adapter else (self.adapter, self.cache_key)
 
     @property
     def all_ids(self) -> list[int]:

@@ -44,6 +44,8 @@ ADMIN_PATHS = frozenset(
         "/continue_generation",
         "/update_weight_version",
         "/configure_logging",
+        "/load_lora_adapter",
+        "/unload_lora_adapter",
     }
 )
 # Content types a browser may send cross-site without a preflight request.

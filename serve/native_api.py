@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from kiln.args import SECRET_ARGS
+from kiln.runtime.engine import RequestError
 from kiln.runtime.gc_watch import freeze
 from kiln.runtime.request import Request as EngineRequest
 from kiln.runtime.request import hidden_meta, logprob_meta
@@ -20,9 +21,11 @@ from kiln.serve.protocol import (
     ConfigureLogging,
     EncodeRequest,
     GenerateRequest,
+    LoadLoraAdapter,
     ParseFunctionCallRequest,
     PauseGeneration,
     SeparateReasoningRequest,
+    UnloadLoraAdapter,
     UpdateWeightVersion,
 )
 from kiln.serve.reasoning import CONTENT, PARSERS, REASONING, splitter
@@ -269,14 +272,53 @@ async def get_load(request: Request) -> list[dict[str, Any]]:
 
 
 def _admin_only(ctx: ServingContext, route: str, why: str = "stops") -> None:
-    """Refuse a route that stops (or logs) other clients' requests on a server without
-    --admin-api-key: with the shared API key alone, one client could stop another's."""
+    """Refuse a route that stops (or logs, or changes) other clients' requests on a server
+    without --admin-api-key: with the shared API key alone, one client could stop
+    another's."""
     if not ctx.args.admin_api_key:
         raise ApiError(
             403,
             f"{route} needs --admin-api-key (it {why} other clients' requests)",
             "PermissionDeniedError",
         )
+
+
+@router.post("/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoraAdapter, request: Request) -> dict[str, Any]:
+    """SGLang's: serve one more LoRA adapter, read from a folder on the server (its files
+    parsed as JSON and safetensors, checked as at start: runtime/lora.py). Only on a
+    server with --admin-api-key, whose key it takes: it reads a path a request names."""
+    ctx = _ctx(request)
+    _admin_only(ctx, "/load_lora_adapter", "reads a server folder and changes")
+    if not ctx.args.enable_lora:
+        raise ApiError(400, "/load_lora_adapter: this server runs without --enable-lora")
+    from kiln.runtime.lora import AdapterSource, LoraError, check_name, read_adapter
+
+    try:
+        check_name(body.lora_name, "lora_name: ")
+        source = AdapterSource(body.lora_name, body.lora_path, body.pinned)
+        adapter = await ctx.off_loop(lambda: read_adapter(source, ctx.args.max_lora_rank))
+        await ctx.async_engine.run(lambda engine: engine.load_adapter(adapter))
+    except (LoraError, RequestError) as e:
+        raise ApiError(400, str(e)) from None
+    return _adapters(ctx)
+
+
+@router.post("/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoraAdapter, request: Request) -> dict[str, Any]:
+    """SGLang's: stop serving an adapter; requests already running with it finish with it,
+    new ones naming it get a 400. The admin key only, as /load_lora_adapter."""
+    ctx = _ctx(request)
+    _admin_only(ctx, "/unload_lora_adapter", "changes")
+    try:
+        await ctx.async_engine.run(lambda engine: engine.unload_adapter(body.lora_name))
+    except RequestError as e:
+        raise ApiError(400, str(e)) from None
+    return _adapters(ctx)
+
+
+def _adapters(ctx: ServingContext) -> dict[str, Any]:
+    return {"success": True, "error_message": "", "loaded_adapters": dict(ctx.engine.adapter_paths)}
 
 
 @router.post("/abort_request")

@@ -523,6 +523,20 @@ class ScoreRequest(Body):
         return [item + query if self.item_first else query + item for item in items]
 
 
+class LoadLoraAdapter(Body):
+    """SGLang's /load_lora_adapter body: the adapter's name and its PEFT folder."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False  # every adapter stays loaded until unloaded: accepted
+
+
+class UnloadLoraAdapter(Body):
+    """SGLang's /unload_lora_adapter body."""
+
+    lora_name: str
+
+
 class AbortRequest(Body):
     """SGLang's /abort_request body: one request's id, or every request."""
 
