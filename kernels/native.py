@@ -110,7 +110,7 @@ STEP_KERNELS = (
 KV_FORMATS = {"float32": 0, "float8_e4m3fn": 1, "float8_e5m2": 2}
 # kiln_step_abi() of a step whose kiln_step_args (kiln_step.h) and exports match
 # runtime/native_step.py and these signatures (compiler/lower_step.py writes it).
-STEP_ABI = 4
+STEP_ABI = 5
 # A step library's exports (compiler/lower_step.py writes them).
 STEP_SIGNATURES = {
     "kiln_step_abi": (_I64, []),
@@ -124,6 +124,8 @@ STEP_SIGNATURES = {
     "kiln_step_rope_width": (_I64, [_I64]),
     "kiln_step_calls": (_I64, []),
     "kiln_step_call_node": (_I64, [_I64]),
+    "kiln_step_lora_hooks": (_I64, []),
+    "kiln_step_lora_weight": (_I64, [_I64]),
     "kiln_step_run": (_INT, [_P]),
 }
 

@@ -32,15 +32,20 @@ from typing import Any
 import torch
 
 from kiln.core.ir import Graph, Node
-from kiln.core.recipes import head_part_rows, rotary_rows
+from kiln.core.recipes import (
+    FUSED_MODULES,
+    LORA_MODULES,
+    head_part_rows,
+    lora_modules,
+    recipe_loads,
+    rotary_rows,
+)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-# PEFT module names (SGLang's --lora-target-modules choices). A graph linear kiln fused
-# serves the modules of its parts; qkv_proj and gate_up_proj are checkpoints' own fused
-# modules (Phi-3), and --lora-target-modules qkv_proj admits q, k and v too.
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", *FUSED)
+# PEFT module names (SGLang's --lora-target-modules choices, kiln/core/recipes.py);
+# --lora-target-modules qkv_proj admits q, k and v too.
+FUSED, MODULES = FUSED_MODULES, LORA_MODULES
 LINEAR_OPS = ("linear", "packed_linear", "quant_linear")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _KEY = re.compile(r"^base_model\.model\.(.+)\.(lora_A|lora_B)(?:\.default)?\.weight$")
@@ -222,25 +227,12 @@ class _Linear:
     out_features: int
     in_features: int
     prologue: str
-    # slot -> (A^T [in, R], B^T [R, out]), contiguous, of each adapter that touches it (a
-    # row's delta is x A^T B^T: two matmuls over contiguous rows, 2.3x faster at one row
-    # and rank 8 than over the transposed views, a 2-core Zen 3)
-    deltas: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-
-
-def _loads(src: dict[str, Any]) -> list[dict[str, Any]]:
-    """The checkpoint tensors a recipe reads, in the order it reads them."""
-    if "load" in src:
-        return [src]
-    out: list[dict[str, Any]] = []
-    for key in ("quantize", "concat", "slice", "rotary_order", "head_parts", "shift"):
-        inner = src.get(key)
-        if isinstance(inner, dict):
-            out += _loads(inner)
-        elif isinstance(inner, list):
-            for s in inner:
-                out += _loads(s)
-    return out
+    # slot -> (A^T [in, R], B^T [R, out], span [R, 2]) of each adapter that touches it:
+    # a row's delta is x A^T B^T (two matmuls over contiguous rows, 2.3x faster at one row
+    # and rank 8 than over the transposed views, a 2-core Zen 3); each row of B^T is zero
+    # outside its span's columns [lo, hi) (a fused linear's B is block-diagonal over its
+    # parts; the native step's hook reads only the span)
+    deltas: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 class LoraBank:
@@ -258,6 +250,7 @@ class LoraBank:
         self.targets = chosen & set(MODULES)
         self.linears: dict[str, _Linear] = {}
         self._by_module: dict[str, _Linear] = {}
+        self.version = 0  # counts adapters added and removed (the native step's tables)
         for n in graph.nodes:
             if n.op not in LINEAR_OPS:
                 continue
@@ -268,12 +261,11 @@ class LoraBank:
             spec = graph.weights.get(name)
             if spec is None:
                 continue
-            recipe = spec.source.get("quantize", spec.source)
-            loads = _loads(recipe)
-            modules = [str(s["load"]).removesuffix(".weight") for s in loads]
-            if not modules or any(m.rsplit(".", 1)[-1] not in MODULES for m in modules):
+            modules = lora_modules(spec.source)
+            if not modules:
                 continue
-            shapes = [tuple(s["shape"]) for s in loads]
+            recipe = spec.source.get("quantize", spec.source)
+            shapes = [tuple(s["shape"]) for s in recipe_loads(recipe)]
             linear = _Linear(
                 name,
                 recipe,
@@ -313,12 +305,16 @@ class LoraBank:
         made = {name: self._delta(linear, adapter) for name, linear in touched.items()}
         for name, delta in made.items():  # all checked first: nothing half-loaded
             self.linears[name].deltas[slot] = delta
+        self.version += 1
 
     def remove(self, slot: int) -> None:
         for linear in self.linears.values():
             linear.deltas.pop(slot, None)
+        self.version += 1
 
-    def _delta(self, linear: _Linear, adapter: Adapter) -> tuple[torch.Tensor, torch.Tensor]:
+    def _delta(
+        self, linear: _Linear, adapter: Adapter
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         where = f"LoRA adapter {adapter.name!r}"
         # a checkpoint's fused module is read once a part (Phi-3's q, k, v slices of qkv_proj)
         present = list(dict.fromkeys(m for m in linear.modules if m in adapter.modules))
@@ -354,7 +350,8 @@ class LoraBank:
         if b.shape[0] != linear.out_features:
             rows = f"{b.shape[0]} rows, not {linear.out_features}"
             raise LoraError(f"{where}: {linear.param}: {rows}")
-        return torch.cat(a_parts).T.contiguous(), b.T.contiguous()
+        bt = b.T.contiguous()
+        return torch.cat(a_parts).T.contiguous(), bt, _spans(bt)
 
     def wrap(
         self, node: Node, kernel: Callable[..., Any], needs_ctx: bool
@@ -370,6 +367,15 @@ class LoraBank:
 
     def __len__(self) -> int:
         return len(self.linears)
+
+
+def _spans(bt: torch.Tensor) -> torch.Tensor:
+    """Per row of B^T, the columns [lo, hi) holding its non-zeros ([0, 0) for none)."""
+    nonzero = bt != 0
+    cols = torch.arange(bt.shape[1])
+    lo = torch.where(nonzero, cols, bt.shape[1]).min(dim=1).values
+    hi = torch.where(nonzero, cols + 1, 0).max(dim=1).values
+    return torch.stack((torch.minimum(lo, hi), hi), dim=1).contiguous()
 
 
 def _rows(src: dict[str, Any], load: Callable[[dict[str, Any]], torch.Tensor]) -> torch.Tensor:
@@ -403,7 +409,7 @@ def _lora_linear(
             return out
         h = silu_and_mul.kernel(x) if gated else x
         h = h.float()
-        for (at, bt), rows in groups:
+        for (at, bt, _), rows in groups:
             if rows is None and out.dtype == torch.float32:
                 out = torch.addmm(out, h @ at, bt)  # every row this adapter's
                 continue

@@ -87,10 +87,14 @@ class ModelRunner:
         # them, which runs every step with an adapter's rows
         self.lora: LoraBank | None = None
         self._lora_executor: Executor | None = None
+        self.native_lora = False  # adapters' steps run natively (enable_lora)
 
     def enable_lora(self, bank: LoraBank) -> None:
+        """Serve `bank`'s adapters: through the native step when it has a LoRA hook after
+        each linear they may touch, else through the executor."""
         self.lora = bank
         self._lora_executor = None
+        self.native_lora = isinstance(self.decode, NativeStep) and self.decode.take_lora(bank)
 
     @property
     def executor(self) -> Executor:
@@ -185,7 +189,9 @@ class ModelRunner:
         return times
 
     def run(self, step: StepInputs) -> Logits:
-        if step.adapters is not None:
+        if step.adapters is not None and not (
+            self.native_lora and self.decode is not None and self.decode.bucket(step)
+        ):
             return self._run_lora(step)
         bucket = None if self.decode is None else self.decode.bucket(step)
         if bucket is not None:

@@ -31,6 +31,7 @@ from kiln.runtime.step import StepContext, StepInputs
 from kiln.runtime.threads import threads
 
 ROPE_BLOCK = 1024  # positions the rotary tables grow by
+LORA_BLOCK = 8  # kiln_step.h LORA_BLOCK: rows a LoRA hook takes together
 
 
 class KernelTable(ctypes.Structure):
@@ -66,7 +67,52 @@ class StepArgs(ctypes.Structure):
         ("threads", _I),
         ("ticks", _P),
         ("failed_at", _I),
+        ("lora", _P),
     ]
+
+
+class LoraArgs(ctypes.Structure):
+    """kernels/csrc/kiln_step.h `kiln_lora`, field for field."""
+
+    _P, _I = ctypes.c_void_p, ctypes.c_int64
+    _fields_ = [
+        ("adapters", _I),
+        ("a", _P),
+        ("b", _P),
+        ("rank", _P),
+        ("span", _P),
+        ("blocks", _I),
+        ("block", _P),
+        ("act", _P),
+        ("t", _P),
+        ("t_stride", _I),
+    ]
+
+
+class _LoraTables:
+    """The pointer tables of one set of adapters (kiln_lora's a, b and rank), kept while
+    the adapters stay as they are."""
+
+    def __init__(self, hooks: list[Any], slots: tuple[int, ...]) -> None:
+        n = max(1, len(hooks) * len(slots))
+        self.a = (ctypes.c_void_p * n)()
+        self.b = (ctypes.c_void_p * n)()
+        self.rank = (ctypes.c_int64 * n)()
+        self.span = (ctypes.c_void_p * n)()
+        self.rank_max = 1  # the largest rank: each row's x A^T
+        self.gated_in = 1  # the widest gated hook's input: its silu(gate) * up
+        for h, linear in enumerate(hooks):
+            for j, slot in enumerate(slots):
+                delta = linear.deltas.get(slot)
+                if delta is None:
+                    continue
+                at, bt, span = delta  # A^T [in, rank], B^T [rank, out]; [rank, 2] int64
+                i = h * len(slots) + j
+                self.a[i], self.b[i], self.rank[i] = at.data_ptr(), bt.data_ptr(), at.shape[1]
+                self.span[i] = span.data_ptr()
+                self.rank_max = max(self.rank_max, at.shape[1])
+            if linear.prologue == "silu_and_mul":  # its input is made for every row
+                self.gated_in = max(self.gated_in, linear.in_features)
 
 
 class NativeStep:
@@ -141,6 +187,17 @@ class NativeStep:
         self.arena = np.empty(0, np.float32)
         self.tables: list[np.ndarray] = []
         self._rope_ptrs = (ctypes.c_void_p * max(1, len(self.rope)))()
+        # LoRA (runtime/lora.py): the weight of each hook the step has (kiln_step_lora_hooks)
+        self.lora_hooks = [
+            names[int(step_lib.kiln_step_lora_weight(h))]
+            for h in range(int(step_lib.kiln_step_lora_hooks()))
+        ]
+        self._lora: Any = None  # the runner's LoraBank, once it serves adapters natively
+        self._lora_tables: dict[tuple[int, ...], _LoraTables] = {}
+        self._lora_version = -1
+        self._lora_args = LoraArgs()
+        self._lora_blocks = np.empty(0, np.int64)
+        self._scratch = np.empty(0, np.float32)
         self.args = StepArgs()
         a = self.args
         a.k = ctypes.addressof(self._table)
@@ -151,6 +208,51 @@ class NativeStep:
         a.rope = ctypes.addressof(self._rope_ptrs)
         a.threads = threads()
         self._pointer = ctypes.byref(a)
+
+    def take_lora(self, bank: Any) -> bool:
+        """Run adapters' steps here from now on, if this step has a hook after every linear
+        `bank` may touch (a step lowered before kiln had hooks has none): True if so."""
+        if set(self.lora_hooks) != set(bank.linears):
+            return False
+        self._lora = bank
+        self._hooked = [bank.linears[name] for name in self.lora_hooks]
+        return True
+
+    def _lora_step(self, inputs: StepInputs) -> int:
+        """The step's kiln_lora (its address), or 0 when no row has an adapter."""
+        adapters = inputs.adapters
+        if not adapters or self._lora is None:
+            return 0
+        bank = self._lora
+        if bank.version != self._lora_version:  # an adapter came or went: new pointers
+            self._lora_tables.clear()
+            self._lora_version = bank.version
+        slots = tuple(sorted({s for s in adapters if s}))
+        tables = self._lora_tables.get(slots)
+        if tables is None:
+            tables = self._lora_tables[slots] = _LoraTables(self._hooked, slots)
+        index = {s: j for j, s in enumerate(slots)}
+        # blocks of at most LORA_BLOCK consecutive rows (new tokens) of one adapter
+        blocks: list[int] = []
+        row = 0
+        for slot, q in zip(adapters, inputs.q_lens, strict=True):
+            if slot:
+                for start in range(row, row + q, LORA_BLOCK):
+                    blocks += (start, min(LORA_BLOCK, row + q - start), index[slot])
+            row += q
+        self._lora_blocks = np.array(blocks, np.int64)
+        need = row * (tables.gated_in + tables.rank_max)
+        if self._scratch.size < need:
+            self._scratch = np.empty(max(need, 2 * self._scratch.size), np.float32)
+        la = self._lora_args
+        la.adapters = len(slots)
+        la.a, la.b = ctypes.addressof(tables.a), ctypes.addressof(tables.b)
+        la.rank, la.span = ctypes.addressof(tables.rank), ctypes.addressof(tables.span)
+        la.blocks, la.block = len(blocks) // 3, _address(self._lora_blocks)
+        la.act = _address(self._scratch)
+        la.t = la.act + 4 * row * tables.gated_in
+        la.t_stride = tables.rank_max
+        return ctypes.addressof(la)
 
     def bucket(self, step: StepInputs) -> int | None:
         return len(step.ids) if step.ids and (step.decode or self.every_step) else None
@@ -201,6 +303,7 @@ class NativeStep:
         a.kv_pages = width
         a.logits = _address(logits)
         a.failed_at = -1
+        a.lora = self._lora_step(inputs) or None
         rc = self.fn(self._pointer)
         if rc != 0:
             raise self._error(rc)

@@ -43,3 +43,48 @@ def rotary_rows(src: dict[str, Any]) -> torch.Tensor:
     rows = (inner["stop"] - inner["start"]) if "slice" in inner else inner["shape"][0]
     order = rotary_order(head, rotary)
     return (torch.arange(0, rows, head)[:, None] + order[None, :]).reshape(-1)
+
+
+# LoRA's projections (PEFT module names; runtime/lora.py): a graph linear whose weight is
+# built from checkpoint tensors of these modules alone can take an adapter's delta. A
+# linear kiln fused serves the modules of its parts; qkv_proj and gate_up_proj are
+# checkpoints' own fused modules (Phi-3).
+FUSED_MODULES = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+LORA_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    *FUSED_MODULES,
+)
+
+
+def recipe_loads(src: dict[str, Any]) -> list[dict[str, Any]]:
+    """The checkpoint tensors ({"load"} recipes) a weight recipe reads, in its order."""
+    if "load" in src:
+        return [src]
+    out: list[dict[str, Any]] = []
+    for key in ("quantize", "concat", "slice", "rotary_order", "head_parts", "shift"):
+        inner = src.get(key)
+        if isinstance(inner, dict):
+            out += recipe_loads(inner)
+        elif isinstance(inner, list):
+            for s in inner:
+                out += recipe_loads(s)
+    return out
+
+
+def lora_modules(source: dict[str, Any]) -> list[str]:
+    """The checkpoint modules (`model.layers.0.self_attn.q_proj`) a linear's weight recipe
+    is built from, when they are all LoRA projections; else []."""
+    loads = recipe_loads(source.get("quantize", source))
+    modules = [str(s["load"]).removesuffix(".weight") for s in loads]
+    if not modules or any(m.rsplit(".", 1)[-1] not in LORA_MODULES for m in modules):
+        return []
+    return modules

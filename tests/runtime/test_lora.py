@@ -50,13 +50,23 @@ def _engine(art: Path, paths: dict[str, Path], **kw) -> Engine:
     return Engine(art, lora_paths=tuple(f"{k}={v}" for k, v in paths.items()), **kw)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3"])
-def test_adapters_in_one_batch_follow_transformers(artefact, checkpoint, adapters, family) -> None:
+@pytest.mark.parametrize(
+    "family, path",
+    [("llama", "native"), ("llama", "executor"), ("qwen3", "native"), ("phi3", "native")],
+)
+def test_adapters_in_one_batch_follow_transformers(
+    artefact, checkpoint, adapters, family, path
+) -> None:
+    """Through the native step's LoRA hooks (kiln_step.h step_lora), and through the
+    Python executor (what runs where a step has no hooks: a CUDA target, an artefact whose
+    step was not lowered)."""
     paths = adapters(family)
     # Phi-3's LongRoPE: transformers turns sequences within its pretraining context (32
     # here) by the short factors, which kiln serves at a context of 32
     extra = {"context_length": 32} if family == "phi3" else {}
     engine = _engine(artefact(family), paths, **extra)
+    assert engine.runner.native_lora
+    engine.runner.native_lora = path == "native"
     loras = [None, "all", "qv"]
     params = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
     outs = engine.generate(input_ids=PROMPTS, sampling_params=params, lora_path=loras)
