@@ -265,10 +265,12 @@ def plan_steps(
 @dataclass
 class DraftSeq:
     """A request's sequence in the draft model's KV pool: the draft's own pages, and how
-    many of the request's tokens have their K/V there (model_runner reads these two)."""
+    many of the request's tokens have their K/V there (model_runner reads these, and the
+    LoRA slot, which a draft never has: speculation and adapters do not mix)."""
 
     pages: list[int]
     kv_len: int = 0
+    adapter: int = 0
 
 
 class DraftModel:
