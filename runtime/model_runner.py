@@ -83,8 +83,8 @@ class ModelRunner:
         self.decode = self._decode_runner(art, context_length or spec.context_length)
         self.prefill = self._prefill_runner(art)
         self.group: TPGroup | None = None  # rank 0 of a tensor-parallel artefact
-        # --enable-lora: the adapters' deltas (runtime/lora.py) and the executor that adds
-        # them, which runs every step with an adapter's rows
+        # --enable-lora: the adapters' deltas (runtime/lora.py), and the executor that adds
+        # them in steps with an adapter's rows that the native step does not run
         self.lora: LoraBank | None = None
         self._lora_executor: Executor | None = None
         self.native_lora = False  # adapters' steps run natively (enable_lora)
