@@ -13,7 +13,6 @@
  */
 #define _POSIX_C_SOURCE 199309L /* clock_gettime under -std=c11 */
 #include <math.h>
-#include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <time.h>
@@ -90,10 +89,6 @@ typedef struct {
  * most LORA_BLOCK rows each (the runtime makes them), so a prompt's rows read A and B
  * once a block, not once a row. */
 #define LORA_BLOCK 8
-/* A block's multiply-adds a row from which its two halves go to the threads: below it a
- * fork and join costs more than it saves (a 2-core Zen 3: rank 8 decode ran 84 tok/s
- * serial, 75 split at 8192). */
-#define LORA_PARALLEL_MIN 65536
 typedef struct {
     int64_t adapters;
     const float *const *a;
@@ -208,29 +203,27 @@ static int step_gather(const float *x, int64_t xs, int64_t n, int64_t rows, cons
     return 0;
 }
 
-/* t[b] = x[b] A^T for the block's n rows, over rank columns [q0, q1). */
+/* t[b] = x[b] A^T for the block's n rows. */
 static void lora_down(const float *x, int64_t xs, int64_t n, int64_t in, const float *A,
-                      int64_t rank, float *t, int64_t ts, int64_t q0, int64_t q1) {
+                      int64_t rank, float *t, int64_t ts) {
     for (int64_t b = 0; b < n; b++)
-        for (int64_t q = q0; q < q1; q++) t[b * ts + q] = 0.0f;
+        for (int64_t q = 0; q < rank; q++) t[b * ts + q] = 0.0f;
     for (int64_t i = 0; i < in; i++) {
         const float *Ai = A + i * rank;
         for (int64_t b = 0; b < n; b++) {
             const float v = x[b * xs + i];
             float *tb = t + b * ts;
 #pragma omp simd
-            for (int64_t q = q0; q < q1; q++) tb[q] += v * Ai[q];
+            for (int64_t q = 0; q < rank; q++) tb[q] += v * Ai[q];
         }
     }
 }
 
-/* o[b, c0:c1] += t[b] B^T for the block's n rows, each rank row of B^T within its span. */
+/* o[b] += t[b] B^T for the block's n rows, each rank row of B^T within its span. */
 static void lora_up(const float *t, int64_t ts, int64_t n, const float *B, int64_t rank,
-                    const int64_t *span, float *o, int64_t os, int64_t out, int64_t c0,
-                    int64_t c1) {
+                    const int64_t *span, float *o, int64_t os, int64_t out) {
     for (int64_t q = 0; q < rank; q++) {
-        const int64_t lo = span[2 * q] > c0 ? span[2 * q] : c0;
-        const int64_t hi = span[2 * q + 1] < c1 ? span[2 * q + 1] : c1;
+        const int64_t lo = span[2 * q], hi = span[2 * q + 1];
         const float *Bq = B + q * out;
         for (int64_t b = 0; b < n; b++) {
             const float v = t[b * ts + q];
@@ -244,8 +237,9 @@ static void lora_up(const float *t, int64_t ts, int64_t n, const float *B, int64
 /* Hook h after a linear: each row with an adapter on it adds x A^T B^T to its output row
  * (x: the linear's input row, `in` floats; gated: silu(gate) * up of a row 2 * in wide, the
  * down projection's fused prologue, computed here by the silu_and_mul kernel). Blocks go
- * to the threads whole when there are enough of them (a prompt); otherwise each block's
- * rank columns, then its output columns, are split between the threads (a decode step). */
+ * to the threads whole. One block (a decode step's row) runs on one thread: splitting its
+ * rank and output columns between two ran no faster (a 2-core Zen 3, rank 64: 42 against
+ * 46 tok/s; the adapter's bytes bound it, read at 13-20 GB/s by one core). */
 static void step_lora(const kiln_step_args *s, int64_t h, const float *x, int64_t xs,
                       int64_t in, int gated, float *o, int64_t os, int64_t out, int64_t rows,
                       int T) {
@@ -268,35 +262,15 @@ static void step_lora(const kiln_step_args *s, int64_t h, const float *x, int64_
         xs = in;
     }
     const int64_t ts = L->t_stride, nb = L->blocks;
-    if (nb >= T) {
-#pragma omp parallel for num_threads(T) schedule(dynamic, 1) if (T > 1)
-        for (int64_t k = 0; k < nb; k++) {
-            const int64_t r0 = L->block[3 * k], n = L->block[3 * k + 1];
-            const int64_t at = h * L->adapters + L->block[3 * k + 2];
-            if (!L->a[at]) continue;
-            const int64_t rank = L->rank[at];
-            float *t = L->t + r0 * ts;
-            lora_down(x + r0 * xs, xs, n, in, L->a[at], rank, t, ts, 0, rank);
-            lora_up(t, ts, n, L->b[at], rank, L->span[at], o + r0 * os, os, out, 0, out);
-        }
-        return;
-    }
+#pragma omp parallel for num_threads(T) schedule(dynamic, 1) if (T > 1 && nb > 1)
     for (int64_t k = 0; k < nb; k++) {
         const int64_t r0 = L->block[3 * k], n = L->block[3 * k + 1];
         const int64_t at = h * L->adapters + L->block[3 * k + 2];
         if (!L->a[at]) continue;
-        const float *A = L->a[at], *B = L->b[at];
-        const int64_t rank = L->rank[at], *span = L->span[at];
+        const int64_t rank = L->rank[at];
         float *t = L->t + r0 * ts;
-#pragma omp parallel num_threads(T) if (T > 1 && (in + out) * rank >= LORA_PARALLEL_MIN)
-        {
-            const int64_t id = omp_get_thread_num(), all = omp_get_num_threads();
-            lora_down(x + r0 * xs, xs, n, in, A, rank, t, ts, rank * id / all,
-                      rank * (id + 1) / all);
-#pragma omp barrier
-            lora_up(t, ts, n, B, rank, span, o + r0 * os, os, out, out * id / all,
-                    out * (id + 1) / all);
-        }
+        lora_down(x + r0 * xs, xs, n, in, L->a[at], rank, t, ts);
+        lora_up(t, ts, n, L->b[at], rank, L->span[at], o + r0 * os, os, out);
     }
 }
 
