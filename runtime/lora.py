@@ -148,12 +148,9 @@ def read_adapter(source: AdapterSource, max_rank: int | None = None) -> Adapter:
         raise LoraError(f"{where}: {ADAPTER_CONFIG}: {e}") from None
     if not isinstance(cfg, dict):
         raise LoraError(f"{where}: {ADAPTER_CONFIG} is not a JSON object")
-    _check_config(cfg, where)
-    rank: int = cfg["r"]
-    alpha: float = cfg.get("lora_alpha", rank)
-    scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
-    if max_rank is not None and rank > max_rank:
-        raise LoraError(f"{where}: rank {rank} is above --max-lora-rank {max_rank}")
+    default_rank, default_alpha = _check_config(cfg, where)
+    ranks = _Pattern(cfg.get("rank_pattern") or {}, default_rank, "rank_pattern", where)
+    alphas = _Pattern(cfg.get("alpha_pattern") or {}, default_alpha, "alpha_pattern", where)
     parts: dict[str, dict[str, torch.Tensor]] = {}
     try:
         with safe_open(str(weights), framework="pt") as f:
@@ -175,6 +172,10 @@ def read_adapter(source: AdapterSource, max_rank: int | None = None) -> Adapter:
         if set(ab) != {"lora_A", "lora_B"}:
             raise LoraError(f"{where}: {module} has {sorted(ab)}, not lora_A and lora_B")
         a, b = ab["lora_A"], ab["lora_B"]
+        rank, alpha = int(ranks.of(module)), float(alphas.of(module))
+        if max_rank is not None and rank > max_rank:
+            raise LoraError(f"{where}: {module}: rank {rank} is above --max-lora-rank {max_rank}")
+        scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
         if not (a.dtype.is_floating_point and b.dtype.is_floating_point):
             raise LoraError(f"{where}: {module}: lora_A and lora_B must be float tensors")
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
@@ -188,10 +189,45 @@ def read_adapter(source: AdapterSource, max_rank: int | None = None) -> Adapter:
         modules[module] = (a.contiguous(), b.contiguous())
     if not modules:
         raise LoraError(f"{where}: {ADAPTER_WEIGHTS} holds no lora_A / lora_B tensors")
-    return Adapter(source.name, str(root), rank, modules)
+    return Adapter(source.name, str(root), max(a.shape[0] for a, _ in modules.values()), modules)
 
 
-def _check_config(cfg: dict[str, Any], where: str) -> None:
+# Characters that would make a PEFT pattern key a regular expression: kiln takes keys as
+# names (a module's whole name, or its last dotted parts), never as a pattern a file wrote.
+_REGEX = set("*+?[](){}|^$\\")
+
+
+class _Pattern:
+    """PEFT's rank_pattern / alpha_pattern: a value for the modules a key names (the
+    module's whole name, or a suffix of it at a dot, first key first), else `default`."""
+
+    def __init__(self, table: Any, default: float, what: str, where: str) -> None:
+        if not isinstance(table, dict):
+            raise LoraError(f"{where}: {what} must be an object")
+        for key, value in table.items():
+            if set(key) & _REGEX:
+                raise LoraError(
+                    f"{where}: {what} key {key!r}: regular expressions are not supported "
+                    "(name modules, or their last dotted parts)"
+                )
+            if what == "rank_pattern":
+                ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            else:
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+                ok = ok and math.isfinite(value)
+            if not ok:
+                raise LoraError(f"{where}: {what}[{key!r}] = {value!r} is not a valid value")
+        self.table, self.default = table, default
+
+    def of(self, module: str) -> float:
+        for key, value in self.table.items():
+            if module == key or module.endswith("." + key):
+                return float(value)
+        return self.default
+
+
+def _check_config(cfg: dict[str, Any], where: str) -> tuple[int, float]:
+    """The adapter's rank and alpha, once its config is one kiln serves."""
     peft_type = cfg.get("peft_type", "LORA")
     if peft_type != "LORA":
         raise LoraError(f"{where}: peft_type {peft_type!r}; kiln serves LORA adapters")
@@ -204,8 +240,6 @@ def _check_config(cfg: dict[str, Any], where: str) -> None:
     refused = {
         "use_dora": "DoRA",
         "fan_in_fan_out": "fan_in_fan_out weights",
-        "rank_pattern": "per-module ranks (rank_pattern)",
-        "alpha_pattern": "per-module alphas (alpha_pattern)",
         "modules_to_save": "modules_to_save",
         "layers_to_transform": "layers_to_transform",
     }
@@ -214,6 +248,7 @@ def _check_config(cfg: dict[str, Any], where: str) -> None:
             raise LoraError(f"{where}: {what} is not supported")
     if cfg.get("bias", "none") != "none":
         raise LoraError(f"{where}: bias {cfg['bias']!r} is not supported (only 'none')")
+    return rank, float(alpha)
 
 
 @dataclass

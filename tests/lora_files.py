@@ -22,9 +22,11 @@ def write_adapter(
     seed: int = 0,
     std: float = 0.2,
     config: dict[str, Any] | None = None,
+    rank_pattern: dict[str, int] | None = None,
 ) -> Path:
     """A PEFT adapter folder for `checkpoint` (a transformers folder) with random A and B
-    (PEFT starts B at zero; these are non-zero so the adapter changes the output)."""
+    (PEFT starts B at zero; these are non-zero so the adapter changes the output); a module
+    `rank_pattern` names (its whole name or last dotted parts) gets that rank."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
@@ -32,8 +34,9 @@ def write_adapter(
     tensors = {}
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in targets and isinstance(module, torch.nn.Linear):
-            a = torch.randn(rank, module.in_features, generator=gen) * std
-            b = torch.randn(module.out_features, rank, generator=gen) * std
+            r = _pattern(rank_pattern or {}, name, rank)
+            a = torch.randn(int(r), module.in_features, generator=gen) * std
+            b = torch.randn(module.out_features, int(r), generator=gen) * std
             tensors[f"base_model.model.{name}.lora_A.weight"] = a
             tensors[f"base_model.model.{name}.lora_B.weight"] = b
     out.mkdir(parents=True, exist_ok=True)
@@ -47,6 +50,7 @@ def write_adapter(
         "fan_in_fan_out": False,
         "use_rslora": False,
         "base_model_name_or_path": str(checkpoint),
+        "rank_pattern": rank_pattern or {},
         **(config or {}),
     }
     (out / "adapter_config.json").write_text(json.dumps(cfg))
@@ -66,7 +70,6 @@ def merge_into(model: Any, adapter: Path) -> Any:
     from safetensors.torch import load_file
 
     cfg = json.loads((adapter / "adapter_config.json").read_text())
-    scale = cfg["lora_alpha"] / cfg["r"]
     tensors = load_file(str(adapter / "adapter_model.safetensors"))
     modules = dict(model.named_modules())
     with torch.no_grad():
@@ -75,5 +78,15 @@ def merge_into(model: Any, adapter: Path) -> Any:
                 continue
             name = key.removeprefix("base_model.model.").split(".lora_A.")[0]
             b = tensors[key.replace(".lora_A.", ".lora_B.")]
+            r = _pattern(cfg.get("rank_pattern") or {}, name, cfg["r"])
+            scale = _pattern(cfg.get("alpha_pattern") or {}, name, cfg["lora_alpha"]) / r
             modules[name].weight += scale * (b @ a)
     return model
+
+
+def _pattern(table: dict[str, float], module: str, default: float) -> float:
+    """PEFT's rank_pattern / alpha_pattern value of `module` (keys as names)."""
+    for key, value in table.items():
+        if module == key or module.endswith("." + key):
+            return value
+    return default

@@ -178,6 +178,26 @@ def test_requests_name_loaded_adapters(artefact, adapters) -> None:
         plain.generate(input_ids=PROMPTS[0], lora_path="all")
 
 
+def test_per_module_ranks_and_alphas(artefact, checkpoint, tmp_path) -> None:
+    """PEFT's rank_pattern and alpha_pattern: a module named by a key (its whole name or
+    its last dotted parts) takes that rank or alpha."""
+    ckpt = checkpoint("llama")
+    ranks = {"q_proj": 2, "model.layers.1.mlp.down_proj": 6}
+    alphas = {"o_proj": 3.0, "model.layers.0.self_attn.q_proj": 16.0}
+    path = write_adapter(
+        ckpt, tmp_path / "patterns", seed=7, rank_pattern=ranks, config={"alpha_pattern": alphas}
+    )
+    engine = Engine(artefact("llama"), lora_paths=(f"p={path}",))
+    hf = merged_model(ckpt, path)
+    params = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
+    out = engine.generate(input_ids=PROMPTS[0], sampling_params=params, lora_path="p")
+    assert out["output_ids"] == hf_greedy(hf, PROMPTS[0], NEW)
+    seq = PROMPTS[0] + out["output_ids"]
+    with torch.no_grad():
+        ref = hf(torch.tensor([seq])).logits[0]
+    torch.testing.assert_close(engine.prompt_logits(seq, lora="p"), ref, atol=1e-4, rtol=0)
+
+
 def test_lora_paths_forms() -> None:
     assert AdapterSource.parse("/a/b/sql-lora") == AdapterSource("sql-lora", "/a/b/sql-lora")
     assert AdapterSource.parse("sql=/x") == AdapterSource("sql", "/x")
@@ -218,6 +238,7 @@ def test_adapters_that_cannot_be_served_stop_the_start(
         (pickled, "adapter_model.bin is a pickle"),
         (_broken(good, tmp_path / "dora", {"use_dora": True}), "DoRA is not supported"),
         (_broken(good, tmp_path / "r", {"r": 3}), "do not have rank 3"),
+        (_broken(good, tmp_path / "re", {"rank_pattern": {"q.*": 4}}), "regular expressions"),
         (other, "has 64 (inputs|outputs); the model.s has 96"),
     ]
     art = artefact("llama")
