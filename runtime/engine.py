@@ -310,7 +310,7 @@ class Engine:
         try:
             if self.speculative is not None:
                 raise LoraError("LoRA with speculative decoding is not supported")
-            bank = LoraBank(self.art.graph, a.lora_target_modules)
+            bank = LoraBank(self.art.graph, a.lora_target_modules, str(self.runner.device))
             bank.check_graph(self.art.graph)
             sources = parse_lora_paths(a.lora_paths or ())
             if a.max_loaded_loras is not None and len(sources) > a.max_loaded_loras:

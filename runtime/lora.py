@@ -274,8 +274,12 @@ class LoraBank:
     """Every linear of a graph that adapters may touch, the adapters loaded into slots
     (slot 0 is the base model), and the executor's wrapped kernels."""
 
-    def __init__(self, graph: Graph, targets: Iterable[str] | None = None) -> None:
-        """`targets`: --lora-target-modules (None or "all": every module kiln supports)."""
+    def __init__(
+        self, graph: Graph, targets: Iterable[str] | None = None, device: str = "cpu"
+    ) -> None:
+        """`targets`: --lora-target-modules (None or "all": every module kiln supports);
+        `device`: where the deltas live (the runner's weights')."""
+        self.device = device
         chosen = set(targets or ()) - {"all"}
         if not chosen or "all" in (targets or ()):
             chosen = set(MODULES)
@@ -386,7 +390,10 @@ class LoraBank:
             rows = f"{b.shape[0]} rows, not {linear.out_features}"
             raise LoraError(f"{where}: {linear.param}: {rows}")
         bt = b.T.contiguous()
-        return torch.cat(a_parts).T.contiguous(), bt, _spans(bt)
+        at, span = torch.cat(a_parts).T.contiguous(), _spans(bt)
+        if self.device != "cpu":  # the executor's matmuls run beside the weights
+            at, bt = at.to(self.device), bt.to(self.device)
+        return at, bt, span
 
     def wrap(
         self, node: Node, kernel: Callable[..., Any], needs_ctx: bool
@@ -456,9 +463,11 @@ def _lora_linear(
     return run
 
 
-def step_groups(adapters: list[int], q_lens: list[int]) -> list[tuple[int, Any]]:
+def step_groups(
+    adapters: list[int], q_lens: list[int], device: Any = "cpu"
+) -> list[tuple[int, Any]]:
     """Per adapter slot of a step's sequences (0, the base, left out): the rows of its
-    tokens, as an index tensor, or None when it has every row."""
+    tokens, as an index tensor on `device`, or None when it has every row."""
     if not any(adapters):
         return []
     if len(set(adapters)) == 1:
@@ -469,4 +478,4 @@ def step_groups(adapters: list[int], q_lens: list[int]) -> list[tuple[int, Any]]
         if slot:
             rows.setdefault(slot, []).extend(range(at, at + q))
         at += q
-    return [(s, torch.tensor(r, dtype=torch.long)) for s, r in rows.items()]
+    return [(s, torch.tensor(r, dtype=torch.long, device=device)) for s, r in rows.items()]

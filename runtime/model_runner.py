@@ -220,7 +220,7 @@ class ModelRunner:
             art = self.art
             self._lora_executor = Executor(art.graph, art.weights, art.lib, self.lora.wrap)
         ctx, ids, positions, rows = self.step.plan(step)
-        ctx.lora = step_groups(step.adapters, step.q_lens)
+        ctx.lora = step_groups(step.adapters, step.q_lens, self.device)
         out = self._lora_executor(ctx, ids, positions, rows)
         if isinstance(out, tuple):
             out, self.hidden = out
