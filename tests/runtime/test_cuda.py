@@ -195,3 +195,20 @@ def test_deterministic_inference_on_the_gpu(artefact) -> None:
     loose = scenarios(artefact("llama", compile_args=cuda))
     print("default kernels' runs equal:", [run == loose[0] for run in loose[1:]])
     assert max(abs(a - b) for run in loose for a, b in zip(run, det[0], strict=True)) < 0.05
+
+
+def test_lora_adapters_on_a_gpu_answer_as_on_the_cpu(artefact, checkpoint, tmp_path) -> None:
+    """Adapters' steps on a CUDA artefact (the executor, eager, beside the graphs of base
+    steps): the CPU's greedy tokens, adapter for adapter, in one mixed batch."""
+    from lora_files import write_adapter
+
+    ckpt = checkpoint("llama")
+    paths = (f"a={write_adapter(ckpt, tmp_path / 'a', seed=1)}",)
+    cuda = {"device": "cuda", "cuda_graph_max_bs": 8}
+    gpu = Engine(artefact("llama", compile_args=cuda), max_total_tokens=1024, lora_paths=paths)
+    cpu = Engine(artefact("llama"), max_total_tokens=1024, lora_paths=paths)
+    prompts, loras = [[1, 5, 9], [1, 5, 9], [5, 5]], [None, "a", "a"]
+    got = gpu.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=loras)
+    want = cpu.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=loras)
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    assert got[0]["output_ids"] != got[1]["output_ids"]  # the adapter changes the answer
