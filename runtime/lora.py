@@ -14,9 +14,12 @@ its module's B, so the delta's rows land where the base weight's rows did: one A
 and one B [out, R] per graph linear, R the ranks of its modules summed (B block-diagonal
 over them). Nothing is merged into the base weights, which stay shared (and quantized).
 
-Steps with an adapter's rows run through the Python executor, its linears wrapped to add
-each adapter's delta on that adapter's rows; steps of base requests alone keep the native
-step. Tensor parallelism, speculative decoding and latent-attention models are refused.
+The native step has a hook after each such linear (kernels/csrc/kiln_step.h step_lora;
+runtime/native_step.py passes each step's adapters, rows and tables), so adapters' steps
+run natively with the base model's. Where a step is not native (a CUDA target, a step not
+lowered) the Python executor runs it, its linears wrapped to add each adapter's delta on
+that adapter's rows. Tensor parallelism, speculative decoding and latent-attention models
+are refused.
 """
 
 from __future__ import annotations
