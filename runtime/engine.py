@@ -169,7 +169,10 @@ class Engine:
         # folder; unloaded adapters' slots, freed once no request holds them
         self.adapter_paths: dict[str, str] = {}
         self._retiring: set[int] = set()
-        self.adapters: dict[str, int] = self._load_adapters() if self.args.enable_lora else {}
+        self._next_slot = 1  # a slot is never reused: no request can alias another's
+        self.adapters: dict[str, int] = {}
+        if self.args.enable_lora:
+            self._load_adapters()
         if spec.tp_size > 1:
             self._start_ranks(kv_tokens)
         self.runner.warm_up()
@@ -301,7 +304,7 @@ class Engine:
             max_loras=a.max_loras_per_batch if a.enable_lora else None,
         )
 
-    def _load_adapters(self) -> dict[str, int]:
+    def _load_adapters(self) -> None:
         """--lora-paths' adapters, each into a slot of the runner's LoRA bank; an adapter
         that cannot be served stops the start with an ArgError naming it."""
         from kiln.runtime.lora import LoraBank, LoraError, parse_lora_paths, read_adapter
@@ -311,24 +314,27 @@ class Engine:
             if self.speculative is not None:
                 raise LoraError("LoRA with speculative decoding is not supported")
             bank = LoraBank(self.art.graph, a.lora_target_modules, str(self.runner.device))
-            bank.check_graph(self.art.graph)
+            self.runner.enable_lora(bank)
             sources = parse_lora_paths(a.lora_paths or ())
             if a.max_loaded_loras is not None and len(sources) > a.max_loaded_loras:
                 raise LoraError(
                     f"--lora-paths: {len(sources)} adapters; --max-loaded-loras is "
                     f"{a.max_loaded_loras}"
                 )
-            slots = {}
-            for slot, source in enumerate(sources, start=1):
-                bank.add(slot, read_adapter(source, a.max_lora_rank))
-                slots[source.name] = slot
-                self.adapter_paths[source.name] = source.path
+            for source in sources:
+                self._add_adapter(read_adapter(source, a.max_lora_rank))
         except LoraError as e:
             raise ArgError(f"--enable-lora: {e}") from None
-        self.runner.enable_lora(bank)
-        self._next_slot = len(slots) + 1  # a slot is never reused: no request can alias
-        log.info("LoRA: %d adapters (%s)", len(slots), ", ".join(slots) or "none yet")
-        return slots
+        names = ", ".join(self.adapters) or "none yet"
+        log.info("LoRA: %d adapters (%s)", len(self.adapters), names)
+
+    def _add_adapter(self, adapter: Adapter) -> None:
+        """`adapter` into the next slot (LoraError if it does not fit the model)."""
+        assert self.runner.lora is not None
+        self.runner.lora.add(self._next_slot, adapter)
+        self.adapters[adapter.name] = self._next_slot
+        self.adapter_paths[adapter.name] = adapter.path
+        self._next_slot += 1
 
     def _place(self, manifest: dict[str, Any], spec: ModelSpec) -> Placement:
         """Rank 0's placement (runtime/placement.py): its device, and the KV pool every
@@ -561,12 +567,9 @@ class Engine:
         if most is not None and len(self.adapters) >= most:
             raise RequestError(f"{len(self.adapters)} LoRA adapters are loaded: --max-loaded-loras")
         try:
-            self.runner.lora.add(self._next_slot, adapter)
+            self._add_adapter(adapter)
         except LoraError as e:
             raise RequestError(str(e)) from None
-        self.adapters[adapter.name] = self._next_slot
-        self.adapter_paths[adapter.name] = adapter.path
-        self._next_slot += 1
         log.info("LoRA adapter %r loaded from %s", adapter.name, adapter.path)
 
     def unload_adapter(self, name: str) -> None:

@@ -46,9 +46,6 @@ from kiln.core.recipes import (
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-# PEFT module names (SGLang's --lora-target-modules choices, kiln/core/recipes.py);
-# --lora-target-modules qkv_proj admits q, k and v too.
-FUSED, MODULES = FUSED_MODULES, LORA_MODULES
 LINEAR_OPS = ("linear", "packed_linear", "quant_linear")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _KEY = re.compile(r"^base_model\.model\.(.+)\.(lora_A|lora_B)(?:\.default)?\.weight$")
@@ -285,15 +282,19 @@ class LoraBank:
         self.device = device
         chosen = set(targets or ()) - {"all"}
         if not chosen or "all" in (targets or ()):
-            chosen = set(MODULES)
-        for fused, parts in FUSED.items():
+            chosen = set(LORA_MODULES)
+        for fused, parts in FUSED_MODULES.items():  # qkv_proj admits q, k and v too
             if fused in chosen:
                 chosen |= set(parts)
-        self.targets = chosen & set(MODULES)
+        self.targets = chosen & set(LORA_MODULES)
         self.linears: dict[str, _Linear] = {}
         self._by_module: dict[str, _Linear] = {}
         self.version = 0  # counts adapters added and removed (the native step's tables)
         for n in graph.nodes:
+            if n.op in ("all_reduce", "all_gather"):
+                raise LoraError("LoRA: tensor-parallel artefacts (--tp-size > 1) are not supported")
+            if n.op in ("mla_attention", "latent_attention"):
+                raise LoraError("LoRA: latent-attention models (DeepSeek) are not supported")
             if n.op not in LINEAR_OPS:
                 continue
             param = n.args[1]
@@ -307,26 +308,17 @@ class LoraBank:
             if not modules:
                 continue
             recipe = spec.source.get("quantize", spec.source)
-            shapes = [tuple(s["shape"]) for s in recipe_loads(recipe)]
             linear = _Linear(
                 name,
                 recipe,
                 modules,
                 int(n.attrs.get("out_features") or spec.shape[0]),
-                int(shapes[0][1]),
+                int(recipe_loads(recipe)[0]["shape"][1]),
                 str(n.attrs.get("prologue", "none")),
             )
             self.linears[name] = linear
             for m in modules:
                 self._by_module[m] = linear
-
-    def check_graph(self, graph: Graph) -> None:
-        """Refuse graphs whose linears an adapter's deltas cannot follow."""
-        for n in graph.nodes:
-            if n.op in ("all_reduce", "all_gather"):
-                raise LoraError("LoRA: tensor-parallel artefacts (--tp-size > 1) are not supported")
-            if n.op in ("mla_attention", "latent_attention"):
-                raise LoraError("LoRA: latent-attention models (DeepSeek) are not supported")
 
     def add(self, slot: int, adapter: Adapter) -> None:
         """Load `adapter` into `slot` (1, 2, ...): its deltas per graph linear."""

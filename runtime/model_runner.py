@@ -189,42 +189,40 @@ class ModelRunner:
         return times
 
     def run(self, step: StepInputs) -> Logits:
-        if step.adapters is not None and not (
-            self.native_lora and self.decode is not None and self.decode.bucket(step)
-        ):
-            return self._run_lora(step)
+        # A step with an adapter's rows runs in the native step's LoRA hooks, or in the
+        # executor whose linears add the deltas (runtime/lora.py), never in a recording.
+        lora = step.adapters is not None
         bucket = None if self.decode is None else self.decode.bucket(step)
-        if bucket is not None:
+        if bucket is not None and (not lora or self.native_lora):
             assert self.decode is not None
             logits = self.decode.run(self.step, step, bucket)
             # a padded bucket's extra rows go (the native step has none: no op to pay)
             return logits if len(logits) == len(step.rows) else logits[: len(step.rows)]
-        tokens = None if self.prefill is None else self.prefill.bucket(step)
+        tokens = None if lora or self.prefill is None else self.prefill.bucket(step)
         if tokens is not None:
             assert self.prefill is not None
             return self.prefill.run(self.step, step, tokens)
         ctx, ids, positions, rows = self.step.plan(step)
-        out = self.executor(ctx, ids, positions, rows)
+        if lora:
+            from kiln.runtime.lora import step_groups
+
+            assert step.adapters is not None
+            ctx.lora = step_groups(step.adapters, step.q_lens, self.device)
+        out = (self.lora_executor if lora else self.executor)(ctx, ids, positions, rows)
         if isinstance(out, tuple):  # --enable-return-hidden-states: (logits, hidden)
             out, self.hidden = out
         return out
 
-    def _run_lora(self, step: StepInputs) -> Logits:
-        """A step with an adapter's rows: the executor, its linears adding each adapter's
-        delta on that adapter's rows (runtime/lora.py)."""
+    @property
+    def lora_executor(self) -> Executor:
+        """The executor whose linears add the adapters' deltas (made at first use)."""
         from kiln.runtime.executor import Executor
-        from kiln.runtime.lora import step_groups
 
-        assert self.lora is not None and step.adapters is not None
+        assert self.lora is not None
         if self._lora_executor is None:
             art = self.art
             self._lora_executor = Executor(art.graph, art.weights, art.lib, self.lora.wrap)
-        ctx, ids, positions, rows = self.step.plan(step)
-        ctx.lora = step_groups(step.adapters, step.q_lens, self.device)
-        out = self._lora_executor(ctx, ids, positions, rows)
-        if isinstance(out, tuple):
-            out, self.hidden = out
-        return out
+        return self._lora_executor
 
     def decode_mode(self, art: Artefact) -> str:
         """How decode steps run, for the start-up log: a slow mode says why."""

@@ -193,6 +193,7 @@ class NativeStep:
             for h in range(int(step_lib.kiln_step_lora_hooks()))
         ]
         self._lora: Any = None  # the runner's LoraBank, once it serves adapters natively
+        self._hooked: list[Any] = []  # its linear at each hook
         self._lora_tables: dict[tuple[int, ...], _LoraTables] = {}
         self._lora_version = -1
         self._lora_args = LoraArgs()

@@ -67,34 +67,34 @@ def replay(
     first = float(requests[0].get("created", 0.0)) if requests else 0.0
     start = time.monotonic()
 
-    def send(i: int, request: dict[str, Any]) -> None:
+    def send(i: int, rid: str, data: bytes) -> None:
         try:
-            try:
-                data = json.dumps(_body(request)).encode()
-            except (TypeError, ValueError) as e:  # a damaged entry: reported, not dropped
-                why = f"the dump's entry cannot be sent: {e}"
-                results[i] = Replayed(str(request.get("rid")), 0, {"error": why})
-                return
             post = urllib.request.Request(url.rstrip("/") + "/generate", data, headers)
             try:
                 with urllib.request.urlopen(post, timeout=3600) as r:
                     body = json.load(r)
                 if isinstance(body, list):  # n > 1: one answer a sample
                     body = {"outputs": body, "meta_info": body[0].get("meta_info", {})}
-                results[i] = Replayed(str(request.get("rid")), 200, body)
+                results[i] = Replayed(rid, 200, body)
             except urllib.error.HTTPError as e:
-                results[i] = Replayed(str(request.get("rid")), e.code, _json(e.read()))
-            except OSError as e:  # refused, reset: the server is gone
-                results[i] = Replayed(str(request.get("rid")), 0, {"error": str(e)})
+                results[i] = Replayed(rid, e.code, _json(e.read()))
+            except (OSError, ValueError) as e:  # refused, reset, not JSON: no answer
+                results[i] = Replayed(rid, 0, {"error": str(e)})
         finally:
             slots.release()
 
     threads = []
     for i, request in enumerate(requests):
+        rid = str(request.get("rid"))
+        try:
+            data = json.dumps(_body(request)).encode()
+        except (TypeError, ValueError) as e:  # a damaged entry: reported, not dropped
+            results[i] = Replayed(rid, 0, {"error": f"the dump's entry cannot be sent: {e}"})
+            continue
         due = start + (float(request.get("created", first)) - first) / speed
         time.sleep(max(0.0, due - time.monotonic()))
         slots.acquire()
-        t = threading.Thread(target=send, args=(i, request), daemon=True)
+        t = threading.Thread(target=send, args=(i, rid, data), daemon=True)
         t.start()
         threads.append(t)
     for t in threads:

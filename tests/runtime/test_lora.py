@@ -15,8 +15,9 @@ from oracle import hf_greedy
 
 from kiln import Engine
 from kiln.args import ArgError
+from kiln.core.recipes import FUSED_MODULES
 from kiln.runtime.engine import RequestError
-from kiln.runtime.lora import FUSED, AdapterSource, LoraError, parse_lora_paths
+from kiln.runtime.lora import AdapterSource, LoraError, parse_lora_paths
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.serve.request_log import ended
 
@@ -118,7 +119,7 @@ def _dequantized(hf: torch.nn.Module, art: Path) -> torch.nn.Module:
         fmt, rows = n.attrs["format"], n.attrs["out_features"]
         w = unpack_quant(weights[name], weights[name + ".scales"], fmt, rows)
         stem = name.removesuffix(".weight")
-        parts = FUSED.get(stem.rsplit(".", 1)[-1])
+        parts = FUSED_MODULES.get(stem.rsplit(".", 1)[-1])
         targets = [f"{stem.rsplit('.', 1)[0]}.{p}" for p in parts] if parts else [stem]
         at = 0
         with torch.no_grad():
