@@ -10,12 +10,15 @@ what lets the runtime trust it (see runtime/native.py).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import os
 import re
 import shutil
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -212,24 +215,13 @@ def step_build_id(source: str, target: Target, toolchain: Toolchain) -> str:
 def build_step(source: str, target: Target, toolchain: Toolchain) -> Path:
     """Compile a native step (compiler/lower_step.py's C) for `target` into the store, or
     find it built there: `step-<id>.so`, its source beside it."""
-    out_dir = store()
-    lib = out_dir / f"step-{step_build_id(source, target, toolchain)}.so"
-    if lib.exists():
-        return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
-    src = lib.with_suffix(".c")
-    tmp = src.with_name(f"{src.name}.{os.getpid()}.tmp.c")
-    try:
-        tmp.write_text(source)
-        _compile(tmp, lib, flags(target), toolchain)
-        os.replace(tmp, src)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return lib
+    lib = store() / f"step-{step_build_id(source, target, toolchain)}.so"
+    return _compile(lib.with_suffix(".c"), lib, flags(target), toolchain, text=source)
 
 
-# A builder's temporaries: `<name>.<pid>.tmp` (a library) and `<name>.<pid>.tmp.c` (a step's
-# source), so a build killed mid-way (kill -9 of `kiln compile`) is recognised by its pid.
+# A builder's temporaries: its work folder `<name>.<pid>.tmp` (older kilns also left files
+# `<name>.<pid>.tmp` and `<name>.<pid>.tmp.c`), so a build killed mid-way (kill -9 of
+# `kiln compile`) is recognised by its pid.
 _TEMPORARY = re.compile(r".+\.(?P<pid>\d+)\.tmp(?:\.c)?")
 
 
@@ -238,27 +230,83 @@ def sweep(folder: Path) -> None:
     for entry in folder.iterdir():
         hit = _TEMPORARY.fullmatch(entry.name)
         if hit and int(hit["pid"]) != os.getpid() and not pid_alive(int(hit["pid"])):
-            entry.unlink(missing_ok=True)
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
 
 
-def _compile(source: Path, lib: Path, cflags: tuple[str, ...], toolchain: Toolchain) -> Path:
+def _compile(
+    source: Path, lib: Path, cflags: tuple[str, ...], toolchain: Toolchain, text: str | None = None
+) -> Path:
+    """Build `source` (or `text`, kept as `source` beside the library) into `lib`, unless
+    it is there.
+
+    The compiler works in a folder of this builder's own, on files named as they will be
+    published: the bytes it writes depend on the names it is given (a step's source file
+    name lands in the library), so any builder, any process, writes the same library.
+    Publishing is a hard link that never replaces: when builders race (two `kiln compile`s
+    sharing a cache), the first library stays, and so does the checksum that the artefacts
+    already made with it carry (runtime/native.py trusts a step only if the store holds its
+    checksum)."""
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
-    sweep(lib.parent)
-    tmp = lib.with_name(f"{lib.name}.{os.getpid()}.tmp")
-    # libraries after the source
-    command = [toolchain.cc, *cflags, "-o", str(tmp), str(source), "-lm"]
+    with _building(lib):  # a second builder of `lib` waits here, then finds it built
+        if lib.exists():
+            return lib
+        sweep(lib.parent)
+        _build(source, lib, cflags, toolchain, text)
+    return lib
+
+
+@contextlib.contextmanager
+def _building(lib: Path) -> Iterator[None]:
+    """Hold the build lock of `lib` (`.<name>.lock` beside it): one process builds it
+    (14-24 s for the kernel library on a 2-core CI machine), the others wait for it."""
+    fd = os.open(lib.with_name(f".{lib.name}.lock"), os.O_CREAT | os.O_RDWR, 0o666)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _build(
+    source: Path, lib: Path, cflags: tuple[str, ...], toolchain: Toolchain, text: str | None
+) -> None:
+    work = lib.with_name(f"{lib.name}.{os.getpid()}.tmp")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    try:
+        src = source
+        if text is not None:
+            src = work / source.name
+            src.write_text(text)
+        built = work / lib.name
+        # libraries after the source
+        command = [toolchain.cc, *cflags, "-o", str(built), str(src), "-lm"]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             tail = done.stderr.strip().splitlines()[-3:]
             msg = f"{toolchain.cc} failed on {source.name}: {' / '.join(tail)}"
             raise KernelBuildError(msg)
-        os.replace(tmp, lib)  # atomic: concurrent builders never load a partial file
+        if text is not None:
+            _publish(src, source)
+        _publish(built, lib)  # last: a reader that finds the library finds its source
     finally:
-        tmp.unlink(missing_ok=True)  # an error or an interrupt leaves no temporary
-    return lib
+        shutil.rmtree(work, ignore_errors=True)  # an error or an interrupt leaves nothing
+
+
+def _publish(built: Path, final: Path) -> None:
+    """Put `built` at `final` whole and at once, unless another builder got there first."""
+    try:
+        os.link(built, final)
+    except FileExistsError:
+        pass
+    except OSError:  # a file system without hard links: replace, atomically, if still absent
+        if not final.exists():
+            os.replace(built, final)
 
 
 def load_step(path: Path) -> ctypes.CDLL:

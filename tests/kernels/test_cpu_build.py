@@ -78,8 +78,44 @@ def test_a_killed_builders_temporaries_are_swept(tmp_path: Path) -> None:
     live = [f"step-1.so.{os.getppid()}.tmp", f"cpu_kernels-1.so.{os.getpid()}.tmp", "step-1.so"]
     for name in dead + live:
         (tmp_path / name).write_bytes(b"")
+    # a builder's work folder, as this kiln leaves one
+    (tmp_path / f"step-2.so.{gone.pid}.tmp").mkdir()
+    (tmp_path / f"step-2.so.{gone.pid}.tmp" / "step-2.c").write_text("int x;")
     native.sweep(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(live)
+
+
+STEP_PROBE = """
+import sys
+from kiln.core.target import cpu_target
+from kiln.kernels import native
+lib = native.build_step("int kiln_probe(void) { return 7; }\\n", cpu_target("x86-64"),
+                        native.Toolchain.find())
+print(lib)
+"""
+
+
+def test_builders_write_the_same_library_and_the_first_one_stays(tmp_path: Path) -> None:
+    """Two `kiln compile`s sharing a cache may build one step at once. Every builder writes
+    the same bytes (a process's own names never reach the library), and a builder that
+    finishes second leaves the first library in place: an artefact made with it keeps a
+    checksum the store holds (an artefact's step is trusted only then)."""
+    libs = []
+    for store in ("a", "b"):  # two processes, two pids
+        env = dict(os.environ, KILN_CACHE_DIR=str(tmp_path / store))
+        done = subprocess.run(
+            [sys.executable, "-c", STEP_PROBE], env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        libs.append(Path(done.stdout.strip()))
+    assert libs[0].name == libs[1].name and libs[0].read_bytes() == libs[1].read_bytes()
+    assert libs[0].with_suffix(".c").read_text().startswith("int kiln_probe")
+    first = libs[0].stat().st_ino
+    late = tmp_path / "late.so"
+    late.write_bytes(b"a racing builder's library")
+    native._publish(late, libs[0])
+    assert libs[0].stat().st_ino == first and libs[0].read_bytes() == libs[1].read_bytes()
+    assert [p.name for p in libs[0].parent.iterdir() if ".tmp" in p.name] == []
 
 
 def _kiln(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
