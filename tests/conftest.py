@@ -1,10 +1,19 @@
-"""Shared fixtures: tiny checkpoints made in the test session, compiled once each."""
+"""Shared fixtures: tiny checkpoints made in the test session, compiled once each.
+
+The session runs on two pytest-xdist workers (pyproject's addopts): most tests wait on a
+process they started (a server, a rank, a compile importing torch) and leave a core idle.
+The workers share one kiln cache and one set of transformers oracles; tests that share an
+expensive session fixture (the real model's compiles) carry one `xdist_group`, so one
+worker builds it (`--dist loadgroup`); every other test module is a group of its own, so
+its module-scoped server starts once."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -12,6 +21,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+# Two workers on two cores, each running kernels on two OpenMP threads: an idle thread waits
+# asleep rather than spinning on the core the other worker's process needs (set before
+# anything loads an OpenMP runtime; processes the tests start inherit it).
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 import hf_oracle
 import pytest
@@ -21,30 +35,51 @@ from kiln.compiler.compile import compile_model
 from kiln.example import make_checkpoint
 
 # The session's own kiln cache (artefacts, kernel builds, file hashes), shared with the
-# processes tests start; the user's ~/.cache/kiln is never touched.
-os.environ["KILN_CACHE_DIR"] = tempfile.mkdtemp(prefix="kiln-test-cache-")
+# processes tests start and with the other xdist workers (they inherit the variable below
+# from the controller, which imports this file first); the user's ~/.cache/kiln is never
+# touched.
+_SHARED = "KILN_TEST_SESSION_CACHE"
+if not (os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get(_SHARED)):
+    os.environ[_SHARED] = tempfile.mkdtemp(prefix="kiln-test-cache-")
+os.environ["KILN_CACHE_DIR"] = os.environ[_SHARED]
 SESSION_KERNELS = Path(os.environ["KILN_CACHE_DIR"]) / "kernels"
 
 
 # transformers' answers for the real models, computed beside the session (tests/hf_oracle.py)
+# by one process a model, whichever worker claims it first (ORACLE_DIR/<name>.claim holds
+# that process's pid)
 ORACLE_DIR = Path(os.environ["KILN_CACHE_DIR"]) / "hf-oracle"
+ORACLE_WAIT_S = 1200
 _oracles: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}  # name -> process, its log
 
 
 def _start_oracle(names: list[str]) -> None:
+    """Start one oracle process for those of `names` no worker has claimed yet."""
     ORACLE_DIR.mkdir(parents=True, exist_ok=True)
-    log = ORACLE_DIR / f"{'-'.join(names)}.log"
+    mine = []
+    for name in names:
+        try:
+            fd = os.open(ORACLE_DIR / f"{name}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            continue
+        os.close(fd)
+        mine.append(name)
+    if not mine:
+        return
+    log = ORACLE_DIR / f"{'-'.join(mine)}.log"
     with open(log, "wb") as out:
         script = Path(__file__).with_name("hf_oracle.py")
         proc = subprocess.Popen(
-            [sys.executable, str(script), str(ORACLE_DIR), *names], stdout=out, stderr=out
+            [sys.executable, str(script), str(ORACLE_DIR), *mine], stdout=out, stderr=out
         )
-    _oracles.update(dict.fromkeys(names, (proc, log)))
+    for name in mine:
+        (ORACLE_DIR / f"{name}.claim").write_text(f"{proc.pid} {log.name}")
+    _oracles.update(dict.fromkeys(mine, (proc, log)))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start transformers on the real models the collected tests will hold kiln to, so their
-    30-60 s of reading GGUF files run on the core the tests leave idle."""
+    30-60 s of reading GGUF files run while other tests do."""
     if session.config.option.collectonly:
         return
     wanted = {f"{name}_oracle": name for name in hf_oracle.CASES}
@@ -58,13 +93,43 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         _start_oracle(sorted(names, key=list(hf_oracle.CASES).index))
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each test module is one xdist group unless it names its own (before xdist reads the
+    marks): a module's tests share its module-scoped fixtures, a server mostly."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(
+                pytest.mark.xdist_group(item.path.relative_to(config.rootpath).as_posix())
+            )
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: a worker a core, at most four (each holds its own session fixtures)."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
+def _dead(pid: int) -> bool:
+    """No such process, or one that has exited and waits to be reaped by its parent."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
 def _oracle(name: str) -> dict[str, Any]:
-    if name not in _oracles:
-        _start_oracle([name])
-    (proc, log), done = _oracles[name], ORACLE_DIR / f"{name}.json"
+    _start_oracle([name])
+    done, claim = ORACLE_DIR / f"{name}.json", ORACLE_DIR / f"{name}.claim"
+    deadline = time.monotonic() + ORACLE_WAIT_S
     while not done.exists():
-        if proc.poll() is not None and not done.exists():
-            pytest.fail(f"transformers' oracle for {name} failed:\n{log.read_text()[-3000:]}")
+        held = claim.read_text().split()
+        if held:  # the claiming worker has written its process's pid and log
+            pid, log = int(held[0]), ORACLE_DIR / held[1]
+            if _dead(pid) and not done.exists():
+                pytest.fail(f"transformers' oracle for {name} failed:\n{log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"transformers' oracle for {name}: no answer in {ORACLE_WAIT_S} s")
         time.sleep(0.2)
     return hf_oracle.load(name, ORACLE_DIR)
 
@@ -83,11 +148,17 @@ def gemma3_oracle() -> dict[str, Any]:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """The session's cache goes with it (its artefacts are tens of MB a session), and an
-    oracle still running (a session stopped early) with it."""
+    oracle still running (a session stopped early) with it: both when the whole session
+    ends (the controller, or a run without workers), not when one worker does."""
+    if hasattr(session.config, "workerinput"):
+        return
+    for claim in ORACLE_DIR.glob("*.claim"):
+        held = claim.read_text().split()
+        if held and not _dead(int(held[0])):
+            with contextlib.suppress(OSError):
+                os.kill(int(held[0]), signal.SIGKILL)
     for proc, _ in set(_oracles.values()):
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        proc.poll()
     shutil.rmtree(os.environ["KILN_CACHE_DIR"], ignore_errors=True)
 
 

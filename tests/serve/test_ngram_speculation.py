@@ -20,6 +20,9 @@ from kiln import Engine
 from kiln.example import fetch
 from kiln.runtime.speculative import StepCosts
 
+# One xdist worker runs every test of the real SmolLM2 file's compiles (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("smollm2")
+
 FREE_ROWS = StepCosts({1: 1.0, 64: 1.0}, 64, fixed=True)
 # Prompts whose continuations repeat what came before (drafts get kept) and one that does not.
 PROMPTS = [

@@ -13,6 +13,9 @@ from quality import TEXT, metrics
 from kiln import Engine
 from kiln.example import fetch
 
+# One xdist worker runs every test of the real SmolLM2 file's compiles (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("smollm2")
+
 # scheme flags -> (largest mean KL, smallest top-1 agreement) over 256 tokens. Measured over
 # the whole text (RESULTS.md): int8wo 0.003 / 97%, fp8 0.015 / 93%, int4wo-64 0.22 / 76%,
 # w8a8_int8 (activations in int8 too) in RESULTS.md; fp8 KV cache (256 tokens, decoded):

@@ -20,6 +20,9 @@ from kiln.args import ServerArgs
 from kiln.compiler.compile import compile_model
 from kiln.example import fetch
 
+# One xdist worker runs every test of the real SmolLM2 file's compiles (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("smollm2")
+
 QUESTION = list(CASES["smollm2"].chat)
 
 
