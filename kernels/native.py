@@ -113,7 +113,7 @@ STEP_KERNELS = (
 KV_FORMATS = {"float32": 0, "float8_e4m3fn": 1, "float8_e5m2": 2}
 # kiln_step_abi() of a step whose kiln_step_args (kiln_step.h) and exports match
 # runtime/native_step.py and these signatures (compiler/lower_step.py writes it).
-STEP_ABI = 5
+STEP_ABI = 6
 # A step library's exports (compiler/lower_step.py writes them).
 STEP_SIGNATURES = {
     "kiln_step_abi": (_I64, []),

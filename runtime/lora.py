@@ -13,6 +13,8 @@ adapter's B matrices go through the same recipe, with each checkpoint tensor rep
 its module's B, so the delta's rows land where the base weight's rows did: one A [R, in]
 and one B [out, R] per graph linear, R the ranks of its modules summed (B block-diagonal
 over them). Nothing is merged into the base weights, which stay shared (and quantized).
+A and B stay as the file has them when both are bfloat16 (half the bytes a token reads
+through them; the scale is applied to x A^T, so nothing is rounded), else float32.
 
 The native step has a hook after each such linear (kernels/csrc/kiln_step.h step_lora;
 runtime/native_step.py passes each step's adapters, rows and tables), so adapters' steps
@@ -111,13 +113,13 @@ def parse_lora_paths(entries: Iterable[str]) -> list[AdapterSource]:
 
 @dataclass
 class Adapter:
-    """An adapter as read: per module name (`model.layers.0.self_attn.q_proj`), A [r, in]
-    and B [out, r] in float32, B already times the scale."""
+    """An adapter as read: per module name (`model.layers.0.self_attn.q_proj`), A [r, in],
+    B [out, r] (bfloat16 as stored, or float32) and its scale."""
 
     name: str
     path: str
     rank: int
-    modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor, float]]
 
     @property
     def targets(self) -> set[str]:
@@ -183,13 +185,14 @@ def read_adapter(source: AdapterSource, max_rank: int | None = None) -> Adapter:
                 f"{where}: {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
                 f"do not have rank {rank}"
             )
-        a, b = a.float(), b.float() * scale
+        kept = torch.bfloat16 if a.dtype == b.dtype == torch.bfloat16 else torch.float32
+        a, b = a.to(kept), b.to(kept)
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise LoraError(f"{where}: {module}: lora_A or lora_B holds inf or NaN")
-        modules[module] = (a.contiguous(), b.contiguous())
+        modules[module] = (a.contiguous(), b.contiguous(), scale)
     if not modules:
         raise LoraError(f"{where}: {ADAPTER_WEIGHTS} holds no lora_A / lora_B tensors")
-    return Adapter(source.name, str(root), max(a.shape[0] for a, _ in modules.values()), modules)
+    return Adapter(source.name, str(root), max(a.shape[0] for a, _, _ in modules.values()), modules)
 
 
 # Characters that would make a PEFT pattern key a regular expression: kiln takes keys as
@@ -251,6 +254,20 @@ def _check_config(cfg: dict[str, Any], where: str) -> tuple[int, float]:
     return rank, float(alpha)
 
 
+@dataclass(frozen=True)
+class Delta:
+    """An adapter's part of one graph linear: a row's delta is ((x A^T) * scale) B^T (two
+    matmuls over contiguous rows, 2.3x faster at one row and rank 8 than over the transposed
+    views, a 2-core Zen 3)."""
+
+    at: torch.Tensor  # A^T [in, R], float32 or bfloat16
+    bt: torch.Tensor  # B^T [R, out], A^T's dtype
+    # per row of B^T, the columns [lo, hi) outside which it is zero ([R, 2] int64; a fused
+    # linear's B is block-diagonal over its parts; the native step's hook reads only these)
+    span: torch.Tensor
+    scale: torch.Tensor  # [R] float32: each rank row's module's scale
+
+
 @dataclass
 class _Linear:
     """A graph linear an adapter may touch: its weight's recipe, with the checkpoint
@@ -262,12 +279,7 @@ class _Linear:
     out_features: int
     in_features: int
     prologue: str
-    # slot -> (A^T [in, R], B^T [R, out], span [R, 2]) of each adapter that touches it:
-    # a row's delta is x A^T B^T (two matmuls over contiguous rows, 2.3x faster at one row
-    # and rank 8 than over the transposed views, a 2-core Zen 3); each row of B^T is zero
-    # outside its span's columns [lo, hi) (a fused linear's B is block-diagonal over its
-    # parts; the native step's hook reads only the span)
-    deltas: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    deltas: dict[int, Delta] = field(default_factory=dict)  # slot -> its adapter's
 
 
 class LoraBank:
@@ -346,9 +358,7 @@ class LoraBank:
             linear.deltas.pop(slot, None)
         self.version += 1
 
-    def _delta(
-        self, linear: _Linear, adapter: Adapter
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _delta(self, linear: _Linear, adapter: Adapter) -> Delta:
         where = f"LoRA adapter {adapter.name!r}"
         # a checkpoint's fused module is read once a part (Phi-3's q, k, v slices of qkv_proj)
         present = list(dict.fromkeys(m for m in linear.modules if m in adapter.modules))
@@ -357,27 +367,31 @@ class LoraBank:
         for m in present:
             cols[m] = total
             total += adapter.modules[m][0].shape[0]
-        a_parts = []
+        a_parts, scales = [], []
+        # bfloat16 if every part is (a fused linear's parts, q, k and v, are modules apart)
+        bf16 = all(adapter.modules[m][0].dtype == torch.bfloat16 for m in present)
+        dtype = torch.bfloat16 if bf16 else torch.float32
         for m in present:
-            a = adapter.modules[m][0]
+            a, _, scale = adapter.modules[m]
+            scales.append(torch.full((a.shape[0],), scale))
             if a.shape[1] != linear.in_features:
                 raise LoraError(
                     f"{where}: {m}.lora_A has {a.shape[1]} inputs; the model's has "
                     f"{linear.in_features}"
                 )
-            a_parts.append(a)
+            a_parts.append(a.to(dtype))
 
         def b_of(load: dict[str, Any]) -> torch.Tensor:
             module = str(load["load"]).removesuffix(".weight")
             rows = int(load["shape"][0])
-            out = torch.zeros(rows, total)
+            out = torch.zeros(rows, total, dtype=dtype)
             if module in cols:
                 b = adapter.modules[module][1]
                 if b.shape[0] != rows:
                     raise LoraError(
                         f"{where}: {module}.lora_B has {b.shape[0]} outputs; the model's has {rows}"
                     )
-                out[:, cols[module] : cols[module] + b.shape[1]] = b
+                out[:, cols[module] : cols[module] + b.shape[1]] = b.to(dtype)
             return out
 
         b = _rows(linear.recipe, b_of)
@@ -385,10 +399,10 @@ class LoraBank:
             rows = f"{b.shape[0]} rows, not {linear.out_features}"
             raise LoraError(f"{where}: {linear.param}: {rows}")
         bt = b.T.contiguous()
-        at, span = torch.cat(a_parts).T.contiguous(), _spans(bt)
+        at, span, scaled = torch.cat(a_parts).T.contiguous(), _spans(bt), torch.cat(scales)
         if self.device != "cpu":  # the executor's matmuls run beside the weights
-            at, bt = at.to(self.device), bt.to(self.device)
-        return at, bt, span
+            at, bt, scaled = at.to(self.device), bt.to(self.device), scaled.to(self.device)
+        return Delta(at, bt, span, scaled)
 
     def wrap(
         self, node: Node, kernel: Callable[..., Any], needs_ctx: bool
@@ -446,12 +460,13 @@ def _lora_linear(
             return out
         h = silu_and_mul.kernel(x) if gated else x
         h = h.float()
-        for (at, bt, _), rows in groups:
+        for d, rows in groups:
+            at, bt = d.at.float(), d.bt.float()
             if rows is None and out.dtype == torch.float32:
-                out = torch.addmm(out, h @ at, bt)  # every row this adapter's
+                out = torch.addmm(out, (h @ at) * d.scale, bt)  # every row this adapter's
                 continue
             part = h if rows is None else h.index_select(0, rows)
-            delta = ((part @ at) @ bt).to(out.dtype)
+            delta = (((part @ at) * d.scale) @ bt).to(out.dtype)
             out = out + delta if rows is None else out.index_add(0, rows, delta)
         return out
 

@@ -79,6 +79,8 @@ class LoraArgs(ctypes.Structure):
         ("adapters", _I),
         ("a", _P),
         ("b", _P),
+        ("bf16", _P),
+        ("scale", _P),
         ("rank", _P),
         ("span", _P),
         ("blocks", _I),
@@ -90,13 +92,15 @@ class LoraArgs(ctypes.Structure):
 
 
 class _LoraTables:
-    """The pointer tables of one set of adapters (kiln_lora's a, b and rank), kept while
-    the adapters stay as they are."""
+    """The pointer tables of one set of adapters (kiln_lora's a, b, bf16, scale, rank and
+    span), kept while the adapters stay as they are."""
 
     def __init__(self, hooks: list[Any], slots: tuple[int, ...]) -> None:
         n = max(1, len(hooks) * len(slots))
         self.a = (ctypes.c_void_p * n)()
         self.b = (ctypes.c_void_p * n)()
+        self.bf16 = (ctypes.c_int64 * n)()
+        self.scale = (ctypes.c_void_p * n)()
         self.rank = (ctypes.c_int64 * n)()
         self.span = (ctypes.c_void_p * n)()
         self.rank_max = 1  # the largest rank: each row's x A^T
@@ -106,10 +110,11 @@ class _LoraTables:
                 delta = linear.deltas.get(slot)
                 if delta is None:
                     continue
-                at, bt, span = delta  # A^T [in, rank], B^T [rank, out]; [rank, 2] int64
+                at = delta.at  # A^T [in, rank]; B^T [rank, out]
                 i = h * len(slots) + j
-                self.a[i], self.b[i], self.rank[i] = at.data_ptr(), bt.data_ptr(), at.shape[1]
-                self.span[i] = span.data_ptr()
+                self.a[i], self.b[i], self.rank[i] = at.data_ptr(), delta.bt.data_ptr(), at.shape[1]
+                self.bf16[i] = int(at.element_size() == 2)  # bfloat16 (else float32)
+                self.scale[i], self.span[i] = delta.scale.data_ptr(), delta.span.data_ptr()
                 self.rank_max = max(self.rank_max, at.shape[1])
             if linear.prologue == "silu_and_mul":  # its input is made for every row
                 self.gated_in = max(self.gated_in, linear.in_features)
@@ -248,6 +253,7 @@ class NativeStep:
         la = self._lora_args
         la.adapters = len(slots)
         la.a, la.b = ctypes.addressof(tables.a), ctypes.addressof(tables.b)
+        la.bf16, la.scale = ctypes.addressof(tables.bf16), ctypes.addressof(tables.scale)
         la.rank, la.span = ctypes.addressof(tables.rank), ctypes.addressof(tables.span)
         la.blocks, la.block = len(blocks) // 3, _address(self._lora_blocks)
         la.act = _address(self._scratch)

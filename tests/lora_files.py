@@ -23,10 +23,12 @@ def write_adapter(
     std: float = 0.2,
     config: dict[str, Any] | None = None,
     rank_pattern: dict[str, int] | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> Path:
     """A PEFT adapter folder for `checkpoint` (a transformers folder) with random A and B
     (PEFT starts B at zero; these are non-zero so the adapter changes the output); a module
-    `rank_pattern` names (its whole name or last dotted parts) gets that rank."""
+    `rank_pattern` names (its whole name or last dotted parts) gets that rank; A and B
+    stored in `dtype`."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
@@ -37,8 +39,8 @@ def write_adapter(
             r = _pattern(rank_pattern or {}, name, rank)
             a = torch.randn(int(r), module.in_features, generator=gen) * std
             b = torch.randn(module.out_features, int(r), generator=gen) * std
-            tensors[f"base_model.model.{name}.lora_A.weight"] = a
-            tensors[f"base_model.model.{name}.lora_B.weight"] = b
+            tensors[f"base_model.model.{name}.lora_A.weight"] = a.to(dtype)
+            tensors[f"base_model.model.{name}.lora_B.weight"] = b.to(dtype)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"))
     cfg = {
@@ -80,7 +82,7 @@ def merge_into(model: Any, adapter: Path) -> Any:
             b = tensors[key.replace(".lora_A.", ".lora_B.")]
             r = _pattern(cfg.get("rank_pattern") or {}, name, cfg["r"])
             scale = _pattern(cfg.get("alpha_pattern") or {}, name, cfg["lora_alpha"]) / r
-            modules[name].weight += scale * (b @ a)
+            modules[name].weight += scale * (b.float() @ a.float())
     return model
 
 

@@ -15,6 +15,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 #include <time.h>
 
 /* The kernels' signatures (kernels/native.py _SIGNATURES, ABI 12). */
@@ -82,17 +83,21 @@ typedef struct {
 /* LoRA adapters of a step (runtime/lora.py), or NULL in kiln_step_args: none. Adapter j
  * (0 .. adapters - 1) of this step on hook h (the h-th linear an adapter may touch,
  * kiln_step_lora_hooks() of them in graph order) is, at i = h * adapters + j: a[i] = A^T
- * [in, rank], b[i] = B^T [rank, out] (B times the adapter's scale), and span[i] = for each
- * rank row of B^T the columns [lo, hi) outside which it is zero (a fused linear's B is
- * block-diagonal over its parts); a[i] NULL where the adapter leaves the linear alone.
+ * [in, rank], b[i] = B^T [rank, out], both float32, or bfloat16 where bf16[i] (the
+ * adapter's file had them so: half the bytes), scale[i] = each rank row's scale (x A^T is
+ * scaled, so B is used as stored), and span[i] = for each rank row of B^T the columns
+ * [lo, hi) outside which it is zero (a fused linear's B is block-diagonal over its
+ * parts); a[i] NULL where the adapter leaves the linear alone.
  * The step's rows with an adapter come as blocks of consecutive rows of one adapter, at
  * most LORA_BLOCK rows each (the runtime makes them), so a prompt's rows read A and B
  * once a block, not once a row. */
 #define LORA_BLOCK 8
 typedef struct {
     int64_t adapters;
-    const float *const *a;
-    const float *const *b;
+    const void *const *a;
+    const void *const *b;
+    const int64_t *bf16;
+    const float *const *scale;
     const int64_t *rank;
     const int64_t *const *span;
     int64_t blocks;
@@ -203,33 +208,55 @@ static int step_gather(const float *x, int64_t xs, int64_t n, int64_t rows, cons
     return 0;
 }
 
-/* t[b] = x[b] A^T for the block's n rows. */
-static void lora_down(const float *x, int64_t xs, int64_t n, int64_t in, const float *A,
-                      int64_t rank, float *t, int64_t ts) {
+static inline float bf16_float(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* t[b] = (x[b] A^T) * scale for the block's n rows; A float32 or bfloat16 (the loops are
+ * written twice so that each vectorises with its load). */
+static void lora_down(const float *x, int64_t xs, int64_t n, int64_t in, const void *A,
+                      int bf16, const float *scale, int64_t rank, float *t, int64_t ts) {
     for (int64_t b = 0; b < n; b++)
         for (int64_t q = 0; q < rank; q++) t[b * ts + q] = 0.0f;
     for (int64_t i = 0; i < in; i++) {
-        const float *Ai = A + i * rank;
         for (int64_t b = 0; b < n; b++) {
             const float v = x[b * xs + i];
             float *tb = t + b * ts;
+            if (bf16) {
+                const uint16_t *Ai = (const uint16_t *)A + i * rank;
 #pragma omp simd
-            for (int64_t q = 0; q < rank; q++) tb[q] += v * Ai[q];
+                for (int64_t q = 0; q < rank; q++) tb[q] += v * bf16_float(Ai[q]);
+            } else {
+                const float *Ai = (const float *)A + i * rank;
+#pragma omp simd
+                for (int64_t q = 0; q < rank; q++) tb[q] += v * Ai[q];
+            }
         }
     }
+    for (int64_t b = 0; b < n; b++)
+        for (int64_t q = 0; q < rank; q++) t[b * ts + q] *= scale[q];
 }
 
 /* o[b] += t[b] B^T for the block's n rows, each rank row of B^T within its span. */
-static void lora_up(const float *t, int64_t ts, int64_t n, const float *B, int64_t rank,
-                    const int64_t *span, float *o, int64_t os, int64_t out) {
+static void lora_up(const float *t, int64_t ts, int64_t n, const void *B, int bf16,
+                    int64_t rank, const int64_t *span, float *o, int64_t os, int64_t out) {
     for (int64_t q = 0; q < rank; q++) {
         const int64_t lo = span[2 * q], hi = span[2 * q + 1];
-        const float *Bq = B + q * out;
         for (int64_t b = 0; b < n; b++) {
             const float v = t[b * ts + q];
             float *orow = o + b * os;
+            if (bf16) {
+                const uint16_t *Bq = (const uint16_t *)B + q * out;
 #pragma omp simd
-            for (int64_t c = lo; c < hi; c++) orow[c] += v * Bq[c];
+                for (int64_t c = lo; c < hi; c++) orow[c] += v * bf16_float(Bq[c]);
+            } else {
+                const float *Bq = (const float *)B + q * out;
+#pragma omp simd
+                for (int64_t c = lo; c < hi; c++) orow[c] += v * Bq[c];
+            }
         }
     }
 }
@@ -269,8 +296,9 @@ static void step_lora(const kiln_step_args *s, int64_t h, const float *x, int64_
         if (!L->a[at]) continue;
         const int64_t rank = L->rank[at];
         float *t = L->t + r0 * ts;
-        lora_down(x + r0 * xs, xs, n, in, L->a[at], rank, t, ts);
-        lora_up(t, ts, n, L->b[at], rank, L->span[at], o + r0 * os, os, out);
+        const int bf16 = L->bf16[at] != 0;
+        lora_down(x + r0 * xs, xs, n, in, L->a[at], bf16, L->scale[at], rank, t, ts);
+        lora_up(t, ts, n, L->b[at], bf16, rank, L->span[at], o + r0 * os, os, out);
     }
 }
 

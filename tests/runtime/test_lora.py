@@ -27,8 +27,9 @@ NEW = 10
 
 @pytest.fixture(scope="module")
 def adapters(checkpoint, tmp_path_factory) -> Callable[[str], dict[str, Path]]:
-    """adapters(family) -> two adapters: "all", every module at rank 4; "qv", q and v at
-    rank 2 (Phi-3's checkpoint has qkv_proj and gate_up_proj modules: those)."""
+    """adapters(family) -> two adapters: "all", every module at rank 4 in float32; "qv", q
+    and v at rank 2 in bfloat16, scale 1.5 (Phi-3's checkpoint has qkv_proj and gate_up_proj
+    modules: those)."""
     root = tmp_path_factory.mktemp("lora")
     made: dict[str, dict[str, Path]] = {}
 
@@ -40,7 +41,9 @@ def adapters(checkpoint, tmp_path_factory) -> Callable[[str], dict[str, Path]]:
             qv = ("qkv_proj",) if fused else ("q_proj", "v_proj")
             made[family] = {
                 "all": write_adapter(ckpt, root / f"{family}-all", seed=1, targets=every),
-                "qv": write_adapter(ckpt, root / f"{family}-qv", 2, 4.0, qv, seed=2),
+                "qv": write_adapter(
+                    ckpt, root / f"{family}-qv", 2, 3.0, qv, seed=2, dtype=torch.bfloat16
+                ),
             }
         return made[family]
 
@@ -68,6 +71,9 @@ def test_adapters_in_one_batch_follow_transformers(
     engine = _engine(artefact(family), paths, **extra)
     assert engine.runner.native_lora
     engine.runner.native_lora = path == "native"
+    # a bfloat16 file's A and B are kept as stored (half the bytes a token reads)
+    kept = {d.at.dtype for lin in engine.runner.lora.linears.values() for d in lin.deltas.values()}
+    assert kept == {torch.float32, torch.bfloat16}
     loras = [None, "all", "qv"]
     params = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
     outs = engine.generate(input_ids=PROMPTS, sampling_params=params, lora_path=loras)
