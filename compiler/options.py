@@ -64,6 +64,7 @@ def compile_options(
         tp=tp,
         speculative=speculative,
         deterministic=deterministic_options(args, target),
+        fp32_lm_head=bool(args.enable_fp32_lm_head),
     )
 
 

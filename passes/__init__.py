@@ -7,6 +7,7 @@ from kiln.passes.base import PassError, run_passes
 from kiln.passes.capture_plan import capture_plan
 from kiln.passes.dce import dce
 from kiln.passes.deterministic import deterministic
+from kiln.passes.fp32_lm_head import fp32_lm_head
 from kiln.passes.fuse_add_rmsnorm import fuse_add_rmsnorm
 from kiln.passes.fuse_gate_up import fuse_gate_up
 from kiln.passes.fuse_qkv import fuse_qkv
@@ -33,6 +34,7 @@ PIPELINE: list[Pass] = [
     absorb_mla,
     dce,
     quantize,
+    fp32_lm_head,
     kv_cache,
     deterministic,
     pack_weights,
@@ -53,6 +55,7 @@ __all__ = [
     "compiler_pass",
     "dce",
     "deterministic",
+    "fp32_lm_head",
     "fuse_add_rmsnorm",
     "fuse_gate_up",
     "fuse_qkv",

@@ -76,6 +76,8 @@ class CompileOptions:
     speculative: dict[str, Any] | None = None
     # --enable-deterministic-inference: batch-invariant attention (passes/deterministic.py)
     deterministic: bool = False
+    # --enable-fp32-lm-head: float32 logits from a 16-bit model (passes/fp32_lm_head.py)
+    fp32_lm_head: bool = False
 
     @property
     def device(self) -> str:

@@ -46,7 +46,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--modelopt-checkpoint-restore-path', type='str', stage=COMPILE),
         Flag('--modelopt-checkpoint-save-path', type='str', stage=COMPILE),
         Flag('--kv-cache-dtype', type='str', default='auto', choices=('auto', 'fp8_e5m2', 'fp8_e4m3'), stage=COMPILE, status=IMPLEMENTED, help="Element type of the paged KV pool. auto: the model's dtype. fp8_e5m2 / fp8_e4m3: one byte per element, stored as value / scale (scale 1.0, or per layer from --quantization-param-path) and read back to the model's dtype inside attention."),
-        Flag('--enable-fp32-lm-head', type='bool', stage=COMPILE),
+        Flag('--enable-fp32-lm-head', type='bool', stage=COMPILE, status=IMPLEMENTED, help="The lm_head of a bfloat16 or float16 model computes in float32 (its input and weight widened exactly) and returns float32 logits, not 16-bit ones (passes/fp32_lm_head.py). A float32 model's logits are float32 already."),
         Flag('--modelopt-export-path', type='str', stage=COMPILE),
         Flag('--quantize-and-serve', type='bool', stage=COMPILE),
         Flag('--rl-quant-profile', type='str', stage=COMPILE),

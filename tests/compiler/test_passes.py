@@ -16,6 +16,7 @@ from kiln.passes import (
     PassError,
     PassResult,
     dce,
+    fp32_lm_head,
     fuse_add_rmsnorm,
     fuse_gate_up,
     fuse_qkv,
@@ -207,6 +208,29 @@ def test_default_pipeline_logs_each_pass_and_picks_backends() -> None:
     assert (attn.meta["backend"], attn.meta["prefill_backend"]) == ("torch_native",) * 2
     with pytest.raises(PassError, match="backend 'kiln_cpu' has no prefill rope_attention"):
         run_passes(graph(), replace(CTX, prefill_attention_backend="kiln_cpu"), PIPELINE)
+
+
+def _weights_in(g: Graph, dtype: str) -> Graph:
+    for spec in g.weights.values():
+        if "constant" not in spec.source:
+            spec.dtype = dtype  # as the compiler stores a 16-bit model's
+    return g
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_fp32_lm_head_widens_a_16_bit_models_lm_head_alone(tie: bool) -> None:
+    ctx = replace(CTX, dtype="bfloat16", fp32_lm_head=True)
+    g, log = run_passes(_weights_in(graph(tie=tie), "bfloat16"), ctx, PIPELINE)
+    assert [e["changed"] for e in log if e["pass"] == "fp32_lm_head"] == [True]
+    [head] = [n for n in g.nodes if n.meta.get("role") == "lm_head"]
+    types = infer_types(g)
+    assert head.op == "linear_fp32" and types[head.name].dtype == "float32"
+    assert types[head.args[0].name].dtype == "bfloat16"  # widened inside the op
+    assert g.weights[head.args[1].attrs["name"]].dtype == "bfloat16"  # stored as it was
+    assert sum(n.op == "linear" for n in g.nodes) > 0  # the other linears stay 16-bit
+    # a float32 model's logits are float32 already: nothing changes
+    same = fp32_lm_head(graph(tie=tie), replace(CTX, fp32_lm_head=True))
+    assert not same.changed and "linear_fp32" not in {n.op for n in same.graph.nodes}
 
 
 @pytest.mark.parametrize(

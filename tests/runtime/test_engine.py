@@ -448,3 +448,25 @@ def test_request_time_stats_are_logged_as_each_request_ends(artefact, caplog) ->
     assert line.startswith(head + ", type=unified): queue_duration=")
     queue, forward = (float(x.split("=")[1].removesuffix("ms")) for x in line.split(", ")[4:6])
     assert queue >= 0 and forward > 0
+
+
+def test_fp32_lm_head_gives_a_bfloat16_model_float32_logits(artefact) -> None:
+    """--enable-fp32-lm-head: float32 logits where a bfloat16 lm_head rounds them to 8
+    significant bits; the same hidden states and sums, so they are the bfloat16 logits to
+    within that rounding, and generation samples from them."""
+    import torch
+
+    prompt = [5, 17, 33, 8, 91, 12]
+    bf16 = {"dtype": "bfloat16"}
+    plain = Engine(artefact("llama", compile_args=bf16), max_total_tokens=256)
+    wide = Engine(
+        artefact("llama", compile_args={**bf16, "enable_fp32_lm_head": True}),
+        max_total_tokens=256,
+    )
+    l16, l32 = plain.prompt_logits(prompt), wide.prompt_logits(prompt)
+    assert l16.dtype == torch.bfloat16 and l32.dtype == torch.float32
+    assert not torch.equal(l32.to(torch.bfloat16).float(), l32)  # more than 8 bits kept
+    torch.testing.assert_close(l32, l16.float(), rtol=2**-8, atol=1e-3)
+    out = wide.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert len(out["output_ids"]) == GREEDY["max_new_tokens"]
+    assert out["output_ids"][0] == int(l32[-1].argmax())

@@ -90,6 +90,10 @@ def _linear(check: Check, a: dict[str, Any], ins: list[Any]) -> Any:
     return TensorType(out, x.dtype)
 
 
+def _linear_fp32(check: Check, a: dict[str, Any], ins: list[Any]) -> Any:
+    return TensorType(_linear(check, a, ins).features, "float32")
+
+
 def _packed_linear(check: Check, a: dict[str, Any], ins: list[Any]) -> Any:
     x = check.float_tensor(ins[0])
     _panels(check, 1)
@@ -189,6 +193,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+@op("x, weight, bias?", rule=_linear_fp32)
+def linear_fp32(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ W.T (+ bias) with x and W widened to float32: float32 out from 16-bit inputs
+    (the lm_head under --enable-fp32-lm-head, passes/fp32_lm_head.py)."""
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+
 @op("x, weight, bias?", PackedLinear, rule=_packed_linear, panels=True)
 def packed_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, a: PackedLinear
@@ -259,6 +272,7 @@ def embedding_part(ids: torch.Tensor, weight: torch.Tensor, *, a: EmbeddingPart)
 
 OPS = (
     linear,
+    linear_fp32,
     packed_linear,
     quant_linear,
     embedding,
