@@ -233,6 +233,21 @@ def test_fp32_lm_head_widens_a_16_bit_models_lm_head_alone(tie: bool) -> None:
     assert not same.changed and "linear_fp32" not in {n.op for n in same.graph.nodes}
 
 
+def test_linear_fp32_widens_the_weight_in_blocks_to_the_same_sums() -> None:
+    import torch
+
+    from kiln.core.ops.linear import WIDEN_ROWS, linear_fp32
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(2 * WIDEN_ROWS + 5, 16, generator=gen).bfloat16()
+    x, b = torch.randn(3, 16, generator=gen).bfloat16(), torch.randn(len(w)).bfloat16()
+    assert linear_fp32.reference is not None
+    got = linear_fp32.reference(x, w, b)
+    want = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)  # K summed as one GEMM sums it
+
+
 @pytest.mark.parametrize(
     ("isa", "layout", "narrow"), [("avx512", "panels16x4", [6, 16]), ("avx2", "panels8x3", [6, 8])]
 )
