@@ -1,7 +1,8 @@
 """Shared fixtures: tiny checkpoints made in the test session, compiled once each.
 
-The session runs on two pytest-xdist workers (pyproject's addopts): most tests wait on a
-process they started (a server, a rank, a compile importing torch) and leave a core idle.
+The session runs on pytest-xdist workers, a worker a core (two on the CI machine; pyproject's
+addopts): most tests wait on a process they started (a server, a rank, a compile importing
+torch) and leave a core idle.
 The workers share one kiln cache and one set of transformers oracles; tests that share an
 expensive session fixture (the real model's compiles) carry one `xdist_group`, so one
 worker builds it (`--dist loadgroup`); every other test module is a group of its own, so
