@@ -400,8 +400,11 @@ class LoraBank:
             raise LoraError(f"{where}: {linear.param}: {rows}")
         bt = b.T.contiguous()
         at, span, scaled = torch.cat(a_parts).T.contiguous(), _spans(bt), torch.cat(scales)
-        if self.device != "cpu":  # the executor's matmuls run beside the weights
-            at, bt, scaled = at.to(self.device), bt.to(self.device), scaled.to(self.device)
+        if self.device != "cpu":
+            # the executor's matmuls run beside the weights, and there every step: float32,
+            # widened once here rather than each call (the native step's hooks read bf16)
+            at, bt = at.float().to(self.device), bt.float().to(self.device)
+            scaled = scaled.to(self.device)
         return Delta(at, bt, span, scaled)
 
     def wrap(

@@ -51,7 +51,7 @@ SESSION_KERNELS = Path(os.environ["KILN_CACHE_DIR"]) / "kernels"
 # that process's pid)
 ORACLE_DIR = Path(os.environ["KILN_CACHE_DIR"]) / "hf-oracle"
 ORACLE_WAIT_S = 1200
-_oracles: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}  # name -> process, its log
+_oracles: list[subprocess.Popen[bytes]] = []  # those this process started (reaped at the end)
 
 
 def _start_oracle(names: list[str]) -> None:
@@ -75,7 +75,7 @@ def _start_oracle(names: list[str]) -> None:
         )
     for name in mine:
         (ORACLE_DIR / f"{name}.claim").write_text(f"{proc.pid} {log.name}")
-    _oracles.update(dict.fromkeys(mine, (proc, log)))
+    _oracles.append(proc)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -158,7 +158,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         if held and not _dead(int(held[0])):
             with contextlib.suppress(OSError):
                 os.kill(int(held[0]), signal.SIGKILL)
-    for proc, _ in set(_oracles.values()):
+    for proc in _oracles:
         proc.poll()
     shutil.rmtree(os.environ["KILN_CACHE_DIR"], ignore_errors=True)
 
