@@ -203,12 +203,46 @@ def test_lora_adapters_on_a_gpu_answer_as_on_the_cpu(artefact, checkpoint, tmp_p
     from lora_files import write_adapter
 
     ckpt = checkpoint("llama")
-    paths = (f"a={write_adapter(ckpt, tmp_path / 'a', seed=1)}",)
+    paths = (
+        f"a={write_adapter(ckpt, tmp_path / 'a', seed=1)}",
+        # a bfloat16 file: the CPU keeps it bfloat16, a GPU widens it once when it loads
+        f"b={write_adapter(ckpt, tmp_path / 'b', seed=2, alpha=12.0, dtype=torch.bfloat16)}",
+    )
     cuda = {"device": "cuda", "cuda_graph_max_bs": 8}
     gpu = Engine(artefact("llama", compile_args=cuda), max_total_tokens=1024, lora_paths=paths)
     cpu = Engine(artefact("llama"), max_total_tokens=1024, lora_paths=paths)
-    prompts, loras = [[1, 5, 9], [1, 5, 9], [5, 5]], [None, "a", "a"]
+    prompts = [[1, 5, 9], [1, 5, 9], [5, 5], [1, 5, 9], [7, 3, 3, 2]]
+    loras = [None, "a", "a", "b", "b"]
     got = gpu.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=loras)
     want = cpu.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=loras)
     assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
-    assert got[0]["output_ids"] != got[1]["output_ids"]  # the adapter changes the answer
+    answers = {tuple(got[i]["output_ids"]) for i in (0, 1, 3)}
+    assert len(answers) == 3  # each adapter changes the answer
+    for name in ("a", "b"):
+        torch.testing.assert_close(
+            gpu.prompt_logits(prompts[4], lora=name).cpu(),
+            cpu.prompt_logits(prompts[4], lora=name),
+            rtol=1e-4,
+            atol=1e-4,
+        )
+
+
+def test_fp32_lm_head_on_the_gpu(artefact) -> None:
+    """--enable-fp32-lm-head on a bfloat16 CUDA artefact (its lm_head widened whole on the
+    GPU; decode replayed from CUDA graphs): float32 logits, the bfloat16 head's to within
+    its rounding, and greedy decoding takes them."""
+    prompt = [5, 17, 33, 8, 91, 12]
+    cuda = {"device": "cuda", "cuda_graph_max_bs": 8, "dtype": "bfloat16"}
+    plain = Engine(artefact("llama", compile_args=cuda), max_total_tokens=256)
+    wide = Engine(
+        artefact("llama", compile_args={**cuda, "enable_fp32_lm_head": True}),
+        max_total_tokens=256,
+    )
+    assert isinstance(wide.runner.decode, GraphDecode) and wide.runner.decode.ready
+    l16, l32 = plain.prompt_logits(prompt).cpu(), wide.prompt_logits(prompt).cpu()
+    assert l16.dtype == torch.bfloat16 and l32.dtype == torch.float32
+    assert not torch.equal(l32.to(torch.bfloat16).float(), l32)
+    torch.testing.assert_close(l32, l16.float(), rtol=2**-7, atol=1e-2)
+    outs = wide.generate(input_ids=[prompt, prompt[:3]], sampling_params=GREEDY)
+    assert all(len(o["output_ids"]) == GREEDY["max_new_tokens"] for o in outs)
+    assert outs[0]["output_ids"][0] == int(l32[-1].argmax())
