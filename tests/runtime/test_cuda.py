@@ -19,6 +19,8 @@ from kiln.runtime.capture import GraphDecode, PiecewisePrefill
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
+# The CPU named: on a machine with a GPU an unset --device is the GPU (as in SGLang).
+CPU = {"device": "cpu"}
 GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
 BATCHES = ([[1, 5, 9]], [[3], [8, 1], [5, 5, 5]], [[i, i + 1] for i in range(3, 8)])
 
@@ -33,7 +35,8 @@ def test_cuda_graphs_replay_what_eager_steps_compute(artefact) -> None:
         max_total_tokens=1024,
     )
     assert eager.runner.decode is None
-    cpu = Engine(artefact("llama"), max_total_tokens=1024)
+    cpu = Engine(artefact("llama", compile_args=CPU), max_total_tokens=1024)
+    assert str(cpu.runner.device) == "cpu" and str(graphs.runner.device).startswith("cuda")
     for prompts in BATCHES:
         got = graphs.generate(input_ids=prompts, sampling_params=GREEDY)
         want = eager.generate(input_ids=prompts, sampling_params=GREEDY)
@@ -76,7 +79,7 @@ def test_every_family_on_the_gpu_decodes_as_on_the_cpu(artefact, family: str) ->
         assert gpu.runner.decode is None
     else:
         assert gpu.runner.decode is not None and gpu.runner.decode.ready
-    cpu = Engine(artefact(family), max_total_tokens=1024)
+    cpu = Engine(artefact(family, compile_args=CPU), max_total_tokens=1024)
     prompts = [[1, 5, 9], [3], list(range(4, 27))]
     got = gpu.generate(input_ids=prompts, sampling_params=GREEDY)
     want = cpu.generate(input_ids=prompts, sampling_params=GREEDY)
@@ -140,7 +143,7 @@ def test_prompt_and_named_logprobs_on_the_gpu_are_the_cpus(artefact) -> None:
     position (logprob_start_len 0), against the same float32 checkpoint on the CPU."""
     gpu = Engine(artefact("llama", compile_args={"device": "cuda"}), max_total_tokens=1024)
     assert gpu.runner.decode is not None and gpu.runner.decode.ready
-    cpu = Engine(artefact("llama"), max_total_tokens=1024)
+    cpu = Engine(artefact("llama", compile_args=CPU), max_total_tokens=1024)
     kw = {
         "input_ids": [list(range(3, 15)), [1, 5, 9]],
         "sampling_params": {**GREEDY, "max_new_tokens": 6},
@@ -172,7 +175,7 @@ def test_embeddings_on_the_gpu_are_the_cpus(artefact) -> None:
 
     emb = {"is_embedding": True}
     gpu = Engine(artefact("llama", compile_args={**emb, "device": "cuda"}), max_total_tokens=1024)
-    cpu = Engine(artefact("llama", compile_args=emb), max_total_tokens=1024)
+    cpu = Engine(artefact("llama", compile_args={**emb, **CPU}), max_total_tokens=1024)
     prompts = [[1, 5, 9], list(range(3, 30)), [7, 8, 9, 10, 11]]
     got, want = gpu.embed(input_ids=prompts), cpu.embed(input_ids=prompts)
     for g, w in zip(got, want, strict=True):
@@ -210,7 +213,7 @@ def test_lora_adapters_on_a_gpu_answer_as_on_the_cpu(artefact, checkpoint, tmp_p
     )
     cuda = {"device": "cuda", "cuda_graph_max_bs": 8}
     gpu = Engine(artefact("llama", compile_args=cuda), max_total_tokens=1024, lora_paths=paths)
-    cpu = Engine(artefact("llama"), max_total_tokens=1024, lora_paths=paths)
+    cpu = Engine(artefact("llama", compile_args=CPU), max_total_tokens=1024, lora_paths=paths)
     prompts = [[1, 5, 9], [1, 5, 9], [5, 5], [1, 5, 9], [7, 3, 3, 2]]
     loras = [None, "a", "a", "b", "b"]
     got = gpu.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=loras)

@@ -39,7 +39,7 @@ def server(artefact, launch):
 
 @pytest.fixture(scope="module")
 def on_cpu(artefact) -> Engine:
-    return Engine(artefact("llama"), max_total_tokens=4096)
+    return Engine(artefact("llama", compile_args={"device": "cpu"}), max_total_tokens=4096)
 
 
 def test_concurrent_streams_on_the_gpu_answer_as_the_cpu(server, on_cpu) -> None:
