@@ -13,11 +13,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import functools
 import hashlib
 import os
 import re
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,9 +177,28 @@ def library_flags(target: Target, toolchain: Toolchain) -> tuple[str, ...]:
     one core; with LTO its back end runs in partitions on every core: 24 -> 14 s for the
     AVX2 build on a 2-core Zen 3, the same kernels (each partition's code is optimised as
     a whole; the output is the same bytes at any job count). Clang spells LTO otherwise and
-    is left as it was."""
-    lto = () if "clang" in toolchain.version.lower() else ("-flto=auto",)
+    is left as it was, and so is a GCC that cannot link with LTO (_links_with_lto)."""
+    lto = ("-flto=auto",) if _links_with_lto(toolchain) else ()
     return (*flags(target), *lto)
+
+
+@functools.cache
+def _links_with_lto(toolchain: Toolchain) -> bool:
+    """Whether `toolchain` is a GCC that links a shared library with `-flto=auto`. An
+    installation can lack the pieces LTO runs (seen on a GPU machine's image: its
+    /opt/gcc/bin/gcc compiled but `ld` "could not run lto-wrapper", and every CPU compile
+    failed): one tiny build answers, once a process."""
+    if "clang" in toolchain.version.lower():
+        return False
+    with tempfile.TemporaryDirectory(prefix="kiln-lto-") as tmp:
+        src = Path(tmp) / "probe.c"
+        src.write_text("int kiln_probe(int x) { return x + 1; }\n")
+        command = [toolchain.cc, *BASE_FLAGS, "-flto=auto", "-o", f"{tmp}/probe.so", str(src)]
+        try:
+            done = subprocess.run(command, capture_output=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            return False
+        return done.returncode == 0
 
 
 def source_sha256() -> str:

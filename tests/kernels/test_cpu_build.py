@@ -68,6 +68,33 @@ def test_compile_errors_are_reported(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert not list((tmp_path / "out").glob("*.tmp"))
 
 
+def test_a_gcc_that_cannot_link_with_lto_builds_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A GPU machine's image had a gcc whose `ld` "could not run lto-wrapper": every CPU
+    # compile failed there. A compiler that refuses -flto now builds without it.
+    real = native.Toolchain.find()
+    assert real is not None and "clang" not in real.version.lower()
+    cc = tmp_path / "gcc-no-lto"
+    cc.write_text(
+        "#!/bin/sh\n"
+        'for a in "$@"; do case "$a" in -flto*) '
+        'echo "ld: error: could not run lto-wrapper" >&2; exit 1;; esac; done\n'
+        f'exec {real.cc} "$@"\n'
+    )
+    cc.chmod(0o755)
+    broken = native.Toolchain(str(cc), real.version)
+    target = cpu_target("x86-64")
+    assert "-flto=auto" in native.library_flags(target, real)
+    assert "-flto=auto" not in native.library_flags(target, broken)
+    assert native.build_id(target, broken) != native.build_id(target, real)
+    small = tmp_path / "small.c"
+    small.write_text("long kiln_abi_version(void) { return 0; }\n")
+    monkeypatch.setattr(native, "SOURCE", small)
+    lib = native.build(target, broken, tmp_path / "out")
+    assert lib.is_file()
+
+
 def test_a_killed_builders_temporaries_are_swept(tmp_path: Path) -> None:
     # kill -9 of `kiln compile` mid-build leaves `<lib>.<pid>.tmp` in the store (CI's first
     # run of the session-store build test found one); the next build removes it, but never
