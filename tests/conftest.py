@@ -181,11 +181,13 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 def artefact(
     tmp_path_factory: pytest.TempPathFactory, checkpoint: Callable[..., Path]
 ) -> Callable[..., Path]:
-    """artefact(family, compile_args={...}, **config) -> compiled artefact folder."""
+    """artefact(family, compile_args={...}, **config) -> compiled artefact folder: float32
+    and a CPU target unless compile_args say otherwise (an unset --device is the GPU on a
+    machine that has one, as in SGLang; the tests' references are CPU artefacts there too)."""
     made: dict[str, Path] = {}
 
     def make(family: str = "llama", compile_args: dict[str, Any] | None = None, **kw: Any) -> Path:
-        cargs = {"dtype": "float32", **(compile_args or {})}
+        cargs = {"dtype": "float32", "device": "cpu", **(compile_args or {})}
         key = json.dumps([family, cargs, kw], sort_keys=True)
         if key not in made:
             ckpt = checkpoint(family, **kw)

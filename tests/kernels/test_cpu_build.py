@@ -37,8 +37,9 @@ def test_each_level_builds_once_with_its_own_flags(level: str) -> None:
     assert [f for f in native.flags(target) if f.startswith("-O")] == [
         "-O2" if level == "x86-64" else "-O3"
     ]
-    # GCC optimises the one translation unit in partitions on every core (24 -> 14 s)
-    lto = "clang" not in toolchain.version.lower()
+    # GCC optimises the one translation unit in partitions on every core (24 -> 14 s),
+    # where it can link with LTO (CI's can; a GPU machine's image could not)
+    lto = native._links_with_lto(toolchain)
     assert ("-flto=auto" in native.library_flags(target, toolchain)) == lto
     lib = native.load(first)
     assert (lib.kiln_linear_lanes(), lib.kiln_linear_group_panels()) == SHAPES[level]
@@ -85,9 +86,9 @@ def test_a_gcc_that_cannot_link_with_lto_builds_without_it(
     cc.chmod(0o755)
     broken = native.Toolchain(str(cc), real.version)
     target = cpu_target("x86-64")
-    assert "-flto=auto" in native.library_flags(target, real)
     assert "-flto=auto" not in native.library_flags(target, broken)
-    assert native.build_id(target, broken) != native.build_id(target, real)
+    if native._links_with_lto(real):
+        assert native.build_id(target, broken) != native.build_id(target, real)
     small = tmp_path / "small.c"
     small.write_text("long kiln_abi_version(void) { return 0; }\n")
     monkeypatch.setattr(native, "SOURCE", small)
@@ -154,7 +155,8 @@ def _kiln(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 def test_without_a_compiler_the_graph_runs_reference_kernels(checkpoint, tmp_path: Path) -> None:
     env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), KILN_CACHE_DIR=str(tmp_path / "c"))
     ckpt = checkpoint("llama")
-    done = _kiln("compile", "--model-path", str(ckpt), "-o", str(tmp_path / "art"), env=env)
+    args = ("--model-path", str(ckpt), "--device", "cpu", "-o", str(tmp_path / "art"))
+    done = _kiln("compile", *args, env=env)
     assert done.returncode == 0, done.stderr
     warnings = [ln for ln in done.stderr.splitlines() if "no C compiler" in ln]
     assert len(warnings) == 1 and "no-such-cc" in warnings[0], done.stderr
