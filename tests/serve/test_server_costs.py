@@ -87,8 +87,9 @@ def test_kept_alive_requests_do_not_wait_for_a_delayed_ack(server) -> None:
             t0 = time.perf_counter()
             assert c.post("/v1/chat/completions", json=body).status_code == 200
             chat.append(time.perf_counter() - t0)
-    # A Nagle wait adds ~40 ms to every request on the connection; a busy machine slows
-    # some (the median of 11 failed on a CI run with a test beside it, at 40 ms): so the
-    # fastest few must be fast, not most.
-    assert sorted(info)[3] < 0.030, info
-    assert sorted(chat)[2] < 0.035, chat
+    # A Nagle wait adds ~40 ms to every request on the connection (each of 15 info calls
+    # took 42-48 ms with it, a chat call's own time ~15-20 ms more); a busy machine slows
+    # most (a CI run with a test beside it had one chat call of 11 under 35 ms, the next
+    # at 37.5): so the two fastest must be faster than any call that waited.
+    assert sorted(info)[1] < 0.030, info
+    assert sorted(chat)[1] < 0.045, chat
