@@ -329,9 +329,18 @@ class Engine:
         log.info("LoRA: %d adapters (%s)", len(self.adapters), names)
 
     def _add_adapter(self, adapter: Adapter) -> None:
-        """`adapter` into the next slot (LoraError if it does not fit the model)."""
+        """`adapter` into the next slot (LoraError if it does not fit the model, or a
+        tensor-parallel rank could not load it)."""
+        from kiln.runtime.lora import LoraError
+
         assert self.runner.lora is not None
         self.runner.lora.add(self._next_slot, adapter)
+        if self.runner.group is not None:  # serving: the other ranks load it too
+            try:
+                self._share_adapter(self._next_slot, adapter.name, adapter.path)
+            except LoraError:
+                self.runner.lora.remove(self._next_slot)
+                raise
         self.adapters[adapter.name] = self._next_slot
         self.adapter_paths[adapter.name] = adapter.path
         self._next_slot += 1
@@ -588,6 +597,9 @@ class Engine:
         for slot in self._retiring - held:
             assert self.runner.lora is not None
             self.runner.lora.remove(slot)
+            if not self._tell_ranks({"lora": "remove", "slot": slot}):
+                # the slot is never used again: only its memory stays
+                log.error("LoRA: a tensor-parallel rank could not drop slot %d", slot)
             self._retiring.discard(slot)
 
     def adapter_slot(self, name: str | None) -> int:
@@ -1181,6 +1193,38 @@ class Engine:
             self.context_length,
             self.args.trust_remote_code,
         )
+        if self.runner.lora is not None:  # the other ranks hold the same adapters
+            from kiln.runtime.lora import LoraError
+
+            targets = self.args.lora_target_modules
+            try:
+                if not self._tell_ranks({"lora": "enable", "targets": targets and list(targets)}):
+                    raise LoraError("a tensor-parallel rank could not serve adapters")
+                for name, slot in self.adapters.items():
+                    self._share_adapter(slot, name, self.adapter_paths[name])
+            except LoraError as e:
+                self.runner.group.close()
+                self.runner.group = None
+                raise ArgError(f"--enable-lora: {e}") from None
+
+    def _tell_ranks(self, message: dict[str, Any]) -> bool:
+        """A control message to the other tensor-parallel ranks (runtime/rank_worker.py):
+        True when each did what it asks (or there are none)."""
+        group = self.runner.group
+        return group is None or group.control(message)
+
+    def _share_adapter(self, slot: int, name: str, path: str) -> None:
+        """Adapter `name` into `slot` of every other rank, or of none: LoraError. Each rank
+        reads the folder itself (on another node, the same path there)."""
+        from kiln.runtime.lora import LoraError
+
+        add = {"lora": "add", "slot": slot, "name": name, "path": path}
+        if not self._tell_ranks({**add, "max_rank": self.args.max_lora_rank}):
+            self._tell_ranks({"lora": "remove", "slot": slot})  # from the ranks that have it
+            raise LoraError(
+                f"LoRA adapter {name!r}: a tensor-parallel rank could not load it from "
+                f"{path} (that rank's log says why)"
+            )
 
 
 def _set_threads(asked: int | None) -> tuple[int, str]:

@@ -20,8 +20,15 @@ The native step has a hook after each such linear (kernels/csrc/kiln_step.h step
 runtime/native_step.py passes each step's adapters, rows and tables), so adapters' steps
 run natively with the base model's. Where a step is not native (a CUDA target, a step not
 lowered) the Python executor runs it, its linears wrapped to add each adapter's delta on
-that adapter's rows. Tensor parallelism, speculative decoding and latent-attention models
-are refused.
+that adapter's rows. Speculative decoding and latent-attention models are refused.
+
+Tensor parallelism (passes/shard.py): a rank's linear holds a slice of the weight. A
+column-parallel one (q, k, v, gate, up: output rows [lo, hi)) takes the same rows of B,
+through the recipe as above; a row-parallel one (o, down: input columns [lo, hi), the
+ranks' partial sums then all-reduced) takes those columns of A, so each rank's delta is
+its part of (x A^T) B^T and the all-reduce that sums the base model's parts sums the
+deltas' too: no traffic of its own. Every rank holds the same adapters in the same slots
+(rank 0 tells the others what to load: runtime/parallel.py TPGroup.control).
 """
 
 from __future__ import annotations
@@ -279,6 +286,8 @@ class _Linear:
     out_features: int
     in_features: int
     prologue: str
+    # the input columns [lo, hi) a row-parallel rank's weight keeps (None: all of them)
+    columns: tuple[int, int] | None = None
     deltas: dict[int, Delta] = field(default_factory=dict)  # slot -> its adapter's
 
 
@@ -303,8 +312,6 @@ class LoraBank:
         self._by_module: dict[str, _Linear] = {}
         self.version = 0  # counts adapters added and removed (the native step's tables)
         for n in graph.nodes:
-            if n.op in ("all_reduce", "all_gather"):
-                raise LoraError("LoRA: tensor-parallel artefacts (--tp-size > 1) are not supported")
             if n.op in ("mla_attention", "latent_attention"):
                 raise LoraError("LoRA: latent-attention models (DeepSeek) are not supported")
             if n.op not in LINEAR_OPS:
@@ -327,6 +334,7 @@ class LoraBank:
                 int(n.attrs.get("out_features") or spec.shape[0]),
                 int(recipe_loads(recipe)[0]["shape"][1]),
                 str(n.attrs.get("prologue", "none")),
+                _columns(recipe),
             )
             self.linears[name] = linear
             for m in modules:
@@ -379,6 +387,8 @@ class LoraBank:
                     f"{where}: {m}.lora_A has {a.shape[1]} inputs; the model's has "
                     f"{linear.in_features}"
                 )
+            if linear.columns is not None:  # a row-parallel rank's part of the inputs
+                a = a[:, linear.columns[0] : linear.columns[1]]
             a_parts.append(a.to(dtype))
 
         def b_of(load: dict[str, Any]) -> torch.Tensor:
@@ -441,11 +451,30 @@ def _rows(src: dict[str, Any], load: Callable[[dict[str, Any]], torch.Tensor]) -
         return torch.cat([_rows(s, load) for s in src["concat"]])
     if "slice" in src and src["dim"] == 0:
         return _rows(src["slice"], load)[src["start"] : src["stop"]]
+    if "slice" in src and src["dim"] == 1:  # a row-parallel rank's columns: rows all kept
+        return _rows(src["slice"], load)
     if "rotary_order" in src:
         return _rows(src["rotary_order"], load)[rotary_rows(src)]
     if "head_parts" in src:
         return _rows(src["head_parts"], load)[head_part_rows(src)]
     raise LoraError(f"LoRA: a weight built by {sorted(src)} cannot take an adapter")
+
+
+def _columns(src: dict[str, Any]) -> tuple[int, int] | None:
+    """The input columns [start, stop) of the checkpoint's weight that a recipe keeps (a
+    row-parallel rank's slice along dim 1), or None when it keeps them all."""
+    found: set[tuple[int, int] | None] = set()
+    if "slice" in src and src["dim"] == 1:
+        if _columns(src["slice"]) is not None:
+            raise LoraError("LoRA: a weight sliced twice along its inputs cannot take an adapter")
+        return int(src["start"]), int(src["stop"])
+    for key in ("slice", "concat", "rotary_order", "head_parts"):
+        inner = src.get(key)
+        for part in inner if isinstance(inner, list) else [inner] if inner else []:
+            found.add(_columns(part))
+    if len(found) > 1:
+        raise LoraError("LoRA: a weight whose parts keep different inputs cannot take an adapter")
+    return found.pop() if found else None
 
 
 def _lora_linear(

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import json
 import logging
 import signal
 import socket
@@ -41,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kiln.args import ArgError
 from kiln.core.lazy import lazy_module
@@ -59,6 +60,7 @@ log = logging.getLogger("kiln.parallel")
 
 DEFAULT_TIMEOUT_S = 600
 _STOP = -1
+_CONTROL = -2  # a message for every rank follows, not a step (TPGroup.control)
 _WATCH_S = 0.2  # how often rank 0 looks at the other ranks' processes
 HEARTBEAT_S = 0.5  # how often a rank says it is alive
 # A rank on another node not heard from for this long is lost. Far above a beat's period:
@@ -216,14 +218,35 @@ class Heartbeats:
         return quiet
 
 
-def receive(device: str) -> StepInputs | None:
+def _broadcast_bytes(data: bytes, device: str) -> None:
+    dist.broadcast(torch.tensor([len(data)], device=device), src=0)
+    dist.broadcast(torch.tensor(list(data), dtype=torch.long, device=device), src=0)
+
+
+def receive(device: str) -> StepInputs | dict[str, Any] | None:
+    """What rank 0 sends next: a step, a control message (a JSON object: data, never
+    code), or None when the group stops."""
     size = torch.zeros(1, dtype=torch.long, device=device)
     dist.broadcast(size, src=0)
     if int(size) == _STOP:
         return None
+    if int(size) == _CONTROL:
+        dist.broadcast(size, src=0)
+        raw = torch.empty(int(size), dtype=torch.long, device=device)
+        dist.broadcast(raw, src=0)
+        message = json.loads(bytes(raw.cpu().tolist()).decode())
+        assert isinstance(message, dict)
+        return message
     data = torch.empty(int(size), dtype=torch.long, device=device)
     dist.broadcast(data, src=0)
     return StepInputs.decode_from(data.cpu())
+
+
+def agree(ok: bool, device: str) -> bool:
+    """Every rank says whether it did what a control message asked; True if all did."""
+    flag = torch.tensor([int(ok)], dtype=torch.long, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(int(flag))
 
 
 def init_group(backend: str, method: str, rank: int, size: int, timeout_s: float) -> None:
@@ -341,12 +364,23 @@ class TPGroup:
         return self.failure
 
     def send(self, step: StepInputs) -> None:
+        self._check()
+        _send(step, self.device)
+
+    def control(self, message: dict[str, Any]) -> bool:
+        """Tell every other rank `message` (between steps, in the steps' order; rank_worker
+        handles it) and wait for their answer: True when every rank did it."""
+        self._check()
+        dist.broadcast(torch.tensor([_CONTROL], device=self.device), src=0)
+        _broadcast_bytes(json.dumps(message).encode(), self.device)
+        return agree(True, self.device)
+
+    def _check(self) -> None:
         if self.failure is not None:  # the watcher found a rank lost: no step can run
             raise RuntimeError(self.failure)
         dead = [p.pid for p in self.procs if p.poll() is not None]
         if dead:
             raise RuntimeError(f"tensor-parallel rank process(es) {dead} exited")
-        _send(step, self.device)
 
     def abandon(self) -> None:
         """Stop the ranks that are left without talking to them (one is gone, so a

@@ -1,7 +1,8 @@
 """A tensor-parallel rank other than 0: `python -m kiln.runtime.rank_worker ARTEFACT --rank R
 ...`, started by rank 0's TPGroup or another node's `follow` (runtime/parallel.py). It joins
 the process group, beats its heartbeat, opens its rank's graph and weights, and runs every
-step rank 0 broadcasts until told to stop or rank 0 is gone."""
+step rank 0 broadcasts until told to stop or rank 0 is gone. Between steps rank 0 may send
+control messages: LoRA adapters to load into a slot or drop (the same slots as rank 0's)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,10 +22,12 @@ from kiln.runtime.model_runner import ModelRunner, freeze_startup_heap
 from kiln.runtime.parallel import (
     DEFAULT_TIMEOUT_S,
     Heartbeat,
+    agree,
     init_group,
     receive,
     rendezvous_store,
 )
+from kiln.runtime.step import StepInputs
 from kiln.runtime.threads import set_threads
 from kiln.terminal import configure_logging
 
@@ -62,9 +66,35 @@ def _serve(args: argparse.Namespace, device: str) -> int:
     freeze_startup_heap(collect=False)  # a full collection here would stall every step
     with torch.inference_mode():
         while (step := receive(device)) is not None:
-            runner.run(step)
+            if isinstance(step, StepInputs):
+                runner.run(step)
+            else:
+                agree(_control(runner, art, step, device), device)
     dist.destroy_process_group()
     return 0
+
+
+def _control(runner: ModelRunner, art: Artefact, message: dict[str, Any], device: str) -> bool:
+    """Do what rank 0's control message asks; False (logged) when it cannot be done here,
+    which rank 0 turns into the request's error (this rank keeps serving)."""
+    from kiln.runtime.lora import AdapterSource, LoraBank, LoraError, read_adapter
+
+    kind = message.get("lora")
+    try:
+        if kind == "enable":
+            runner.enable_lora(LoraBank(art.graph, message["targets"], device))
+        elif kind == "add" and runner.lora is not None:
+            source = AdapterSource(message["name"], message["path"])
+            runner.lora.add(int(message["slot"]), read_adapter(source, message["max_rank"]))
+        elif kind == "remove" and runner.lora is not None:
+            runner.lora.remove(int(message["slot"]))
+        else:
+            log.error("tensor-parallel rank: unknown control message %r", message)
+            return False
+    except (LoraError, OSError, KeyError, TypeError, ValueError) as e:
+        log.error("tensor-parallel rank: %s", e)
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,7 +47,7 @@ class StepInputs:
     page_counts: list[int]  # pages of each sequence
     pages: list[int]  # every sequence's pages, back to back
     # Each sequence's LoRA adapter slot (runtime/lora.py; 0: the base model), or None when
-    # no sequence has one. Rank 0's only: tensor-parallel artefacts take no adapters.
+    # no sequence has one; every tensor-parallel rank holds the same adapters in the same slots.
     adapters: list[int] | None = None
 
     @property
@@ -56,23 +56,25 @@ class StepInputs:
         return len(self.ids) == len(self.q_lens)
 
     def encode(self) -> torch.Tensor:
-        """One int64 tensor (for the other tensor-parallel ranks): counts, then the lists."""
-        head = [len(self.ids), len(self.rows), len(self.q_lens), len(self.pages)]
+        """One int64 tensor (for the other tensor-parallel ranks): counts, then the lists
+        (the adapters' count 0 when there are none)."""
+        adapters = self.adapters or []
+        head = [len(self.ids), len(self.rows), len(self.q_lens), len(self.pages), len(adapters)]
         flat = [*head, *self.ids, *self.positions, *self.rows]
-        flat += [*self.q_lens, *self.kv_lens, *self.page_counts, *self.pages]
+        flat += [*self.q_lens, *self.kv_lens, *self.page_counts, *self.pages, *adapters]
         return torch.tensor(flat, dtype=torch.long)
 
     @classmethod
     def decode_from(cls, t: torch.Tensor) -> StepInputs:
         v = t.tolist()
-        sizes = v[:4]
-        n_ids, n_rows, n_seqs, n_pages = sizes
+        n_ids, n_rows, n_seqs, n_pages, n_adapters = v[:5]
         parts = []
-        at = 4
-        for n in (n_ids, n_ids, n_rows, n_seqs, n_seqs, n_seqs, n_pages):
+        at = 5
+        for n in (n_ids, n_ids, n_rows, n_seqs, n_seqs, n_seqs, n_pages, n_adapters):
             parts.append(v[at : at + n])
             at += n
-        return cls(*parts)
+        ids, positions, rows, q_lens, kv_lens, counts, pages, adapters = parts
+        return cls(ids, positions, rows, q_lens, kv_lens, counts, pages, adapters or None)
 
 
 class StepContext:

@@ -228,3 +228,63 @@ def test_a_heartbeat_counts_in_the_store_and_stops_before_its_rank_exits() -> No
     del host  # the store's host (rank 0) goes away
     gone._thread.join(timeout=30)
     assert not gone._thread.is_alive()
+
+
+def test_tp2_serves_lora_adapters_as_tp1(checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    """LoRA on a tp=2 artefact: each rank takes its rows of B (q, k, v, gate, up) or its
+    columns of A (o, down; the all-reduce sums the deltas' parts), float32 and bfloat16
+    files in one batch with the base: tp=1's greedy ids and logits. An adapter loaded while
+    serving reaches every rank; one a rank cannot read is refused and nothing is lost."""
+    import shutil
+
+    from lora_files import write_adapter
+
+    from kiln.runtime.engine import RequestError
+    from kiln.runtime.lora import AdapterSource, read_adapter
+
+    ckpt = checkpoint("llama", **FAMILIES["llama"])
+    arts = {}
+    for tp in (1, 2):
+        arts[tp] = tmp_path / f"tp{tp}"
+        compile_model(ServerArgs(model_path=str(ckpt), dtype="float32", tp_size=tp), arts[tp])
+    qv_down = ("q_proj", "v_proj", "down_proj")
+    files = {
+        "a": write_adapter(ckpt, tmp_path / "a", seed=1),
+        "b": write_adapter(ckpt, tmp_path / "b", 2, 3.0, qv_down, seed=2, dtype=torch.bfloat16),
+        "c": write_adapter(ckpt, tmp_path / "c", seed=3, alpha=4.0),
+    }
+    paths = (f"a={files['a']}", f"b={files['b']}")
+    one = Engine(arts[1], max_total_tokens=2048, lora_paths=paths)
+    two = Engine(arts[2], max_total_tokens=2048, lora_paths=paths)
+    prompts, loras = [*PROMPTS, PROMPTS[0]], [None, "a", "b", "b"]
+
+    def same(names: list[str | None], logits: bool = False) -> list[list[int]]:
+        params = {**GREEDY, "max_new_tokens": 12}
+        want = one.generate(input_ids=prompts, sampling_params=params, lora_path=names)
+        got = two.generate(input_ids=prompts, sampling_params=params, lora_path=names)
+        assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want], names
+        for name in set(names) - {None} if logits else ():
+            ref = one.prompt_logits(PROMPTS[1], lora=name)
+            got_logits = two.prompt_logits(PROMPTS[1], lora=name)
+            torch.testing.assert_close(got_logits, ref, atol=1e-4, rtol=0)
+        return [g["output_ids"] for g in got]
+
+    try:
+        out = same(loras, logits=True)
+        assert len({tuple(out[0]), tuple(out[1]), tuple(out[3])}) == 3  # each adapter counts
+        c = read_adapter(AdapterSource("c", str(files["c"])))
+        one.load_adapter(c)
+        two.load_adapter(c)
+        same([None, "c", "a", "c"], logits=True)
+        two.unload_adapter("a")
+        one.unload_adapter("a")
+        same(["b", "c", None, "c"])
+        # rank 0 read it; rank 1 finds the folder gone: refused on every rank
+        gone = read_adapter(AdapterSource("d", str(files["a"])))
+        shutil.rmtree(files["a"])
+        with pytest.raises(RequestError, match="a tensor-parallel rank could not load it"):
+            two.load_adapter(gone)
+        assert "d" not in two.adapters
+        same(["c", "b", None, "b"])
+    finally:
+        two.shutdown()
