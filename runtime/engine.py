@@ -302,6 +302,7 @@ class Engine:
             seed=a.random_seed or 0,
             prefill_max_requests=a.prefill_max_requests,
             max_loras=a.max_loras_per_batch if a.enable_lora else None,
+            continuous_decode_steps=a.num_continuous_decode_steps,
         )
 
     def _load_adapters(self) -> None:

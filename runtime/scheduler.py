@@ -44,6 +44,10 @@ class SchedulerConfig:
     # --max-loras-per-batch (with --enable-lora): distinct adapters among the running
     # requests, the base model counted as one; None, no limit
     max_loras: int | None = None
+    # --num-continuous-decode-steps: after a decode step, this many more run back to back
+    # (less one) before waiting requests are looked at; SGLang's: steadier decoding for
+    # the running requests, a later first token for new ones
+    continuous_decode_steps: int = 1
 
 
 @dataclass
@@ -96,6 +100,7 @@ class Scheduler:
         self._ratio_start = 0.7 * config.conservativeness
         self._ratio_floor = 0.1 * config.conservativeness
         self.new_token_ratio = self._ratio_start
+        self._decodes_left = 0  # of a --num-continuous-decode-steps run
         # Called when a request's pages go back (finished or retracted): a draft model's
         # pages for it go too (runtime/speculative.py DraftModel.release).
         self.on_release: Callable[[Request], None] | None = None
@@ -135,9 +140,17 @@ class Scheduler:
 
     # -- scheduling --------------------------------------------------------------------------
     def schedule(self) -> Batch | None:
+        if self._decodes_left > 0:  # within a run of decode steps: no prefill
+            self._decodes_left -= 1
+            if (decode := self._decode()) is not None:
+                return decode
+            self._decodes_left = 0
         batch = self._prefill()
         if batch is None:
-            return self._decode()
+            decode = self._decode()
+            if decode is not None:
+                self._decodes_left = self.cfg.continuous_decode_steps - 1
+            return decode
         if self.cfg.mixed_chunk:
             decoding = [r for r in self._decodable() if r not in batch.requests]
             self._make_room(decoding)

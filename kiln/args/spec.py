@@ -296,7 +296,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--triton-attention-reduce-in-fp32', type='bool', stage=COMPILE),
         Flag('--triton-attention-num-kv-splits', type='int', default=8, stage=COMPILE),
         Flag('--triton-attention-split-tile-size', type='int', stage=COMPILE),
-        Flag('--num-continuous-decode-steps', type='int', default=1, stage=RUNTIME),
+        Flag('--num-continuous-decode-steps', type='int', default=1, stage=RUNTIME, status=IMPLEMENTED, help="After a decode step, run this many decode steps in all back to back before looking at waiting requests (as SGLang's scheduler did): fewer prefills cutting into the running requests' decoding, a later first token for new ones. At least 1; 1: every step looks."),
         Flag('--delete-ckpt-after-loading', type='bool', stage=RUNTIME),
         Flag('--enable-memory-saver', type='bool', stage=RUNTIME),
         Flag('--enable-weights-cpu-backup', type='bool', stage=RUNTIME),

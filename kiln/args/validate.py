@@ -41,6 +41,7 @@ POSITIVE = (
     "dp_size",
     "ep_size",
     "nnodes",
+    "num_continuous_decode_steps",
     "stream_interval",
     "watchdog_timeout",
     "soft_watchdog_timeout",

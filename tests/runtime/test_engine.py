@@ -470,3 +470,26 @@ def test_fp32_lm_head_gives_a_bfloat16_model_float32_logits(artefact) -> None:
     out = wide.generate(input_ids=prompt, sampling_params=GREEDY)
     assert len(out["output_ids"]) == GREEDY["max_new_tokens"]
     assert out["output_ids"][0] == int(l32[-1].argmax())
+
+
+def test_continuous_decode_steps_change_no_answer(artefact) -> None:
+    """--num-continuous-decode-steps 4 reorders steps, not what each request computes."""
+    from kiln.runtime.sampling_params import SamplingParams
+
+    art = artefact("llama")
+    want = Engine(art, max_total_tokens=512).generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    engine = Engine(art, max_total_tokens=512, num_continuous_decode_steps=4)
+    assert engine.scheduler.cfg.continuous_decode_steps == 4
+    first = engine.make_request(list(PROMPTS[0]), SamplingParams(**GREEDY))
+    engine.add_request(first)
+    engine.step()
+    engine.step()  # a decode step: three more come before the next prompt
+    later = [engine.make_request(list(p), SamplingParams(**GREEDY)) for p in PROMPTS[1:]]
+    for r in later:
+        engine.add_request(r)
+    for _ in range(3):
+        engine.step()
+        assert all(r.kv_len == 0 for r in later)
+    while any(not r.finished for r in [first, *later]):
+        engine.step()
+    assert [r.output_ids for r in [first, *later]] == [w["output_ids"] for w in want]

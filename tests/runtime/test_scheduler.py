@@ -82,3 +82,30 @@ def test_finish_returns_pages_to_the_pool() -> None:
 def test_page_slots() -> None:
     pool = PagePool(8, 4)
     assert pool.slots([2, 0], 6).tolist() == [8, 9, 10, 11, 0, 1]
+
+
+def test_continuous_decode_steps_hold_a_new_arrival_back() -> None:
+    """--num-continuous-decode-steps 3: after a decode step two more run before a waiting
+    request is prefilled; with 1 it is prefilled at the next step (as above)."""
+    for steps, prefill_at in ((1, 0), (3, 2)):
+        s = Scheduler(PagePool(64, 4), SchedulerConfig(8, 100, continuous_decode_steps=steps))
+        a = req(5, "a")
+        s.add(a)
+        assert run_step(s).is_prefill
+        assert not run_step(s).is_prefill  # the run of decode steps starts here
+        s.add(req(2, "b"))
+        kinds = [run_step(s).is_prefill for _ in range(3)]
+        assert kinds.index(True) == prefill_at, (steps, kinds)
+        after = run_step(s)  # a run starts again only after a decode step
+        assert not after.is_prefill and len(after.requests) == 2
+
+
+def test_a_run_of_decode_steps_ends_when_nothing_decodes() -> None:
+    s = Scheduler(PagePool(64, 4), SchedulerConfig(8, 100, continuous_decode_steps=8))
+    a = req(3, "a")
+    s.add(a)
+    run_step(s)
+    run_step(s)  # a decode step: seven more would follow
+    s.finish(a, {"type": "stop"})
+    s.add(req(2, "b"))
+    assert run_step(s).is_prefill  # no request decodes: the waiting one goes at once
