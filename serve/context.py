@@ -101,6 +101,12 @@ class ServingContext:
             self.async_engine.metrics_file = MetricsFile(
                 args.export_metrics_to_file_dir, self.model_name, self._log_worker
             )
+        delimiter = args.multi_item_scoring_delimiter
+        if delimiter is not None and not 0 <= delimiter < engine.art.spec.vocab_size:
+            raise ArgError(
+                f"--multi-item-scoring-delimiter {delimiter}: not a token id of this model "
+                f"(0 to {engine.art.spec.vocab_size - 1})"
+            )
         if args.crash_dump_folder:
             self.async_engine.crash_dump = CrashDump(args.crash_dump_folder, args.to_dict())
         self.chat_template = _read_template(args.chat_template)

@@ -131,10 +131,17 @@ async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
     ctx = _ctx(request)
     labels = body.label_token_ids
     assert labels is not None
+    params = {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}
+    multi = ctx.args.multi_item_scoring_delimiter is not None
+    if multi and body.item_first:
+        raise ApiError(400, "item_first: the query comes first with --multi-item-scoring-delimiter")
+    query, prompts = await ctx.off_loop(lambda: _score_prompts(ctx, body, multi))
+    if query and len(prompts) > 1 and not ctx.args.disable_radix_cache:
+        # The query once: its K/V go to the prefix cache, and each item's prompt then
+        # starts from them (what SGLang's one packed, masked sequence computes).
+        await ctx.collect(request, await ctx.build(lambda: ctx.make_requests([query], params, 1)))
 
     def build() -> list[Any]:
-        prompts = [ctx.prompt_ids(p)[0] for p in body.prompts()]
-        params = {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}
         return ctx.make_requests(prompts, params, 1, top_logprobs=0, logprob_ids=labels)
 
     reqs = await ctx.build(build)
@@ -152,8 +159,28 @@ async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
         "object": "scoring",
         "model": ctx.model_name,
         "scores": scores,
-        "usage": ctx.usage(reqs, 1, 0),
+        "usage": ctx.usage(reqs, 1, 0, sum(acc.cached_tokens for acc in results)),
     }
+
+
+def _score_prompts(
+    ctx: ServingContext, body: ScoreRequest, multi: bool
+) -> tuple[list[int], list[list[int]]]:
+    """The query's ids (multi-item scoring's; else none) and each item's prompt. With
+    --multi-item-scoring-delimiter the query and each item are tokenized apart (items
+    without special tokens), as SGLang packs them, and an item's prompt is the query's ids
+    then its own; else each prompt is query + item (or item + query) tokenized whole."""
+    if not multi:
+        return [], [ctx.prompt_ids(p)[0] for p in body.prompts()]
+    items: list[Any] = [body.items] if isinstance(body.items, str) else list(body.items or [])
+    if isinstance(body.query, str):
+        query = ctx.prompt_ids(body.query)[0]
+        items = ctx.tokenize(items, add_special_tokens=False)
+    else:
+        query = list(body.query or [])
+    if not all(items):
+        raise ApiError(400, "items: an item is empty")
+    return query, [[*query, *item] for item in items]
 
 
 # -- /v1/completions --------------------------------------------------------------------------

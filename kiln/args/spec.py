@@ -229,7 +229,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--mamba-track-interval', type='int', default=256, stage=RUNTIME),
     )),
     Section('Args for multi-item scoring', 'multi_item_scoring', (
-        Flag('--multi-item-scoring-delimiter', type='int', stage=RUNTIME),
+        Flag('--multi-item-scoring-delimiter', type='int', stage=RUNTIME, status=IMPLEMENTED, help="A token id (of this model's vocabulary): /v1/score computes the query once for all items. SGLang packs query<d>item1<d>item2...<d> into one sequence whose mask lets each item see only the query and itself, so each item's score is P(label | query, item); kiln computes the same numbers by prefilling the query once into the prefix cache and each item after it (without the prefix cache, the query is computed with each item). The query and items are tokenized apart (items without special tokens); item_first is a 400."),
     )),
     Section('Hierarchical cache', 'hierarchical_cache', (
         Flag('--enable-hierarchical-cache', type='bool', stage=RUNTIME),

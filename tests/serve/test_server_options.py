@@ -51,6 +51,8 @@ def server(artefact, launch, tmp_path_factory, metrics_dir):
         "--export-metrics-to-file",
         "--export-metrics-to-file-dir",
         str(metrics_dir),
+        "--multi-item-scoring-delimiter",
+        "3",
     )
 
 
@@ -365,3 +367,40 @@ def test_batch_encode_tokenizes_a_list_as_one_by_one(server) -> None:
         assert got["output_ids"] == alone["output_ids"]
     empty = httpx.post(url, json={"text": ["a", ""], "sampling_params": params})
     assert empty.status_code == 400 and "empty" in empty.json()["error"]["message"]
+
+
+def test_multi_item_scoring_computes_the_query_once(server) -> None:
+    """--multi-item-scoring-delimiter: each item's scores are the label tokens' probabilities
+    after the query's ids then the item's (tokenized apart, as SGLang packs them), and
+    every item's prompt starts from the query's cached K/V."""
+    import math
+
+    labels = [7, 40, 2]
+    query, items = list(range(30, 50)), [[60, 61], [62], [63, 64, 65]]
+    r = server.post("/v1/score", json={"query": query, "items": items, "label_token_ids": labels})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    for item, got in zip(items, out["scores"], strict=True):
+        body = {
+            "input_ids": query + item,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 1},
+            "return_logprob": True,
+            "token_ids_logprob": labels,
+        }
+        meta = server.post("/generate", json=body).json()["meta_info"]
+        want = [math.exp(v) for v, _, _ in meta["output_token_ids_logprobs"][0]]
+        assert got == pytest.approx(want, rel=1e-4)
+    # the query's 20 tokens came from the cache for each item
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * len(query)
+    text = {"query": "Is the sky blue?", "items": [" yes", " no"], "label_token_ids": labels}
+    r = server.post("/v1/score", json=text)
+    assert r.status_code == 200 and len(r.json()["scores"]) == 2, r.text
+
+    def count(text: str, special: bool) -> int:
+        body = {"prompt": text, "add_special_tokens": special}
+        return len(server.post("/v1/tokenize", json=body).json()["tokens"])
+
+    items_len = count(" yes", False) + count(" no", False)
+    assert r.json()["usage"]["prompt_tokens"] == 2 * count(text["query"], True) + items_len
+    r = server.post("/v1/score", json={**text, "item_first": True})
+    assert r.status_code == 400 and "item_first" in r.text
