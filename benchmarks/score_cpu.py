@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,38 +23,13 @@ from pathlib import Path
 
 import httpx
 from bench_common import HERE, print_table, read_bandwidth_gbs, spread
+from serve_bench import Server, free_port
 
 from kiln.args import ServerArgs
 from kiln.compiler.compile import compile_model
 from kiln.example import fetch
 
 LABELS = [" yes", " no"]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def serve(art: Path, threads: int, log: Path, *flags: str) -> tuple[subprocess.Popen, str]:
-    port = _port()
-    cmd = [sys.executable, "-m", "kiln", "serve", str(art), "--port", str(port)]
-    cmd += ["--threads", str(threads), *flags]
-    proc = subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"kiln serve exited with {proc.returncode}; see {log}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"kiln serve did not start; see {log}")
 
 
 def main() -> None:
@@ -80,7 +53,10 @@ def main() -> None:
     for r in range(args.rounds):
         order = list(flags) if r % 2 == 0 else list(flags)[::-1]
         for name in order:
-            proc, url = serve(art, args.threads, work / "server.log", *flags[name])
+            port = free_port()
+            cmd = [sys.executable, "-m", "kiln", "serve", str(art), "--port", str(port)]
+            srv = Server([*cmd, "--threads", str(args.threads), *flags[name]], port, work / "log")
+            url = srv.url
             try:
                 labels = [
                     httpx.post(
@@ -98,8 +74,7 @@ def main() -> None:
                     assert out.status_code == 200, out.text
                     tokens[name] = out.json()["usage"]["prompt_tokens"]
             finally:
-                proc.terminate()
-                proc.wait(30)
+                srv.stop()
     bw = read_bandwidth_gbs()
     base = statistics.median(times["per item"])
     rows = [
