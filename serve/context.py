@@ -356,11 +356,43 @@ class ServingContext:
             raise ApiError(400, str(e)) from e
 
     async def build(self, fn: Callable[[], list[Request]]) -> list[Request]:
-        """Build requests on a tokenizer thread, compile their grammars, admit them."""
+        """Build requests on a tokenizer thread, compile their grammars, admit them (a
+        prompt several of them share prefilled once first: warm_prefixes)."""
         reqs = await self.off_loop(fn)
-        await self.compile_grammars(reqs)
-        self.admit(reqs)
+        await self.start(reqs)
         return reqs
+
+    async def start(self, reqs: list[Request]) -> None:
+        """Compile the requests' grammars, prefill a prompt several of them share once
+        first (warm_prefixes), admit them."""
+        await self.compile_grammars(reqs)
+        await self.warm_prefixes(_shared_prompts(reqs, self.engine.art.spec.is_embedding))
+        self.admit(reqs)
+
+    async def warm_prefixes(self, prompts: list[tuple[list[int], str | None, str | None]]) -> None:
+        """Prefill each (ids, LoRA adapter, cache key) once and wait: its K/V go to the
+        prefix cache, so the requests that follow start from them rather than each
+        computing the prompt in one batch (which shares nothing). SGLang sends a prompt
+        of parallel sampling (n > 1) ahead so; /v1/score's multi-item mode sends its
+        query. Nothing without the prefix cache."""
+        if not prompts or self.args.disable_radix_cache:
+            return
+
+        def make() -> list[Request]:
+            warm = []
+            for ids, lora, key in prompts:
+                req = self.engine.make_request(list(ids), _WARM, lora=lora)
+                req.cache_key = key
+                warm.append(req)
+            return warm
+
+        try:
+            warm = await self.off_loop(make)
+        except (ValueError, RequestError) as e:
+            raise ApiError(400, str(e)) from e
+        self.admit(warm)
+        async for _ in merged(self, warm):
+            pass
 
     async def compile_grammars(self, reqs: list[Request]) -> None:
         """Each constrained request's matcher, compiled on the grammar threads (cached by
@@ -520,6 +552,29 @@ class ServingContext:
         if colon and name and self.engine.args.enable_lora and base == self.model_name:
             return name  # an unknown one is the 400 make_request gives
         return lora_path
+
+
+# A prompt prefilled ahead (ServingContext.warm_prefixes): its first token, greedy.
+_WARM = SamplingParams(max_new_tokens=1, temperature=0.0)
+# Prompts shorter than this are not prefilled ahead: the wait costs more than they do.
+WARM_MIN_TOKENS = 16
+
+
+def _shared_prompts(
+    reqs: list[Request], embedding: bool
+) -> list[tuple[list[int], str | None, str | None]]:
+    """The prompts (with their adapter and cache key) that two or more of `reqs` share,
+    of at least WARM_MIN_TOKENS tokens, whose requests read the prefix cache (not an
+    embedding model's, not a prompt computed whole for its logprobs or hidden states)."""
+    if embedding or len(reqs) < 2:
+        return []
+    groups: dict[Any, list[Request]] = {}
+    for r in reqs:
+        if len(r.prompt_ids) >= WARM_MIN_TOKENS and not r.scoring:
+            groups.setdefault((tuple(r.prompt_ids), r.prefix_space), []).append(r)
+    return [
+        (list(g[0].prompt_ids), g[0].lora, g[0].cache_key) for g in groups.values() if len(g) > 1
+    ]
 
 
 def _per_prompt_ids(ids: list[int] | list[list[int]] | None, prompts: int) -> list[tuple[int, ...]]:

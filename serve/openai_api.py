@@ -136,10 +136,10 @@ async def score(body: ScoreRequest, request: Request) -> dict[str, Any]:
     if multi and body.item_first:
         raise ApiError(400, "item_first: the query comes first with --multi-item-scoring-delimiter")
     query, prompts = await ctx.off_loop(lambda: _score_prompts(ctx, body, multi))
-    if query and len(prompts) > 1 and not ctx.args.disable_radix_cache:
-        # The query once: its K/V go to the prefix cache, and each item's prompt then
-        # starts from them (what SGLang's one packed, masked sequence computes).
-        await ctx.collect(request, await ctx.build(lambda: ctx.make_requests([query], params, 1)))
+    if query and len(prompts) > 1:
+        # The query once: each item's prompt starts from its cached K/V (what SGLang's
+        # one packed, masked sequence computes).
+        await ctx.warm_prefixes([(query, None, None)])
 
     def build() -> list[Any]:
         return ctx.make_requests(prompts, params, 1, top_logprobs=0, logprob_ids=labels)
@@ -235,8 +235,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         return prompts, echo, reqs
 
     prompts, echo, reqs = await ctx.off_loop(build)
-    await ctx.compile_grammars(reqs)
-    ctx.admit(reqs)
+    await ctx.start(reqs)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
 

@@ -404,3 +404,19 @@ def test_multi_item_scoring_computes_the_query_once(server) -> None:
     assert r.json()["usage"]["prompt_tokens"] == 2 * count(text["query"], True) + items_len
     r = server.post("/v1/score", json={**text, "item_first": True})
     assert r.status_code == 400 and "item_first" in r.text
+
+
+def test_parallel_samples_prefill_their_prompt_once(client) -> None:
+    """n > 1: the prompt is prefilled once ahead (as SGLang's tokenizer manager does), and
+    each sample starts from its cached K/V; one sample of a new prompt finds next to
+    nothing."""
+    one = client.completions.create(
+        model="m", prompt="Just one sample, of a new prompt.", max_tokens=2
+    )
+    assert one.usage.prompt_tokens_details.cached_tokens < 5  # a first token other prompts had
+    prompt = "Three samples of one prompt share its keys and values."
+    out = client.completions.create(
+        model="m", prompt=prompt, max_tokens=2, n=3, temperature=1.0, seed=5
+    )
+    assert len(out.choices) == 3
+    assert out.usage.prompt_tokens_details.cached_tokens == out.usage.prompt_tokens - 1
