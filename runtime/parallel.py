@@ -111,9 +111,19 @@ def _send(step: StepInputs | None, device: str) -> None:
     if step is None:
         dist.broadcast(torch.tensor([_STOP], device=device), src=0)
         return
-    data = step.encode().to(device)
+    _broadcast_sized(step.encode(), device)
+
+
+def _broadcast_sized(data: torch.Tensor, device: str) -> None:
+    """An int64 tensor's length, then the tensor (rank 0's side of _receive_sized)."""
     dist.broadcast(torch.tensor([len(data)], device=device), src=0)
+    dist.broadcast(data.to(device), src=0)
+
+
+def _receive_sized(size: int, device: str) -> torch.Tensor:
+    data = torch.empty(size, dtype=torch.long, device=device)
     dist.broadcast(data, src=0)
+    return data.cpu()
 
 
 def _spawn(
@@ -218,11 +228,6 @@ class Heartbeats:
         return quiet
 
 
-def _broadcast_bytes(data: bytes, device: str) -> None:
-    dist.broadcast(torch.tensor([len(data)], device=device), src=0)
-    dist.broadcast(torch.tensor(list(data), dtype=torch.long, device=device), src=0)
-
-
 def receive(device: str) -> StepInputs | dict[str, Any] | None:
     """What rank 0 sends next: a step, a control message (a JSON object: data, never
     code), or None when the group stops."""
@@ -232,14 +237,10 @@ def receive(device: str) -> StepInputs | dict[str, Any] | None:
         return None
     if int(size) == _CONTROL:
         dist.broadcast(size, src=0)
-        raw = torch.empty(int(size), dtype=torch.long, device=device)
-        dist.broadcast(raw, src=0)
-        message = json.loads(bytes(raw.cpu().tolist()).decode())
+        message = json.loads(bytes(_receive_sized(int(size), device).tolist()).decode())
         assert isinstance(message, dict)
         return message
-    data = torch.empty(int(size), dtype=torch.long, device=device)
-    dist.broadcast(data, src=0)
-    return StepInputs.decode_from(data.cpu())
+    return StepInputs.decode_from(_receive_sized(int(size), device))
 
 
 def agree(ok: bool, device: str) -> bool:
@@ -372,7 +373,7 @@ class TPGroup:
         handles it) and wait for their answer: True when every rank did it."""
         self._check()
         dist.broadcast(torch.tensor([_CONTROL], device=self.device), src=0)
-        _broadcast_bytes(json.dumps(message).encode(), self.device)
+        _broadcast_sized(torch.tensor(list(json.dumps(message).encode())), self.device)
         return agree(True, self.device)
 
     def _check(self) -> None:
