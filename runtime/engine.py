@@ -22,6 +22,7 @@ from kiln.args import ArgError, ServerArgs, flag_true
 from kiln.args.stages import refuse_compile_time_changes
 from kiln.core import artefact as fmt
 from kiln.core.lazy import lazy_module
+from kiln.runtime import numa
 from kiln.runtime.artefact import Artefact, ModelSpec, checked_manifest, model_spec
 from kiln.runtime.batch_log import BatchLog
 from kiln.runtime.detokenizer import IncrementalDetokenizer
@@ -134,6 +135,9 @@ class Engine:
         # host (versions, target), from its bounded numbers (held to the graph at open).
         manifest = checked_manifest(Path(artefact), verify=False)
         spec = model_spec(manifest)
+        # --numa-node: this process (rank 0) on its node before any weight is read, so that
+        # the pages it touches come from there; ranks 1.. bind themselves (rank_worker).
+        self.numa = self._bind_numa(spec.tp_size // self.args.nnodes)
         asked = self.args.context_length
         if asked is not None and asked > spec.context_length:
             raise ArgError(
@@ -162,7 +166,7 @@ class Engine:
             importer.join()
         self.tokenizer = None if skip_tokenizer else self._load_tokenizer()
         self.grammars = self._grammars(spec)
-        self.threads, threads_from = _set_threads(self.args.threads)
+        self.threads, threads_from = _set_threads(self.args.threads, self.numa)
         kv_tokens = self.placement.kv_tokens
         self.runner = ModelRunner(self.art, kv_tokens, self.context_length)
         # --enable-lora: adapter name -> its slot in the runner (runtime/lora.py), and its
@@ -206,6 +210,15 @@ class Engine:
         )
         self._live: dict[str, Request] = {}
         log.info("%s; threads: %d (%s)", self.describe(), self.threads, threads_from)
+
+    def _bind_numa(self, processes: int) -> list[int] | None:
+        """--numa-node: the nodes of this machine's ranks, this process bound to the
+        first (runtime/numa.py)."""
+        if not self.args.numa_node:
+            return None
+        nodes = numa.check(self.args.numa_node, processes, f"{processes} tensor-parallel rank(s)")
+        numa.bind(nodes[0])
+        return nodes
 
     def _draft_model(self, kv_tokens: int) -> DraftModel | None:
         """A STANDALONE artefact's draft model (its artefact in draft/, opened under the
@@ -1179,20 +1192,24 @@ class Engine:
         """Ranks 1..T-1 of a tensor-parallel artefact (those of node 0 with --nnodes), each
         with its share of this machine's threads."""
         size, nnodes = self.art.spec.tp_size, self.args.nnodes
-        per_rank = max(1, self.threads // (size // nnodes))  # this node's ranks
-        set_threads(per_rank)
-        self.threads = per_rank
+        if self.numa and not self.args.threads:  # each rank its node's share (runtime/numa)
+            per_rank = numa.shares(self.numa)
+        else:
+            per_rank = [max(1, self.threads // (size // nnodes))] * (size // nnodes)
+        set_threads(per_rank[0])
+        self.threads = per_rank[0]
         self.runner.group = TPGroup(
             self.art.root,
             size,
             kv_tokens,
-            per_rank,
+            per_rank[1:],
             self.args.dist_init_addr,
             self.args.dist_timeout,
             nnodes,
             self.placement,
             self.context_length,
             self.args.trust_remote_code,
+            self.numa[1:] if self.numa else None,
         )
         if self.runner.lora is not None:  # the other ranks hold the same adapters
             from kiln.runtime.lora import LoraError
@@ -1228,12 +1245,17 @@ class Engine:
             )
 
 
-def _set_threads(asked: int | None) -> tuple[int, str]:
-    """Apply --threads; return the kernel thread count and where it came from (torch's
-    default otherwise: runtime/threads.py, which hands it to torch if torch comes)."""
+def _set_threads(asked: int | None, numa_nodes: list[int] | None = None) -> tuple[int, str]:
+    """Apply --threads; return the kernel thread count and where it came from (with
+    --numa-node, the node's share of its cores; torch's default otherwise:
+    runtime/threads.py, which hands it to torch if torch comes)."""
     if asked:
         set_threads(asked)
         return asked, "--threads"
+    if numa_nodes:
+        count = numa.shares(numa_nodes)[0]
+        set_threads(count)
+        return count, f"NUMA node {numa_nodes[0]}'s cores"
     count, source = default_threads()
     set_threads(count)
     return count, source

@@ -40,12 +40,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kiln.args import ArgError
 from kiln.core.lazy import lazy_module
+from kiln.runtime import numa
 from kiln.runtime.placement import Placement
 from kiln.runtime.step import StepInputs
 
@@ -131,14 +132,16 @@ def _spawn(
     ranks: range,
     size: int,
     method: str,
-    threads: int,
+    threads: Sequence[int],
     timeout_s: int,
     trust_remote_code: bool,
+    numa_nodes: Sequence[int] | None = None,
 ) -> list[subprocess.Popen[bytes]]:
     """The rank processes of `ranks`, this node's: their local ranks count from 0 at the
-    node's first rank (each its own GPU on CUDA targets). `trust_remote_code`: the user's
-    --trust-remote-code, which each rank needs to load native code built elsewhere just as
-    rank 0 does."""
+    node's first rank (each its own GPU on CUDA targets). `threads`: each one's kernel
+    threads; `numa_nodes`: each one's NUMA node (--numa-node). `trust_remote_code`: the
+    user's --trust-remote-code, which each rank needs to load native code built elsewhere
+    just as rank 0 does."""
     trust = ["--trust-remote-code"] if trust_remote_code else []
     return [
         subprocess.Popen(
@@ -156,13 +159,14 @@ def _spawn(
                 "--init-method",
                 method,
                 "--threads",
-                str(threads),
+                str(threads[i]),
                 "--timeout",
                 str(timeout_s),
                 *trust,
+                *(["--numa-node", str(numa_nodes[i])] if numa_nodes else []),
             ]
         )
-        for rank in ranks
+        for i, rank in enumerate(ranks)
     ]
 
 
@@ -269,14 +273,17 @@ class TPGroup:
         artefact: Path,
         size: int,
         max_total_tokens: int,
-        threads: int,
+        threads: Sequence[int],
         init_addr: str | None = None,
         timeout_s: int | None = None,
         nnodes: int = 1,
         placement: Placement | None = None,
         context_length: int = 0,
         trust_remote_code: bool = False,
+        numa_nodes: Sequence[int] | None = None,
     ) -> None:
+        """`threads` and `numa_nodes`: each of this node's other ranks' kernel threads and
+        NUMA node (--numa-node), in rank order."""
         if dist.is_initialized():
             raise RuntimeError(
                 "a tensor-parallel engine is already running in this process; shut it down "
@@ -297,6 +304,7 @@ class TPGroup:
             threads,
             int(timeout.total_seconds()),
             trust_remote_code,
+            numa_nodes,
         )
         try:
             init_group(backend, method, 0, size, timeout.total_seconds())
@@ -427,16 +435,24 @@ def follow(
     timeout_s: int | None,
     threads: int | None,
     trust_remote_code: bool = False,
+    numa_node: Sequence[int] | None = None,
 ) -> int:
     """Node `node_rank` (> 0) of a multi-node group: run this node's ranks until rank 0
     stops them (0), or one fails or rank 0 is gone (1); SIGTERM / SIGINT stop them (0).
-    The caller checked the artefact's files here (each node has its own copy)."""
+    The caller checked the artefact's files here (each node has its own copy).
+    `numa_node`: --numa-node, one NUMA node per rank of this node."""
     check_nodes(size, nnodes, init_addr)
     ranks = node_ranks(size, nnodes, node_rank)
-    per_rank = max(1, (threads or torch.get_num_threads()) // len(ranks))
+    nodes = None
+    if numa_node:
+        nodes = numa.check(numa_node, len(ranks), f"{len(ranks)} tensor-parallel rank(s)")
+    if nodes and not threads:  # each rank its node's share of cores (runtime/numa.py)
+        per_rank = numa.shares(nodes)
+    else:
+        per_rank = [max(1, (threads or torch.get_num_threads()) // len(ranks))] * len(ranks)
     timeout = timeout_s or DEFAULT_TIMEOUT_S
     procs = _spawn(
-        artefact, ranks, size, f"tcp://{init_addr}", per_rank, timeout, trust_remote_code
+        artefact, ranks, size, f"tcp://{init_addr}", per_rank, timeout, trust_remote_code, nodes
     )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -16,7 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kiln.args import ArgError
 from kiln.core import artefact as fmt
+from kiln.runtime import numa
 from kiln.runtime.artefact import Artefact
 from kiln.runtime.model_runner import ModelRunner, freeze_startup_heap
 from kiln.runtime.parallel import (
@@ -35,6 +37,8 @@ log = logging.getLogger("kiln.parallel")
 
 
 def _worker(args: argparse.Namespace) -> int:
+    if args.numa_node is not None:  # before a weight is read (runtime/numa.py)
+        numa.bind(args.numa_node)
     set_threads(args.threads)  # torch's and kiln's kernels alike (runtime/threads.py)
     # The target decides the device and the backend (runtime/placement.py); the pool's
     # size is rank 0's, which every rank shares.
@@ -107,10 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S)
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--numa-node", type=int)
     args = p.parse_args(argv)
     configure_logging(os.environ.get("KILN_LOG_LEVEL", "WARNING"))
     try:
         return _worker(args)
+    except ArgError as e:  # its --numa-node cannot be bound here
+        log.error("tensor-parallel rank %d: %s", args.rank, e)
+        return 1
     except (RuntimeError, ConnectionError) as e:  # rank 0 gone, or a collective failed
         log.error("tensor-parallel rank %d stops: %s", args.rank, e)
         return 1

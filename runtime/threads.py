@@ -52,21 +52,26 @@ def default_threads() -> tuple[int, str]:
     return count, source
 
 
-def physical_cores(cpuinfo: Path = Path("/proc/cpuinfo")) -> int:
-    """Distinct (package, core) pairs of /proc/cpuinfo; the processor count where it
-    does not say (as cpuinfo, which ATen asks, falls back)."""
+def physical_cores(cpuinfo: Path = Path("/proc/cpuinfo"), cpus: set[int] | None = None) -> int:
+    """Distinct (package, core) pairs of /proc/cpuinfo, of the processors in `cpus` if
+    given; the processor count where it does not say (as cpuinfo, which ATen asks, falls
+    back)."""
     try:
         text = cpuinfo.read_text()
     except OSError:
-        return os.cpu_count() or 1
+        return len(cpus) if cpus else os.cpu_count() or 1
     cores, processors = set(), 0
     for block in text.split("\n\n"):
         fields = dict(
             (k.strip(), v.strip())
             for k, _, v in (line.partition(":") for line in block.splitlines())
         )
-        processors += "processor" in fields
+        if "processor" not in fields:
+            continue
+        if cpus is not None and int(fields["processor"]) not in cpus:
+            continue
+        processors += 1
         if "core id" in fields:
             cores.add((fields.get("physical id", "0"), fields["core id"]))
-    processors = processors or os.cpu_count() or 1
+    processors = processors or (len(cpus) if cpus else os.cpu_count() or 1)
     return len(cores) if 0 < len(cores) < processors else processors

@@ -27,13 +27,15 @@ from pathlib import Path
 from typing import Any
 
 from kiln.args import FLAGS, ArgError, ServerArgs
+from kiln.core import artefact as fmt
+from kiln.runtime import numa
 
 log = logging.getLogger("kiln.serve")
 
 _WATCH_S = 0.2
 _START_TIMEOUT_S = 300
 # What the replicas do not take from the user: this process decides them.
-_OWN = ("host", "port", "dp_size", "threads", "config")
+_OWN = ("host", "port", "dp_size", "threads", "config", "numa_node")
 
 
 def _free_port() -> int:
@@ -70,7 +72,11 @@ def serve_replicas(artefact: Path, args: ServerArgs, explicit: dict[str, Any]) -
             f"--dp-size {args.dp_size}: needs SGLang's router: pip install sglang-router"
         ) from None
     n = args.dp_size
-    threads = max(1, (args.threads or os.cpu_count() or 1) // n)
+    threads = [max(1, (args.threads or os.cpu_count() or 1) // n)] * n
+    nodes = _replica_nodes(artefact, args)
+    if nodes and not args.threads:  # each replica its ranks' shares of their nodes' cores
+        shares = numa.shares([x for own in nodes for x in own])
+        threads = [sum(shares[i * len(own) : (i + 1) * len(own)]) for i, own in enumerate(nodes)]
     folder = Path(tempfile.mkdtemp(prefix="kiln-dp-"))
     config = _replica_config(explicit, folder)
     urls = []
@@ -83,7 +89,9 @@ def serve_replicas(artefact: Path, args: ServerArgs, explicit: dict[str, Any]) -
             port = _free_port()
             urls.append(f"http://127.0.0.1:{port}")
             argv = [sys.executable, "-m", "kiln", "serve", str(artefact), "--config", str(config)]
-            argv += ["--host", "127.0.0.1", "--port", str(port), "--threads", str(threads)]
+            argv += ["--host", "127.0.0.1", "--port", str(port), "--threads", str(threads[i])]
+            if nodes:
+                argv += ["--numa-node", *map(str, nodes[i])]
             procs.append((f"replica {i} ({urls[-1]})", subprocess.Popen(argv)))
         failed = _wait_healthy(urls, procs, stop)
         if failed is None and not stop.is_set():
@@ -94,11 +102,10 @@ def serve_replicas(artefact: Path, args: ServerArgs, explicit: dict[str, Any]) -
             name = f"SGLang's router (http://{args.host}:{args.port})"
             procs.append((name, subprocess.Popen(router)))
             log.warning(
-                "%d data-parallel replicas (%s, %d threads each) behind SGLang's router on "
-                "http://%s:%d",
+                "%d data-parallel replicas (%s, %s threads) behind SGLang's router on http://%s:%d",
                 n,
                 ", ".join(urls),
-                threads,
+                "/".join(map(str, threads)),
                 args.host,
                 args.port,
             )
@@ -109,6 +116,17 @@ def serve_replicas(artefact: Path, args: ServerArgs, explicit: dict[str, Any]) -
         log.error("%s; the other replicas and the router are stopped", failed)
         return 1
     return 0
+
+
+def _replica_nodes(artefact: Path, args: ServerArgs) -> list[list[int]] | None:
+    """--numa-node for each replica: replica r's T ranks take the list's elements
+    r*T .. r*T+T-1, as SGLang's data-parallel schedulers index it (runtime/numa.py)."""
+    if not args.numa_node:
+        return None
+    tp = int(fmt.read_manifest(artefact)["runtime"]["tp_size"])
+    n = args.dp_size
+    nodes = numa.check(args.numa_node, n * tp, f"{n} replicas of {tp} rank(s)")
+    return [nodes[r * tp : (r + 1) * tp] for r in range(n)]
 
 
 def _wait_healthy(

@@ -146,6 +146,7 @@ def _follow(artefact: Path, args: ServerArgs, explicit: dict[str, Any]) -> int:
         args.dist_timeout,
         args.threads,
         args.trust_remote_code,
+        args.numa_node,
     )
 
 

@@ -309,7 +309,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--keep-mm-feature-on-device', type='bool', stage=RUNTIME),
         Flag('--enable-return-hidden-states', type='bool', stage=COMPILE, status=IMPLEMENTED, help='Steps also return the final norm\'s hidden states, so a request may ask for them (`return_hidden_states`): the prompt\'s rows, then each fed token\'s. Its decode steps run in the Python executor (no native step, no CUDA graphs); not with speculative decoding or --is-embedding.'),
         Flag('--scheduler-recv-interval', type='int', default=1, stage=RUNTIME),
-        Flag('--numa-node', type='list[int]', stage=RUNTIME),
+        Flag('--numa-node', type='list[int]', stage=RUNTIME, status=IMPLEMENTED, help="The NUMA node of each of this machine's processes: the i-th runs on node i's CPUs with its memory preferred there (tensor-parallel rank i of this node; with --dp-size, replica r's T ranks take elements r*T..r*T+T-1, as in SGLang). Without --threads each runs one thread per physical core of its node, shared between the processes given the same node."),
         Flag('--enable-layerwise-nvtx-marker', type='bool', stage=RUNTIME),
         Flag('--enable-attn-tp-input-scattered', type='bool', stage=RUNTIME),
         Flag('--enable-nsa-prefill-context-parallel', type='bool', stage=RUNTIME),

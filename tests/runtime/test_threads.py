@@ -59,5 +59,7 @@ def test_physical_cores_counts_cores_not_hyperthreads(tmp_path) -> None:
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(text)
     assert physical_cores(cpuinfo) == 4  # 2 packages x 2 cores x 2 threads
+    assert physical_cores(cpuinfo, cpus={4, 5, 6, 7}) == 2  # one package (a NUMA node's)
+    assert physical_cores(cpuinfo, cpus={0, 1}) == 1  # one core's two threads
     cpuinfo.write_text("processor\t: 0\n\nprocessor\t: 1\n")  # no core ids: processors
     assert physical_cores(cpuinfo) == 2

@@ -15,6 +15,7 @@ import openai
 from serve_helpers import API_KEY, metric, start_server, stop_server
 
 from kiln import Engine
+from kiln.runtime import numa
 
 PROMPT = "The kiln"
 
@@ -44,10 +45,16 @@ def test_two_replicas_behind_sglangs_router(artefact, tmp_path: Path) -> None:
         [PROMPT], sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
     )
     flags = ("--dp-size", "2", "--api-key", API_KEY, "--enable-metrics")  # replicas take both
-    server = start_server(art, tmp_path / "dp.log", *flags)
+    # and --numa-node: replica r's rank takes element r (both node 0: it is on every machine)
+    server = start_server(art, tmp_path / "dp.log", *flags, "--numa-node", "0", "0")
     try:
         urls = _replicas(server)
-        assert len(_children(server.process.pid)) == 3  # two replicas and the router
+        children = _children(server.process.pid)
+        assert len(children) == 3  # two replicas and the router
+        bound = [p for p in children if " prefer:0 " in Path(f"/proc/{p}/numa_maps").read_text()]
+        assert len(bound) == 2  # the replicas (the router is not kiln's to bind)
+        share = max(1, numa.shares([0])[0] // 2)  # node 0's cores shared by the two
+        assert f"{share}/{share} threads" in server.log.read_text()
         client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
         before = [_served(u) for u in urls]  # each replica's own warm-up request
         for _ in range(4):

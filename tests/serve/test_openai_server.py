@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -20,17 +23,21 @@ from serve_helpers import (
 )
 
 from kiln import Engine
+from kiln.runtime import numa
 
 MAX_TOKENS = 12
 GREEDY = {"temperature": 0, "max_new_tokens": MAX_TOKENS, "ignore_eos": True}
 
 
 # Every test on the server runs against a one-process artefact and a tensor-parallel one
-# (rank 0 serves, rank 1 its own process): the answers must not depend on it.
+# (rank 0 serves, rank 1 its own process): the answers must not depend on it. Each process
+# is bound to NUMA node 0 (every machine has one), which must not change them either.
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def server(artefact, launch, request):
     return launch(
         artefact("llama", compile_args={"tp_size": request.param}),
+        "--numa-node",
+        *["0"] * request.param,
         "--api-key",
         API_KEY,
         "--admin-api-key",
@@ -72,6 +79,23 @@ def test_models(client, server) -> None:
     assert client.models.retrieve("tiny").id == "tiny"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("other")
+
+
+def test_each_process_is_bound_to_its_numa_node(server) -> None:
+    """--numa-node 0 (0): the server's process and its tensor-parallel rank prefer node 0's
+    memory (the kernel shows a process's policy in numa_maps) and run on its CPUs, with its
+    cores shared between them when --threads is not given."""
+    ranks = subprocess.run(["pgrep", "-P", str(server.process.pid)], capture_output=True, text=True)
+    pids = [server.process.pid, *map(int, ranks.stdout.split())]
+    node0 = numa.nodes()[0]
+    for pid in pids:
+        first = Path(f"/proc/{pid}/numa_maps").read_text().split("\n", 1)[0]
+        assert " prefer:0 " in first, (pid, first)
+        assert os.sched_getaffinity(pid) <= node0
+    log = server.log.read_text()
+    [whole] = numa.shares([0])
+    share = whole if len(pids) == 1 else max(1, whole // 2)
+    assert f"threads: {share} (NUMA node 0's cores)" in log
 
 
 def test_greedy_completion_equals_the_engine(client, engine) -> None:

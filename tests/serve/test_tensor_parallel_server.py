@@ -136,9 +136,9 @@ def test_a_rank_killed_mid_stream_ends_the_stream_and_the_server_exits_1(
     assert _ranks_of(art) == []
 
 
-def _node(art: Path, rank: int, addr: str, log: Path) -> subprocess.Popen[bytes]:
+def _node(art: Path, rank: int, addr: str, log: Path, *more: str) -> subprocess.Popen[bytes]:
     """`kiln serve` of a node other than node 0: its ranks, no HTTP."""
-    flags = ["--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr", addr]
+    flags = ["--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr", addr, *more]
     return subprocess.Popen(
         [sys.executable, "-m", "kiln", "serve", str(art), *flags],
         stdout=open(log, "wb"),
@@ -176,7 +176,9 @@ def test_two_nodes_serve_as_tp1_and_stop_together(
 
     for round_ in ("stop", "crash", "stall"):
         addr = f"127.0.0.1:{free_port()}"
-        node1 = _node(arts[2], 1, addr, tmp_path / f"node1-{round_}.log")
+        # --numa-node on node 1: its rank (its first) on its NUMA node 0
+        numa = ("--numa-node", "0") if round_ == "stop" else ()
+        node1 = _node(arts[2], 1, addr, tmp_path / f"node1-{round_}.log", *numa)
         flags = ("--nnodes", "2", "--node-rank", "0", "--dist-init-addr", addr)
         server = None
         rank1 = None
@@ -185,6 +187,7 @@ def test_two_nodes_serve_as_tp1_and_stop_together(
             assert _children(server.process.pid) == []  # node 0 runs rank 0 alone
             [rank1] = _children(node1.pid)
             if round_ == "stop":
+                assert " prefer:0 " in Path(f"/proc/{rank1}/numa_maps").read_text()
                 reply = server.post(
                     "/v1/completions",
                     key=None,
