@@ -31,6 +31,7 @@ from kiln.serve.async_engine import AsyncEngine, QueueFull, RidInUse, Unavailabl
 from kiln.serve.metrics import Metrics
 from kiln.serve.protocol import ChatMessage
 from kiln.serve.request_log import PROBE_RID, CrashDump, MetricsFile, RequestLog
+from kiln.serve.response_store import ResponseStore
 from kiln.serve.streams import Accumulated, ApiError, failure, join, merged
 
 log = logging.getLogger("kiln.serve")
@@ -114,6 +115,9 @@ class ServingContext:
         self.preferred = _preferred_sampling(args.preferred_sampling_params)
         self.model_defaults = _model_sampling(engine, args.sampling_defaults)
         self.started = time.time()
+        # the Responses API's stored responses (serve/response_store.py); None: none kept
+        budget = args.max_stored_response_bytes
+        self.responses = ResponseStore(budget) if budget > 0 else None
         self._grammar_workers = ThreadPoolExecutor(
             max_workers=GRAMMAR_THREADS, thread_name_prefix="kiln-grammar"
         )
@@ -462,10 +466,16 @@ class ServingContext:
                 results[i].add(out)
 
         task = asyncio.ensure_future(drain())
-        while not task.done():
-            await asyncio.wait([task], timeout=0.5)
-            if not task.done() and await http.is_disconnected():
-                task.cancel()
+        try:
+            while not task.done():
+                await asyncio.wait([task], timeout=0.5)
+                if not task.done() and await http.is_disconnected():
+                    task.cancel()
+        except asyncio.CancelledError:  # the caller was cancelled (a background response's
+            task.cancel()  # cancel): its requests are aborted too, not left to run
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise
         with contextlib.suppress(asyncio.CancelledError):
             await task
         return results

@@ -624,17 +624,17 @@ class ResponsesRequest(Body):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     text: dict[str, Any] | None = None
-    # Accepted: kiln keeps no responses, so there is nothing stored to fetch later.
-    store: bool | None = None
+    # Kept for GET, continuation and cancel (serve/response_store.py), as OpenAI's default.
+    store: bool = True
+    previous_response_id: str | None = None
+    background: bool = False
     # Accepted and echoed: metadata, who is asking, how the input is cut (it never is).
     metadata: dict[str, str] | None = None
     user: str | None = None
     truncation: Literal["disabled"] | None = None
 
     REFUSED = {
-        "previous_response_id": None,
         "conversation": None,
-        "background": False,
         "include": None,
         "reasoning": None,
         "prompt": None,

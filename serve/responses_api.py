@@ -1,66 +1,243 @@
-"""OpenAI's Responses API (`POST /v1/responses`), served as the chat completion it asks
-for: `instructions` and `input` (a string, or message, `function_call` and
+"""OpenAI's Responses API (`/v1/responses`), served as the chat completion it asks for:
+`instructions` and `input` (a string, or message, `function_call` and
 `function_call_output` items) become the messages, `tools` (Responses' flat function
 tools), `tool_choice`, `text.format` and the sampling fields become the chat request's,
 and the chat completion's message (reasoning, text, tool calls; serve/chat_output.py)
 becomes the response's output items. Streamed, the chat deltas become Responses' typed
 events (`response.created`, `response.output_text.delta`, ... `response.completed`).
 
-kiln keeps no responses: `store` is accepted and nothing is kept to fetch or continue, so
-`previous_response_id`, `conversation` and `background` are refused (a 400 naming them),
-as are inputs other than text.
+Responses are kept (`store`, true by default) in serve/response_store.py: a request
+continues one with `previous_response_id` (its conversation, input and output, before the
+new input; its instructions are not carried over, as in OpenAI's API); GET
+/v1/responses/{id} fetches one, GET .../input_items lists its input, DELETE drops it. With
+`background: true` the request is answered at once (status `queued`) and runs on; GET polls
+it and POST .../cancel stops it. `conversation` objects and inputs other than text are
+refused (a 400 naming them).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from kiln.serve.openai_api import _ctx, chat_completions
 from kiln.serve.protocol import ChatCompletionRequest, ResponsesRequest
+from kiln.serve.response_store import ResponseStore, Stored
 from kiln.serve.streams import ApiError
+
+log = logging.getLogger("kiln.serve")
 
 router = APIRouter()
 
 TEXT_PARTS = ("input_text", "output_text", "text")
+_STOP_S = 10  # how long a cancel waits for a background run to stop
 
 
 @router.post("/v1/responses", response_model=None)
 async def responses(body: ResponsesRequest, request: Request) -> Any:
     ctx = _ctx(request)
     ctx.refuse_unsupported(body.unsupported())
-    chat = chat_request(body)
-    head = {
-        "id": f"resp_{uuid.uuid4().hex}",
+    store: ResponseStore | None = ctx.responses
+    history: list[dict[str, Any]] = []
+    if body.previous_response_id is not None:
+        before = _stored(store, body.previous_response_id, "previous_response_id")
+        if before.running:
+            raise ApiError(400, f"previous_response_id: response {body.previous_response_id} "
+                           f"is still {before.response['status']}")  # fmt: skip
+        history = before.history
+    inputs = input_items(body)
+    chat = chat_request(body, history + inputs, len(history))
+    keep = store is not None and body.store
+    body = body.model_copy(update={"store": keep})  # what the response says
+    rid = f"resp_{uuid.uuid4().hex}"
+    head: dict[str, Any] = {
+        "id": rid,
         "object": "response",
         "created_at": int(time.time()),
         "model": ctx.model_name,
     }
+    said = history + inputs
+
+    def kept(state: dict[str, Any]) -> None:
+        if keep and store is not None:
+            store.put(rid, Stored(state, said + carried(state["output"]), inputs))
+
+    if body.background:
+        if not keep:
+            raise ApiError(400, "background: needs store (a background response is kept "
+                           "for GET and cancel)" + _off(store))  # fmt: skip
+        if body.stream:
+            raise ApiError(400, "background: kiln does not stream a background response; "
+                           "poll GET /v1/responses/{id}")  # fmt: skip
+        queued = response(body, head, [], None, None, status="queued")
+        stored = Stored(queued, said, inputs)
+        assert store is not None
+        store.put(rid, stored)
+        stored.task = asyncio.create_task(_background(request, chat, body, head, stored, store))
+        return queued
     answer = await chat_completions(chat, request)
     if not body.stream:
         data = json.loads(answer.body)
         choice = data["choices"][0]
         output = output_items(choice["message"])
-        return response(body, head, output, choice["finish_reason"], usage(data["usage"]))
+        final = response(body, head, output, choice["finish_reason"], usage(data["usage"]))
+        kept(final)
+        return final
     return StreamingResponse(
-        ResponseEvents(body, head).translate(answer.body_iterator),
+        ResponseEvents(body, head, kept).translate(answer.body_iterator),
         media_type="text/event-stream",
     )
 
 
+@router.get("/v1/responses/{response_id}", response_model=None)
+async def retrieve(response_id: str, request: Request) -> Any:
+    if request.query_params.get("stream") in ("true", "1"):
+        raise ApiError(400, "stream: kiln does not stream a stored response again")
+    return _stored(_ctx(request).responses, response_id, "response_id").response
+
+
+@router.delete("/v1/responses/{response_id}", response_model=None)
+async def delete(response_id: str, request: Request) -> Any:
+    store = _ctx(request).responses
+    stored = _stored(store, response_id, "response_id")
+    await _stop(stored)
+    assert store is not None
+    store.delete(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+@router.post("/v1/responses/{response_id}/cancel", response_model=None)
+async def cancel(response_id: str, request: Request) -> Any:
+    """Stop a background response (status `cancelled`, what it had made dropped); one that
+    already ended is returned as it is."""
+    stored = _stored(_ctx(request).responses, response_id, "response_id")
+    if not stored.response.get("background"):
+        raise ApiError(400, f"response {response_id}: only a background response can be "
+                       "cancelled")  # fmt: skip
+    await _stop(stored)
+    return stored.response
+
+
+@router.get("/v1/responses/{response_id}/input_items", response_model=None)
+async def list_input_items(
+    response_id: str,
+    request: Request,
+    limit: int = Query(default=20, ge=1, le=100),
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = None,
+) -> Any:
+    """The response's own input items (those of its request, not of the responses it
+    continues), `order`ed, `limit` at a time from the item after `after`."""
+    items = list(_stored(_ctx(request).responses, response_id, "response_id").inputs)
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise ApiError(400, f"after: no input item {after!r} in response {response_id}")
+        items = items[ids.index(after) + 1 :]
+    page = items[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(items) > limit,
+    }
+
+
+def _off(store: ResponseStore | None) -> str:
+    return "; this server keeps none (--max-stored-response-bytes 0)" if store is None else ""
+
+
+def _stored(store: ResponseStore | None, rid: str, field: str) -> Stored:
+    """The stored response `rid`, or a 404 naming `field`."""
+    if not rid.startswith("resp_"):
+        raise ApiError(400, f"{field}: {rid!r} is not a response id (they begin with resp_)")
+    stored = store.get(rid) if store is not None else None
+    if stored is None:
+        raise ApiError(404, f"{field}: no stored response {rid}" + _off(store), "NotFoundError")
+    return stored
+
+
+async def _stop(stored: Stored) -> None:
+    """Cancel `stored`'s background run if it is still going: its requests are aborted."""
+    task = stored.task
+    if task is None or task.done():
+        return
+    stored.response["status"] = "cancelled"
+    task.cancel()
+    await asyncio.wait([task], timeout=_STOP_S)  # its requests' aborts sent and seen
+    if not task.done():
+        log.warning("background response %s: its run did not stop in %d s", stored.response["id"],
+                    _STOP_S)  # fmt: skip
+
+
+class _Detached:
+    """The part of a request a background run uses once its caller has had the answer:
+    the app; never disconnected (cancel stops it instead)."""
+
+    def __init__(self, request: Request) -> None:
+        self.app = request.app
+
+    async def is_disconnected(self) -> bool:
+        return False
+
+
+async def _background(
+    request: Request,
+    chat: ChatCompletionRequest,
+    body: ResponsesRequest,
+    head: dict[str, Any],
+    stored: Stored,
+    store: ResponseStore,
+) -> None:
+    """Run a background response to its end and keep what it made (or why it failed)."""
+    stored.response["status"] = "in_progress"
+    try:
+        answer = await chat_completions(chat, _Detached(request))  # type: ignore[arg-type]
+        data = json.loads(answer.body)
+        choice = data["choices"][0]
+        output = output_items(choice["message"])
+        final = response(body, head, output, choice["finish_reason"], usage(data["usage"]))
+    except asyncio.CancelledError:
+        stored.response["status"] = "cancelled"
+        stored.task = None
+        store.put(head["id"], stored)
+        raise
+    except ApiError as e:
+        final = response(body, head, [], None, None, status="failed")
+        final["error"] = {"code": e.kind, "message": e.message}
+    except Exception as e:  # the engine's own failure: the response says so
+        log.exception("background response %s failed", head["id"])
+        final = response(body, head, [], None, None, status="failed")
+        final["error"] = {"code": "server_error", "message": f"{type(e).__name__}: {e}"}
+    done = Stored(final, stored.history + carried(final["output"]), stored.inputs)
+    if not store.put(head["id"], done):  # too large for the store: say so rather than vanish
+        final = response(body, head, [], None, None, status="failed")
+        final["error"] = {"code": "server_error", "message": "the response is larger than "
+                          "--max-stored-response-bytes; it was not kept"}  # fmt: skip
+        store.put(head["id"], Stored(final, [], []))
+
+
 # -- request ----------------------------------------------------------------------------
-def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat completion request `body` asks for; ApiError(400) naming the field."""
+def chat_request(
+    body: ResponsesRequest, items: list[dict[str, Any]], stored: int = 0
+) -> ChatCompletionRequest:
+    """The chat completion request `body` asks for, its conversation `items` (the first
+    `stored` a stored conversation's, then its own input); ApiError(400) naming the field."""
     chat: dict[str, Any] = {
         "model": body.model,
-        "messages": messages(body),
+        "messages": messages(body.instructions, items, stored),
         "parallel_tool_calls": body.parallel_tool_calls,
         "stream": body.stream,
     }
@@ -87,16 +264,37 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         raise ApiError(400, f"{where}: {err['msg']}") from None
 
 
-def messages(body: ResponsesRequest) -> list[dict[str, Any]]:
-    """The chat messages of `instructions` and `input`: a function call joins the
-    assistant message before it (or starts one), a call's output is a tool message."""
+def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """`input` as a list of items (a string is one user message), each with an id."""
+    given = body.input
+    items = [{"type": "message", "role": "user", "content": given}] if isinstance(given, str) \
+        else given  # fmt: skip
+    out = []
+    for item in items:
+        kind = item.get("type", "message")
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+        out.append({"id": _id(prefix.get(kind, "item")), **item, "type": kind})
+    return out
+
+
+def carried(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response's output as the input items a continuation reads: its text and calls
+    (reasoning is not carried into the next turn)."""
+    return [item for item in output if item["type"] != "reasoning"]
+
+
+def messages(
+    instructions: str | None, items: list[dict[str, Any]], stored: int = 0
+) -> list[dict[str, Any]]:
+    """The chat messages of `instructions` and the input `items` (the first `stored` from
+    a stored conversation, which errors name apart): a function call joins the assistant
+    message before it (or starts one), a call's output is a tool message."""
     out: list[dict[str, Any]] = []
-    if body.instructions:
-        out.append({"role": "system", "content": body.instructions})
-    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    if instructions:
+        out.append({"role": "system", "content": instructions})
     for i, item in enumerate(items):
         kind = item.get("type", "message")
-        where = f"input[{i}]"
+        where = f"input[{i - stored}]" if i >= stored else f"previous_response_id's item {i}"
         if kind == "message":
             out.append({"role": _text_field(item, "role", where), "content": _content(item, where)})
         elif kind == "function_call":
@@ -231,9 +429,11 @@ def response(
     output: list[dict[str, Any]],
     finish_reason: str | None,
     used: dict[str, Any] | None,
+    status: str | None = None,
 ) -> dict[str, Any]:
-    """The response object; `finish_reason` None while it is in progress."""
-    status = {None: "in_progress", "length": "incomplete"}.get(finish_reason, "completed")
+    """The response object; `finish_reason` None while it is in progress (or `status`)."""
+    if status is None:
+        status = {None: "in_progress", "length": "incomplete"}.get(finish_reason, "completed")
     return {
         **head,
         "status": status,
@@ -250,7 +450,9 @@ def response(
         "tools": body.tools or [],
         "text": body.text or {"format": {"type": "text"}},
         "truncation": "disabled",
-        "store": False,
+        "store": body.store,
+        "background": body.background,
+        "previous_response_id": body.previous_response_id,
         "usage": used,
     }
 
@@ -261,8 +463,14 @@ class ResponseEvents:
     the next begins or the stream ends, then `response.completed` (`incomplete` when it
     ran out of tokens) with the whole response."""
 
-    def __init__(self, body: ResponsesRequest, head: dict[str, Any]) -> None:
-        self.body, self.head = body, head
+    def __init__(
+        self,
+        body: ResponsesRequest,
+        head: dict[str, Any],
+        keep: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        """`keep`: given the final response once the stream has ended (the store)."""
+        self.body, self.head, self.keep = body, head, keep
         self.sequence = 0
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item its deltas go to
@@ -297,6 +505,8 @@ class ResponseEvents:
         for event in self.close():
             yield event
         state = response(self.body, self.head, self.output, finish or "stop", used)
+        if self.keep is not None:
+            self.keep(state)
         kind = "response.incomplete" if state["status"] == "incomplete" else "response.completed"
         yield self.event(kind, response=state)
 

@@ -214,6 +214,11 @@ def _check_ranges(v: dict[str, Any]) -> None:
         _fail(f"--shutdown-timeout: must be >= 0 seconds, got {v['shutdown_timeout']}")
     if str(v["crash_on_nan"]).strip().lower() not in _TRUE + _FALSE:
         _fail(f"--crash-on-nan: true or false, got {v['crash_on_nan']!r}")
+    if v["max_stored_response_bytes"] < 0:
+        _fail(
+            "--max-stored-response-bytes: must be >= 0 (0: keep no responses), "
+            f"got {v['max_stored_response_bytes']}"
+        )
     if v["gc_warning_threshold_secs"] < 0:
         _fail(
             "--gc-warning-threshold-secs: must be >= 0 seconds (0: off), "

@@ -7,11 +7,12 @@ answer, and a 400 naming the field for what cannot be served."""
 from __future__ import annotations
 
 import json
+import time
 
 import jsonschema
 import openai
 import pytest
-from serve_helpers import API_KEY
+from serve_helpers import ADMIN_KEY, API_KEY
 
 WEATHER = {
     "type": "object",
@@ -58,6 +59,8 @@ def server(artefact, launch, tmp_path_factory):
         artefact("llama"),
         "--api-key",
         API_KEY,
+        "--admin-api-key",
+        ADMIN_KEY,
         "--constrained-json-disable-any-whitespace",
         "--tool-call-parser",
         "qwen25",
@@ -364,17 +367,31 @@ def test_responses_tool_calls_and_their_round_trip(client) -> None:
         {"type": "function_call_output", "call_id": call.call_id, "output": "4"},
     ]  # fmt: skip
     answer = client.responses.create(
-        model="tiny", input=history, tools=tools, tool_choice="none", max_output_tokens=6
-    )
+        model="tiny", input=history, tools=tools, tool_choice="none", max_output_tokens=6,
+        temperature=0,
+    )  # fmt: skip
     assert [item.type for item in answer.output] == ["message"]
     assert answer.usage.input_tokens > got.usage.input_tokens  # the call and output rendered
+    # the same turn as a continuation of the stored response: only the call's output sent
+    output = [{"type": "function_call_output", "call_id": call.call_id, "output": "4"}]
+    continued = client.responses.create(
+        model="tiny", previous_response_id=got.id, input=output, tools=tools,
+        tool_choice="none", max_output_tokens=6, temperature=0,
+    )  # fmt: skip
+    assert continued.usage.input_tokens == answer.usage.input_tokens
+    assert continued.output_text == answer.output_text
+    # the streamed response was kept too, as its last event showed it
+    streamed = events[-1].response
+    assert client.responses.retrieve(streamed.id).output[0].arguments == call.arguments
 
 
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({"previous_response_id": "resp_1"}, "previous_response_id: not supported"),
-        ({"background": True}, "background: not supported"),
+        ({"conversation": "conv_1"}, "conversation: not supported"),
+        ({"previous_response_id": "r1"}, "previous_response_id: 'r1' is not a response id"),
+        ({"background": True, "stream": True}, "background: kiln does not stream"),
+        ({"background": True, "store": False}, "background: needs store"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
          "input[0].content[0].type 'input_image': kiln takes text parts"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type 'web_search'"),
@@ -385,6 +402,117 @@ def test_responses_refusals_name_the_field(server, extra, message) -> None:
     body = {"model": "tiny", "input": "Hi", "max_output_tokens": 2, **extra}
     r = server.post("/v1/responses", json=body)
     assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+
+
+def test_a_stored_response_is_continued_fetched_listed_and_deleted(client, server) -> None:
+    """store (the default): GET returns the response; previous_response_id puts its
+    conversation (input and output, not its instructions) before the new input, as the
+    chat the same messages make; input_items lists a response's own input; DELETE and
+    store=False leave nothing to fetch."""
+    first = client.responses.create(
+        model="tiny", instructions="Be brief.", input=ASK[0]["content"], max_output_tokens=4,
+        temperature=0,
+    )  # fmt: skip
+    assert first.store is True
+    fetched = client.responses.retrieve(first.id)
+    assert fetched.output_text == first.output_text and fetched.status == first.status
+    second = client.responses.create(
+        model="tiny", previous_response_id=first.id, input="And Rome?", max_output_tokens=4,
+        temperature=0,
+    )  # fmt: skip
+    said = [*ASK, {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "And Rome?"}]  # fmt: skip
+    want = chat(client, messages=said, max_tokens=4, temperature=0)
+    assert second.usage.input_tokens == want.usage.prompt_tokens
+    assert second.output_text == want.choices[0].message.content
+    assert second.previous_response_id == first.id
+    items = client.responses.input_items.list(second.id).data
+    assert [(i.type, i.role, i.content) for i in items] == [("message", "user", "And Rome?")]
+    # three turns: the third sees both before it, and after the first is deleted too
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError, match=f"no stored response {first.id}"):
+        client.responses.retrieve(first.id)
+    third = client.responses.create(
+        model="tiny", previous_response_id=second.id, input="Thanks.", max_output_tokens=2,
+        temperature=0,
+    )  # fmt: skip
+    said += [{"role": "assistant", "content": second.output_text},
+             {"role": "user", "content": "Thanks."}]  # fmt: skip
+    assert third.usage.input_tokens == chat(client, messages=said, max_tokens=2).usage.prompt_tokens
+    unkept = client.responses.create(model="tiny", input="Hi", max_output_tokens=1, store=False)
+    assert unkept.store is False
+    r = server.get(f"/v1/responses/{unkept.id}")
+    assert r.status_code == 404 and "no stored response" in r.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError, match="previous_response_id: no stored response"):
+        client.responses.create(model="tiny", input="Hi", previous_response_id=unkept.id)
+    # listing: ids kept across pages, newest first unless asked
+    many = client.responses.create(
+        model="tiny", input=[{"role": "user", "content": f"{n}"} for n in range(3)],
+        max_output_tokens=1,
+    )  # fmt: skip
+    page = client.responses.input_items.list(many.id, limit=2, order="asc")
+    assert [i.content for i in page.data] == ["0", "1"] and page.has_more
+    rest = client.responses.input_items.list(many.id, after=page.data[-1].id, order="asc")
+    assert [i.content for i in rest.data] == ["2"] and not rest.has_more
+    newest = client.responses.input_items.list(many.id).data
+    assert [i.content for i in newest] == ["2", "1", "0"]
+    assert server.get(f"/v1/responses/{many.id}?stream=true").status_code == 400
+
+
+def test_a_background_response_is_polled_and_cancelled(client, server) -> None:
+    """background: answered at once (queued), run on, polled with GET; cancelled while
+    generation is paused, its request leaves the engine (nothing left to run)."""
+    kw = {"model": "tiny", "input": ASK[0]["content"], "max_output_tokens": 6, "temperature": 0}
+    want = client.responses.create(**kw)
+    queued = client.responses.create(**kw, background=True)
+    assert queued.status == "queued" and queued.background is True
+    deadline = time.monotonic() + 60
+    while (got := client.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, got
+        time.sleep(0.02)
+    assert got.status == want.status and got.output_text == want.output_text
+    with pytest.raises(openai.BadRequestError, match="only a background response"):
+        client.responses.cancel(want.id)
+    assert client.responses.cancel(queued.id).status == want.status  # over: as it was
+    pause = server.post("/pause_generation", key=ADMIN_KEY, json={"mode": "in_place"})
+    assert pause.status_code == 200, pause.text
+    try:
+        held = client.responses.create(**kw, background=True)
+        deadline = time.monotonic() + 60
+        while server.get("/get_load").json()[0]["num_reqs"] == 0:  # on its way to the engine
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert client.responses.retrieve(held.id).status == "in_progress"
+        assert client.responses.cancel(held.id).status == "cancelled"
+        assert client.responses.retrieve(held.id).status == "cancelled"
+        deadline = time.monotonic() + 30
+        while server.get("/get_load").json()[0]["num_reqs"] != 0:  # aborted, though paused
+            assert time.monotonic() < deadline, "the cancelled response's request still runs"
+            time.sleep(0.01)
+    finally:
+        server.post("/continue_generation", key=ADMIN_KEY, json={})
+    assert client.responses.retrieve(held.id).output == []
+
+
+def test_the_store_drops_the_least_recently_used_finished_responses() -> None:
+    from kiln.serve.response_store import ResponseStore, Stored
+
+    def made(status: str, text: str = "") -> Stored:
+        return Stored({"status": status, "text": text}, [], [])
+
+    size = made("completed").measure()
+    store = ResponseStore(budget=3 * size)
+    for rid in ("a", "b", "c"):
+        assert store.put(rid, made("completed"))
+    assert store.get("a") is not None  # a used: b is now the oldest
+    assert store.put("d", made("completed"))
+    assert store.get("b") is None and len(store) == 3 and store.used <= store.budget
+    assert store.put("e", made("in_progress"))  # a running one is kept whatever it costs
+    assert store.put("f", made("completed")) and store.put("g", made("completed"))
+    assert store.get("e") is not None and store.used <= store.budget + 1
+    assert not store.put("big", made("completed", "x" * 4 * size))  # larger than it all
+    assert store.get("big") is None
+    assert store.delete("g") is not None and store.delete("g") is None
 
 
 def test_response_events_for_reasoning_text_and_calls() -> None:
