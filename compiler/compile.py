@@ -62,6 +62,9 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
     with CheckpointReader(ck.checkpoint, ck.load_format) as reader:
         hf = reader.gguf.hf_config() if reader.gguf is not None else read_hf_config(ck.checkpoint)
         cfg = ModelConfig.from_dict({**hf, **model_overrides(args)})
+        if cfg.num_labels and not args.is_embedding:  # a classifier pools, as in SGLang
+            log.info("%s is a sequence classifier: compiled as --is-embedding", cfg.architecture)
+            args = args.replace(is_embedding=True)
         options = compile_options(args, ck, reader, cfg)
         ranks = []  # (graph, pass log, constants) of each rank
         for rank in range(options.tp.size):
@@ -491,10 +494,12 @@ def _manifest(
             "sampling_defaults": _sampling_defaults(root / fmt.TOKENIZER_DIR),
             "served_model_name": _model_name(args.model_path),
             "long_rope": _long_rope(cfg, graph),
-            # --is-embedding: steps give final hidden states, pooled and normalised.
+            # --is-embedding: steps give final hidden states, pooled and normalised; a
+            # classifier's, its labels' logits (pooled, as they are)
             "is_embedding": args.is_embedding,
+            "labels": list(cfg.labels),
             # what a request's `dimensions` may ask of such a model (Matryoshka widths)
-            "embedding_dim": cfg.hidden_size if args.is_embedding else None,
+            "embedding_dim": (cfg.num_labels or cfg.hidden_size) if args.is_embedding else None,
             "matryoshka": args.is_embedding and cfg.is_matryoshka,
             "matryoshka_dimensions": list(cfg.matryoshka_dimensions) if args.is_embedding else [],
             # --enable-return-hidden-states: steps return (logits, final hidden states)

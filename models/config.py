@@ -159,6 +159,23 @@ def _matryoshka(cfg: dict[str, Any]) -> tuple[bool, tuple[int, ...]]:
     return bool(cfg.get("is_matryoshka")) or bool(dims), tuple(sorted(set(dims)))
 
 
+def _labels(cfg: dict[str, Any]) -> tuple[str, ...]:
+    """A sequence classifier's label names in id order: config.json's id2label, else
+    transformers' LABEL_i for its num_labels (2 unless given); () for other models."""
+    arch = (cfg.get("architectures") or [""])[0]
+    if not arch.endswith("ForSequenceClassification"):
+        return ()
+    names = cfg.get("id2label") or {}
+    try:
+        by_id = {int(k): str(v) for k, v in names.items()}
+    except (TypeError, ValueError, AttributeError):
+        raise ModelConfigError(f"id2label {names!r}: a mapping of label ids to names") from None
+    count = len(by_id) or int(cfg.get("num_labels") or 2)
+    if sorted(by_id) not in ([], list(range(count))):
+        raise ModelConfigError(f"id2label: ids {sorted(by_id)}, not 0..{count - 1}")
+    return tuple(by_id.get(i, f"LABEL_{i}") for i in range(count))
+
+
 def read_hf_config(path: str | Path) -> dict[str, Any]:
     """The fields of `config.json` in a checkpoint folder (or the file itself)."""
     path = Path(path)
@@ -259,6 +276,14 @@ class ModelConfig:
     # d features of the pooled vector (any d up to hidden_size, or one of those listed).
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] = ()
+    # A sequence classifier or reward model (architectures' *ForSequenceClassification):
+    # a `score` linear (hidden -> one logit a label, no bias) over the last token's final
+    # hidden state in place of the lm_head; each label's name (config.json's id2label).
+    labels: tuple[str, ...] = ()
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.labels)
 
     @classmethod
     def from_hf(cls, path: str | Path) -> ModelConfig:
@@ -323,6 +348,7 @@ class ModelConfig:
             **_deepseek(model_type, cfg, _global_rope(model_type, cfg)),
             is_matryoshka=is_matryoshka,
             matryoshka_dimensions=matryoshka,
+            labels=_labels(cfg),
         )
         if any(d > out.hidden_size for d in matryoshka):
             raise ModelConfigError(
@@ -347,6 +373,7 @@ class ModelConfig:
         d["eos_token_ids"] = tuple(d["eos_token_ids"])
         d["sparse_layers"] = tuple(d.get("sparse_layers", ()))
         d["matryoshka_dimensions"] = tuple(d.get("matryoshka_dimensions", ()))
+        d["labels"] = tuple(d.get("labels", ()))
         d["rope"] = _rope_from_manifest(d["rope"])
         if d.get("local_rope") is not None:
             d["local_rope"] = _rope_from_manifest(d["local_rope"])

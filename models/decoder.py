@@ -342,15 +342,18 @@ class Backbone(nn.Module):
 class CausalLM(nn.Module):
     """forward(input_ids, positions, logits_indices) -> logits of the selected rows; with
     `embedding` (SGLang's --is-embedding), their final hidden states instead (no lm_head:
-    the runtime pools the last token's); with `hidden_states`
-    (--enable-return-hidden-states), (logits, final hidden states) of those rows."""
+    the runtime pools the last token's), or a classifier's label logits (its score head);
+    with `hidden_states` (--enable-return-hidden-states), (logits, final hidden states) of
+    those rows."""
 
     def __init__(self, cfg: ModelConfig, embedding: bool = False, hidden_states: bool = False):
         super().__init__()
         self.cfg = cfg
         self.embedding, self.hidden_states = embedding, hidden_states
         self.model = Backbone(cfg)
-        if not cfg.tie_word_embeddings and not embedding:
+        if cfg.num_labels:  # a classifier: its score head, whatever `embedding` says
+            self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False)
+        elif not cfg.tie_word_embeddings and not embedding:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @property
@@ -381,6 +384,8 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             h = layer(h, local if cfg.layer_rope(i) is cfg.local_rope else cos_sin)
         h = _norm(cfg, ops.index_select(h, logits_indices), self.model.norm)
+        if cfg.num_labels:  # one logit a label (the runtime pools the last token's)
+            return ops.linear(h, self.score.weight, role="score")
         if self.embedding:
             return h
         logits = ops.linear(h, self.lm_head_weight, role="lm_head")

@@ -14,7 +14,8 @@ op definitions, the dataflow; never checkpoint names):
   `--ep-size` equal to `--tp-size` whole experts a rank (num_experts/T of them), the router
   whole, then `all_reduce`: every rank routes each token alike and adds what its part of
   the chosen experts gives (tokens are not moved: each rank already has all of them);
-- lm_head by vocabulary rows, then `all_gather` puts the logits back together;
+- lm_head by vocabulary rows, then `all_gather` puts the logits back together; a
+  classifier's score head (one row a label) whole on every rank;
 - the embedding by vocabulary rows too (`embedding_part`: ids of other ranks' rows give
   zeros), then `all_reduce`;
 - norms and rope tables are whole on every rank.
@@ -63,6 +64,9 @@ def shard(graph: Graph, ctx: CompileOptions) -> PassResult:
             _moe(graph, users, moe, size, rank)
     if any(n.meta.get("role") == "lm_head" for n in graph.nodes):  # none: an embedding model
         done.add(id(_lm_head(graph, size, rank)))
+    # a classifier's score head (a few labels' rows) stays whole: each rank computes the
+    # same logits from the same final hidden state, as SGLang's replicated head does
+    done |= {id(n) for n in graph.nodes if n.op == "linear" and n.meta.get("role") == "score"}
     _embedding(graph, users, size, rank)
     left = [n for n in graph.nodes if n.op == "linear" and id(n) not in done]
     if left:

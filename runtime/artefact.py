@@ -67,6 +67,8 @@ class ModelSpec:
     # widths (empty: any up to embedding_dim).
     matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] = ()
+    # A sequence classifier's label names (its pooled output: their logits, not normalised)
+    labels: tuple[str, ...] = ()
     # --enable-return-hidden-states: its steps give the logits rows' final hidden states too
     return_hidden_states: bool = False
 
@@ -84,6 +86,7 @@ def model_spec(manifest: dict[str, Any]) -> ModelSpec:
     rt["eos_token_ids"] = tuple(rt["eos_token_ids"])
     rt["long_rope"] = tuple(rt.get("long_rope", ()))
     rt["matryoshka_dimensions"] = tuple(rt.get("matryoshka_dimensions", ()))
+    rt["labels"] = tuple(rt.get("labels", ()))
     return ModelSpec(**rt)
 
 
@@ -318,6 +321,10 @@ def _check_agreement(root: Path, spec: ModelSpec, graph: Graph) -> None:
         refuse("is_embedding", spec.is_embedding, "an lm_head" if head else "no lm_head")
     if head and out.features != spec.vocab_size:
         refuse("vocab_size", spec.vocab_size, f"logits of {out.features} features")
+    score = any(n.meta.get("role") == "score" for n in graph.nodes)  # a classifier's head
+    if score != bool(spec.labels) or (score and out.features != len(spec.labels)):
+        had = f"a score head of {out.features} labels" if score else "no score head"
+        refuse("labels", len(spec.labels), had)
     ids = [*spec.eos_token_ids, *([spec.bos_token_id] if spec.bos_token_id is not None else [])]
     if any(t >= spec.vocab_size for t in ids):
         refuse("bos/eos token ids", ids, f"a vocabulary of {spec.vocab_size}")

@@ -826,8 +826,13 @@ class Engine:
             if batch.verify:
                 return self._accept(batch, logits)
             if self.art.spec.is_embedding:
+                scores_only = bool(self.art.spec.labels)  # a classifier's logits, as they are
                 for req, row in zip(sampling, _rows(logits), strict=True):
-                    req.embedding = _normalised(row[: req.dimensions])
+                    req.embedding = (
+                        row.astype(np.float64).tolist()
+                        if scores_only
+                        else _normalised(row[: req.dimensions])
+                    )
                 self.scheduler.commit(batch, None)
                 return []
             scores: list[tuple[Request, list[TokenLogprob]]] = []

@@ -159,9 +159,11 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
 
 
 @router.post("/encode")
+@router.post("/classify")
 async def encode(body: EncodeRequest, request: Request) -> Any:
     """SGLang's native embedding route (a model compiled with --is-embedding): for one
-    prompt {"embedding", "meta_info"}, for a batch a list of them."""
+    prompt {"embedding", "meta_info"}, for a batch a list of them. /classify, SGLang's
+    reward-model route, is the same: a classifier's "embedding" is its labels' logits."""
     ctx = _ctx(request)
     if (body.text is None) == (body.input_ids is None):
         raise ApiError(400, "give exactly one of text or input_ids")

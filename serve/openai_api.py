@@ -22,6 +22,7 @@ from kiln.serve.chat_output import plan_chat
 from kiln.serve.context import EMBED_PARAMS, MAX_BEST_OF, ServingContext, cache_key
 from kiln.serve.protocol import (
     ChatCompletionRequest,
+    ClassifyRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
@@ -120,6 +121,35 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]
     usage = ctx.usage(reqs, 1, 0)
     del usage["completion_tokens"]
     return {"object": "list", "data": data, "model": ctx.model_name, "usage": usage}
+
+
+@router.post("/v1/classify")
+async def classify(body: ClassifyRequest, request: Request) -> dict[str, Any]:
+    """SGLang's: each input's label (the classifier's highest logit) and the softmax of its
+    logits over the labels. A reward model's one label always has probability 1: its raw
+    score is /classify's or /v1/embeddings' vector."""
+    ctx = _ctx(request)
+    ctx.refuse_unsupported(body.unsupported())
+    labels = ctx.engine.art.spec.labels
+    if not labels:
+        raise ApiError(400, f"{ctx.model_name} is not a sequence classifier (its checkpoint's "
+                       "architecture is not a *ForSequenceClassification)")  # fmt: skip
+    reqs = await ctx.build(
+        lambda: ctx.make_requests(
+            ctx.prompt_ids(body.input), EMBED_PARAMS, 1, embed=True, rid=body.rid
+        )
+    )
+    results = await ctx.collect(request, reqs)
+    data = []
+    for i, acc in enumerate(results):
+        logits = np.asarray(acc.embedding, dtype=np.float64)
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        data.append({"index": i, "label": labels[int(logits.argmax())],
+                     "probs": probs.tolist(), "num_classes": len(labels)})  # fmt: skip
+    usage = ctx.usage(reqs, 1, 0)
+    return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+            "model": ctx.model_name, "data": data, "usage": usage}  # fmt: skip
 
 
 # -- /v1/score (SGLang's) ---------------------------------------------------------------------

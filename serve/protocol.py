@@ -601,6 +601,17 @@ class EmbeddingRequest(Body):
     user: str | None = None
 
 
+class ClassifyRequest(Body):
+    """SGLang's /v1/classify body (a sequence classifier's server): one prompt or a batch,
+    as text or token ids."""
+
+    model: str = "default"
+    input: Prompt
+    rid: Texts | None = None
+    # Accepted and ignored: who is asking, not what to compute (OpenAI).
+    user: str | None = None
+
+
 class EncodeRequest(Body):
     """SGLang's native /encode body: text or token ids, one prompt or a batch."""
 

@@ -109,6 +109,7 @@ MAX_DRAFT_TOKENS = 64  # rows a verify step feeds one request
 MAX_NGRAM_WINDOW = 64
 MAX_HIDDEN = 1 << 17  # an embedding model's pooled width
 MAX_MATRYOSHKA_DIMS = 64  # widths a Matryoshka model lists
+MAX_LABELS = 65536  # a sequence classifier's labels
 # The largest decode batch that may speculate: the runtime's bound, and the verify buckets
 # (up to this many requests of num_draft_tokens rows) a CUDA capture plan records.
 MAX_SPECULATIVE_BATCH = 4
@@ -298,6 +299,10 @@ class RuntimeSpec(_Strict):
     matryoshka: bool = False
     matryoshka_dimensions: list[Annotated[int, Field(gt=0, le=MAX_HIDDEN)]] = Field(
         default=[], max_length=MAX_MATRYOSHKA_DIMS
+    )
+    # A sequence classifier's label names in id order (its pooled output: their logits)
+    labels: list[Annotated[str, Field(max_length=MAX_NAME)]] = Field(
+        default=[], max_length=MAX_LABELS
     )
     # --enable-return-hidden-states: the graph returns (logits, final hidden states)
     return_hidden_states: bool = False

@@ -104,6 +104,8 @@ def test_the_server_answers_embeddings_and_refuses_generation(art, engine, launc
         assert r.status_code == 400 and "--is-embedding" in r.json()["error"]["message"], path
     r = server.post("/v1/embeddings", json={"input": "x", "dimensions": 8})
     assert r.status_code == 400 and "dimensions" in r.json()["error"]["message"]
+    r = server.post("/v1/classify", json={"input": "x"})
+    assert r.status_code == 400 and "not a sequence classifier" in r.json()["error"]["message"]
     assert server.get("/get_model_info").json()["is_generation"] is False
     assert server.get("/health_generate", key=None).status_code == 200
     assert httpx.get(server.url + "/health").status_code == 200
