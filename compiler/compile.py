@@ -62,6 +62,9 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
     with CheckpointReader(ck.checkpoint, ck.load_format) as reader:
         hf = reader.gguf.hf_config() if reader.gguf is not None else read_hf_config(ck.checkpoint)
         cfg = ModelConfig.from_dict({**hf, **model_overrides(args)})
+        if cfg.num_labels and "score.bias" in reader.names():
+            raise ArgError(f"{ck.checkpoint}: its score head has a bias, which kiln's "
+                           "classifier head (transformers') does not add")  # fmt: skip
         if cfg.num_labels and not args.is_embedding:  # a classifier pools, as in SGLang
             log.info("%s is a sequence classifier: compiled as --is-embedding", cfg.architecture)
             args = args.replace(is_embedding=True)
