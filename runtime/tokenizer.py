@@ -164,6 +164,12 @@ class FastTokenizer:
         fast = self.backend_tokenizer.encode_batch_fast
         return [list(e.ids) for e in fast(texts, add_special_tokens=add_special_tokens)]
 
+    def encode_pairs(self, pairs: list[tuple[str, str]]) -> list[list[int]]:
+        """Each (text, text_pair)'s ids through the tokenizer's pair template (a
+        cross-encoder's query and document), as transformers' tokenizer(text, text_pair)."""
+        fast = self.backend_tokenizer.encode_batch_fast
+        return [list(e.ids) for e in fast(pairs, add_special_tokens=True)]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         batch = self.backend_tokenizer.decode_batch(
             [list(ids)], skip_special_tokens=skip_special_tokens

@@ -200,6 +200,17 @@ class ServingContext:
         except RequestError as e:
             raise ApiError(400, str(e)) from e
 
+    def pair_ids(self, query: str, documents: list[str]) -> list[list[int]]:
+        """/v1/rerank's prompts: the query and each document as a text pair (the tokenizer's
+        pair template, as a cross-encoder reads them); a 400 for an empty one."""
+        if not query or not all(documents):
+            raise ApiError(400, "the query and every document must be non-empty")
+        tokenizer = self._tokenizer("rerank")
+        pairs = [(query, d) for d in documents]
+        if hasattr(tokenizer, "encode_pairs"):
+            return tokenizer.encode_pairs(pairs)
+        return [list(tokenizer(q, d)["input_ids"]) for q, d in pairs]  # transformers'
+
     def tokenize(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         """/v1/tokenize: each text's ids (an empty text too: its special tokens)."""
         tokenizer = self._tokenizer("tokenize")

@@ -26,6 +26,7 @@ from kiln.serve.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    RerankRequest,
     ScoreRequest,
     TokenizeRequest,
 )
@@ -150,6 +151,26 @@ async def classify(body: ClassifyRequest, request: Request) -> dict[str, Any]:
     usage = ctx.usage(reqs, 1, 0)
     return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
             "model": ctx.model_name, "data": data, "usage": usage}  # fmt: skip
+
+
+@router.post("/v1/rerank")
+async def rerank(body: RerankRequest, request: Request) -> list[dict[str, Any]]:
+    """SGLang's: each document's score (a one-label classifier's logit for the query and
+    the document as a text pair), highest first, with its index in `documents`."""
+    ctx = _ctx(request)
+    labels = ctx.engine.art.spec.labels
+    if len(labels) != 1:
+        raise ApiError(400, f"{ctx.model_name} is not a reranker: /v1/rerank needs a "
+                       "sequence classifier of one label")  # fmt: skip
+    prompts = await ctx.off_loop(lambda: ctx.pair_ids(body.query, body.documents))
+    reqs = await ctx.build(lambda: ctx.make_requests(prompts, EMBED_PARAMS, 1, embed=True))
+    results = await ctx.collect(request, reqs)
+    ranked = [
+        {"score": (acc.embedding or [0.0])[0], "document": doc, "index": i,
+         "meta_info": {"id": r.rid, "prompt_tokens": acc.prompt_tokens}}
+        for i, (doc, r, acc) in enumerate(zip(body.documents, reqs, results, strict=True))
+    ]  # fmt: skip
+    return sorted(ranked, key=lambda item: -item["score"])
 
 
 # -- /v1/score (SGLang's) ---------------------------------------------------------------------

@@ -612,6 +612,15 @@ class ClassifyRequest(Body):
     user: str | None = None
 
 
+class RerankRequest(Body):
+    """SGLang's /v1/rerank body (a one-label classifier's server): a query and the
+    documents to order by their relevance to it."""
+
+    query: str
+    documents: list[str] = Field(min_length=1)  # at most MAX_REQUESTS_PER_CALL (context.py)
+    model: str = "default"
+
+
 class EncodeRequest(Body):
     """SGLang's native /encode body: text or token ids, one prompt or a batch."""
 

@@ -73,27 +73,67 @@ def test_scores_are_transformers_classifier_logits(sentiment, checkpoint, tmp_pa
         engine.embed(input_ids=PROMPTS[0], dimensions=2)
     engine.shutdown()
 
-    ckpt, reward = _classifier(checkpoint, tmp_path, "qwen2", ("score",))
-    want = _logits(reward, PROMPTS)
-    for tp in (1, 2):
-        out = tmp_path / f"rm-tp{tp}"
-        compile_model(
-            ServerArgs(model_path=str(ckpt), dtype="float32", device="cpu", tp_size=tp), out
-        )
+
+@pytest.fixture(scope="module")
+def reward(checkpoint, tmp_path_factory) -> tuple[Path, Path, object]:
+    """A one-label Qwen2 reward model: its checkpoint, artefact and transformers model."""
+    root = tmp_path_factory.mktemp("rm")
+    ckpt, hf = _classifier(checkpoint, root, "qwen2", ("score",))
+    compile_model(ServerArgs(model_path=str(ckpt), dtype="float32", device="cpu"), root / "art")
+    return ckpt, root / "art", hf
+
+
+def test_a_reward_models_score_on_one_rank_and_two(reward, tmp_path) -> None:
+    ckpt, art, hf = reward
+    want = _logits(hf, PROMPTS)
+    two = tmp_path / "rm-tp2"
+    compile_model(ServerArgs(model_path=str(ckpt), dtype="float32", device="cpu", tp_size=2), two)
+    for out in (art, two):
         rm = Engine(out, max_total_tokens=1024)
         try:
             for g, w in zip(rm.embed(input_ids=PROMPTS), want, strict=True):
-                assert len(g["embedding"]) == 1 and abs(g["embedding"][0] - w[0]) < 1e-4, tp
+                assert len(g["embedding"]) == 1 and abs(g["embedding"][0] - w[0]) < 1e-4, out
         finally:
             rm.shutdown()
 
 
-def test_the_server_classifies(sentiment, launch) -> None:
+def test_rerank_orders_documents_by_a_one_label_models_score(
+    reward, sentiment_server, launch
+) -> None:
+    """/v1/rerank: the query and each document as the tokenizer's text pair, scored by the
+    one-label model (transformers' tokenizer(query, document) and logit), highest first;
+    a model of more labels is a 400."""
+    from transformers import AutoTokenizer
+
+    ckpt, art, hf = reward
+    query, docs = "kiln", ["a hot oven", "cold water", "fired clay pots", "x"]
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    pairs = [tok(query, d)["input_ids"] for d in docs]
+    scores = [float(w[0]) for w in _logits(hf, pairs)]
+    server = launch(art, "--api-key", API_KEY)
+    r = server.post("/v1/rerank", json={"query": query, "documents": docs})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert [g["index"] for g in got] == sorted(range(4), key=lambda i: -scores[i])
+    for g in got:
+        assert g["document"] == docs[g["index"]] and abs(g["score"] - scores[g["index"]]) < 1e-4
+        assert g["meta_info"]["prompt_tokens"] == len(pairs[g["index"]])
+    r = server.post("/v1/rerank", json={"query": query, "documents": ["ok", ""]})
+    assert r.status_code == 400 and "non-empty" in r.json()["error"]["message"]
+    r = sentiment_server.post("/v1/rerank", json={"query": query, "documents": docs})
+    assert r.status_code == 400 and "not a reranker" in r.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def sentiment_server(sentiment, launch):
+    return launch(sentiment[0], "--api-key", API_KEY, "--served-model-name", "cls")
+
+
+def test_the_server_classifies(sentiment, sentiment_server) -> None:
     """/v1/classify: each input's label (the highest logit) and the softmax over the
     labels, for text and token ids; /classify (SGLang's reward-model route) and
     /v1/embeddings give the logits themselves."""
-    art, hf = sentiment
-    server = launch(art, "--api-key", API_KEY, "--served-model-name", "cls")
+    hf, server = sentiment[1], sentiment_server
     r = server.post("/v1/classify", json={"model": "cls", "input": PROMPTS})
     assert r.status_code == 200, r.text
     body = r.json()
