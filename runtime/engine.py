@@ -266,13 +266,29 @@ class Engine:
         """The constraint compiler (runtime/grammar.py), unless --grammar-backend none or
         the server has no tokenizer."""
         backend = self.args.grammar_backend or "xgrammar"
+        pattern = self.args.constrained_json_whitespace_pattern
+        if pattern is not None and backend != "llguidance":
+            raise ArgError(
+                "--constrained-json-whitespace-pattern: only with --grammar-backend llguidance "
+                "(xgrammar takes --constrained-json-disable-any-whitespace)"
+            )
         if backend == "none" or self.tokenizer is None:
             return None
+        if backend == "llguidance":
+            try:
+                import llguidance  # noqa: F401
+            except ImportError:
+                raise ArgError(
+                    "--grammar-backend llguidance: needs the llguidance package: "
+                    "pip install 'kiln[llguidance]'"
+                ) from None
         return Grammars(
             self.tokenizer,
             spec.vocab_size,
             spec.eos_token_ids,
             any_whitespace=not self.args.constrained_json_disable_any_whitespace,
+            backend=backend,
+            whitespace_pattern=pattern,
         )
 
     def _load_tokenizer(self) -> Any:

@@ -1,18 +1,23 @@
-"""Grammar-constrained decoding with xgrammar (`--grammar-backend`, SGLang's flag).
+"""Grammar-constrained decoding (`--grammar-backend`, SGLang's flag): xgrammar (the
+default) or llguidance.
 
 A request may carry one constraint: a JSON schema (`json_schema`, OpenAI's
 `response_format`), a regular expression (`regex`), an EBNF grammar (`ebnf`) or an xgrammar
-structural tag (`structural_tag`). `Grammars.compile` turns it into a compiled grammar once
-(a bounded cache keyed by the constraint, on the server's grammar threads: never on the
-event loop or the engine thread), and each request gets its own `GrammarMatcher`. Every step the
-engine fills the bitmask of the constrained rows only (`token_bitmask`), the sampler masks
-their logits before penalties and filters, and each sampled token advances its matcher;
-a matcher that reaches the end of its grammar ends the request as a stop. Rows without a
-constraint pay nothing.
+structural tag (`structural_tag`, xgrammar only). `Grammars.compile` turns it into a
+compiled grammar once (a bounded cache keyed by the constraint, on the server's grammar
+threads: never on the event loop or the engine thread), and each request gets its own
+matcher. Every step the engine fills the bitmask of the constrained rows only
+(`token_bitmask`; both libraries write the same layout, bit j of word i allowing token
+32 i + j), the sampler masks their logits before penalties and filters, and each sampled
+token advances its matcher; a matcher that reaches the end of its grammar ends the request
+as a stop. Rows without a constraint pay nothing.
 
-The compiler needs the vocabulary as xgrammar reads it (`TokenizerInfo`): built on first
-use, from a transformers tokenizer over the artefact's tokenizer files, so a server that
-never sees a constraint never imports transformers for it.
+The compiler needs the vocabulary as the library reads it (xgrammar's `TokenizerInfo`,
+llguidance's `LLTokenizer`): built on first use, from a transformers tokenizer over the
+artefact's tokenizer files, so a server that never sees a constraint never imports
+transformers for it. JSON schemas allow any whitespace between tokens unless
+--constrained-json-disable-any-whitespace; with llguidance,
+--constrained-json-whitespace-pattern gives the whitespace as a regular expression.
 """
 
 from __future__ import annotations
@@ -67,10 +72,13 @@ class Grammars:
         vocab_size: int,
         stop_token_ids: Sequence[int],
         any_whitespace: bool = True,
+        backend: str = "xgrammar",
+        whitespace_pattern: str | None = None,
     ) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.any_whitespace = any_whitespace
+        self.backend, self.whitespace_pattern = backend, whitespace_pattern
         self._compiler: Any = None
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
@@ -91,12 +99,16 @@ class Grammars:
 
     def matcher(self, compiled: Any) -> Any:
         """A fresh matcher of `compiled`, for one request."""
+        if self.backend == "llguidance":
+            return GuidanceMatcher(self._get_compiler(), compiled)
         import xgrammar
 
         return xgrammar.GrammarMatcher(compiled)
 
     def _compile(self, c: Constraint) -> Any:
         compiler = self._get_compiler()
+        if self.backend == "llguidance":
+            return self._guidance_grammar(compiler, c)
         try:
             if c.kind == "json_schema":
                 return compiler.compile_json_schema(c.text, any_whitespace=self.any_whitespace)
@@ -110,8 +122,39 @@ class Grammars:
             first = _LOG_PREFIX.sub("", first)  # "[01:57:21] /project/cpp/x.cc:83: "
             raise GrammarError(f"{c.kind}: does not compile: {first[:300]}") from None
 
+    def _guidance_grammar(self, tokenizer: Any, c: Constraint) -> str:
+        """llguidance's grammar of `c` (its serialised form), checked against the
+        vocabulary; GrammarError names the field."""
+        from llguidance import LLMatcher, grammar_from
+
+        if c.kind == "structural_tag":
+            raise GrammarError("structural_tag: xgrammar's; not with --grammar-backend llguidance")
+        try:
+            if c.kind == "json_schema":
+                ws: dict[str, Any] = {"whitespace_flexible": self.any_whitespace}
+                if self.whitespace_pattern is not None:
+                    ws["whitespace_pattern"] = self.whitespace_pattern
+                grammar = LLMatcher.grammar_from_json_schema(c.text, defaults=ws)  # type: ignore[arg-type]
+            else:
+                grammar = grammar_from(c.kind, c.text)  # type: ignore[arg-type]
+            error = LLMatcher.validate_grammar(grammar, tokenizer)
+        except Exception as e:  # llguidance raises ValueError / TypeError on a bad input
+            error = str(e) or type(e).__name__
+        if error:
+            first = (error.strip().splitlines() or ["invalid"])[0]
+            raise GrammarError(f"{c.kind}: does not compile: {first[:300]}")
+        return grammar
+
     def _get_compiler(self) -> Any:
         with self._lock:
+            if self._compiler is None and self.backend == "llguidance":
+                from llguidance.hf import from_tokenizer
+
+                self._compiler = from_tokenizer(
+                    _transformers_tokenizer(self.tokenizer),
+                    n_vocab=self.vocab_size,
+                    eos_token=self.stop_token_ids or None,
+                )
             if self._compiler is None:
                 import xgrammar
 
@@ -128,11 +171,29 @@ class Grammars:
             return self._compiler
 
 
-def token_bitmask(matchers: Sequence[Any], vocab_size: int) -> torch.Tensor:
-    """The allowed next tokens of each matcher, as xgrammar's bitmask [rows, vocab / 32]."""
-    import xgrammar
+class GuidanceMatcher:
+    """An llguidance matcher with the part of xgrammar's GrammarMatcher the engine uses."""
 
-    mask = xgrammar.allocate_token_bitmask(len(matchers), vocab_size)
+    def __init__(self, tokenizer: Any, grammar: str) -> None:
+        from llguidance import LLMatcher
+
+        self._m = LLMatcher(tokenizer, grammar, log_level=0)
+
+    def accept_token(self, token: int) -> bool:
+        return bool(self._m.consume_token(token))
+
+    def is_terminated(self) -> bool:
+        return bool(self._m.is_stopped())
+
+    def fill_next_token_bitmask(self, mask: torch.Tensor, index: int) -> None:
+        from llguidance.torch import fill_next_token_bitmask
+
+        fill_next_token_bitmask(self._m, mask, index)
+
+
+def token_bitmask(matchers: Sequence[Any], vocab_size: int) -> torch.Tensor:
+    """The allowed next tokens of each matcher, as a bitmask [rows, vocab / 32] (int32)."""
+    mask = torch.full((len(matchers), (vocab_size + 31) // 32), -1, dtype=torch.int32)
     for i, m in enumerate(matchers):
         m.fill_next_token_bitmask(mask, i)
     return mask

@@ -1,6 +1,7 @@
 """Grammar-constrained decoding (issue 25): OpenAI's response_format and SGLang's json_schema,
 regex, ebnf through a real `kiln serve` and the openai client; what does not compile is a
-400; a grammar that takes seconds to compile stalls nobody else."""
+400; a grammar that takes seconds to compile stalls nobody else; the same constraints
+through --grammar-backend llguidance, with its whitespace pattern."""
 
 from __future__ import annotations
 
@@ -242,6 +243,65 @@ def test_grammar_backend_none_refuses_constraints(artefact, launch) -> None:
     r = server.post("/generate", key=None, json={"text": "x", "sampling_params": {"regex": "a+"}})
     assert r.status_code == 400
     assert "grammar-constrained decoding is off (--grammar-backend none)" in r.json()["message"]
+
+
+@pytest.fixture(scope="module")
+def guided(artefact, launch):
+    """The same model with --grammar-backend llguidance and a whitespace pattern: JSON's
+    whitespace between tokens may only be one newline."""
+    return launch(
+        artefact("llama"),
+        "--grammar-backend",
+        "llguidance",
+        "--constrained-json-whitespace-pattern",
+        r"[\n]",
+        "--skip-server-warmup",
+    )
+
+
+def test_llguidance_constrains_json_regex_and_ebnf(guided) -> None:
+    """--grammar-backend llguidance: schema outputs validate (sampled, seeds apart), with
+    no whitespace but the pattern's newline; regex and ebnf outputs match; what does not
+    compile, and xgrammar's structural tags, are a 400 naming the field."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=guided.url + "/v1", api_key="none")
+    for seed in range(4):
+        reply = client.chat.completions.create(
+            model="default", messages=CHAT, max_tokens=96, temperature=1.0, seed=seed,
+            response_format=response_format(SMALL),
+        )  # fmt: skip
+        text = reply.choices[0].message.content or ""
+        assert reply.choices[0].finish_reason == "stop", text
+        jsonschema.validate(json.loads(text), SMALL)
+        assert {c for c in text if c.isspace()} <= {"\n"}, repr(text)
+    pattern = r"(yes|no)-[0-9]{3}"
+    for seed in range(3):
+        out = client.completions.create(
+            model="default", prompt="Answer:", max_tokens=20, temperature=1.0, seed=seed,
+            extra_body={"regex": pattern},
+        )  # fmt: skip
+        assert re.fullmatch(pattern, out.choices[0].text), out.choices[0].text
+    body = {"text": "List:", "sampling_params": {"max_new_tokens": 40,
+            "ebnf": 'root ::= "item" ("," "item")* "."'}}  # fmt: skip
+    r = guided.post("/generate", key=None, json=body)
+    assert r.status_code == 200 and re.fullmatch(r"item(,item)*\.", r.json()["text"]), r.text
+    for bad, message in (
+        ({"regex": "(a"}, "regex: does not compile"),
+        ({"json_schema": "{nope"}, "json_schema: does not compile"),
+        ({"ebnf": "root ::= ("}, "ebnf: does not compile"),
+        ({"structural_tag": "{}"}, "structural_tag: xgrammar's"),
+    ):
+        r = guided.post("/generate", key=None, json={"text": "x", "sampling_params": bad})
+        assert r.status_code == 400 and message in r.json()["message"], r.text
+
+
+def test_a_whitespace_pattern_needs_llguidance(artefact) -> None:
+    from kiln import Engine
+    from kiln.args import ArgError
+
+    with pytest.raises(ArgError, match="--constrained-json-whitespace-pattern: only with"):
+        Engine(artefact("llama"), constrained_json_whitespace_pattern=r"[ ]?")
 
 
 CITY = {
