@@ -1173,6 +1173,31 @@ class Engine:
         finally:
             self.runner.pool.free(req.pages)
 
+    def update_weights(self, root: Path) -> int:
+        """Serve the weights of artefact `root`, compiled from another checkpoint with this
+        artefact's arguments (runtime/weight_update.py): checked on every rank, then copied
+        into place on every rank; the prefix cache's entries (K/V of the old weights) are
+        dropped. The server calls it with no request running, unless generation is paused
+        (SGLang's trainer rounds): those running then are retracted, their K/V being the
+        old weights', and prefilled again (prompt and output so far) with the new ones, so
+        no K/V of the old weights is ever read again. Returns the cached tokens dropped;
+        WeightUpdateError says why nothing changed."""
+        from kiln.runtime.weight_update import WeightUpdateError, apply_update, read_update
+
+        new = read_update(self.art, Path(root), 0)
+        if not self._tell_ranks({"weights": "check", "path": str(root)}):
+            self._tell_ranks({"weights": "drop"})
+            raise WeightUpdateError(
+                "a tensor-parallel rank could not read the new weights (its log says why)"
+            )
+        for req in reversed(list(self.scheduler.running)):  # each back to the front, in order
+            self.scheduler.retract(req)
+        apply_update(self.runner, new)
+        if not self._tell_ranks({"weights": "load"}):  # checked: only a broken rank fails
+            raise RuntimeError("a tensor-parallel rank failed to copy weights it had checked")
+        log.warning("weights updated from %s", root)
+        return self.flush_cache()
+
     def flush_cache(self) -> int:
         """Drop every prefix-cache entry no request is using; returns tokens freed. Their
         memory goes back to the OS."""

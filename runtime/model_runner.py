@@ -62,7 +62,8 @@ class ModelRunner:
         self.spec = spec
         self.art = art
         self.device = art.device
-        _pick_rope_tables(art, context_length or spec.context_length)
+        self.context_length = context_length or spec.context_length
+        self.pick_rope_tables()
         self._executor: Executor | None = None
         self.pool = PagePool(max(1, max_total_tokens // spec.page_size), spec.page_size)
         # One page past the pool's: the scratch page padding rows write to (runtime/step.py).
@@ -88,6 +89,11 @@ class ModelRunner:
         self.lora: LoraBank | None = None
         self._lora_executor: Executor | None = None
         self.native_lora = False  # adapters' steps run natively (enable_lora)
+
+    def pick_rope_tables(self) -> None:
+        """LongRoPE's table for the context served, into the weights (at start, and after
+        new weights were copied in: runtime/weight_update.py)."""
+        _pick_rope_tables(self.art, self.context_length)
 
     def enable_lora(self, bank: LoraBank) -> None:
         """Serve `bank`'s adapters: through the native step when it has a LoRA hook after

@@ -73,14 +73,22 @@ def _serve(args: argparse.Namespace, device: str) -> int:
             if isinstance(step, StepInputs):
                 runner.run(step)
             else:
-                agree(_control(runner, art, step, device), device)
+                agree(_control(runner, art, step, device, args.rank), device)
     dist.destroy_process_group()
     return 0
 
 
-def _control(runner: ModelRunner, art: Artefact, message: dict[str, Any], device: str) -> bool:
+# New weights read and checked on a "check" message, copied on the "load" that follows.
+_pending: dict[str, Any] = {}
+
+
+def _control(
+    runner: ModelRunner, art: Artefact, message: dict[str, Any], device: str, rank: int
+) -> bool:
     """Do what rank 0's control message asks; False (logged) when it cannot be done here,
     which rank 0 turns into the request's error (this rank keeps serving)."""
+    if "weights" in message:
+        return _weights(runner, message, rank)
     from kiln.runtime.lora import AdapterSource, LoraBank, LoraError, read_adapter
 
     kind = message.get("lora")
@@ -99,6 +107,27 @@ def _control(runner: ModelRunner, art: Artefact, message: dict[str, Any], device
         log.error("tensor-parallel rank: %s", e)
         return False
     return True
+
+
+def _weights(runner: ModelRunner, message: dict[str, Any], rank: int) -> bool:
+    """/update_weights_from_disk on this rank (runtime/weight_update.py): "check" reads and
+    checks its part of the new artefact, "load" copies it in, "drop" forgets it."""
+    from kiln.runtime.weight_update import WeightUpdateError, apply_update, read_update
+
+    what = message["weights"]
+    if what == "check":
+        _pending.clear()
+        try:
+            _pending["new"] = read_update(runner.art, Path(message["path"]), rank)
+        except WeightUpdateError as e:
+            log.error("tensor-parallel rank %d: new weights: %s", rank, e)
+            return False
+        return True
+    if what == "load" and "new" in _pending:
+        apply_update(runner, _pending.pop("new"))
+        return True
+    _pending.clear()
+    return what == "drop"
 
 
 def main(argv: list[str] | None = None) -> int:

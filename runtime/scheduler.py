@@ -101,6 +101,9 @@ class Scheduler:
         self._ratio_floor = 0.1 * config.conservativeness
         self.new_token_ratio = self._ratio_start
         self._decodes_left = 0  # of a --num-continuous-decode-steps run
+        # New weights on the way (runtime/weight_update.py): waiting requests are not
+        # started until the running ones are done and the weights are in.
+        self.holding = False
         # Called when a request's pages go back (finished or retracted): a draft model's
         # pages for it go too (runtime/speculative.py DraftModel.release).
         self.on_release: Callable[[Request], None] | None = None
@@ -171,7 +174,8 @@ class Scheduler:
         picked: list[Request] = []
         fed: list[list[int]] = []
         # A prompt mid-way through chunked prefill goes first.
-        queue = [r for r in self.running if r.kv_len < r.num_tokens - 1] + self._ordered()
+        queue = [r for r in self.running if r.kv_len < r.num_tokens - 1]
+        queue += [] if self.holding else self._ordered()
         most = self.cfg.prefill_max_requests
         adapters = {r.lora for r in self.running} if self.cfg.max_loras else set()
         for req in queue:

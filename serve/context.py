@@ -118,6 +118,7 @@ class ServingContext:
         # the Responses API's stored responses (serve/response_store.py); None: none kept
         budget = args.max_stored_response_bytes
         self.responses = ResponseStore(budget) if budget > 0 else None
+        self.weight_lock = asyncio.Lock()  # one /update_weights_from_disk at a time
         self._grammar_workers = ThreadPoolExecutor(
             max_workers=GRAMMAR_THREADS, thread_name_prefix="kiln-grammar"
         )

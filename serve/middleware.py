@@ -46,6 +46,7 @@ ADMIN_PATHS = frozenset(
         "/configure_logging",
         "/load_lora_adapter",
         "/unload_lora_adapter",
+        "/update_weights_from_disk",
     }
 )
 # Content types a browser may send cross-site without a preflight request.

@@ -3,7 +3,9 @@ the tool-call and reasoning parsers on their own, cache, metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import shutil
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
@@ -26,6 +28,7 @@ from kiln.serve.protocol import (
     PauseGeneration,
     SeparateReasoningRequest,
     UnloadLoraAdapter,
+    UpdateWeightsFromDisk,
     UpdateWeightVersion,
 )
 from kiln.serve.reasoning import CONTENT, PARSERS, REASONING, splitter
@@ -373,6 +376,46 @@ async def configure_logging(body: ConfigureLogging, request: Request) -> dict[st
         level = body.log_requests_level
     ctx.configure_logging(on, level)
     return {"log_requests": on, "log_requests_level": level}
+
+
+UPDATED = {"type": "abort", "message": "aborted by /update_weights_from_disk"}
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(body: UpdateWeightsFromDisk, request: Request) -> Any:
+    """SGLang's: serve the weights of the checkpoint at `model_path` (on the server),
+    compiled as the served artefact was (serve/weight_update.py). Requests in flight finish
+    on the old weights first (or end now: `abort_all_requests`; or, while generation is
+    paused, go on with the new ones: num_paused_requests); new ones wait for the new. Only
+    on a server with --admin-api-key, whose key it takes. One update at a time."""
+    from kiln.runtime.weight_update import WeightUpdateError
+    from kiln.serve.weight_update import compile_update
+
+    ctx = _ctx(request)
+    _admin_only(ctx, "/update_weights_from_disk", "changes the weights of")
+    ctx.refuse_unsupported(body.unsupported())
+    engine = ctx.async_engine
+    async with ctx.weight_lock:
+        art = await compile_update(ctx.engine.art.root, body.model_path, body.load_format)
+        try:
+            await engine.run(lambda e: setattr(e.scheduler, "holding", True))
+            if body.abort_all_requests:
+                engine.abort_all(UPDATED)
+            # Those in flight finish on the old weights; but under /pause_generation (a
+            # trainer's round) they stay where they are and go on with the new ones.
+            while not engine.paused and await engine.run(lambda e: len(e.scheduler.running)):
+                await asyncio.sleep(0.01)
+            held = await engine.run(lambda e: len(e.scheduler.running))
+            await engine.run(lambda e: e.update_weights(art))
+        except WeightUpdateError as e:
+            raise ApiError(400, f"model_path: {e}") from None
+        finally:
+            await engine.run(lambda e: setattr(e.scheduler, "holding", False))
+            shutil.rmtree(art.parent, ignore_errors=True)
+    if body.weight_version is not None:
+        ctx.weight_version = body.weight_version
+    return {"success": True, "message": "Succeeded to update model weights.",
+            "num_paused_requests": held}  # fmt: skip
 
 
 @router.get("/weight_version")

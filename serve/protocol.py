@@ -565,6 +565,23 @@ class ConfigureLogging(Body):
     }
 
 
+class UpdateWeightsFromDisk(Body):
+    """SGLang's /update_weights_from_disk body (serve/weight_update.py)."""
+
+    model_path: str = Field(min_length=1, max_length=4096)
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = Field(default=None, min_length=1, max_length=256)
+    # Accepted and moot: the new weights are copied into the memory captured CUDA graphs
+    # and the native step already read, and no cache of torch's is left to empty.
+    torch_empty_cache: bool = False
+    recapture_cuda_graph: bool = False
+
+    # The prefix cache is always dropped (its K/V are the old weights'); the update is
+    # always waited for.
+    REFUSED = {"flush_cache": True, "is_async": False, "keep_pause": False, "token_step": 0}
+
+
 class UpdateWeightVersion(Body):
     """SGLang's /update_weight_version body."""
 

@@ -109,3 +109,21 @@ def test_a_run_of_decode_steps_ends_when_nothing_decodes() -> None:
     s.finish(a, {"type": "stop"})
     s.add(req(2, "b"))
     assert run_step(s).is_prefill  # no request decodes: the waiting one goes at once
+
+
+def test_holding_starts_no_waiting_request_and_lets_the_running_finish() -> None:
+    """While new weights are on the way (scheduler.holding): a waiting request is not
+    prefilled, running ones still decode; let go, the waiting one starts."""
+    s = Scheduler(PagePool(64, 4), cfg(8, 100))
+    a, b = req(3, "a"), req(2, "b")
+    s.add(a)
+    run_step(s)
+    s.holding = True
+    s.add(b)
+    for _ in range(3):
+        batch = run_step(s)
+        assert not batch.is_prefill and batch.requests == [a]
+    s.finish(a, {"type": "stop"})
+    assert s.schedule() is None  # nothing runs, and b waits
+    s.holding = False
+    assert run_step(s).requests == [b]
