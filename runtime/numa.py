@@ -32,6 +32,7 @@ MPOL_PREFERRED = 1
 # (set_mempolicy, get_mempolicy): glibc has no wrapper for them (libnuma does)
 _SYSCALLS = {"x86_64": (238, 239), "aarch64": (237, 236)}
 _WORDS = 16  # node masks of 1024 bits, as the kernel's largest MAX_NUMNODES
+_MAXNODE = ctypes.c_ulong(_WORDS * 64 + 1)  # the kernel reads maxnode - 1 bits
 
 
 def cpulist(text: str) -> set[int]:
@@ -113,7 +114,9 @@ def _prefer(node: int) -> bool:
         mask = (ctypes.c_ulong * _WORDS)()
         mask[node // 64] = 1 << (node % 64)
         libc = ctypes.CDLL(None, use_errno=True)
-        if libc.syscall(calls[0], MPOL_PREFERRED, mask, _WORDS * 64 + 1) == 0:
+        # every argument as the full register the kernel reads (syscall takes longs)
+        args = (ctypes.c_long(calls[0]), ctypes.c_long(MPOL_PREFERRED), mask, _MAXNODE)
+        if libc.syscall(*args) == 0:
             return True
         why = os.strerror(ctypes.get_errno())
     log.warning("NUMA node %d: CPUs bound, memory not (set_mempolicy: %s)", node, why)
@@ -129,7 +132,8 @@ def mempolicy() -> tuple[int, set[int]]:
     mode = ctypes.c_int()
     mask = (ctypes.c_ulong * _WORDS)()
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(calls[1], ctypes.byref(mode), mask, _WORDS * 64 + 1, None, 0) != 0:
+    args = (ctypes.c_long(calls[1]), ctypes.byref(mode), mask, _MAXNODE, None, ctypes.c_ulong(0))
+    if libc.syscall(*args) != 0:
         raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
     return mode.value, {w * 64 + b for w in range(_WORDS) for b in range(64) if mask[w] >> b & 1}
 

@@ -378,6 +378,17 @@ class ServingContext:
         await self.start(reqs)
         return reqs
 
+    async def pooled(
+        self, http: Any, prompts: Callable[[], list[list[int]]], **kw: Any
+    ) -> tuple[list[Request], list[Accumulated]]:
+        """An embedding model's (or classifier's) requests for `prompts()` (tokenized on a
+        tokenizer thread; `kw`: make_requests' rid, dimensions), run to their end: each
+        one's pooled vector is its result's `embedding`."""
+        reqs = await self.build(
+            lambda: self.make_requests(prompts(), EMBED_PARAMS, 1, embed=True, **kw)
+        )
+        return reqs, await self.collect(http, reqs)
+
     async def start(self, reqs: list[Request]) -> None:
         """Compile the requests' grammars, prefill a prompt several of them share once
         first (warm_prefixes), admit them."""

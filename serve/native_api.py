@@ -17,7 +17,7 @@ from kiln.runtime.engine import RequestError
 from kiln.runtime.gc_watch import freeze
 from kiln.runtime.request import Request as EngineRequest
 from kiln.runtime.request import hidden_meta, logprob_meta
-from kiln.serve.context import EMBED_PARAMS, ServingContext
+from kiln.serve.context import ServingContext
 from kiln.serve.protocol import (
     AbortRequest,
     ConfigureLogging,
@@ -172,15 +172,13 @@ async def encode(body: EncodeRequest, request: Request) -> Any:
         raise ApiError(400, "give exactly one of text or input_ids")
     single = _one_prompt(body.text, body.input_ids)
 
-    def build() -> list[Any]:
-        given: Any = body.text if body.text is not None else body.input_ids
-        prompts = ctx.prompt_ids([given] if single else given)
-        return ctx.make_requests(
-            prompts, EMBED_PARAMS, 1, rid=body.rid, embed=True, dimensions=body.dimensions
-        )
-
-    reqs = await ctx.build(build)
-    results = await ctx.collect(request, reqs)
+    given: Any = body.text if body.text is not None else body.input_ids
+    reqs, results = await ctx.pooled(
+        request,
+        lambda: ctx.prompt_ids([given] if single else given),
+        rid=body.rid,
+        dimensions=body.dimensions,
+    )
     items = [
         {
             "embedding": acc.embedding,

@@ -19,7 +19,7 @@ from kiln.runtime.request import prompt_positions
 from kiln.runtime.sampler import TokenLogprob
 from kiln.runtime.sampling_params import MAX_N
 from kiln.serve.chat_output import plan_chat
-from kiln.serve.context import EMBED_PARAMS, MAX_BEST_OF, ServingContext, cache_key
+from kiln.serve.context import MAX_BEST_OF, ServingContext, cache_key
 from kiln.serve.protocol import (
     ChatCompletionRequest,
     ClassifyRequest,
@@ -107,12 +107,9 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]
     cuts a Matryoshka model's to that width (a 400 for other models)."""
     ctx = _ctx(request)
     ctx.refuse_unsupported(body.unsupported())
-    reqs = await ctx.build(
-        lambda: ctx.make_requests(
-            ctx.prompt_ids(body.input), EMBED_PARAMS, 1, embed=True, dimensions=body.dimensions
-        )
+    reqs, results = await ctx.pooled(
+        request, lambda: ctx.prompt_ids(body.input), dimensions=body.dimensions
     )
-    results = await ctx.collect(request, reqs)
     data = []
     for i, acc in enumerate(results):
         vector: Any = acc.embedding
@@ -135,12 +132,7 @@ async def classify(body: ClassifyRequest, request: Request) -> dict[str, Any]:
     if not labels:
         raise ApiError(400, f"{ctx.model_name} is not a sequence classifier (its checkpoint's "
                        "architecture is not a *ForSequenceClassification)")  # fmt: skip
-    reqs = await ctx.build(
-        lambda: ctx.make_requests(
-            ctx.prompt_ids(body.input), EMBED_PARAMS, 1, embed=True, rid=body.rid
-        )
-    )
-    results = await ctx.collect(request, reqs)
+    reqs, results = await ctx.pooled(request, lambda: ctx.prompt_ids(body.input), rid=body.rid)
     data = []
     for i, acc in enumerate(results):
         logits = np.asarray(acc.embedding, dtype=np.float64)
@@ -162,9 +154,7 @@ async def rerank(body: RerankRequest, request: Request) -> list[dict[str, Any]]:
     if len(labels) != 1:
         raise ApiError(400, f"{ctx.model_name} is not a reranker: /v1/rerank needs a "
                        "sequence classifier of one label")  # fmt: skip
-    prompts = await ctx.off_loop(lambda: ctx.pair_ids(body.query, body.documents))
-    reqs = await ctx.build(lambda: ctx.make_requests(prompts, EMBED_PARAMS, 1, embed=True))
-    results = await ctx.collect(request, reqs)
+    reqs, results = await ctx.pooled(request, lambda: ctx.pair_ids(body.query, body.documents))
     ranked = [
         {"score": (acc.embedding or [0.0])[0], "document": doc, "index": i,
          "meta_info": {"id": r.rid, "prompt_tokens": acc.prompt_tokens}}
