@@ -443,8 +443,13 @@ class GenerateRequest(Body):
     # Accepted and ignored: metric and logging switches (kiln logs no request content).
     log_metrics: bool = True
     no_logs: bool = False
+    # Accepted and ignored: the model SGLang's router routes by (it adds the field, with
+    # return_bytes and return_entropy at their defaults, to every /generate it forwards).
+    model: str | None = None
 
     REFUSED = {
+        "return_bytes": False,
+        "return_entropy": False,
         "input_embeds": None,
         "image_data": None,
         "video_data": None,

@@ -67,6 +67,13 @@ def test_two_replicas_behind_sglangs_router(artefact, tmp_path: Path) -> None:
             )
             assert reply.choices[0].text == want["text"]
         assert [_served(u) - b for u, b in zip(urls, before, strict=True)] == [2, 2]
+        # SGLang's native /generate through the router, which adds its own fields (model,
+        # return_bytes, return_entropy) to the body it forwards: they were refused once
+        body = {"text": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 8,
+                "ignore_eos": True}}  # fmt: skip
+        native = httpx.post(server.url + "/generate", json=body, timeout=60,
+                            headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+        assert native.status_code == 200 and native.json()["text"] == want["text"], native.text
         bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong")
         try:
             bad.completions.create(model="m", prompt=PROMPT, max_tokens=1)
