@@ -661,7 +661,18 @@ class ResponsesRequest(Body):
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
-    stream: bool = False
+    # SGLang's sampling extensions (its router sends the first five, at their defaults,
+    # with every body it forwards), as the chat request's
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    priority: int = 0
+    stop: Texts | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    extra_key: str | None = None
+    cache_salt: str | None = None
+    stream: bool | None = False  # null (SGLang's router's when unset): False
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True

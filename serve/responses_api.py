@@ -239,15 +239,25 @@ def chat_request(
         "model": body.model,
         "messages": messages(body.instructions, items, stored),
         "parallel_tool_calls": body.parallel_tool_calls,
-        "stream": body.stream,
+        "stream": bool(body.stream),
     }
     for ours, theirs in (
         ("max_tokens", body.max_output_tokens),
         ("temperature", body.temperature),
         ("top_p", body.top_p),
+        ("top_k", body.top_k),
+        ("min_p", body.min_p),
+        ("repetition_penalty", body.repetition_penalty),
+        ("frequency_penalty", body.frequency_penalty),
+        ("presence_penalty", body.presence_penalty),
+        ("stop", body.stop),
+        ("extra_key", body.extra_key),
+        ("cache_salt", body.cache_salt),
     ):
         if theirs is not None:
             chat[ours] = theirs
+    if body.priority:
+        chat["priority"] = body.priority
     if body.stream:
         chat["stream_options"] = {"include_usage": True}
     if body.tools:

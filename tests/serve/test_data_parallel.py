@@ -74,6 +74,10 @@ def test_two_replicas_behind_sglangs_router(artefact, tmp_path: Path) -> None:
         native = httpx.post(server.url + "/generate", json=body, timeout=60,
                             headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
         assert native.status_code == 200 and native.json()["text"] == want["text"], native.text
+        # and the Responses API, whose bodies the router fills with SGLang's sampling fields
+        # (top_k, min_p, repetition_penalty, priority) and a null stream
+        reply = client.responses.create(model="m", input=PROMPT, max_output_tokens=4)
+        assert reply.status in ("completed", "incomplete") and reply.output_text
         bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong")
         try:
             bad.completions.create(model="m", prompt=PROMPT, max_tokens=1)

@@ -338,6 +338,13 @@ def test_responses_text_is_the_chat_completions(client) -> None:
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == got.output_text == events[-1].response.output_text
     assert [e.sequence_number for e in events] == list(range(len(events)))
+    # SGLang's sampling extensions reach the chat request: top_k 1 is greedy at any
+    # temperature
+    one = client.responses.create(
+        model="tiny", instructions="Be brief.", input=ASK[0]["content"], max_output_tokens=8,
+        temperature=1.5, extra_body={"top_k": 1, "repetition_penalty": 1.0},
+    )  # fmt: skip
+    assert one.output_text == got.output_text
 
 
 def test_responses_tool_calls_and_their_round_trip(client) -> None:
