@@ -156,7 +156,8 @@ async def rerank(body: RerankRequest, request: Request) -> list[dict[str, Any]]:
                        "sequence classifier of one label")  # fmt: skip
     reqs, results = await ctx.pooled(request, lambda: ctx.pair_ids(body.query, body.documents))
     ranked = [
-        {"score": (acc.embedding or [0.0])[0], "document": doc, "index": i,
+        {"score": (acc.embedding or [0.0])[0], "index": i,
+         **({"document": doc} if body.return_documents else {}),
          "meta_info": {"id": r.rid, "prompt_tokens": acc.prompt_tokens}}
         for i, (doc, r, acc) in enumerate(zip(body.documents, reqs, results, strict=True))
     ]  # fmt: skip

@@ -641,6 +641,11 @@ class RerankRequest(Body):
     query: str
     documents: list[str] = Field(min_length=1)  # at most MAX_REQUESTS_PER_CALL (context.py)
     model: str = "default"
+    # SGLang's router sends these with every rerank it forwards: false leaves each
+    # result's document text out; rid and user are accepted and ignored (as SGLang does)
+    return_documents: bool = True
+    rid: Texts | None = None
+    user: str | None = None
 
 
 class EncodeRequest(Body):

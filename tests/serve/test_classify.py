@@ -118,6 +118,12 @@ def test_rerank_orders_documents_by_a_one_label_models_score(
     for g in got:
         assert g["document"] == docs[g["index"]] and abs(g["score"] - scores[g["index"]]) < 1e-4
         assert g["meta_info"]["prompt_tokens"] == len(pairs[g["index"]])
+    # as SGLang's router forwards it: its own fields filled in
+    routed = {"query": query, "documents": docs, "model": "unknown", "return_documents": False,
+              "rid": None, "user": None}  # fmt: skip
+    r = server.post("/v1/rerank", json=routed)
+    assert r.status_code == 200 and [g["index"] for g in r.json()] == [g["index"] for g in got]
+    assert all("document" not in g for g in r.json())
     r = server.post("/v1/rerank", json={"query": query, "documents": ["ok", ""]})
     assert r.status_code == 400 and "non-empty" in r.json()["error"]["message"]
     r = sentiment_server.post("/v1/rerank", json={"query": query, "documents": docs})
