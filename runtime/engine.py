@@ -718,7 +718,7 @@ class Engine:
         """One iteration: schedule, run, postprocess. Returns what each request gained."""
         batch = self.scheduler.schedule()
         if batch is None:
-            if self.scheduler.waiting:
+            if self.scheduler.waiting and not self.scheduler.holding:
                 raise MemoryError(
                     "the KV pool cannot fit the next waiting request; raise --max-total-tokens"
                 )

@@ -120,7 +120,8 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Something a step would do: requests running, or waiting and free to start."""
+        return bool(self.running or (self.waiting and not self.holding))
 
     def _key(self, req: Request) -> tuple[Any, ...]:
         prio = -req.priority if not self.cfg.low_priority_first else req.priority

@@ -493,3 +493,21 @@ def test_continuous_decode_steps_change_no_answer(artefact) -> None:
     while any(not r.finished for r in [first, *later]):
         engine.step()
     assert [r.output_ids for r in [first, *later]] == [w["output_ids"] for w in want]
+
+
+def test_holding_keeps_new_requests_waiting_without_failing(engine) -> None:
+    """While new weights are on the way (scheduler.holding, /update_weights_from_disk), a
+    waiting request is neither started nor taken for a pool too small for it (a step once
+    raised the KV pool's MemoryError, which ended every request): the engine is idle, and
+    the request runs to its end once let go."""
+    req = engine.make_request([1, 2, 3], engine_params())
+    engine.add_request(req)
+    engine.scheduler.holding = True
+    try:
+        assert engine.step() == [] and not engine.has_work
+        assert req in engine.scheduler.waiting
+    finally:
+        engine.scheduler.holding = False
+    while engine.has_work:
+        engine.step()
+    assert req.finished and len(req.output_ids) == GREEDY["max_new_tokens"]

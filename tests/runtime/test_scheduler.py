@@ -124,6 +124,7 @@ def test_holding_starts_no_waiting_request_and_lets_the_running_finish() -> None
         batch = run_step(s)
         assert not batch.is_prefill and batch.requests == [a]
     s.finish(a, {"type": "stop"})
-    assert s.schedule() is None  # nothing runs, and b waits
+    assert s.schedule() is None and not s.has_work  # nothing runs, and b waits (idle)
     s.holding = False
+    assert s.has_work
     assert run_step(s).requests == [b]
