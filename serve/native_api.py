@@ -384,8 +384,9 @@ async def update_weights_from_disk(body: UpdateWeightsFromDisk, request: Request
     """SGLang's: serve the weights of the checkpoint at `model_path` (on the server),
     compiled as the served artefact was (serve/weight_update.py). Requests in flight finish
     on the old weights first (or end now: `abort_all_requests`; or, while generation is
-    paused, go on with the new ones: num_paused_requests); new ones wait for the new. Only
-    on a server with --admin-api-key, whose key it takes. One update at a time."""
+    paused, are computed again with the new ones: num_paused_requests); new ones wait for
+    the new. Only on a server with --admin-api-key, whose key it takes. One update at a
+    time."""
     from kiln.runtime.weight_update import WeightUpdateError
     from kiln.serve.weight_update import compile_update
 
@@ -400,7 +401,7 @@ async def update_weights_from_disk(body: UpdateWeightsFromDisk, request: Request
             if body.abort_all_requests:
                 engine.abort_all(UPDATED)
             # Those in flight finish on the old weights; but under /pause_generation (a
-            # trainer's round) they stay where they are and go on with the new ones.
+            # trainer's round) they are not stepped: update_weights retracts them.
             while not engine.paused and await engine.run(lambda e: len(e.scheduler.running)):
                 await asyncio.sleep(0.01)
             held = await engine.run(lambda e: len(e.scheduler.running))
