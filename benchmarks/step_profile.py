@@ -33,15 +33,7 @@ from bench_common import read_bandwidth_gbs
 from kiln import Engine
 from kiln.core.ir import Node
 from kiln.runtime.native_step import NativeStep
-
-
-def label(engine: Engine, n: Node) -> str:
-    """A call's kind: op, weight format and, for a linear, in -> out features."""
-    if not n.op.endswith("_linear"):
-        return n.op
-    out, inp = engine.art.graph.weights[n.args[1].attrs["name"]].shape[:2]
-    kind = f"quant_linear {n.attrs['format']}" if n.op == "quant_linear" else n.op
-    return f"{kind} {inp} -> {out}"
+from kiln.runtime.profiler import call_label
 
 
 def weight_bytes(engine: Engine, n: Node) -> int:
@@ -121,7 +113,7 @@ def main() -> None:
     seen: set[int] = set()  # nodes called before: their weights are counted once
     for c, node_index in enumerate(decode.call_nodes()):
         n = nodes[node_index]
-        r = table[label(engine, n)]
+        r = table[call_label(engine.art, n)]
         r[0] += 1
         r[1] += float(spent[c]) / steps
         r[2] += weight_bytes(engine, n) if node_index not in seen else 0

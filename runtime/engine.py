@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     import torch
 
     from kiln.runtime.lora import Adapter
+    from kiln.runtime.profiler import StepProfile
 else:
     torch = lazy_module("torch")
 
@@ -209,6 +210,7 @@ class Engine:
             else None
         )
         self._live: dict[str, Request] = {}
+        self.profile: StepProfile | None = None  # /start_profile's (runtime/profiler.py)
         log.info("%s; threads: %d (%s)", self.describe(), self.threads, threads_from)
 
     def _bind_numa(self, processes: int) -> list[int] | None:
@@ -714,15 +716,45 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    def start_profile(self, path: Path, num_steps: int | None = None, start_step: int = 0) -> None:
+        """Record the next steps into a trace at `path` (runtime/profiler.py; written when
+        `num_steps` steps are in, or at stop_profile). RequestError if one is recording."""
+        from kiln.runtime.native_step import NativeStep
+        from kiln.runtime.profiler import StepProfile
+
+        if self.profile is not None and not self.profile.done:
+            raise RequestError("a profile is already being recorded (/stop_profile ends it)")
+        native = self.runner.decode if isinstance(self.runner.decode, NativeStep) else None
+        self.profile = StepProfile(self.art, native, path, num_steps, start_step)
+
+    def stop_profile(self) -> Path | None:
+        """End the profile being recorded and write its trace; returns its path (None:
+        none was recording)."""
+        profile, self.profile = self.profile, None
+        if profile is None or profile.done:
+            return None
+        profile.finish()
+        return profile.path
+
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run, postprocess. Returns what each request gained."""
+        profile = self.profile
+        started = profile.step_started() if profile is not None else 0
+        outputs, batch = self._step()
+        if profile is not None and batch is not None:
+            profile.step_done(started, batch)
+            if profile.done:
+                self.profile = None
+        return outputs
+
+    def _step(self) -> tuple[list[RequestOutput], Batch | None]:
         batch = self.scheduler.schedule()
         if batch is None:
             if self.scheduler.waiting and not self.scheduler.holding:
                 raise MemoryError(
                     "the KV pool cannot fit the next waiting request; raise --max-total-tokens"
                 )
-            return []
+            return [], None
         if self._may_speculate(batch):
             self._draft(batch)
         failed = dict(self._execute(batch))
@@ -755,7 +787,7 @@ class Engine:
         self.batch_log.after(batch, outputs)
         if self._retiring:
             self._free_retired()
-        return outputs
+        return outputs, batch
 
     def _may_speculate(self, batch: Batch) -> bool:
         """A decode batch of at most max_batch requests of a speculative artefact: the

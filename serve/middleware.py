@@ -47,6 +47,8 @@ ADMIN_PATHS = frozenset(
         "/load_lora_adapter",
         "/unload_lora_adapter",
         "/update_weights_from_disk",
+        "/start_profile",
+        "/stop_profile",
     }
 )
 # Content types a browser may send cross-site without a preflight request.

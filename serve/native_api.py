@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
 import shutil
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -26,6 +30,7 @@ from kiln.serve.protocol import (
     LoadLoraAdapter,
     ParseFunctionCallRequest,
     PauseGeneration,
+    ProfileRequest,
     SeparateReasoningRequest,
     UnloadLoraAdapter,
     UpdateWeightsFromDisk,
@@ -35,6 +40,8 @@ from kiln.serve.reasoning import CONTENT, PARSERS, REASONING, splitter
 from kiln.serve.streams import Accumulated, ApiError, events, merged, sse
 from kiln.serve.tool_calls import FORMATS, ToolStream
 from kiln.version import __version__
+
+log = logging.getLogger("kiln.serve")
 
 router = APIRouter()
 ABORTED = {"type": "abort", "message": "aborted by /abort_request"}
@@ -374,6 +381,44 @@ async def configure_logging(body: ConfigureLogging, request: Request) -> dict[st
         level = body.log_requests_level
     ctx.configure_logging(on, level)
     return {"log_requests": on, "log_requests_level": level}
+
+
+@router.api_route("/start_profile", methods=["GET", "POST"])
+async def start_profile(request: Request, body: ProfileRequest | None = None) -> Response:
+    """SGLang's: record the engine's next steps (each native call inside them too) into a
+    Chrome trace, `{output_dir}/{profile_id}-TP-0.trace.json.gz` (runtime/profiler.py),
+    written after `num_steps` steps or at /stop_profile. output_dir: an existing folder
+    (default $SGLANG_TORCH_PROFILER_DIR, else /tmp); the file is a new one, never one
+    that exists. Only on a server with --admin-api-key, whose key it takes."""
+    ctx = _ctx(request)
+    _admin_only(ctx, "/start_profile", "writes files of")
+    body = body or ProfileRequest()
+    ctx.refuse_unsupported(body.unsupported())
+    folder = Path(body.output_dir or os.environ.get("SGLANG_TORCH_PROFILER_DIR") or "/tmp")
+    if not folder.is_dir():
+        raise ApiError(400, f"output_dir: {folder} is not a folder on the server")
+    name = f"{body.profile_prefix + '-' if body.profile_prefix else ''}{time.time()}-TP-0"
+    path = folder / f"{name}.trace.json.gz"
+    try:
+        await ctx.async_engine.run(
+            lambda e: e.start_profile(path, body.num_steps, body.start_step or 0)
+        )
+    except RequestError as e:
+        raise ApiError(400, str(e)) from None
+    log.warning("profiling the next %s steps into %s", body.num_steps or "", path)
+    return Response("Start profiling.\n")
+
+
+@router.api_route("/stop_profile", methods=["GET", "POST"])
+async def stop_profile(request: Request) -> Response:
+    """SGLang's: end the profile /start_profile began and write its trace."""
+    ctx = _ctx(request)
+    _admin_only(ctx, "/stop_profile", "writes files of")
+    path = await ctx.async_engine.run(lambda e: e.stop_profile())
+    if path is None:
+        raise ApiError(400, "no profile is being recorded (/start_profile begins one)")
+    log.warning("profile written to %s", path)
+    return Response("Stop profiling. This will take some time.\n")
 
 
 UPDATED = {"type": "abort", "message": "aborted by /update_weights_from_disk"}

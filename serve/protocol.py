@@ -570,6 +570,21 @@ class ConfigureLogging(Body):
     }
 
 
+class ProfileRequest(Body):
+    """SGLang's /start_profile body (runtime/profiler.py)."""
+
+    output_dir: str | None = Field(default=None, max_length=4096)
+    start_step: int | None = Field(default=None, ge=0)
+    num_steps: int | None = Field(default=None, ge=1)
+    activities: list[Literal["CPU", "GPU"]] | None = None
+    profile_prefix: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    # Accepted and moot: kiln's trace names each call's op and shapes, and has no stacks.
+    with_stack: bool | None = None
+    record_shapes: bool | None = None
+
+    REFUSED = {"profile_by_stage": False, "merge_profiles": False, "profile_stages": None}
+
+
 class UpdateWeightsFromDisk(Body):
     """SGLang's /update_weights_from_disk body (serve/weight_update.py)."""
 
