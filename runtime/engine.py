@@ -139,6 +139,8 @@ class Engine:
         # --numa-node: this process (rank 0) on its node before any weight is read, so that
         # the pages it touches come from there; ranks 1.. bind themselves (rank_worker).
         self.numa = self._bind_numa(spec.tp_size // self.args.nnodes)
+        # without --threads, each rank's share of its node's cores (runtime/numa.py)
+        self.numa_threads = numa.shares(self.numa) if self.numa else None
         asked = self.args.context_length
         if asked is not None and asked > spec.context_length:
             raise ArgError(
@@ -167,7 +169,7 @@ class Engine:
             importer.join()
         self.tokenizer = None if skip_tokenizer else self._load_tokenizer()
         self.grammars = self._grammars(spec)
-        self.threads, threads_from = _set_threads(self.args.threads, self.numa)
+        self.threads, threads_from = _set_threads(self.args.threads, self.numa, self.numa_threads)
         kv_tokens = self.placement.kv_tokens
         self.runner = ModelRunner(self.art, kv_tokens, self.context_length)
         # --enable-lora: adapter name -> its slot in the runner (runtime/lora.py), and its
@@ -1270,8 +1272,8 @@ class Engine:
         """Ranks 1..T-1 of a tensor-parallel artefact (those of node 0 with --nnodes), each
         with its share of this machine's threads."""
         size, nnodes = self.art.spec.tp_size, self.args.nnodes
-        if self.numa and not self.args.threads:  # each rank its node's share (runtime/numa)
-            per_rank = numa.shares(self.numa)
+        if self.numa_threads and not self.args.threads:  # each rank its node's share
+            per_rank = self.numa_threads
         else:
             per_rank = [max(1, self.threads // (size // nnodes))] * (size // nnodes)
         set_threads(per_rank[0])
@@ -1323,15 +1325,17 @@ class Engine:
             )
 
 
-def _set_threads(asked: int | None, numa_nodes: list[int] | None = None) -> tuple[int, str]:
+def _set_threads(
+    asked: int | None, numa_nodes: list[int] | None = None, shares: list[int] | None = None
+) -> tuple[int, str]:
     """Apply --threads; return the kernel thread count and where it came from (with
     --numa-node, the node's share of its cores; torch's default otherwise:
     runtime/threads.py, which hands it to torch if torch comes)."""
     if asked:
         set_threads(asked)
         return asked, "--threads"
-    if numa_nodes:
-        count = numa.shares(numa_nodes)[0]
+    if numa_nodes and shares:
+        count = shares[0]
         set_threads(count)
         return count, f"NUMA node {numa_nodes[0]}'s cores"
     count, source = default_threads()

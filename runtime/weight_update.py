@@ -3,8 +3,9 @@ another artefact, compiled from another checkpoint with the served artefact's ar
 copied into the served weights' own memory between two steps.
 
 An update is taken only when it is the same program: each rank's graph file equal byte for
-byte to the one served (same architecture, shapes, formats, kernels), every weight of the
-same shape and element type, the new artefact's files matching their checksums. The copy
+byte to the one served (the manifests list the same checksum: same architecture, shapes,
+formats, kernels), every weight of the same shape and element type, the new artefact's
+files matching their checksums. The copy
 goes into the memory the running code already reads (the mapped file's private pages on a
 CPU, the device tensors on a GPU), so the native step's addresses, captured CUDA graphs and
 the executor's bound tensors all see the new values; nothing is rebuilt. A tensor-parallel
@@ -30,13 +31,13 @@ class WeightUpdateError(ValueError):
 
 
 def read_update(art: Artefact, root: Path, rank: int) -> HostWeights:
-    """Rank `rank`'s weights of artefact `root`, once they fit `art` (see the module)."""
+    """Rank `rank`'s weights of artefact `root`, once they fit `art` (see the module). Rank
+    0 checks every file's checksum; the other ranks, reading the same files after it, do
+    not read them all again (as at start: runtime/rank_worker.py)."""
     try:
-        checked_manifest(root, verify=True)
-        same = (root / fmt.graph_file(rank)).read_bytes() == (
-            art.root / fmt.graph_file(rank)
-        ).read_bytes()
-        if not same:
+        manifest = checked_manifest(root, verify=rank == 0)
+        graph = fmt.graph_file(rank)  # the same bytes: the same size and checksum listed
+        if manifest["files"].get(graph) != art.manifest["files"].get(graph):
             raise WeightUpdateError(
                 "the checkpoint compiles to another program than the one served (its "
                 "architecture, shapes or stored formats differ); serve a new artefact instead"

@@ -440,7 +440,7 @@ async def update_weights_from_disk(body: UpdateWeightsFromDisk, request: Request
     ctx.refuse_unsupported(body.unsupported())
     engine = ctx.async_engine
     async with ctx.weight_lock:
-        art = await compile_update(ctx.engine.art.root, body.model_path, body.load_format)
+        art = await compile_update(ctx.engine.art.manifest, body.model_path, body.load_format)
         try:
             await engine.run(lambda e: setattr(e.scheduler, "holding", True))
             if body.abort_all_requests:

@@ -86,10 +86,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Any:
         return queued
     answer = await chat_completions(chat, request)
     if not body.stream:
-        data = json.loads(answer.body)
-        choice = data["choices"][0]
-        output = output_items(choice["message"])
-        final = response(body, head, output, choice["finish_reason"], usage(data["usage"]))
+        final = finished(body, head, answer)
         kept(final)
         return final
     return StreamingResponse(
@@ -205,10 +202,7 @@ async def _background(
     stored.response["status"] = "in_progress"
     try:
         answer = await chat_completions(chat, _Detached(request))  # type: ignore[arg-type]
-        data = json.loads(answer.body)
-        choice = data["choices"][0]
-        output = output_items(choice["message"])
-        final = response(body, head, output, choice["finish_reason"], usage(data["usage"]))
+        final = finished(body, head, answer)
     except asyncio.CancelledError:
         stored.response["status"] = "cancelled"
         stored.task = None
@@ -420,6 +414,14 @@ def output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(message_item(message["content"]))
     out += [call_item(c) for c in message.get("tool_calls") or []]
     return out
+
+
+def finished(body: ResponsesRequest, head: dict[str, Any], answer: Any) -> dict[str, Any]:
+    """The response object of a non-streamed chat completion's answer."""
+    data = json.loads(answer.body)
+    choice = data["choices"][0]
+    output = output_items(choice["message"])
+    return response(body, head, output, choice["finish_reason"], usage(data["usage"]))
 
 
 def usage(chat: dict[str, Any]) -> dict[str, Any]:

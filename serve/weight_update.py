@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from kiln.args import FLAGS
-from kiln.core import artefact as fmt
 from kiln.serve.streams import ApiError
 
 # Compile arguments that name inputs of the old compile, not properties of the program.
@@ -44,12 +43,15 @@ def update_args(manifest: dict[str, Any], model_path: str, load_format: str | No
     return {FLAGS[k].name.lstrip("-"): v for k, v in values.items()}
 
 
-async def compile_update(root: Path, model_path: str, load_format: str | None) -> Path:
-    """Compile `model_path` for the artefact at `root` into a new folder (the caller removes
-    its parent when done); a 400 with `kiln compile`'s own one-line error if it fails."""
+async def compile_update(
+    manifest: dict[str, Any], model_path: str, load_format: str | None
+) -> Path:
+    """Compile `model_path` as the artefact of `manifest` was, into a new folder (the caller
+    removes its parent when done); a 400 with `kiln compile`'s own one-line error if it
+    fails."""
     import yaml
 
-    values = update_args(fmt.read_manifest(root), model_path, load_format)
+    values = update_args(manifest, model_path, load_format)
     folder = Path(tempfile.mkdtemp(prefix="kiln-update-"))
     config = folder / "compile.yaml"
     config.write_text(yaml.safe_dump(values))
