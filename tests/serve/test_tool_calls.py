@@ -563,3 +563,18 @@ def test_response_events_for_reasoning_text_and_calls() -> None:
     done = [e["item"]["type"] for e in events if e["type"] == "response.output_item.done"]
     assert done == ["reasoning", "message", "function_call"]
     assert all(i["status"] == "completed" for i in final["output"])
+
+
+def test_a_server_that_keeps_no_responses(artefact, launch) -> None:
+    """--max-stored-response-bytes 0: responses are answered and say store false; nothing
+    can be fetched or continued (404 naming the flag) and background is a 400."""
+    server = launch(artefact("llama"), "--max-stored-response-bytes", "0", "--skip-server-warmup")
+    body = {"model": "tiny", "input": "Hi", "max_output_tokens": 2}
+    r = server.post("/v1/responses", key=None, json=body)
+    assert r.status_code == 200 and r.json()["store"] is False, r.text
+    r = server.get(f"/v1/responses/{r.json()['id']}", key=None)
+    assert r.status_code == 404 and "--max-stored-response-bytes 0" in r.json()["message"]
+    r = server.post("/v1/responses", key=None, json={**body, "previous_response_id": "resp_x"})
+    assert r.status_code == 404 and "--max-stored-response-bytes 0" in r.json()["message"]
+    r = server.post("/v1/responses", key=None, json={**body, "background": True})
+    assert r.status_code == 400 and "background: needs store" in r.json()["message"]
