@@ -32,6 +32,7 @@ from kiln.serve.metrics import Metrics
 from kiln.serve.protocol import ChatMessage
 from kiln.serve.request_log import PROBE_RID, CrashDump, MetricsFile, RequestLog
 from kiln.serve.response_store import ResponseStore
+from kiln.serve.sessions import SessionStore
 from kiln.serve.streams import Accumulated, ApiError, failure, join, merged
 
 log = logging.getLogger("kiln.serve")
@@ -118,6 +119,9 @@ class ServingContext:
         # the Responses API's stored responses (serve/response_store.py); None: none kept
         budget = args.max_stored_response_bytes
         self.responses = ResponseStore(budget) if budget > 0 else None
+        # SGLang's sessions (serve/sessions.py); None: --max-session-tokens 0
+        tokens = args.max_session_tokens
+        self.sessions = SessionStore(tokens) if tokens > 0 else None
         self.weight_lock = asyncio.Lock()  # one /update_weights_from_disk at a time
         self._grammar_workers = ThreadPoolExecutor(
             max_workers=GRAMMAR_THREADS, thread_name_prefix="kiln-grammar"

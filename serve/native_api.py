@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -24,10 +25,12 @@ from kiln.runtime.request import hidden_meta, logprob_meta
 from kiln.serve.context import ServingContext
 from kiln.serve.protocol import (
     AbortRequest,
+    CloseSession,
     ConfigureLogging,
     EncodeRequest,
     GenerateRequest,
     LoadLoraAdapter,
+    OpenSession,
     ParseFunctionCallRequest,
     PauseGeneration,
     ProfileRequest,
@@ -37,6 +40,7 @@ from kiln.serve.protocol import (
     UpdateWeightVersion,
 )
 from kiln.serve.reasoning import CONTENT, PARSERS, REASONING, splitter
+from kiln.serve.sessions import SessionStore
 from kiln.serve.streams import Accumulated, ApiError, events, merged, sse
 from kiln.serve.tool_calls import FORMATS, ToolStream
 from kiln.version import __version__
@@ -47,6 +51,7 @@ router = APIRouter()
 ABORTED = {"type": "abort", "message": "aborted by /abort_request"}
 PAUSED = {"type": "abort", "message": "aborted by /pause_generation"}
 RELABELLED = {"type": "abort", "message": "aborted by /update_weight_version"}
+REPLACED = {"type": "abort", "message": "aborted by a session request that replaced it"}
 
 
 def _ctx(request: Request) -> ServingContext:
@@ -102,8 +107,16 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     top = body.top_logprobs_num if body.return_logprob else None
     start = body.logprob_start_len if body.return_logprob else -1
 
+    session = body.session_params if body.session_params and body.session_params.id else None
+    given: list[list[int]] | None = None  # a session request's prompt, built from the session
+    if session is not None:
+        given, rid = await _session_prompt(ctx, body, single)
+        turn = (str(session.id), rid)
+
     def build() -> list[Any]:
-        if body.text is not None:
+        if given is not None:
+            prompts = given
+        elif body.text is not None:
             texts = [body.text] if isinstance(body.text, str) else body.text
             prompts = [ctx.prompt_ids(t)[0] for t in texts]
         else:
@@ -123,7 +136,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
             defaults="native",
             top_logprobs=top,
             priority=ctx.priority(body),
-            rid=body.rid,
+            rid=rid if session is not None else body.rid,
             prompt_top_logprobs=top if start >= 0 else None,
             logprob_ids=body.token_ids_logprob if body.return_logprob else None,
             cache_key=body.extra_key,
@@ -131,7 +144,10 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
             hidden_states=body.return_hidden_states,
         )
 
-    reqs = await ctx.build(build)
+    if session is None:
+        reqs = await ctx.build(build)
+    else:
+        reqs = await _session_build(ctx, build, *turn)
     text = ctx.token_text if body.return_text_in_logprobs else None
 
     if body.stream:
@@ -325,6 +341,79 @@ async def unload_lora_adapter(body: UnloadLoraAdapter, request: Request) -> dict
     except RequestError as e:
         raise ApiError(400, str(e)) from None
     return _adapters(ctx)
+
+
+def _sessions(ctx: ServingContext) -> SessionStore:
+    if ctx.sessions is None:
+        raise ApiError(400, "sessions are off on this server (--max-session-tokens 0)")
+    return ctx.sessions
+
+
+async def _session_prompt(
+    ctx: ServingContext, body: GenerateRequest, single: bool
+) -> tuple[list[list[int]], str]:
+    """A session request's prompt (serve/sessions.py), recorded in its session under its
+    rid (the client's, else a new one); the requests a `replace` forgot are stopped."""
+    store = _sessions(ctx)
+    params = body.session_params
+    assert params is not None and params.id is not None
+    sp = body.sampling_params
+    if not single or isinstance(sp, list) or isinstance(body.rid, list):
+        raise ApiError(400, "session_params: one prompt (text or input_ids), not a batch")
+    if sp is not None and sp.get("n", 1) != 1:
+        raise ApiError(400, "session_params: n must be 1 (a session continues one request)")
+    rid = body.rid if isinstance(body.rid, str) else uuid.uuid4().hex
+    if body.text is not None:
+        new_ids = (await ctx.off_loop(lambda: ctx.prompt_ids(str(body.text))))[0]
+    else:
+        new_ids = list(body.input_ids or [])
+    # what the turn is charged until its request says (SGLang's native default, 128)
+    max_new = {"max_new_tokens": 128, **(ctx.preferred or {}), **(sp or {})}["max_new_tokens"]
+    bound = max_new if isinstance(max_new, int) and max_new >= 0 else ctx.context_length
+    prompt, stop = store.begin(
+        params.id,
+        params.model_dump(exclude={"id"}),
+        rid,
+        new_ids,
+        bound,
+        ctx.engine.art.spec.bos_token_id,
+    )
+    for req in stop:
+        if not req.finished:
+            ctx.async_engine.abort(req.rid, REPLACED)
+    return [prompt], rid
+
+
+async def _session_build(
+    ctx: ServingContext, build: Callable[[], list[Any]], session_id: str, rid: str
+) -> list[Any]:
+    """build() for a session request: its turn forgotten if the request cannot be made,
+    the request stopped if the turn was forgotten (replaced, closed) meanwhile."""
+    store = _sessions(ctx)
+    try:
+        reqs = await ctx.build(build)
+    except BaseException:
+        store.discard(session_id, rid)
+        raise
+    if not store.attach(session_id, rid, reqs[0]):
+        ctx.async_engine.abort(reqs[0].rid, REPLACED)
+    return reqs
+
+
+@router.api_route("/open_session", methods=["GET", "POST"])
+async def open_session(body: OpenSession, request: Request) -> str:
+    """SGLang's: open a session and answer its id (a JSON string): the one given, or a new
+    random one."""
+    return _sessions(_ctx(request)).open(body.session_id, body.capacity_of_str_len)
+
+
+@router.api_route("/close_session", methods=["GET", "POST"])
+async def close_session(body: CloseSession, request: Request) -> Response:
+    """SGLang's: forget a session (its requests still running go on to their end). An
+    unknown id is a 404 (SGLang answers 200 and logs a warning)."""
+    _sessions(_ctx(request)).get(body.session_id)
+    _sessions(_ctx(request)).close(body.session_id)
+    return Response(status_code=200)
 
 
 def _adapters(ctx: ServingContext) -> dict[str, Any]:

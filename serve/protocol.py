@@ -418,6 +418,29 @@ class ChatCompletionRequest(_Sampling):
         return self.max_tokens
 
 
+class SessionParams(Body):
+    """SGLang's session_params (serve/sessions.py): the session, the request of it this one
+    continues, where to cut that request's tokens, and whether to branch."""
+
+    id: str | None = None
+    rid: str | None = None
+    offset: int | None = None
+    replace: bool | None = None
+    drop_previous_output: bool | None = None
+
+
+class OpenSession(Body):
+    """SGLang's /open_session body; capacity_of_str_len is required there and kept, as
+    there, without bounding anything."""
+
+    capacity_of_str_len: int = Field(ge=0)
+    session_id: str | None = None
+
+
+class CloseSession(Body):
+    session_id: str
+
+
 class GenerateRequest(Body):
     """SGLang's native /generate body."""
 
@@ -446,6 +469,8 @@ class GenerateRequest(Body):
     # Accepted and ignored: the model SGLang's router routes by (it adds the field, with
     # return_bytes and return_entropy at their defaults, to every /generate it forwards).
     model: str | None = None
+    # A request in an open session (serve/sessions.py); one prompt only
+    session_params: SessionParams | None = None
 
     REFUSED = {
         "return_bytes": False,
@@ -456,7 +481,6 @@ class GenerateRequest(Body):
         "audio_data": None,
         "modalities": None,
         "lora_id": None,
-        "session_params": None,
         "custom_logit_processor": None,
         "return_routed_experts": False,
         "bootstrap_host": None,

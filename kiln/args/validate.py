@@ -219,6 +219,10 @@ def _check_ranges(v: dict[str, Any]) -> None:
             "--max-stored-response-bytes: must be >= 0 (0: keep no responses), "
             f"got {v['max_stored_response_bytes']}"
         )
+    if v["max_session_tokens"] < 0:
+        _fail(
+            f"--max-session-tokens: must be >= 0 (0: sessions off), got {v['max_session_tokens']}"
+        )
     if v["gc_warning_threshold_secs"] < 0:
         _fail(
             "--gc-warning-threshold-secs: must be >= 0 seconds (0: off), "

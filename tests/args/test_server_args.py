@@ -69,6 +69,7 @@ def test_bad_yaml_is_a_clear_error(tmp_path, text, message) -> None:
     [
         (["--page-size", "0"], "--page-size: must be > 0, got 0"),
         (["--max-stored-response-bytes", "-1"], "--max-stored-response-bytes: must be >= 0"),
+        (["--max-session-tokens", "-1"], "--max-session-tokens: must be >= 0"),
         (["--mem-fraction-static", "1.5"], r"--mem-fraction-static: must be in \(0, 1\]"),
         (["--swa-full-tokens-ratio", "2"], r"--swa-full-tokens-ratio: must be in \[0, 1\]"),
         (["--port", "70000"], "--port: must be a port in 1..65535"),

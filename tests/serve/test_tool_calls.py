@@ -565,10 +565,20 @@ def test_response_events_for_reasoning_text_and_calls() -> None:
     assert all(i["status"] == "completed" for i in final["output"])
 
 
-def test_a_server_that_keeps_no_responses(artefact, launch) -> None:
+def test_a_server_that_keeps_no_responses_nor_sessions(artefact, launch) -> None:
     """--max-stored-response-bytes 0: responses are answered and say store false; nothing
-    can be fetched or continued (404 naming the flag) and background is a 400."""
-    server = launch(artefact("llama"), "--max-stored-response-bytes", "0", "--skip-server-warmup")
+    can be fetched or continued (404 naming the flag) and background is a 400.
+    --max-session-tokens 0: no session opens (400 naming the flag)."""
+    server = launch(
+        artefact("llama"),
+        "--max-stored-response-bytes",
+        "0",
+        "--max-session-tokens",
+        "0",
+        "--skip-server-warmup",
+    )
+    r = server.post("/open_session", key=None, json={"capacity_of_str_len": 10})
+    assert r.status_code == 400 and "--max-session-tokens 0" in r.json()["message"]
     body = {"model": "tiny", "input": "Hi", "max_output_tokens": 2}
     r = server.post("/v1/responses", key=None, json=body)
     assert r.status_code == 200 and r.json()["store"] is False, r.text
