@@ -247,6 +247,8 @@ class SessionStore:
         if turn is None:
             return False
         self.used -= turn.size
+        # the request's own prompt: --allow-auto-truncate may have cut the one built here
+        turn.prompt = array("i", request.prompt_ids)
         turn.request, turn.max_new_tokens = request, request.params.max_new_tokens
         self.used += turn.size
         return True

@@ -200,8 +200,8 @@ def test_streamed_turns_are_kept_too(server) -> None:
     assert turn["output_ids"] == _gen(server, [5, 6, *out, 7])["output_ids"]
 
 
-def _request(rid: str, max_new_tokens: int) -> Request:
-    return Request(rid, [0], SamplingParams(max_new_tokens=max_new_tokens))
+def _request(rid: str, prompt: list[int], max_new_tokens: int) -> Request:
+    return Request(rid, prompt, SamplingParams(max_new_tokens=max_new_tokens))
 
 
 def test_the_store_closes_idle_sessions_first_and_refuses_what_cannot_fit() -> None:
@@ -210,9 +210,9 @@ def test_the_store_closes_idle_sessions_first_and_refuses_what_cannot_fit() -> N
     store = SessionStore(budget=3 * SESSION_TOKENS + 300)
     a, b, c = (store.open(None, 0) for _ in range(3))
     store.begin(a, {}, "a1", list(range(100)), 100, None)  # 200 tokens charged
-    store.attach(a, "a1", _request("a1", 100))  # running
+    store.attach(a, "a1", _request("a1", list(range(100)), 100))  # running
     store.begin(b, {}, "b1", list(range(50)), 50, None)  # 100, finished below
-    store.attach(b, "b1", _request("b1", 50))
+    store.attach(b, "b1", _request("b1", list(range(50)), 50))
     assert store.used == 3 * SESSION_TOKENS + 300
     with pytest.raises(ApiError, match="does not fit"):  # 500 more: even closing b and c
         store.begin(a, {}, "a2", list(range(250)), 250, None)
