@@ -13,7 +13,10 @@ install it with `pip install --no-deps sglang==0.5.6` plus what its `--help` ask
 (orjson, pybase64, aiohttp, ...; later sglang releases import torchvision and, through it,
 a CUDA torch). Its random prompts are cut from a ShareGPT-shaped file this script writes
 from benchmarks/data/quality_text.txt, one conversation per word offset, so no two prompts
-share a first token and neither server's prefix cache serves anything.
+share a first token and neither server's prefix cache serves anything. With `--dataset
+generated-shared-prefix` the load is SGLang's own for prefix caching instead: each prompt
+one of --gsp-num-groups random system prompts, then a random question of --input-len
+tokens, the groups' prompts shuffled together.
 
 Servers take turns, one at a time on the machine: for each precision, round and
 concurrency, kiln then llama-server (the order flips every round), each started fresh with
@@ -128,6 +131,19 @@ def bench(
     url: str, tokenizer: Path, dataset: Path, args: argparse.Namespace, conc: int, seed: int
 ) -> dict:
     prompts = max(args.min_prompts, args.prompts_per_client * conc)
+    if args.dataset == "random":
+        load = ["--dataset-name", "random", "--dataset-path", str(dataset)]
+        load += ["--random-input-len", str(args.input_len)]
+        load += ["--random-output-len", str(args.output_len), "--random-range-ratio", "1.0"]
+    else:  # SGLang's: groups of prompts, each a group's system prompt then a question
+        per_group = -(-prompts // args.gsp_num_groups)
+        prompts = per_group * args.gsp_num_groups
+        load = ["--dataset-name", "generated-shared-prefix"]
+        load += ["--gsp-num-groups", str(args.gsp_num_groups)]
+        load += ["--gsp-prompts-per-group", str(per_group)]
+        load += ["--gsp-system-prompt-len", str(args.gsp_system_prompt_len)]
+        load += ["--gsp-question-len", str(args.input_len)]
+        load += ["--gsp-output-len", str(args.output_len)]
     with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as f:
         out = Path(f.name)
     cmd = [
@@ -142,16 +158,7 @@ def bench(
         "m",
         "--tokenizer",
         str(tokenizer),
-        "--dataset-name",
-        "random",
-        "--dataset-path",
-        str(dataset),
-        "--random-input-len",
-        str(args.input_len),
-        "--random-output-len",
-        str(args.output_len),
-        "--random-range-ratio",
-        "1.0",
+        *load,
         "--num-prompts",
         str(prompts),
         "--max-concurrency",
@@ -182,6 +189,16 @@ def main() -> None:
     p.add_argument("--precisions", nargs="+", default=["F32", "Q8_0"], choices=list(PRECISIONS))
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 64])
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--dataset",
+        choices=("random", "generated-shared-prefix"),
+        default="random",
+        help="bench_serving's load: random prompts sharing nothing, or SGLang's "
+        "generated-shared-prefix (--gsp-num-groups system prompts of "
+        "--gsp-system-prompt-len tokens, each followed by --input-len tokens of question)",
+    )
+    p.add_argument("--gsp-num-groups", type=int, default=4)
+    p.add_argument("--gsp-system-prompt-len", type=int, default=512)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--prompts-per-client", type=int, default=3)
@@ -223,6 +240,9 @@ def main() -> None:
     dataset = sharegpt_file(work / "sharegpt.json")
     shipped = fetch("smollm2")
     slots = max(args.concurrency)
+    prompt_len = args.input_len
+    if args.dataset != "random":  # a system prompt, a blank line and the question
+        prompt_len += args.gsp_system_prompt_len + 8
     bw = read_bandwidth_gbs()
     results: dict[tuple[str, str, int], list[dict]] = {}
     starts: dict[tuple[str, str], list[float]] = {}
@@ -247,7 +267,7 @@ def main() -> None:
                 "-np",
                 str(slots),
                 "-c",
-                str(slots * (args.input_len + args.output_len + 64)),
+                str(slots * (prompt_len + args.output_len + 64)),
                 "-t",
                 str(args.threads),
                 "-tb",
@@ -285,6 +305,12 @@ def main() -> None:
     print(
         f"\n## serve_bench: kiln serve against llama-server, SmolLM2-135M-Instruct, "
         f"{args.input_len} in / {args.output_len} out, {args.rounds} alternating rounds"
+        + (
+            f", generated-shared-prefix: {args.gsp_num_groups} system prompts of "
+            f"{args.gsp_system_prompt_len} tokens before each prompt"
+            if args.dataset != "random"
+            else ""
+        )
     )
     print(machine())
     print(

@@ -3,10 +3,10 @@
 Granularity is one page: a node's key is a whole number of pages of tokens, and its value
 the pages holding their K/V. A request starts from the longest cached prefix of its
 prompt (its first pages are the tree's, shared, never written again: a request only
-writes slots after its cached length, which is page-aligned) and gives its pages to the
-tree when it ends. Nodes in use by a running request are locked; unlocked leaves are
-evicted, least recently (lru) or least frequently (lfu) used first, when the pool needs
-pages.
+writes slots after its cached length, which is page-aligned); its prompt's whole pages
+join the tree once its prefill has computed them, the rest of its pages when it ends.
+Nodes in use by a running request are locked; unlocked leaves are evicted, least recently
+(lru) or least frequently (lfu) used first, when the pool needs pages.
 
 A request's `cache_key` (SGLang's extra_key, vLLM's cache_salt) names a tree of its own:
 requests share cached prefixes only with requests of the same key, so a tenant cannot

@@ -51,6 +51,7 @@ class Request:
     reported: int = 0  # output tokens already handed out in a RequestOutput
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     cache_node: Any = None  # the prefix-cache node this request holds locked
+    tree_len: int = 0  # tokens of its first pages that are the prefix cache's (cache_node's)
     # SGLang's extra_key / cache_salt: shares cached prefixes only with requests of the
     # same key (runtime/radix_cache.py)
     cache_key: str | None = None

@@ -1,9 +1,11 @@
 """Continuous batching as bookkeeping: which requests run this step, and their KV pages.
 
 No model here: `schedule` decides a `Batch`, the model runner executes it, `commit`
-records the sampled tokens. Each step either prefills (new requests, or the next chunk of
-a long prompt; with mixed chunks the running requests decode in the same batch) or
-decodes every running request. When the pool runs dry the newest running request is
+records the sampled tokens and gives the prefix cache the whole pages a prefill computed,
+where requests arriving while that one still runs find them (as SGLang caches unfinished
+requests). Each step either prefills (new requests, or the next chunk of a long prompt;
+with mixed chunks the running requests decode in the same batch) or decodes every running
+request. When the pool runs dry the newest running request is
 retracted: its pages go back (to the prefix cache when there is one) and it is prefilled
 again later, losing nothing.
 """
@@ -330,12 +332,35 @@ class Scheduler:
         if length:
             self.cache.lock(node)
             req.pages, req.kv_len, req.cache_node = list(pages), length, node
+            req.tree_len = length
             req.cached_tokens = max(req.cached_tokens, length)
 
     def _detach_prefix(self, req: Request) -> None:
         assert self.cache is not None and req.cache_node is not None
         self.cache.unlock(req.cache_node)
-        req.pages, req.kv_len, req.cache_node = [], 0, None
+        req.pages, req.kv_len, req.cache_node, req.tree_len = [], 0, None, 0
+
+    def _share_computed(self, req: Request) -> None:
+        """Give the prefix cache the whole pages a running request's prefill has computed
+        (SGLang's caching of unfinished requests), so that requests arriving while it runs
+        share them instead of computing them again. The request keeps reading them, now
+        the tree's and locked for it; where the tree already held a page of the same
+        tokens (another request's, computed meanwhile), the request moves to that page and
+        its own goes back to the pool."""
+        assert self.cache is not None
+        full = req.kv_len // self.pool.page_size
+        if full * self.pool.page_size <= req.tree_len:
+            return
+        keep = req.all_ids[: full * self.pool.page_size]
+        copies = self.cache.insert(keep, req.pages[:full], req.prefix_space)
+        pages, length, node = self.cache.match(keep, req.prefix_space)
+        assert length == len(keep), (length, len(keep))
+        req.pages[:full] = pages
+        self.pool.free(copies)
+        self.cache.lock(node)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.cache_node, req.tree_len = node, length
 
     def _release(self, req: Request) -> None:
         """Give a request's pages back: whole computed pages to the prefix cache (when on),
@@ -349,7 +374,7 @@ class Scheduler:
             if req.cache_node is not None:
                 self.cache.unlock(req.cache_node)
         self.pool.free(pages)
-        req.pages, req.kv_len, req.cache_node = [], 0, None
+        req.pages, req.kv_len, req.cache_node, req.tree_len = [], 0, None, 0
         if self.on_release is not None:
             self.on_release(req)
 
@@ -359,10 +384,13 @@ class Scheduler:
         request whose `sample` flag is set, in batch order; None: an embedding model's
         batch, which samples none)."""
         it = iter(tokens or ())
+        share = batch.is_prefill and self.cache is not None
         for req, fed, sampled in zip(batch.requests, batch.new_tokens, batch.sample, strict=True):
             req.kv_len += len(fed)
             if sampled and tokens is not None:
                 req.output_ids.append(next(it))
+            if share and len(fed) > 1:  # a prompt's rows (a mixed batch's decode rows feed one)
+                self._share_computed(req)
 
     def finish(self, req: Request, reason: dict[str, Any]) -> None:
         req.status = Status.FINISHED

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kiln.runtime.kv_cache import PagePool
+from kiln.runtime.radix_cache import RadixCache
 from kiln.runtime.request import Request, Status
 from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.scheduler import Scheduler, SchedulerConfig
@@ -128,3 +129,33 @@ def test_holding_starts_no_waiting_request_and_lets_the_running_finish() -> None
     s.holding = False
     assert s.has_work
     assert run_step(s).requests == [b]
+
+
+def test_a_prefill_gives_its_whole_pages_to_the_prefix_cache() -> None:
+    """After a prefill the request's whole computed pages are the cache's, locked for it; a
+    request of the same prefix arriving later starts from them; two that computed the
+    same pages in one batch end up reading one copy, the other freed."""
+    pool = PagePool(64, 4)
+    s = Scheduler(pool, cfg(8, 100), RadixCache(pool))
+    a = req(10, "a")  # two whole pages and two tokens
+    s.add(a)
+    run_step(s)
+    assert a.tree_len == 8 and a.cache_node is not None and a.cache_node.locks == 1
+    assert s.cache is not None and s.cache.evictable_pages() == 0  # in use: not evictable
+    b = Request("b", [*range(1, 9), 50, 51], SamplingParams(max_new_tokens=100))
+    s.add(b)
+    batch = run_step(s)
+    assert batch.requests == [b] and batch.new_tokens == [[50, 51]]
+    assert b.cached_tokens == 8 and b.pages[:2] == a.pages[:2]
+    new = list(range(100, 109))  # 9 tokens the cache does not have, twice in one batch
+    c, d = (Request(rid, new, SamplingParams(max_new_tokens=100)) for rid in "cd")
+    s.add(c)
+    s.add(d)
+    free = pool.free_pages
+    batch = run_step(s)
+    assert batch.requests == [c, d] and c.cached_tokens == d.cached_tokens == 0
+    assert c.pages[:2] == d.pages[:2]  # d reads c's copy now
+    assert pool.free_pages == free - 6 + 2  # d's two copies went back
+    for r in (a, b, c, d):
+        s.finish(r, {"type": "stop"})
+    assert pool.free_pages + s.cached_pages == pool.num_pages

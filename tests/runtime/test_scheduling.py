@@ -71,6 +71,26 @@ def test_paged_prefix_cache_changes_nothing(artefact) -> None:
     )
 
 
+def test_a_running_requests_prompt_is_shared_while_it_runs(artefact, reference) -> None:
+    """A prompt's computed pages go to the prefix cache when its prefill ends, not when the
+    request does: a request sharing its prefix that arrives while it decodes reads them
+    (cached_tokens) and the answers stay exact, with chunked prefill sharing each chunk."""
+    for args in ({}, {"chunked_prefill_size": 8}):
+        eng = Engine(artefact("mistral"), max_total_tokens=2048, **args)
+        first = eng.make_request(PROMPTS[0], SamplingParams(**GREEDY))
+        eng.add_request(first)
+        while not first.output_ids:  # its prompt in, it decodes from here
+            eng.step()
+        second = eng.make_request(PROMPTS[1], SamplingParams(**GREEDY))
+        eng.add_request(second)
+        while not (first.finished and second.finished):
+            eng.step()
+        assert second.cached_tokens >= len(SHARED) - 15, args  # whole pages of 16
+        assert first.output_ids == reference[0] and second.output_ids == reference[1], args
+        pool = eng.runner.pool
+        assert pool.free_pages + eng.scheduler.cached_pages == pool.num_pages
+
+
 # -- policies, as bookkeeping -----------------------------------------------------------------
 def req(rid: str, n: int = 4, priority: int = 0, max_new: int = 8) -> Request:
     return Request(
