@@ -25,6 +25,9 @@ from kiln.runtime.request import Request, Status
 POLICIES = ("fcfs", "lpm", "random", "lof", "priority")
 # Above this many waiting requests, lpm's prefix lookups cost more than they save.
 LPM_MAX_WAITING = 128
+# Uncached prompt tokens a request must share with one already in a prefill for it to wait
+# a step and read them from the prefix cache instead (SGLang's in-batch threshold, 32).
+IN_BATCH_SHARED = 32
 # The most prompt tokens a scored request (the prompt's logprobs) feeds a step: each fed
 # token's logits are kept, [tokens, vocab] float32 (100 MB at 49,152 tokens of vocabulary).
 SCORED_CHUNK = 512
@@ -185,6 +188,8 @@ class Scheduler:
             if most is not None and len(picked) >= most:
                 break
             fresh = req.status is Status.WAITING
+            if fresh and picked and self._computed_by(req, picked):
+                continue  # next step it reads those pages from the prefix cache
             if fresh and self.cfg.max_loras and req.lora not in adapters:
                 if len(adapters) >= self.cfg.max_loras:
                     continue  # waits until a running adapter's requests are done
@@ -226,6 +231,27 @@ class Scheduler:
         ]
         scored = [r.scoring for r in picked]
         return Batch(picked, fed, sample, is_prefill=True, scored=scored)
+
+    def _computed_by(self, req: Request, picked: list[Request]) -> bool:
+        """Whether a request already in this prefill computes at least IN_BATCH_SHARED
+        tokens (whole pages) of `req`'s prompt past what the prefix cache holds: then `req`
+        waits a step and starts from those pages (SGLang defers such requests under its
+        cache-aware policies; kiln under every policy)."""
+        if self.cache is None or req.scoring:
+            return False
+        page = self.pool.page_size
+        ids = req.all_ids
+        start = self.cache.prefix_len(ids[:-1], req.prefix_space)
+        for other in picked:
+            if other.prefix_space != req.prefix_space or other.scoring:
+                continue
+            theirs = other.all_ids
+            end = start
+            while end + page < len(ids) and ids[end : end + page] == theirs[end : end + page]:
+                end += page
+            if end - start >= max(IN_BATCH_SHARED, page):
+                return True
+        return False
 
     def _reserve(self, req: Request, take: int, fresh: bool, picked: list[Request]) -> bool:
         """Allocate pages for `take` more tokens of `req`, keeping room for the decode

@@ -159,3 +159,22 @@ def test_a_prefill_gives_its_whole_pages_to_the_prefix_cache() -> None:
     for r in (a, b, c, d):
         s.finish(r, {"type": "stop"})
     assert pool.free_pages + s.cached_pages == pool.num_pages
+
+
+def test_a_prompt_another_in_the_batch_computes_waits_a_step_for_its_pages() -> None:
+    """Two new requests sharing 32 uncached prompt tokens: the second waits one step and
+    then starts from the first's pages; a request sharing fewer goes in the same batch."""
+    pool = PagePool(64, 4)
+    s = Scheduler(pool, cfg(8, 1000), RadixCache(pool))
+    shared = list(range(1, 33))
+    a, b = (
+        Request(r, [*shared, t], SamplingParams(max_new_tokens=9))
+        for r, t in [("a", 90), ("b", 91)]
+    )
+    near = Request("near", [*shared[:28], 92, 93, 94, 95, 96], SamplingParams(max_new_tokens=9))
+    for r in (a, b, near):
+        s.add(r)
+    assert run_step(s).requests == [a, near]  # near shares 28 tokens: 7 pages, under 32
+    batch = run_step(s)
+    assert batch.is_prefill and batch.requests == [b] and b.cached_tokens == 32
+    assert batch.new_tokens == [[91]]
