@@ -175,7 +175,10 @@ def bench(
     res = json.loads(out.read_text().splitlines()[-1])
     out.unlink()
     if res["completed"] != prompts:
-        sys.exit(f"{url}: {prompts - res['completed']} of {prompts} requests failed")
+        sys.exit(
+            f"{url}: {prompts - res['completed']} of {prompts} requests failed:\n"
+            f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+        )
     return {k: float(res[k]) for k in METRICS}
 
 
@@ -241,8 +244,9 @@ def main() -> None:
     shipped = fetch("smollm2")
     slots = max(args.concurrency)
     prompt_len = args.input_len
-    if args.dataset != "random":  # a system prompt, a blank line and the question
-        prompt_len += args.gsp_system_prompt_len + 8
+    if args.dataset != "random":  # a system prompt, a blank line and the question, whose
+        # random tokens, decoded and encoded again, come out up to a third longer
+        prompt_len = (args.gsp_system_prompt_len + args.input_len) * 4 // 3 + 8
     bw = read_bandwidth_gbs()
     results: dict[tuple[str, str, int], list[dict]] = {}
     starts: dict[tuple[str, str], list[float]] = {}

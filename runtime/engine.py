@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 import threading
@@ -271,20 +272,21 @@ class Engine:
         the server has no tokenizer."""
         backend = self.args.grammar_backend or "xgrammar"
         pattern = self.args.constrained_json_whitespace_pattern
-        if pattern is not None and backend != "llguidance":
+        if pattern is not None and backend not in ("llguidance", "outlines"):
             raise ArgError(
                 "--constrained-json-whitespace-pattern: only with --grammar-backend llguidance "
-                "(xgrammar takes --constrained-json-disable-any-whitespace)"
+                "or outlines (xgrammar takes --constrained-json-disable-any-whitespace)"
             )
         if backend == "none" or self.tokenizer is None:
             return None
-        if backend == "llguidance":
+        package = {"llguidance": "llguidance", "outlines": "outlines_core"}.get(backend)
+        if package is not None:
             try:
-                import llguidance  # noqa: F401
+                importlib.import_module(package)
             except ImportError:
                 raise ArgError(
-                    "--grammar-backend llguidance: needs the llguidance package: "
-                    "pip install 'kiln[llguidance]'"
+                    f"--grammar-backend {backend}: needs the {package} package: "
+                    f"pip install 'kiln[{backend}]'"
                 ) from None
         return Grammars(
             self.tokenizer,

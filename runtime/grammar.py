@@ -1,5 +1,6 @@
 """Grammar-constrained decoding (`--grammar-backend`, SGLang's flag): xgrammar (the
-default) or llguidance.
+default), llguidance or outlines (outlines-core's regex index: regular expressions and
+JSON schemas, as SGLang's outlines backend).
 
 A request may carry one constraint: a JSON schema (`json_schema`, OpenAI's
 `response_format`), a regular expression (`regex`), an EBNF grammar (`ebnf`) or an xgrammar
@@ -7,17 +8,19 @@ structural tag (`structural_tag`, xgrammar only). `Grammars.compile` turns it in
 compiled grammar once (a bounded cache keyed by the constraint, on the server's grammar
 threads: never on the event loop or the engine thread), and each request gets its own
 matcher. Every step the engine fills the bitmask of the constrained rows only
-(`token_bitmask`; both libraries write the same layout, bit j of word i allowing token
-32 i + j), the sampler masks their logits before penalties and filters, and each sampled
+(`token_bitmask`; the three libraries write the same layout, bit j of word i allowing
+token 32 i + j), the sampler masks their logits before penalties and filters, and each sampled
 token advances its matcher; a matcher that reaches the end of its grammar ends the request
 as a stop. Rows without a constraint pay nothing.
 
 The compiler needs the vocabulary as the library reads it (xgrammar's `TokenizerInfo`,
-llguidance's `LLTokenizer`): built on first use, from a transformers tokenizer over the
-artefact's tokenizer files, so a server that never sees a constraint never imports
-transformers for it. JSON schemas allow any whitespace between tokens unless
---constrained-json-disable-any-whitespace; with llguidance,
---constrained-json-whitespace-pattern gives the whitespace as a regular expression.
+llguidance's `LLTokenizer`, outlines-core's `Vocabulary` of each token's bytes, read from
+xgrammar's decoding of the vocabulary, special tokens left out): built on first use,
+from a transformers tokenizer over the artefact's tokenizer files, so a server that never
+sees a constraint never imports transformers for it. JSON schemas allow any whitespace
+between tokens unless --constrained-json-disable-any-whitespace; with llguidance and
+outlines, --constrained-json-whitespace-pattern gives the whitespace as a regular
+expression (outlines' own default, without it, is one optional space).
 """
 
 from __future__ import annotations
@@ -101,6 +104,8 @@ class Grammars:
         """A fresh matcher of `compiled`, for one request."""
         if self.backend == "llguidance":
             return GuidanceMatcher(self._get_compiler(), compiled)
+        if self.backend == "outlines":
+            return OutlinesMatcher(compiled, self.stop_token_ids)
         import xgrammar
 
         return xgrammar.GrammarMatcher(compiled)
@@ -109,6 +114,8 @@ class Grammars:
         compiler = self._get_compiler()
         if self.backend == "llguidance":
             return self._guidance_grammar(compiler, c)
+        if self.backend == "outlines":
+            return self._outlines_index(compiler, c)
         try:
             if c.kind == "json_schema":
                 return compiler.compile_json_schema(c.text, any_whitespace=self.any_whitespace)
@@ -145,8 +152,51 @@ class Grammars:
             raise GrammarError(f"{c.kind}: does not compile: {first[:300]}")
         return grammar
 
+    def _outlines_index(self, vocabulary: Any, c: Constraint) -> Any:
+        """outlines-core's index of `c` over the vocabulary; GrammarError names the field."""
+        from outlines_core import Index
+        from outlines_core.json_schema import build_regex_from_schema
+
+        if c.kind not in ("json_schema", "regex"):
+            raise GrammarError(
+                f"{c.kind}: not with --grammar-backend outlines (regular expressions and JSON "
+                "schemas only, as SGLang's outlines backend)"
+            )
+        pattern = self.whitespace_pattern
+        if pattern is None and not self.any_whitespace:
+            pattern = ""  # --constrained-json-disable-any-whitespace: compact JSON
+        try:
+            regex = c.text if c.kind == "regex" else build_regex_from_schema(c.text, pattern)
+            return Index(regex, vocabulary)
+        except Exception as e:  # outlines-core raises ValueError / TypeError / its own
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise GrammarError(f"{c.kind}: does not compile: {first[:300]}") from None
+
+    def _outlines_vocabulary(self) -> Any:
+        """outlines-core's vocabulary: each token's bytes (xgrammar's decoding, which knows
+        byte-level and byte-fallback tokenizers) but the special and stop tokens, whose
+        first stop token is its end of sequence."""
+        import xgrammar
+        from outlines_core import Vocabulary
+
+        if not self.stop_token_ids:
+            raise GrammarError("--grammar-backend outlines: the model has no stop token")
+        tok = _transformers_tokenizer(self.tokenizer)
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            tok, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+        )
+        special = {i for i, t in getattr(tok, "added_tokens_decoder", {}).items() if t.special}
+        special |= {*info.special_token_ids, *self.stop_token_ids}
+        tokens: dict[bytes, list[int]] = {}
+        for i, text in enumerate(info.decoded_vocab):
+            if text and i not in special:
+                tokens.setdefault(text, []).append(i)
+        return Vocabulary(self.stop_token_ids[0], tokens)
+
     def _get_compiler(self) -> Any:
         with self._lock:
+            if self._compiler is None and self.backend == "outlines":
+                self._compiler = self._outlines_vocabulary()
             if self._compiler is None and self.backend == "llguidance":
                 from llguidance.hf import from_tokenizer
 
@@ -189,6 +239,47 @@ class GuidanceMatcher:
         from llguidance.torch import fill_next_token_bitmask
 
         fill_next_token_bitmask(self._m, mask, index)
+
+
+class OutlinesMatcher:
+    """An outlines-core guide with the part of xgrammar's GrammarMatcher the engine uses.
+    Its index knows one end-of-sequence token: where it allows that one, every stop token
+    of the model is allowed, and taking one ends the match."""
+
+    def __init__(self, index: Any, stop_ids: Sequence[int]) -> None:
+        from outlines_core import Guide
+
+        self._guide = Guide(index)
+        self._stops = frozenset(stop_ids)
+        self._done = False
+
+    def accept_token(self, token: int) -> bool:
+        if self._done:
+            return False
+        if token in self._stops:
+            self._done = bool(self._guide.is_finished())
+            return self._done
+        try:
+            self._guide.advance(token, return_tokens=False)
+        except ValueError:  # a token the guide does not allow here
+            return False
+        return True
+
+    def is_terminated(self) -> bool:
+        return self._done
+
+    def fill_next_token_bitmask(self, mask: torch.Tensor, index: int) -> None:
+        row = mask[index]
+        self._guide.write_mask_into(row.data_ptr(), row.numel(), 4)
+        if self._guide.is_finished():  # its one end-of-sequence bit stands for every stop
+            for t in self._stops:
+                if t < 32 * row.numel():
+                    row[t // 32] |= _bit(t % 32)
+
+
+def _bit(j: int) -> int:
+    """Bit j of an int32 word, as a Python int the word can hold (bit 31 is the sign)."""
+    return -(1 << 31) if j == 31 else 1 << j
 
 
 def token_bitmask(matchers: Sequence[Any], vocab_size: int) -> torch.Tensor:

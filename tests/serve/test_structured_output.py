@@ -296,12 +296,54 @@ def test_llguidance_constrains_json_regex_and_ebnf(guided) -> None:
         assert r.status_code == 400 and message in r.json()["message"], r.text
 
 
-def test_a_whitespace_pattern_needs_llguidance(artefact) -> None:
+def test_a_whitespace_pattern_needs_llguidance_or_outlines(artefact) -> None:
     from kiln import Engine
     from kiln.args import ArgError
 
     with pytest.raises(ArgError, match="--constrained-json-whitespace-pattern: only with"):
         Engine(artefact("llama"), constrained_json_whitespace_pattern=r"[ ]?")
+
+
+def test_outlines_constrains_json_and_regex(artefact) -> None:
+    """--grammar-backend outlines (outlines-core's index, as SGLang's outlines backend):
+    schema outputs validate, sampled over seeds, with no whitespace but the pattern's one
+    newline; regex outputs match whole and end with a stop; ebnf and structural tags, and
+    what does not compile, are errors naming the field (a 400 at the server, as for the
+    other backends)."""
+    from kiln import Engine
+    from kiln.runtime.grammar import GrammarError
+
+    eng = Engine(
+        artefact("llama"),
+        grammar_backend="outlines",
+        constrained_json_whitespace_pattern=r"[\n]?",
+        max_total_tokens=2048,
+    )
+    # outlines' regex of a schema has no number ranges: a bounded integer is its digits
+    schema = json.loads(json.dumps(SMALL))
+    schema["properties"]["n"] = {"type": "integer", "minDigits": 1, "maxDigits": 3}
+    for seed in range(4):
+        params = {"json_schema": json.dumps(schema), "max_new_tokens": 96, "temperature": 1.0}
+        out = eng.generate("Describe a thing as JSON.", {**params, "sampling_seed": seed})
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out["text"]
+        got = json.loads(out["text"])
+        jsonschema.validate(got, schema)
+        assert abs(got["n"]) < 1000
+        assert {c for c in out["text"] if c.isspace()} <= {"\n"}, repr(out["text"])
+    pattern = r"(yes|no)-[0-9]{3}"
+    for seed in range(3):
+        params = {"regex": pattern, "max_new_tokens": 20, "temperature": 1.0}
+        out = eng.generate("Answer:", {**params, "sampling_seed": seed})
+        assert re.fullmatch(pattern, out["text"]), out["text"]
+        assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    for bad, message in (
+        ({"regex": "(a"}, "regex: does not compile"),
+        ({"json_schema": "{nope"}, "json_schema: does not compile"),
+        ({"ebnf": 'root ::= "a"'}, "ebnf: not with --grammar-backend outlines"),
+        ({"structural_tag": "{}"}, "structural_tag: not with --grammar-backend outlines"),
+    ):
+        with pytest.raises(GrammarError, match=message):
+            eng.generate("x", {**bad, "max_new_tokens": 4})
 
 
 CITY = {
