@@ -140,8 +140,9 @@ def test_support_status() -> None:
     args = cli("--tool-call-parser", "qwen25", "--reasoning-parser", "deepseek-r1")
     assert (args.tool_call_parser, args.reasoning_parser) == ("qwen25", "deepseek-r1")
     assert cli("--tool-call-parser", "step3").tool_call_parser == "step3"
-    with pytest.raises(ArgError, match="--grammar-backend outlines: is not implemented in kiln"):
-        cli("--grammar-backend", "outlines")
+    assert cli("--grammar-backend", "outlines").grammar_backend == "outlines"
+    with pytest.raises(ArgError, match="--schedule-policy dfs-weight: is not implemented in"):
+        cli("--schedule-policy", "dfs-weight")
 
 
 def test_deprecated_flags_print_the_advice(caplog) -> None:
