@@ -90,6 +90,11 @@ class Batch:
         ]
 
 
+def _tokens(req: Request) -> list[int]:
+    """A request's tokens, without copying them when it has no output yet (a new one)."""
+    return req.all_ids if req.output_ids else req.prompt_ids
+
+
 class Scheduler:
     def __init__(
         self, pool: PagePool, config: SchedulerConfig, cache: RadixCache | None = None
@@ -240,16 +245,19 @@ class Scheduler:
         if self.cache is None or req.scoring:
             return False
         page = self.pool.page_size
-        ids = req.all_ids
+        need = max(IN_BATCH_SHARED, page)
+        ids = _tokens(req)
+        if len(ids) <= need:
+            return False
         start = self.cache.prefix_len(ids[:-1], req.prefix_space)
         for other in picked:
             if other.prefix_space != req.prefix_space or other.scoring:
                 continue
-            theirs = other.all_ids
+            theirs = _tokens(other)
             end = start
             while end + page < len(ids) and ids[end : end + page] == theirs[end : end + page]:
                 end += page
-            if end - start >= max(IN_BATCH_SHARED, page):
+            if end - start >= need:
                 return True
         return False
 
