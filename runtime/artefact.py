@@ -139,12 +139,14 @@ class Artefact:
         device: str | None = None,
         manifest: dict[str, Any] | None = None,
         file_check: fmt.FileCheck | None = None,
+        mapped: bool = True,
     ) -> Artefact:
         """Load and check an artefact (tensor-parallel rank `rank`'s graph and weights, onto
         `device`: by default the target's); raises ArtefactError with one line naming the
         problem. `manifest`: one `checked_manifest(root, verify=False)` already read;
         `file_check`: its files' checksums already under way, waited for if it covers the
-        manifest (else they are computed here)."""
+        manifest (else they are computed here). `mapped`: False reads the weights file
+        into memory instead of mapping it (--weight-loader-disable-mmap)."""
         root = Path(root)
         if manifest is None:
             manifest = checked_manifest(root, verify)
@@ -162,7 +164,7 @@ class Artefact:
         # mapped; on a GPU its tensors are copied to the device and the mapping let go.
         fd = fmt.open_member(root, wfile)
         try:
-            host = HostWeights(fd)
+            host = HostWeights(fd, mapped)
         except Exception as e:
             raise fmt.ArtefactError(f"{root}/{wfile} is damaged: {e}") from e
         _check_weights(root / wfile, graph, {n: (host[n].shape, host.dtype(n)) for n in host})

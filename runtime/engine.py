@@ -162,6 +162,7 @@ class Engine:
             device=self.placement.device,
             manifest=manifest,
             file_check=file_check,
+            mapped=not self.args.weight_loader_disable_mmap,
         )
         refuse_compile_time_changes(server_args, self.art.manifest)
         if self.args.nnodes > 1:
@@ -234,6 +235,7 @@ class Engine:
             self.art.root / fmt.DRAFT_DIR,
             trust_remote_code=self.args.trust_remote_code,
             device=self.placement.device,
+            mapped=not self.args.weight_loader_disable_mmap,
         )
         if draft.spec.vocab_size != self.art.spec.vocab_size:
             raise fmt.ArtefactError(
@@ -1292,6 +1294,7 @@ class Engine:
             self.context_length,
             self.args.trust_remote_code,
             self.numa[1:] if self.numa else None,
+            mapped=not self.args.weight_loader_disable_mmap,
         )
         if self.runner.lora is not None:  # the other ranks hold the same adapters
             from kiln.runtime.lora import LoraError

@@ -136,12 +136,13 @@ def _spawn(
     timeout_s: int,
     trust_remote_code: bool,
     numa_nodes: Sequence[int] | None = None,
+    mapped: bool = True,
 ) -> list[subprocess.Popen[bytes]]:
     """The rank processes of `ranks`, this node's: their local ranks count from 0 at the
     node's first rank (each its own GPU on CUDA targets). `threads`: each one's kernel
     threads; `numa_nodes`: each one's NUMA node (--numa-node). `trust_remote_code`: the
     user's --trust-remote-code, which each rank needs to load native code built elsewhere
-    just as rank 0 does."""
+    just as rank 0 does; `mapped`: False, --weight-loader-disable-mmap."""
     trust = ["--trust-remote-code"] if trust_remote_code else []
     return [
         subprocess.Popen(
@@ -164,6 +165,7 @@ def _spawn(
                 str(timeout_s),
                 *trust,
                 *(["--numa-node", str(numa_nodes[i])] if numa_nodes else []),
+                *([] if mapped else ["--weight-loader-disable-mmap"]),
             ]
         )
         for i, rank in enumerate(ranks)
@@ -281,6 +283,7 @@ class TPGroup:
         context_length: int = 0,
         trust_remote_code: bool = False,
         numa_nodes: Sequence[int] | None = None,
+        mapped: bool = True,
     ) -> None:
         """`threads` and `numa_nodes`: each of this node's other ranks' kernel threads and
         NUMA node (--numa-node), in rank order."""
@@ -305,6 +308,7 @@ class TPGroup:
             int(timeout.total_seconds()),
             trust_remote_code,
             numa_nodes,
+            mapped,
         )
         try:
             init_group(backend, method, 0, size, timeout.total_seconds())
@@ -436,6 +440,7 @@ def follow(
     threads: int | None,
     trust_remote_code: bool = False,
     numa_node: Sequence[int] | None = None,
+    mapped: bool = True,
 ) -> int:
     """Node `node_rank` (> 0) of a multi-node group: run this node's ranks until rank 0
     stops them (0), or one fails or rank 0 is gone (1); SIGTERM / SIGINT stop them (0).
@@ -452,7 +457,15 @@ def follow(
         per_rank = [max(1, (threads or torch.get_num_threads()) // len(ranks))] * len(ranks)
     timeout = timeout_s or DEFAULT_TIMEOUT_S
     procs = _spawn(
-        artefact, ranks, size, f"tcp://{init_addr}", per_rank, timeout, trust_remote_code, nodes
+        artefact,
+        ranks,
+        size,
+        f"tcp://{init_addr}",
+        per_rank,
+        timeout,
+        trust_remote_code,
+        nodes,
+        mapped,
     )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -64,6 +64,7 @@ def _serve(args: argparse.Namespace, device: str) -> int:
         trust_remote_code=args.trust_remote_code,
         rank=args.rank,
         device=device,
+        mapped=not args.weight_loader_disable_mmap,
     )
     runner = ModelRunner(art, int(sizes[0]), int(sizes[1]) or None)
     runner.warm_up()
@@ -141,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S)
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--numa-node", type=int)
+    p.add_argument("--weight-loader-disable-mmap", action="store_true")
     args = p.parse_args(argv)
     configure_logging(os.environ.get("KILN_LOG_LEVEL", "WARNING"))
     try:

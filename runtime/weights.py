@@ -78,14 +78,29 @@ def torch_view(array: np.ndarray, dtype: str) -> torch.Tensor:
 class HostWeights(Mapping[str, np.ndarray]):
     """A weights file's tensors by name, each a numpy array over the mapped file (bits as
     stored, `dtype(name)` naming the element type). `fd`: the file, open for reading
-    (kiln/core/artefact.py open_member: reached without a symbolic link); closed here."""
+    (kiln/core/artefact.py open_member: reached without a symbolic link); closed here.
+    `mapped=False` (--weight-loader-disable-mmap): the file is read whole into memory of
+    the process's own (anonymous pages, page-aligned as a mapping), so nothing done to
+    the file afterwards (rewritten in place, truncated, its disk gone) reaches the
+    weights served, at the cost of the whole file in memory from the start."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, mapped: bool = True) -> None:
         with os.fdopen(fd, "rb", closefd=True) as f:
             size = f.seek(0, 2)
             if size < 8:
                 raise ValueError(f"{size} bytes: too short for a header")
-            self._map = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+            if mapped:
+                self._map = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+            else:
+                self._map = mmap.mmap(-1, size)
+                f.seek(0)
+                got, buf = 0, memoryview(self._map)
+                while got < size:
+                    n = f.readinto(buf[got:])
+                    if not n:
+                        raise ValueError(f"{got} of {size} bytes: the file ended early")
+                    got += n
+                buf.release()
         image = np.frombuffer(self._map, np.uint8)
         entries = _header(image)
         start = 8 + int(image[:8].view("<u8")[0])

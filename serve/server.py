@@ -147,6 +147,7 @@ def _follow(artefact: Path, args: ServerArgs, explicit: dict[str, Any]) -> int:
         args.threads,
         args.trust_remote_code,
         args.numa_node,
+        not args.weight_loader_disable_mmap,
     )
 
 

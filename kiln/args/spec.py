@@ -348,7 +348,7 @@ SECTIONS: tuple[Section, ...] = (
     )),
     Section('Custom weight loader', 'custom_weight_loader', (
         Flag('--custom-weight-loader', type='list[str]', stage=RUNTIME, status=refused('a loader is a Python function named by import path; kiln loads weights only from its artefact')),
-        Flag('--weight-loader-disable-mmap', type='bool', stage=RUNTIME),
+        Flag('--weight-loader-disable-mmap', type='bool', stage=RUNTIME, status=IMPLEMENTED, help="Read the artefact's weights into the server's own memory at start instead of mapping the file: nothing done to the file afterwards (rewritten in place, truncated, its disk gone) reaches the weights served; the whole file is in memory from the start."),
         Flag('--remote-instance-weight-loader-seed-instance-ip', type='str', stage=RUNTIME),
         Flag('--remote-instance-weight-loader-seed-instance-service-port', type='int', stage=RUNTIME),
         Flag('--remote-instance-weight-loader-send-weights-group-ports', type='str', stage=RUNTIME),

@@ -511,3 +511,26 @@ def test_holding_keeps_new_requests_waiting_without_failing(engine) -> None:
     while engine.has_work:
         engine.step()
     assert req.finished and len(req.output_ids) == GREEDY["max_new_tokens"]
+
+
+def test_weights_read_into_memory_do_not_follow_the_file(artefact, tmp_path) -> None:
+    """--weight-loader-disable-mmap: the engine answers as the mapped one does, and a
+    weights file rewritten in place under it changes nothing served (the servers of
+    tests/serve/test_openai_server.py show no process maps the file)."""
+    import shutil
+
+    art = tmp_path / "art"
+    shutil.copytree(artefact("llama"), art)
+    params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    mapped = Engine(art, max_total_tokens=512).generate(input_ids=[5, 6, 7], sampling_params=params)
+    engine = Engine(art, max_total_tokens=512, weight_loader_disable_mmap=True)
+    first = engine.generate(input_ids=[5, 6, 7], sampling_params=params)
+    assert first["output_ids"] == mapped["output_ids"]
+    weights = art / "weights/rank0.safetensors"
+    with weights.open("r+b") as f:  # every byte after the header zeroed, in place
+        header = 8 + int.from_bytes(f.read(8), "little")
+        f.seek(header)
+        f.write(bytes(weights.stat().st_size - header))
+    engine.flush_cache()
+    again = engine.generate(input_ids=[5, 6, 7], sampling_params=params)
+    assert again["output_ids"] == first["output_ids"]

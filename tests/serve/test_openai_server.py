@@ -31,7 +31,8 @@ GREEDY = {"temperature": 0, "max_new_tokens": MAX_TOKENS, "ignore_eos": True}
 
 # Every test on the server runs against a one-process artefact and a tensor-parallel one
 # (rank 0 serves, rank 1 its own process): the answers must not depend on it. Each process
-# is bound to NUMA node 0 (every machine has one), which must not change them either.
+# is bound to NUMA node 0 (every machine has one), which must not change them either; the
+# tensor-parallel one reads its weights into memory (--weight-loader-disable-mmap).
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def server(artefact, launch, request):
     return launch(
@@ -53,6 +54,8 @@ def server(artefact, launch, request):
         "4096",
         "--served-model-name",
         "tiny",
+        # the tensor-parallel server reads its weights into memory, rank 1 too
+        *(["--weight-loader-disable-mmap"] if request.param == 2 else []),
     )
 
 
@@ -84,7 +87,8 @@ def test_models(client, server) -> None:
 def test_each_process_is_bound_to_its_numa_node(server) -> None:
     """--numa-node 0 (0): the server's process and its tensor-parallel rank prefer node 0's
     memory (the kernel shows a process's policy in numa_maps) and run on its CPUs, with its
-    cores shared between them when --threads is not given."""
+    cores shared between them when --threads is not given. The tp2 server's processes map
+    no weights file (--weight-loader-disable-mmap), the tp1 server's does."""
     ranks = subprocess.run(["pgrep", "-P", str(server.process.pid)], capture_output=True, text=True)
     pids = [server.process.pid, *map(int, ranks.stdout.split())]
     node0 = numa.nodes()[0]
@@ -92,6 +96,9 @@ def test_each_process_is_bound_to_its_numa_node(server) -> None:
         first = Path(f"/proc/{pid}/numa_maps").read_text().split("\n", 1)[0]
         assert " prefer:0 " in first, (pid, first)
         assert os.sched_getaffinity(pid) <= node0
+    # --weight-loader-disable-mmap (the tp2 server): no process maps its weights file
+    mapped = [".safetensors" in Path(f"/proc/{pid}/maps").read_text() for pid in pids]
+    assert mapped == [len(pids) == 1] * len(pids), mapped
     log = server.log.read_text()
     [whole] = numa.shares([0])
     share = whole if len(pids) == 1 else max(1, whole // 2)
