@@ -411,8 +411,9 @@ async def open_session(body: OpenSession, request: Request) -> str:
 async def close_session(body: CloseSession, request: Request) -> Response:
     """SGLang's: forget a session (its requests still running go on to their end). An
     unknown id is a 404 (SGLang answers 200 and logs a warning)."""
-    _sessions(_ctx(request)).get(body.session_id)
-    _sessions(_ctx(request)).close(body.session_id)
+    store = _sessions(_ctx(request))
+    store.get(body.session_id)  # a 404 naming it when it is not open
+    store.close(body.session_id)
     return Response(status_code=200)
 
 

@@ -438,3 +438,27 @@ def test_a_tool_round_trip_with_the_real_model(real_client) -> None:
     ).choices[0]
     assert answer.message.tool_calls is None
     assert len(answer.message.content.split()) >= 3, answer.message.content
+
+
+def test_outlines_allows_every_stop_token_where_its_end_is(artefact) -> None:
+    """outlines' index knows one end-of-sequence token: the model's other stop tokens are
+    allowed with it once the match may end, and taking one ends the match."""
+    from transformers import PreTrainedTokenizerFast
+
+    from kiln.runtime.grammar import Constraint, Grammars, token_bitmask
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_file=str(artefact("llama") / "tokenizer/tokenizer.json")
+    )
+    grammars = Grammars(tok, len(tok), [2, 5], backend="outlines")
+    matcher = grammars.matcher(grammars.compile(Constraint("regex", "ab")))
+
+    def allowed() -> set[int]:
+        mask = token_bitmask([matcher], len(tok))[0]
+        return {t for t in range(len(tok)) if int(mask[t // 32]) >> (t % 32) & 1}
+
+    assert 2 not in allowed() and 5 not in allowed()
+    for piece in ("a", "b"):
+        assert matcher.accept_token(tok.convert_tokens_to_ids(piece))
+    assert allowed() == {2, 5} and not matcher.is_terminated()
+    assert matcher.accept_token(5) and matcher.is_terminated()
