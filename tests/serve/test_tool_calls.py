@@ -377,7 +377,11 @@ def test_responses_tool_calls_and_their_round_trip(client) -> None:
         model="tiny", input=history, tools=tools, tool_choice="none", max_output_tokens=6,
         temperature=0,
     )  # fmt: skip
-    assert [item.type for item in answer.output] == ["message"]
+    kinds = [item.type for item in answer.output]
+    # a message; none when the tiny random model's greedy answer is an end token at once,
+    # as it is for about a third of the server's random call ids (the template renders
+    # the id): an empty message is left out
+    assert kinds == ["message"] or (kinds == [] and answer.status == "completed"), kinds
     assert answer.usage.input_tokens > got.usage.input_tokens  # the call and output rendered
     # the same turn as a continuation of the stored response: only the call's output sent
     output = [{"type": "function_call_output", "call_id": call.call_id, "output": "4"}]
