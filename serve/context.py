@@ -78,6 +78,10 @@ _TEMPLATE_RESERVED = frozenset(
 )
 
 
+# /generate's sampling defaults before --preferred-sampling-params: SGLang's 128 new tokens
+NATIVE_DEFAULTS: dict[str, Any] = {"max_new_tokens": 128}
+
+
 class ServingContext:
     def __init__(self, engine: Engine, args: ServerArgs) -> None:
         self.args = args
@@ -311,7 +315,7 @@ class ServingContext:
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         if defaults is not None:
             # SGLang's native default is 128 new tokens (OpenAI routes: up to the context).
-            first = self.model_defaults if defaults == "openai" else {"max_new_tokens": 128}
+            first = self.model_defaults if defaults == "openai" else NATIVE_DEFAULTS
             base = {**first, **(self.preferred or {})}
             per_prompt = [{**base, **_as_dict(p)} for p in per_prompt]
         if len(per_prompt) != len(prompts):

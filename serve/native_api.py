@@ -22,7 +22,7 @@ from kiln.runtime.engine import RequestError
 from kiln.runtime.gc_watch import freeze
 from kiln.runtime.request import Request as EngineRequest
 from kiln.runtime.request import hidden_meta, logprob_meta
-from kiln.serve.context import ServingContext
+from kiln.serve.context import NATIVE_DEFAULTS, ServingContext
 from kiln.serve.protocol import (
     AbortRequest,
     CloseSession,
@@ -367,8 +367,8 @@ async def _session_prompt(
         new_ids = (await ctx.off_loop(lambda: ctx.prompt_ids(str(body.text))))[0]
     else:
         new_ids = list(body.input_ids or [])
-    # what the turn is charged until its request says (SGLang's native default, 128)
-    max_new = {"max_new_tokens": 128, **(ctx.preferred or {}), **(sp or {})}["max_new_tokens"]
+    # what the turn is charged until its request says (make_requests' defaults)
+    max_new = {**NATIVE_DEFAULTS, **(ctx.preferred or {}), **(sp or {})}["max_new_tokens"]
     bound = max_new if isinstance(max_new, int) and max_new >= 0 else ctx.context_length
     prompt, stop = store.begin(
         params.id,

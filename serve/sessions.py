@@ -48,7 +48,6 @@ class Turn:
     request: Request | None = None
     output: array[int] | None = None
     children: list[str] = field(default_factory=list)
-    rid: str = ""
 
     @property
     def running(self) -> bool:
@@ -87,14 +86,16 @@ class SessionStore:
         self.budget = budget
         self.used = 0
         self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._running: set[Turn] = set()  # the turns whose request may not have settled
 
     def __len__(self) -> int:
         return len(self._sessions)
 
     def _settle(self) -> None:
-        for session in self._sessions.values():
-            for turn in session.turns.values():
-                self.used += turn.settle()
+        for turn in list(self._running):
+            self.used += turn.settle()
+            if not turn.running:
+                self._running.discard(turn)
 
     def _make_room(self, tokens: int, keep: str) -> bool:
         """Close least recently used idle sessions (never `keep`) until `tokens` more fit;
@@ -135,6 +136,7 @@ class SessionStore:
         if session is None:
             return False
         self.used -= SESSION_TOKENS + self._held(session)
+        self._running.difference_update(session.turns.values())
         return True
 
     def get(self, session_id: str) -> Session:
@@ -153,6 +155,7 @@ class SessionStore:
         """Drop turn `rid` and its later turns, collecting the running ones' requests."""
         turn = session.turns.pop(rid)
         self.used -= turn.size
+        self._running.discard(turn)
         for child in turn.children:
             if child in session.turns:
                 self._forget(session, child, stop)
@@ -218,8 +221,9 @@ class SessionStore:
                 f"this session request ({size} tokens with its max_new_tokens) does not fit "
                 f"in --max-session-tokens ({self.budget}) beside the running ones",
             )
-        turn = Turn(array("i", prompt), max_new_tokens, parent, rid=rid)
+        turn = Turn(array("i", prompt), max_new_tokens, parent)
         session.turns[rid] = turn
+        self._running.add(turn)
         self.used += turn.size
         if parent is not None:
             parent.children.append(rid)
@@ -260,5 +264,6 @@ class SessionStore:
             return
         turn = session.turns.pop(rid)
         self.used -= turn.size
+        self._running.discard(turn)
         if turn.parent is not None and rid in turn.parent.children:
             turn.parent.children.remove(rid)
