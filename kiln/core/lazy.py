@@ -11,7 +11,11 @@ so types are checked as usual and the import happens at the first `torch.x` at r
 
 from __future__ import annotations
 
+import ctypes
 import importlib
+import importlib.machinery
+import importlib.util
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -60,8 +64,40 @@ _PREFETCHING: set[str] = set()
 
 
 def _load(name: str) -> None:
+    _open_libraries(name)
     importlib.import_module(name)
     _imported(name)
+
+
+# The shared libraries a module's import opens, each a path in its package (an extension
+# module by its name without a suffix) and the dlopen flags its import adds. Python's import
+# holds the GIL while the dynamic loader maps a library and runs its constructors: opening
+# torch's libtorch_cpu.so took 0.35-0.39 s of it on a Zen 3, and a server that takes torch
+# while idle answered nothing, /health included, for that long. dlopen called as a ctypes
+# foreign function lets go of the GIL; the import then finds the libraries open (the
+# longest stop left while torch imports: 0.07-0.08 s).
+_LIBRARIES: dict[str, tuple[tuple[str, int], ...]] = {
+    "torch": (("lib/libtorch_global_deps.so", os.RTLD_GLOBAL), ("_C", 0)),
+}
+
+
+def _open_libraries(name: str) -> None:
+    """Open module `name`'s shared libraries (_LIBRARIES) with the GIL released, where the
+    platform has dlopen; a library that does not open is left to the import to report."""
+    parts = _LIBRARIES.get(name, ())
+    spec = importlib.util.find_spec(name) if parts and sys.platform == "linux" else None
+    if spec is None or not spec.submodule_search_locations:
+        return
+    root = next(iter(spec.submodule_search_locations))
+    dlopen = ctypes.CDLL(None).dlopen
+    dlopen.restype, dlopen.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_int]
+    for part, flags in parts:
+        path = os.path.join(root, part)
+        if not os.path.splitext(part)[1]:  # an extension module: its platform's file name
+            found = [path + s for s in importlib.machinery.EXTENSION_SUFFIXES]
+            path = next((p for p in found if os.path.exists(p)), path)
+        if os.path.exists(path):
+            dlopen(os.fsencode(path), sys.getdlopenflags() | flags)
 
 
 def _imported(name: str) -> None:
