@@ -29,6 +29,7 @@ from kiln.runtime.batch_log import BatchLog
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.grammar import Grammars
 from kiln.runtime.kv_cache import KVCache
+from kiln.runtime.kv_store import KVStore, open_store
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.parallel import TPGroup, check_nodes
 from kiln.runtime.placement import KVDemand, Placement, available_ram, gpu_memory, place
@@ -198,7 +199,17 @@ class Engine:
         cache = None
         if not self.args.disable_radix_cache:
             cache = RadixCache(self.runner.pool, self.args.radix_eviction_policy)
-        self.scheduler = Scheduler(self.runner.pool, self._scheduler_config(), cache)
+        # --hicache-storage-backend file: the prefix cache's disk tier (runtime/kv_store.py)
+        self.kv_store: KVStore | None = None
+        if cache is not None:
+            self.kv_store = open_store(self.args, self.art, self.runner.kv, spec.tp_size)
+        self.scheduler = Scheduler(
+            self.runner.pool,
+            self._scheduler_config(),
+            cache,
+            self.kv_store,
+            write_back=self.args.hicache_write_policy == "write_back",
+        )
         self.batch_log = BatchLog(self.args.decode_log_interval, self.scheduler, self.runner.pool)
         # --enable-nan-detection: NaN logits are read as -1e5 (never sampled) and logged;
         # --crash-on-nan: the batch's requests fail and `_on_fatal` (the server) stops.
@@ -1220,6 +1231,7 @@ class Engine:
         old weights', and prefilled again (prompt and output so far) with the new ones, so
         no K/V of the old weights is ever read again. Returns the cached tokens dropped;
         WeightUpdateError says why nothing changed."""
+        from kiln.runtime.kv_store import identity
         from kiln.runtime.weight_update import WeightUpdateError, apply_update, read_update
 
         new = read_update(self.art, Path(root), 0)
@@ -1234,6 +1246,11 @@ class Engine:
         if not self._tell_ranks({"weights": "load"}):  # checked: only a broken rank fails
             raise RuntimeError("a tensor-parallel rank failed to copy weights it had checked")
         log.warning("weights updated from %s", root)
+        if self.kv_store is not None:  # the disk tier's pages are the old weights'
+            files = checked_manifest(Path(root), verify=False)["files"]
+            self.kv_store.rebind(identity(files, self.runner.kv, self.art.spec.page_size))
+            for req in self.scheduler.waiting:
+                req.page_names.clear()
         return self.flush_cache()
 
     def flush_cache(self) -> int:
@@ -1268,6 +1285,8 @@ class Engine:
         """Release the KV pool and weights, and stop the other tensor-parallel ranks (the
         engine is unusable afterwards)."""
         group = self.runner.group
+        if self.kv_store is not None:
+            self.kv_store.close()  # the pages on the way are written first
         del self.runner
         if group is not None:
             group.close()

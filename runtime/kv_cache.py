@@ -109,6 +109,7 @@ class KVCache:
         self.device = device
         self.shape = (num_layers, num_kv_heads, num_slots, head_dim)
         v_shape = (*self.shape[:3], _v_width(head_dim, v_head_dim))
+        self.v_shape = v_shape
         self.itemsize = DTYPES[self.dtype].itemsize
         self.nbytes = (math.prod(self.shape) + math.prod(v_shape)) * self.itemsize
         self.k_host: np.ndarray | None = None

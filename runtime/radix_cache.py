@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kiln.runtime.kv_cache import PagePool
@@ -53,6 +53,10 @@ class RadixCache:
         self._roots: dict[str | tuple[int, str | None], Node] = {}
         self._clock = itertools.count(1)
         self.cached_pages = 0
+        # Called with (tree, the tokens from the root to a leaf, the leaf's pages) before
+        # the leaf's pages go back to the pool: the disk tier's write-back
+        # (runtime/kv_store.py, --hicache-write-policy write_back).
+        self.on_evict: Callable[[Space, list[int], list[int]], None] | None = None
 
     # -- lookups ---------------------------------------------------------------------------
     def _first(self, tokens: Sequence[int], at: int) -> tuple[int, ...]:
@@ -202,6 +206,8 @@ class RadixCache:
             parent = leaf.parent
             assert parent is not None
             del parent.children[self._first(leaf.key, 0)]
+            if self.on_evict is not None:
+                self.on_evict(*self._path(leaf), leaf.pages)
             self.pool.free(leaf.pages)
             freed += len(leaf.pages)
             self.cached_pages -= len(leaf.pages)
@@ -210,6 +216,15 @@ class RadixCache:
         for space in [k for k, r in self._roots.items() if not r.children]:
             del self._roots[space]
         return freed
+
+    def _path(self, node: Node) -> tuple[Space, list[int]]:
+        """The tree `node` is in and the tokens from its root to `node` (its own last)."""
+        keys = []
+        while node.parent is not None:
+            keys.append(node.key)
+            node = node.parent
+        space = next((k for k, r in self._roots.items() if r is node), None)
+        return space, [t for key in reversed(keys) for t in key]
 
     def reset(self) -> int:
         """Drop every unlocked entry (flush_cache); returns pages freed."""

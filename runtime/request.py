@@ -52,6 +52,9 @@ class Request:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     cache_node: Any = None  # the prefix-cache node this request holds locked
     tree_len: int = 0  # tokens of its first pages that are the prefix cache's (cache_node's)
+    # Its whole pages' names in the prefix cache's disk tier (runtime/kv_store.py), as far
+    # as they were needed: the chain of digests grows with the request, never changes.
+    page_names: list[bytes] = field(default_factory=list)
     # SGLang's extra_key / cache_salt: shares cached prefixes only with requests of the
     # same key (runtime/radix_cache.py)
     cache_key: str | None = None

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.runtime.kv_cache import PagePool
-from kiln.runtime.radix_cache import RadixCache
+from kiln.runtime.kv_store import KVStore
+from kiln.runtime.radix_cache import RadixCache, Space
 from kiln.runtime.request import Request, Status
 
 POLICIES = ("fcfs", "lpm", "random", "lof", "priority")
@@ -97,13 +98,25 @@ def _tokens(req: Request) -> list[int]:
 
 class Scheduler:
     def __init__(
-        self, pool: PagePool, config: SchedulerConfig, cache: RadixCache | None = None
+        self,
+        pool: PagePool,
+        config: SchedulerConfig,
+        cache: RadixCache | None = None,
+        store: KVStore | None = None,
+        write_back: bool = False,
     ) -> None:
         if config.policy not in POLICIES:
             raise ValueError(f"unknown schedule policy {config.policy!r}")
         self.pool = pool
         self.cfg = config
         self.cache = cache
+        # The prefix cache's disk tier (runtime/kv_store.py): pages the tree lacks are read
+        # from it before a prompt is computed; pages are kept there as they join the tree
+        # (write-through) or as the tree evicts them (`write_back`).
+        self.store = store if cache is not None else None
+        self._write_through = self.store is not None and not write_back
+        if self.store is not None and cache is not None and write_back:
+            cache.on_evict = self._keep_evicted
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # hold pages: decoding, or mid-way through a prompt
         self._rng = random.Random(config.seed)
@@ -363,11 +376,53 @@ class Scheduler:
     def _attach_prefix(self, req: Request) -> None:
         assert self.cache is not None
         pages, length, node = self.cache.match(req.all_ids[:-1], req.prefix_space)
+        if self.store is not None:
+            pages, length, node = self._restore(req, pages, length, node)
         if length:
             self.cache.lock(node)
             req.pages, req.kv_len, req.cache_node = list(pages), length, node
             req.tree_len = length
             req.cached_tokens = max(req.cached_tokens, length)
+
+    def _restore(self, req: Request, pages: list[int], length: int, node: Any) -> tuple:
+        """The match (pages, length, node) extended by the pages of `req`'s prompt the disk
+        tier holds past it, read into free pool pages (the tree evicting for them, never
+        the match) and given to the tree."""
+        assert self.cache is not None and self.store is not None
+        ids = req.all_ids[:-1]
+        names = self.store.names(ids, req.prefix_space, req.page_names)
+        first = length // self.pool.page_size
+        if names is None or first >= len(names):
+            return pages, length, node
+        want = self.store.stored(names[first:])
+        if not want:
+            return pages, length, node
+        self.cache.lock(node)
+        self._ensure_free(want)
+        self.cache.unlock(node)
+        fresh = self.pool.allocate(min(want, self.pool.free_pages))
+        got = self.store.load(names[first : first + len(fresh)], fresh)
+        self.pool.free(fresh[got:])
+        if not got:
+            return pages, length, node
+        end = length + got * self.pool.page_size
+        self.pool.free(self.cache.insert(ids[:end], pages + fresh[:got], req.prefix_space))
+        return self.cache.match(ids[:end], req.prefix_space)
+
+    def _keep(self, req: Request, full: int) -> None:
+        """Write-through: the disk tier keeps `req`'s first `full` pages (the tree's now)."""
+        assert self.store is not None
+        names = self.store.names(req.all_ids[: full * self.pool.page_size], req.prefix_space,
+                                 req.page_names)  # fmt: skip
+        if names is not None:
+            self.store.save(names[:full], req.pages[:full])
+
+    def _keep_evicted(self, space: Space, tokens: list[int], pages: list[int]) -> None:
+        """Write-back: the disk tier keeps a leaf's pages as the tree evicts them."""
+        assert self.store is not None
+        names = self.store.names(tokens, space, [])
+        if names is not None:
+            self.store.save(names[-len(pages) :], pages)
 
     def _detach_prefix(self, req: Request) -> None:
         assert self.cache is not None and req.cache_node is not None
@@ -395,6 +450,8 @@ class Scheduler:
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
         req.cache_node, req.tree_len = node, length
+        if self._write_through:
+            self._keep(req, full)
 
     def _release(self, req: Request) -> None:
         """Give a request's pages back: whole computed pages to the prefix cache (when on),
@@ -403,6 +460,8 @@ class Scheduler:
         if self.cache is not None:
             full = req.kv_len // self.pool.page_size
             keep = req.all_ids[: full * self.pool.page_size]
+            if self._write_through and full * self.pool.page_size > req.tree_len:
+                self._keep(req, full)
             self.pool.free(self.cache.insert(keep, pages[:full], req.prefix_space))
             pages = pages[full:]
             if req.cache_node is not None:

@@ -147,6 +147,8 @@ class ServingContext:
         self._workers.shutdown(wait=False, cancel_futures=True)
         self._grammar_workers.shutdown(wait=False, cancel_futures=True)
         self._log_worker.shutdown(wait=True)  # the last lines and records are written
+        if self.engine.kv_store is not None:  # the disk tier's pages on the way are written
+            self.engine.kv_store.close()
         if self.async_engine.metrics_file is not None:
             self.async_engine.metrics_file.close()
 

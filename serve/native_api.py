@@ -275,6 +275,8 @@ async def server_info(request: Request) -> dict[str, Any]:
         "kv_pages_cached": await ctx.async_engine.run(lambda e: e.scheduler.cached_pages),
         "num_running_reqs": ctx.async_engine.num_running,
         "num_queue_reqs": ctx.async_engine.num_waiting,
+        # the prefix cache's disk tier (--hicache-storage-backend file), or None
+        "hicache_storage": ctx.engine.kv_store.stats() if ctx.engine.kv_store else None,
     }
 
 
@@ -628,6 +630,24 @@ async def flush_cache(request: Request) -> dict[str, Any]:
     """Drop every prefix-cache entry that no running request uses."""
     freed = await _ctx(request).async_engine.run(lambda e: e.flush_cache())
     return {"message": "cache flushed", "freed_tokens": freed}
+
+
+@router.api_route("/clear_hicache_storage_backend", methods=["GET", "POST"])
+async def clear_hicache_storage_backend(request: Request) -> dict[str, Any]:
+    """SGLang's: remove every KV page the prefix cache's disk tier keeps for this model
+    (--hicache-storage-backend file); the pool's own prefix cache stays."""
+
+    def clear(engine: Any) -> int:
+        if engine.kv_store is None:
+            raise ApiError(
+                400,
+                "no storage tier to clear; start the server with --enable-hierarchical-cache "
+                "--hicache-storage-backend file",
+            )
+        return int(engine.kv_store.clear())
+
+    removed = await _ctx(request).async_engine.run(clear)
+    return {"message": "hicache storage backend cleared", "removed_pages": removed}
 
 
 @router.api_route("/freeze_gc", methods=["GET", "POST"])

@@ -147,6 +147,11 @@ def test_health_stays_fast_while_a_huge_prompt_is_tokenized(server) -> None:
     assert max(waits) < 0.5, max(waits)
 
 
+def test_clearing_a_storage_tier_the_server_lacks_is_a_400(server) -> None:
+    r = server.post("/clear_hicache_storage_backend")
+    assert r.status_code == 400 and "--hicache-storage-backend file" in r.json()["message"]
+
+
 def test_body_size_and_fan_out_are_bounded(server) -> None:
     r = server.post("/v1/completions", json={"prompt": "x" * (9 * 1024 * 1024)})
     assert r.status_code == 413 and "--max-request-body-bytes" in r.json()["message"]

@@ -1,0 +1,415 @@
+"""The prefix cache's disk tier (`--enable-hierarchical-cache --hicache-storage-backend
+file`, SGLang's HiCache file storage): whole KV pages kept as files, found again by their
+tokens once the pool has evicted them, or after a restart.
+
+A page's name is a chain of digests: the first page's from the model's identity (every
+artefact file's checksum, the KV layout) and the prefix tree's name (a request's cache
+key), each next one from the one before and its page's tokens. A name so stands for the
+whole prefix up to its page, as a radix tree's path does, and another model's, another
+layout's or another tenant's pages never match. An adapter's requests (their K/V are not
+the base model's, and a slot says nothing across restarts) keep to the pool.
+
+Pages are written by a background thread, each file whole or not at all (a temporary file
+renamed into place). One that is missing, short, or names another page when read is a miss:
+the request computes the page instead. A page read back goes straight into K/V a request
+attends over, so the folder must be this user's own: created 0700, and one owned by another
+user or writable by others is refused. It is bounded: past its capacity the files least
+recently written or read go first (their times carry that order across restarts).
+
+CPU pools only (the pool is host memory there: the tier below it is the disk), one rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import queue
+import shutil
+import stat
+import struct
+import threading
+import time
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kiln.args import ArgError
+from kiln.runtime.kv_cache import KVCache
+
+log = logging.getLogger("kiln.runtime")
+
+MAGIC = b"KILNKV01"
+_HEADER = struct.Struct("<8s32sQ")  # magic, the page's name, payload bytes
+_SUFFIX = ".kv"
+# Pages copied out and not yet on disk, at most: past it new pages are not kept (a disk
+# slower than the prefills; counted in `dropped`).
+MAX_PENDING_BYTES = 256 << 20
+# The folder: SGLang's variable names it, else SGLang's default.
+FOLDER_VARIABLE = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
+DEFAULT_FOLDER = "/tmp/hicache"
+# The default capacity: this much, or half the disk's free space at start if less.
+DEFAULT_CAPACITY = 16 << 30
+
+
+def open_store(args: Any, art: Any, kv: KVCache, tp_size: int) -> KVStore | None:
+    """The disk tier the server arguments ask for, or None. `--enable-hierarchical-cache`
+    alone adds nothing on a CPU: the pool is host memory, SGLang's second tier."""
+    if not args.enable_hierarchical_cache:
+        if args.hicache_storage_backend is not None:
+            raise ArgError("--hicache-storage-backend: needs --enable-hierarchical-cache")
+        return None
+    if kv.k_host is None:
+        raise ArgError(
+            "--enable-hierarchical-cache: kiln has it for CPU KV pools only (a GPU's host "
+            "memory tier is planned)"
+        )
+    if args.hicache_storage_backend is None:
+        log.info("--enable-hierarchical-cache: the KV pool is host memory already; no tier below")
+        return None
+    if tp_size > 1:
+        raise ArgError(
+            f"--hicache-storage-backend file: one rank only (this artefact has --tp-size "
+            f"{tp_size}); tensor-parallel ranks' pages are planned"
+        )
+    extra = _extra_config(args.hicache_storage_backend_extra_config)
+    folder = extra.get("storage_dir") or os.environ.get(FOLDER_VARIABLE) or DEFAULT_FOLDER
+    capacity = extra.get("capacity_gb")
+    page_size = art.spec.page_size
+    store = KVStore(
+        folder,
+        identity(art.manifest["files"], kv, page_size),
+        kv,
+        page_size,
+        None if capacity is None else int(capacity * (1 << 30)),
+    )
+    log.info(
+        "KV pages kept in %s (%d there from before, up to %.1f GB, %s)",
+        store.folder, store.stored_pages, store.capacity / 1e9, args.hicache_write_policy,
+    )  # fmt: skip
+    return store
+
+
+def _extra_config(text: str | None) -> dict[str, Any]:
+    """--hicache-storage-backend-extra-config for the file backend: a JSON object with
+    `storage_dir` (a folder) and `capacity_gb` (a positive number), both optional."""
+    if not text:
+        return {}
+    flag = "--hicache-storage-backend-extra-config"
+    try:
+        extra = json.loads(text)
+    except ValueError as e:
+        raise ArgError(f"{flag}: not JSON ({e})") from None
+    if not isinstance(extra, dict):
+        raise ArgError(f"{flag}: a JSON object, not {type(extra).__name__}")
+    unknown = sorted(set(extra) - {"storage_dir", "capacity_gb"})
+    if unknown:
+        raise ArgError(f"{flag}: the file backend takes storage_dir and capacity_gb, not {unknown}")
+    folder = extra.get("storage_dir", "-")
+    if not (isinstance(folder, str) and folder):
+        raise ArgError(f"{flag}: storage_dir must be a folder's path")
+    gb = extra.get("capacity_gb")
+    if gb is not None and (isinstance(gb, bool) or not isinstance(gb, int | float) or gb <= 0):
+        raise ArgError(f"{flag}: capacity_gb must be a positive number")
+    return extra
+
+
+class StoreError(ValueError):
+    """The storage folder cannot be used (the message names it and the flag)."""
+
+
+def identity(files: dict[str, Any], kv: KVCache, page_size: int) -> bytes:
+    """What a page's K/V depend on besides its tokens: the artefact's files (weights, graph,
+    kernels: each by its checksum) and the pool's layout."""
+    h = hashlib.blake2b(digest_size=32)
+    for name in sorted(files):
+        h.update(f"{name}\0{files[name].get('sha256', '')}\0".encode())
+    h.update(f"{kv.shape}\0{kv.v_shape}\0{kv.dtype}\0{page_size}".encode())
+    return h.digest()
+
+
+def space_bytes(space: Any) -> bytes | None:
+    """A prefix tree's name as bytes; None for an adapter's (not stored)."""
+    if space is None:
+        return b"\0"
+    if isinstance(space, str):
+        return b"\1" + space.encode()
+    return None
+
+
+class KVStore:
+    def __init__(
+        self,
+        folder: str | Path,
+        model: bytes,
+        kv: KVCache,
+        page_size: int,
+        capacity: int | None = None,
+    ) -> None:
+        """`capacity`: bytes at most in the folder (None: DEFAULT_CAPACITY, or half the
+        disk's free space if less)."""
+        if kv.k_host is None or kv.v_host is None:
+            raise StoreError("--hicache-storage-backend file keeps a CPU KV pool's pages only")
+        self.kv, self.page = kv, page_size
+        self.page_bytes = (
+            KVCache.bytes_per_token(kv.shape[0], kv.shape[1], kv.shape[3], kv.dtype, kv.v_shape[3])
+            * page_size
+        )
+        self.model = model
+        self.root = _own_folder(Path(folder))
+        self.folder = _own_folder(self.root / model.hex()[:32])
+        if capacity is None:
+            capacity = min(DEFAULT_CAPACITY, shutil.disk_usage(self.folder).free // 2)
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._files: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
+        self._pending: set[bytes] = set()
+        self._pending_bytes = 0
+        # pages read back, written, not kept (the writer behind), removed past the capacity
+        self.hits = self.written = self.dropped = self.evicted = 0
+        self.read_seconds = 0.0  # in `load`
+        self._scan()
+        self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="kiln-kv-store", daemon=True)
+        self._writer.start()
+
+    # -- names -----------------------------------------------------------------------------
+    def names(self, tokens: Sequence[int], space: Any, known: list[bytes]) -> list[bytes] | None:
+        """The names of `tokens`' whole pages in tree `space`, extending `known` (the names
+        of its first pages, computed before) in place; None for a tree not stored."""
+        tag = space_bytes(space)
+        if tag is None:
+            return None
+        page = self.page
+        for i in range(len(known), len(tokens) // page):
+            prev = known[-1] if known else _digest(self.model + tag)
+            ids = array("i", tokens[i * page : (i + 1) * page]).tobytes()
+            known.append(_digest(prev + ids))
+        return known
+
+    def stored(self, names: Sequence[bytes]) -> int:
+        """How many of `names`, from the first, are on disk."""
+        with self._lock:
+            n = 0
+            while n < len(names) and names[n] in self._files:
+                n += 1
+            return n
+
+    # -- pages in and out ------------------------------------------------------------------
+    def load(self, names: Sequence[bytes], pages: Sequence[int]) -> int:
+        """Read pages `names` into pool pages `pages`, in order, stopping at the first that
+        cannot be read (gone, short, another page's); returns how many were read."""
+        t0 = time.perf_counter()
+        buf = bytearray(_HEADER.size + self.page_bytes)
+        n = 0
+        for name, page in zip(names, pages, strict=True):
+            if not self._read(name, buf):
+                with self._lock:
+                    self._files.pop(name, None)
+                break
+            self._scatter(memoryview(buf)[_HEADER.size :], page)
+            with self._lock:
+                if name in self._files:
+                    self._files.move_to_end(name)
+            n += 1
+        self.hits += n
+        self.read_seconds += time.perf_counter() - t0
+        return n
+
+    def save(self, names: Sequence[bytes], pages: Sequence[int]) -> None:
+        """Keep pages `pages` (pool pages holding the K/V named `names`): copied out now,
+        written by the store's thread. Pages already kept or on the way are skipped."""
+        with self._lock:
+            new = [
+                (name, page)
+                for name, page in zip(names, pages, strict=True)
+                if name not in self._files and name not in self._pending
+            ]
+            room = max(0, (MAX_PENDING_BYTES - self._pending_bytes) // self.page_bytes)
+            self.dropped += max(0, len(new) - room)
+            new = new[:room]
+            self._pending.update(name for name, _ in new)
+            self._pending_bytes += len(new) * self.page_bytes
+        for name, page in new:
+            self._queue.put((name, self._gather(page)))
+
+    def clear(self) -> int:
+        """Remove every stored page of this model (SGLang's /clear_hicache_storage_backend);
+        returns how many."""
+        self.flush()
+        with self._lock:
+            names, self._files = list(self._files), OrderedDict()
+        for name in names:
+            _unlink(self._path(name))
+        return len(names)
+
+    def rebind(self, model: bytes) -> None:
+        """Serve pages of model identity `model` from now on (new weights): the pages
+        on the way are written first, and those of the old weights never match again."""
+        self.flush()
+        with self._lock:
+            self.model = model
+            self.folder = _own_folder(self.root / model.hex()[:32])
+            self._files = OrderedDict()
+        self._scan()
+
+    def flush(self) -> None:
+        """Wait until every page handed to `save` is on disk (or failed)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._writer.join()
+
+    @property
+    def stored_pages(self) -> int:
+        return len(self._files)
+
+    def stats(self) -> dict[str, Any]:
+        """What /get_server_info reports of the tier."""
+        return {
+            "folder": str(self.folder),
+            "capacity_bytes": self.capacity,
+            "page_bytes": self.page_bytes,
+            "stored_pages": self.stored_pages,
+            "pages_read": self.hits,
+            "read_seconds": round(self.read_seconds, 6),
+            "pages_written": self.written,
+            "pages_not_kept": self.dropped,
+            "pages_removed": self.evicted,
+        }
+
+    # -- the pool's memory -----------------------------------------------------------------
+    def _slots(self, page: int) -> slice:
+        return slice(page * self.page, (page + 1) * self.page)
+
+    def _gather(self, page: int) -> bytes:
+        kv, at = self.kv, self._slots(page)
+        assert kv.k_host is not None and kv.v_host is not None
+        return kv.k_host[:, :, at].tobytes() + kv.v_host[:, :, at].tobytes()
+
+    def _scatter(self, payload: memoryview, page: int) -> None:
+        kv, at = self.kv, self._slots(page)
+        assert kv.k_host is not None and kv.v_host is not None
+        k_part = kv.k_host[:, :, at]
+        k_bytes = k_part.nbytes
+        kv.k_host[:, :, at] = np.frombuffer(payload[:k_bytes], k_part.dtype).reshape(k_part.shape)
+        v_part = kv.v_host[:, :, at]
+        kv.v_host[:, :, at] = np.frombuffer(payload[k_bytes:], v_part.dtype).reshape(v_part.shape)
+
+    # -- files -----------------------------------------------------------------------------
+    def _path(self, name: bytes) -> Path:
+        return self.folder / (name.hex() + _SUFFIX)
+
+    def _read(self, name: bytes, buf: bytearray) -> bool:
+        try:
+            fd = os.open(self._path(name), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return False
+        try:
+            with os.fdopen(fd, "rb", buffering=0) as f:
+                got = f.readinto(buf)
+                extra = f.read(1)
+        except OSError:
+            return False
+        if got != len(buf) or extra:
+            return False
+        magic, stored_name, size = _HEADER.unpack_from(buf)
+        if magic != MAGIC or stored_name != name or size != self.page_bytes:
+            return False
+        with contextlib.suppress(OSError):  # recently read: last to go, after a restart too
+            os.utime(self._path(name), follow_symlinks=False)
+        return True
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._write(*item)
+            except Exception:
+                log.exception("the KV storage thread failed on a page")
+            finally:
+                self._queue.task_done()
+
+    def _write(self, name: bytes, payload: bytes) -> None:
+        path = self._path(name)
+        tmp = path.with_suffix(f".{threading.get_ident()}.tmp")
+        ok = False
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(_HEADER.pack(MAGIC, name, len(payload)))
+                f.write(payload)
+            os.replace(tmp, path)
+            ok = True
+        except OSError as e:
+            log.warning("could not keep a KV page in %s: %s", self.folder, e)
+            _unlink(tmp)
+        gone: list[bytes] = []
+        with self._lock:
+            self._pending.discard(name)
+            self._pending_bytes -= len(payload)
+            if ok:
+                self._files[name] = None
+                self.written += 1
+                most = max(1, self.capacity // (self.page_bytes + _HEADER.size))
+                while len(self._files) > most:
+                    gone.append(self._files.popitem(last=False)[0])
+        self.evicted += len(gone)
+        for old in gone:
+            _unlink(self._path(old))
+
+    def _scan(self) -> None:
+        """The pages a previous server left (oldest first by time written or read)."""
+        found = []
+        with os.scandir(self.folder) as entries:
+            for e in entries:
+                if e.name.endswith(".tmp") and e.is_file(follow_symlinks=False):
+                    _unlink(Path(e.path))  # a write a stopped server left half done
+                    continue
+                if not e.name.endswith(_SUFFIX) or not e.is_file(follow_symlinks=False):
+                    continue
+                try:
+                    name = bytes.fromhex(e.name[: -len(_SUFFIX)])
+                    found.append((e.stat(follow_symlinks=False).st_mtime, name))
+                except (ValueError, OSError):
+                    continue
+        for _, name in sorted(found):
+            if len(name) == 32:
+                self._files[name] = None
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=32).digest()
+
+
+def _own_folder(path: Path) -> Path:
+    """`path`, created 0700 if missing; refused unless it is a folder of this user that no
+    one else can write (its pages are read into the K/V requests attend over)."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(path)
+    except OSError as e:
+        raise StoreError(f"--hicache-storage-backend file: cannot use {path}: {e}") from e
+    if not stat.S_ISDIR(st.st_mode):
+        raise StoreError(f"--hicache-storage-backend file: {path} is not a folder")
+    if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise StoreError(
+            f"--hicache-storage-backend file: {path} must belong to this user and be "
+            "writable by no one else (its pages become the K/V requests read); "
+            "choose another with SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
+        )
+    return path
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)

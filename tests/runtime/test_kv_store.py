@@ -1,0 +1,200 @@
+"""The prefix cache's disk tier (runtime/kv_store.py, --enable-hierarchical-cache
+--hicache-storage-backend file): pages kept as files are read back into the pool for a
+prompt that starts with them (after a restart, after the pool evicted them) and change no
+answer; they never reach another model, another tenant or a damaged file's reader."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from kiln import Engine
+from kiln.args import ArgError
+from kiln.runtime.kv_store import MAGIC, StoreError
+from kiln.runtime.request import Request
+from kiln.runtime.sampling_params import SamplingParams
+
+GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+PROMPT = list(range(3, 83))  # 80 tokens: whole pages at any page size that divides 16
+
+
+def _engine(art: Path, folder: Path, **kw) -> Engine:
+    extra = {"storage_dir": str(folder), **kw.pop("extra", {})}
+    return Engine(
+        art,
+        max_total_tokens=kw.pop("max_total_tokens", 1024),
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="file",
+        hicache_storage_backend_extra_config=json.dumps(extra),
+        **kw,
+    )
+
+
+def _run(eng: Engine, prompt: list[int], **params) -> dict:
+    out = eng.generate(input_ids=prompt, sampling_params={**GREEDY, **params}, return_logprob=True)
+    assert isinstance(out, dict)
+    return out
+
+
+def _logprobs(out: dict) -> list[float]:
+    return [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+
+
+@pytest.fixture(scope="module")
+def reference(artefact) -> dict:
+    eng = Engine(artefact("llama"), max_total_tokens=1024, disable_radix_cache=True)
+    return _run(eng, PROMPT)
+
+
+def _pages(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*/*.kv"))
+
+
+def test_a_restarted_engine_reads_the_pages_back_and_answers_the_same(
+    artefact, reference, tmp_path
+) -> None:
+    art = artefact("llama")
+    first = _engine(art, tmp_path)
+    out = _run(first, PROMPT)
+    assert out["meta_info"]["cached_tokens"] == 0
+    first.kv_store.flush()
+    page = first.art.spec.page_size
+    # the prompt's whole pages once computed; the request's (prompt and output but the
+    # last token) when it ended
+    assert len(_pages(tmp_path)) == (len(PROMPT) + GREEDY["max_new_tokens"] - 1) // page
+    first.shutdown()
+
+    again = _engine(art, tmp_path)
+    assert again.kv_store.stored_pages == len(_pages(tmp_path))
+    out = _run(again, PROMPT)
+    assert out["meta_info"]["cached_tokens"] == (len(PROMPT) - 1) // page * page
+    assert again.kv_store.hits == (len(PROMPT) - 1) // page
+    assert out["output_ids"] == reference["output_ids"]
+    assert _logprobs(out) == pytest.approx(_logprobs(reference), abs=1e-4)
+    # a longer prompt over the same start: the stored pages, then its own
+    longer = _run(again, [*PROMPT, 90, 91, 92])
+    assert longer["meta_info"]["cached_tokens"] >= (len(PROMPT) - 1) // page * page
+
+
+def test_pages_are_kept_apart_by_model_and_cache_key(artefact, tmp_path) -> None:
+    art = artefact("llama")
+    eng = _engine(art, tmp_path)
+    _run(eng, PROMPT)
+    eng.kv_store.flush()
+    eng.shutdown()
+    # another tenant's key, on a restarted engine: none of the shared tree's pages
+    eng = _engine(art, tmp_path)
+    req = _finish(eng, PROMPT, "tenant-b")
+    assert req.cached_tokens == 0 and eng.kv_store.hits == 0
+    # the same tokens under that key read its own pages once kept
+    eng.kv_store.flush()
+    again = _engine(art, tmp_path)
+    req = _finish(again, PROMPT, "tenant-b")
+    assert req.cached_tokens > 0 and again.kv_store.hits > 0
+    # another model in the same folder: nothing of the first's
+    other = _engine(artefact("mistral"), tmp_path)
+    assert other.kv_store.stored_pages == 0
+    out = _run(other, PROMPT)
+    assert out["meta_info"]["cached_tokens"] == 0 and other.kv_store.hits == 0
+
+
+def _finish(eng: Engine, prompt: list[int], cache_key: str) -> Request:
+    req = eng.make_request(prompt, SamplingParams(**GREEDY))
+    req.cache_key = cache_key
+    eng.add_request(req)
+    while eng.has_work:
+        eng.step()
+    return req
+
+
+def test_a_damaged_page_is_a_miss_and_the_answer_stays_right(artefact, reference, tmp_path):
+    art = artefact("llama")
+    eng = _engine(art, tmp_path)
+    _run(eng, PROMPT)
+    eng.kv_store.flush()
+    eng.shutdown()
+    names = [p.name for p in _pages(tmp_path)]
+    again = _engine(art, tmp_path)
+    chain = again.kv_store.names(PROMPT, None, [])
+    assert chain is not None and {n.hex() + ".kv" for n in chain} <= set(names)
+    # the second page's header names another page: the first page is read, no more
+    second = again.kv_store._path(chain[1])
+    data = bytearray(second.read_bytes())
+    assert data[:8] == MAGIC
+    data[8] ^= 0xFF
+    second.write_bytes(bytes(data))
+    out = _run(again, PROMPT)
+    page = again.art.spec.page_size
+    assert out["meta_info"]["cached_tokens"] == page
+    assert out["output_ids"] == reference["output_ids"]
+    assert _logprobs(out) == pytest.approx(_logprobs(reference), abs=1e-4)
+    # the first page cut short (on a restarted engine): nothing is read
+    again.kv_store.flush()
+    first = again.kv_store._path(chain[0])
+    first.write_bytes(first.read_bytes()[:-1])
+    last = _engine(art, tmp_path)
+    out = _run(last, PROMPT)
+    assert out["meta_info"]["cached_tokens"] == 0 and last.kv_store.hits == 0
+    assert out["output_ids"] == reference["output_ids"]
+
+
+def test_write_back_keeps_what_the_pool_evicts(artefact, reference, tmp_path) -> None:
+    art = artefact("llama")
+    # a pool of 128 tokens: the second prompt evicts the first's pages
+    eng = _engine(art, tmp_path, max_total_tokens=128, hicache_write_policy="write_back")
+    _run(eng, PROMPT)
+    eng.kv_store.flush()
+    assert _pages(tmp_path) == []  # nothing written while memory lasts
+    _run(eng, list(range(200, 290)))
+    eng.kv_store.flush()
+    assert len(_pages(tmp_path)) > 0
+    out = _run(eng, PROMPT)
+    assert eng.kv_store.hits > 0 and out["meta_info"]["cached_tokens"] > 0
+    assert out["output_ids"] == reference["output_ids"]
+
+
+def test_the_oldest_pages_go_past_the_capacity(artefact, tmp_path) -> None:
+    art = artefact("llama")
+    eng = _engine(art, tmp_path)
+    store = eng.kv_store
+    # room for three pages
+    store.capacity = 3 * (store.page_bytes + 48)
+    _run(eng, PROMPT)
+    store.flush()
+    kept = _pages(tmp_path)
+    assert len(kept) == 3 and store.evicted > 0
+    # the pages kept are the last written: the chain's first pages went
+    chain = store.names(PROMPT, None, [])
+    assert chain is not None and store.stored(chain) == 0
+
+
+def test_the_folder_must_be_this_users_own(artefact, tmp_path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(StoreError, match="--hicache-storage-backend file: .* writable by no one"):
+        _engine(artefact("llama"), shared)
+    made = tmp_path / "new"
+    _engine(artefact("llama"), made).kv_store.close()
+    assert (made.stat().st_mode & 0o777) == 0o700
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"extra": {"capacity": 1}}, "takes storage_dir and capacity_gb, not \\['capacity'\\]"),
+        ({"extra": {"capacity_gb": -1}}, "capacity_gb must be a positive number"),
+        ({"hicache_write_policy": "write_through_selective"}, "--hicache-write-policy"),
+    ],
+)
+def test_bad_settings_are_refused_by_name(artefact, tmp_path, kw, message) -> None:
+    with pytest.raises((ArgError, ValueError), match=message):
+        _engine(artefact("llama"), tmp_path, **kw)
+
+
+def test_a_backend_without_the_flag_is_refused(artefact) -> None:
+    with pytest.raises(ArgError, match="needs --enable-hierarchical-cache"):
+        Engine(artefact("llama"), max_total_tokens=256, hicache_storage_backend="file")
