@@ -90,7 +90,7 @@ def main() -> None:
             srv.stop()
         times["restored"].append(took)
         if info["read_seconds"] > 0:
-            rates.append(info["pages_read"] * info["page_bytes"] / info["read_seconds"] / 1e9)
+            rates.append(info["blocks_read"] * info["block_bytes"] / info["read_seconds"] / 1e9)
 
     def without(prompt: str) -> None:
         nonlocal tokens

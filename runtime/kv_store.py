@@ -1,17 +1,19 @@
 """The prefix cache's disk tier (`--enable-hierarchical-cache --hicache-storage-backend
-file`, SGLang's HiCache file storage): whole KV pages kept as files, found again by their
-tokens once the pool has evicted them, or after a restart.
+file`, SGLang's HiCache file storage): the prefix cache's K/V kept as files, found again
+by their tokens once the pool has evicted them, or after a restart.
 
-A page's name is a chain of digests: the first page's from the model's identity (every
-artefact file's checksum, the KV layout) and the prefix tree's name (a request's cache
-key), each next one from the one before and its page's tokens. A name so stands for the
-whole prefix up to its page, as a radix tree's path does, and another model's, another
-layout's or another tenant's pages never match. An adapter's requests (their K/V are not
-the base model's, and a slot says nothing across restarts) keep to the pool.
+The unit is a block of BLOCK_TOKENS tokens (whole pool pages: a page of 1 token, SGLang's
+default, would make a file a token), one file each. A block's name is a chain of digests:
+the first block's from the model's identity (every artefact file's checksum, the KV
+layout) and the prefix tree's name (a request's cache key), each next one from the one
+before and its block's tokens. A name so stands for the whole prefix up to its block, as a
+radix tree's path does, and another model's, another layout's or another tenant's blocks
+never match. An adapter's requests (their K/V are not the base model's, and a slot says
+nothing across restarts) keep to the pool.
 
-Pages are written by a background thread, each file whole or not at all (a temporary file
-renamed into place). One that is missing, short, or names another page when read is a miss:
-the request computes the page instead. A page read back goes straight into K/V a request
+Blocks are written by a background thread, each file whole or not at all (a temporary file
+renamed into place). One that is missing, short, or names another block when read is a
+miss: the request computes it instead. A block read back goes straight into K/V a request
 attends over, so the folder must be this user's own: created 0700, and one owned by another
 user or writable by others is refused. It is bounded: past its capacity the files least
 recently written or read go first (their times carry that order across restarts).
@@ -25,6 +27,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import queue
 import shutil
@@ -46,9 +49,11 @@ from kiln.runtime.kv_cache import KVCache
 log = logging.getLogger("kiln.runtime")
 
 MAGIC = b"KILNKV01"
-_HEADER = struct.Struct("<8s32sQ")  # magic, the page's name, payload bytes
+_HEADER = struct.Struct("<8s32sQ")  # magic, the block's name, payload bytes
 _SUFFIX = ".kv"
-# Pages copied out and not yet on disk, at most: past it new pages are not kept (a disk
+# Tokens a block holds, at least (whole pages).
+BLOCK_TOKENS = 64
+# Blocks copied out and not yet on disk, at most: past it new ones are not kept (a disk
 # slower than the prefills; counted in `dropped`).
 MAX_PENDING_BYTES = 256 << 20
 # The folder: SGLang's variable names it, else SGLang's default.
@@ -90,8 +95,9 @@ def open_store(args: Any, art: Any, kv: KVCache, tp_size: int) -> KVStore | None
         None if capacity is None else int(capacity * (1 << 30)),
     )
     log.info(
-        "KV pages kept in %s (%d there from before, up to %.1f GB, %s)",
-        store.folder, store.stored_pages, store.capacity / 1e9, args.hicache_write_policy,
+        "KV blocks of %d tokens kept in %s (%d there from before, up to %.1f GB, %s)",
+        store.block_tokens, store.folder, store.stored_blocks, store.capacity / 1e9,
+        args.hicache_write_policy,
     )  # fmt: skip
     return store
 
@@ -125,12 +131,14 @@ class StoreError(ValueError):
 
 
 def identity(files: dict[str, Any], kv: KVCache, page_size: int) -> bytes:
-    """What a page's K/V depend on besides its tokens: the artefact's files (weights, graph,
-    kernels: each by its checksum) and the pool's layout."""
+    """What a block's K/V depend on besides its tokens: the artefact's files (weights, graph,
+    kernels: each by its checksum) and the pool's layout (not its size: that follows the
+    memory free at start)."""
     h = hashlib.blake2b(digest_size=32)
     for name in sorted(files):
         h.update(f"{name}\0{files[name].get('sha256', '')}\0".encode())
-    h.update(f"{kv.shape}\0{kv.v_shape}\0{kv.dtype}\0{page_size}".encode())
+    layers, heads, _, dim = kv.shape
+    h.update(f"{layers} {heads} {dim} {kv.v_shape[3]} {kv.dtype} {page_size}".encode())
     return h.digest()
 
 
@@ -157,9 +165,10 @@ class KVStore:
         if kv.k_host is None or kv.v_host is None:
             raise StoreError("--hicache-storage-backend file keeps a CPU KV pool's pages only")
         self.kv, self.page = kv, page_size
-        self.page_bytes = (
-            KVCache.bytes_per_token(kv.shape[0], kv.shape[1], kv.shape[3], kv.dtype, kv.v_shape[3])
-            * page_size
+        self.block_pages = max(1, -(-BLOCK_TOKENS // page_size))
+        self.block_tokens = self.block_pages * page_size
+        self.block_bytes = self.block_tokens * KVCache.bytes_per_token(
+            kv.shape[0], kv.shape[1], kv.shape[3], kv.dtype, kv.v_shape[3]
         )
         self.model = model
         self.root = _own_folder(Path(folder))
@@ -171,7 +180,7 @@ class KVStore:
         self._files: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
         self._pending: set[bytes] = set()
         self._pending_bytes = 0
-        # pages read back, written, not kept (the writer behind), removed past the capacity
+        # blocks read back, written, not kept (the writer behind), removed past the capacity
         self.hits = self.written = self.dropped = self.evicted = 0
         self.read_seconds = 0.0  # in `load`
         self._scan()
@@ -181,15 +190,15 @@ class KVStore:
 
     # -- names -----------------------------------------------------------------------------
     def names(self, tokens: Sequence[int], space: Any, known: list[bytes]) -> list[bytes] | None:
-        """The names of `tokens`' whole pages in tree `space`, extending `known` (the names
-        of its first pages, computed before) in place; None for a tree not stored."""
+        """The names of `tokens`' whole blocks in tree `space`, extending `known` (the names
+        of its first blocks, computed before) in place; None for a tree not stored."""
         tag = space_bytes(space)
         if tag is None:
             return None
-        page = self.page
-        for i in range(len(known), len(tokens) // page):
+        size = self.block_tokens
+        for i in range(len(known), len(tokens) // size):
             prev = known[-1] if known else _digest(self.model + tag)
-            ids = array("i", tokens[i * page : (i + 1) * page]).tobytes()
+            ids = array("i", tokens[i * size : (i + 1) * size]).tobytes()
             known.append(_digest(prev + ids))
         return known
 
@@ -201,19 +210,22 @@ class KVStore:
                 n += 1
             return n
 
-    # -- pages in and out ------------------------------------------------------------------
+    # -- blocks in and out -----------------------------------------------------------------
     def load(self, names: Sequence[bytes], pages: Sequence[int]) -> int:
-        """Read pages `names` into pool pages `pages`, in order, stopping at the first that
-        cannot be read (gone, short, another page's); returns how many were read."""
+        """Read blocks `names` into pool pages `pages` (block_pages a block), in order,
+        stopping at the first that cannot be read (gone, short, another block's); returns
+        how many blocks were read."""
+        assert len(pages) == len(names) * self.block_pages
         t0 = time.perf_counter()
-        buf = bytearray(_HEADER.size + self.page_bytes)
+        buf = bytearray(_HEADER.size + self.block_bytes)
         n = 0
-        for name, page in zip(names, pages, strict=True):
+        for name in names:
             if not self._read(name, buf):
                 with self._lock:
                     self._files.pop(name, None)
                 break
-            self._scatter(memoryview(buf)[_HEADER.size :], page)
+            block = pages[n * self.block_pages : (n + 1) * self.block_pages]
+            self._scatter(memoryview(buf)[_HEADER.size :], block)
             with self._lock:
                 if name in self._files:
                     self._files.move_to_end(name)
@@ -223,24 +235,26 @@ class KVStore:
         return n
 
     def save(self, names: Sequence[bytes], pages: Sequence[int]) -> None:
-        """Keep pages `pages` (pool pages holding the K/V named `names`): copied out now,
-        written by the store's thread. Pages already kept or on the way are skipped."""
+        """Keep blocks `names`, held by pool pages `pages` (block_pages a block): copied out
+        now, written by the store's thread. Blocks already kept or on the way are skipped."""
+        assert len(pages) == len(names) * self.block_pages
+        each = self.block_pages
         with self._lock:
             new = [
-                (name, page)
-                for name, page in zip(names, pages, strict=True)
+                (name, pages[i * each : (i + 1) * each])
+                for i, name in enumerate(names)
                 if name not in self._files and name not in self._pending
             ]
-            room = max(0, (MAX_PENDING_BYTES - self._pending_bytes) // self.page_bytes)
+            room = max(0, (MAX_PENDING_BYTES - self._pending_bytes) // self.block_bytes)
             self.dropped += max(0, len(new) - room)
             new = new[:room]
             self._pending.update(name for name, _ in new)
-            self._pending_bytes += len(new) * self.page_bytes
-        for name, page in new:
-            self._queue.put((name, self._gather(page)))
+            self._pending_bytes += len(new) * self.block_bytes
+        for name, block in new:
+            self._queue.put((name, self._gather(block)))
 
     def clear(self) -> int:
-        """Remove every stored page of this model (SGLang's /clear_hicache_storage_backend);
+        """Remove every stored block of this model (SGLang's /clear_hicache_storage_backend);
         returns how many."""
         self.flush()
         with self._lock:
@@ -250,7 +264,7 @@ class KVStore:
         return len(names)
 
     def rebind(self, model: bytes) -> None:
-        """Serve pages of model identity `model` from now on (new weights): the pages
+        """Serve blocks of model identity `model` from now on (new weights): the blocks
         on the way are written first, and those of the old weights never match again."""
         self.flush()
         with self._lock:
@@ -260,7 +274,7 @@ class KVStore:
         self._scan()
 
     def flush(self) -> None:
-        """Wait until every page handed to `save` is on disk (or failed)."""
+        """Wait until every block handed to `save` is on disk (or failed)."""
         self._queue.join()
 
     def close(self) -> None:
@@ -268,7 +282,7 @@ class KVStore:
         self._writer.join()
 
     @property
-    def stored_pages(self) -> int:
+    def stored_blocks(self) -> int:
         return len(self._files)
 
     def stats(self) -> dict[str, Any]:
@@ -276,32 +290,39 @@ class KVStore:
         return {
             "folder": str(self.folder),
             "capacity_bytes": self.capacity,
-            "page_bytes": self.page_bytes,
-            "stored_pages": self.stored_pages,
-            "pages_read": self.hits,
+            "block_tokens": self.block_tokens,
+            "block_bytes": self.block_bytes,
+            "stored_blocks": self.stored_blocks,
+            "blocks_read": self.hits,
             "read_seconds": round(self.read_seconds, 6),
-            "pages_written": self.written,
-            "pages_not_kept": self.dropped,
-            "pages_removed": self.evicted,
+            "blocks_written": self.written,
+            "blocks_not_kept": self.dropped,
+            "blocks_removed": self.evicted,
         }
 
     # -- the pool's memory -----------------------------------------------------------------
-    def _slots(self, page: int) -> slice:
-        return slice(page * self.page, (page + 1) * self.page)
+    def _slots(self, pages: Sequence[int]) -> slice | np.ndarray:
+        """The pool slots of `pages`, in order: a slice when they are consecutive."""
+        first, size = pages[0], self.page
+        if list(pages) == list(range(first, first + len(pages))):
+            return slice(first * size, (first + len(pages)) * size)
+        return (np.asarray(pages)[:, None] * size + np.arange(size)).reshape(-1)
 
-    def _gather(self, page: int) -> bytes:
-        kv, at = self.kv, self._slots(page)
+    def _gather(self, pages: Sequence[int]) -> bytes:
+        """A block's payload: K of its slots for every layer and head, then V."""
+        kv, at = self.kv, self._slots(pages)
         assert kv.k_host is not None and kv.v_host is not None
         return kv.k_host[:, :, at].tobytes() + kv.v_host[:, :, at].tobytes()
 
-    def _scatter(self, payload: memoryview, page: int) -> None:
-        kv, at = self.kv, self._slots(page)
+    def _scatter(self, payload: memoryview, pages: Sequence[int]) -> None:
+        kv, at = self.kv, self._slots(pages)
         assert kv.k_host is not None and kv.v_host is not None
-        k_part = kv.k_host[:, :, at]
-        k_bytes = k_part.nbytes
-        kv.k_host[:, :, at] = np.frombuffer(payload[:k_bytes], k_part.dtype).reshape(k_part.shape)
-        v_part = kv.v_host[:, :, at]
-        kv.v_host[:, :, at] = np.frombuffer(payload[k_bytes:], v_part.dtype).reshape(v_part.shape)
+        layers, heads, _, dim = kv.shape
+        k_shape = (layers, heads, self.block_tokens, dim)
+        k_bytes = math.prod(k_shape) * kv.itemsize
+        v_shape = (layers, heads, self.block_tokens, kv.v_shape[3])
+        kv.k_host[:, :, at] = np.frombuffer(payload[:k_bytes], kv.k_host.dtype).reshape(k_shape)
+        kv.v_host[:, :, at] = np.frombuffer(payload[k_bytes:], kv.v_host.dtype).reshape(v_shape)
 
     # -- files -----------------------------------------------------------------------------
     def _path(self, name: bytes) -> Path:
@@ -321,7 +342,7 @@ class KVStore:
         if got != len(buf) or extra:
             return False
         magic, stored_name, size = _HEADER.unpack_from(buf)
-        if magic != MAGIC or stored_name != name or size != self.page_bytes:
+        if magic != MAGIC or stored_name != name or size != self.block_bytes:
             return False
         with contextlib.suppress(OSError):  # recently read: last to go, after a restart too
             os.utime(self._path(name), follow_symlinks=False)
@@ -335,7 +356,7 @@ class KVStore:
                     return
                 self._write(*item)
             except Exception:
-                log.exception("the KV storage thread failed on a page")
+                log.exception("the KV storage thread failed on a block")
             finally:
                 self._queue.task_done()
 
@@ -351,7 +372,7 @@ class KVStore:
             os.replace(tmp, path)
             ok = True
         except OSError as e:
-            log.warning("could not keep a KV page in %s: %s", self.folder, e)
+            log.warning("could not keep a KV block in %s: %s", self.folder, e)
             _unlink(tmp)
         gone: list[bytes] = []
         with self._lock:
@@ -360,7 +381,7 @@ class KVStore:
             if ok:
                 self._files[name] = None
                 self.written += 1
-                most = max(1, self.capacity // (self.page_bytes + _HEADER.size))
+                most = max(1, self.capacity // (self.block_bytes + _HEADER.size))
                 while len(self._files) > most:
                     gone.append(self._files.popitem(last=False)[0])
         self.evicted += len(gone)
@@ -368,7 +389,7 @@ class KVStore:
             _unlink(self._path(old))
 
     def _scan(self) -> None:
-        """The pages a previous server left (oldest first by time written or read)."""
+        """The blocks a previous server left (oldest first by time written or read)."""
         found = []
         with os.scandir(self.folder) as entries:
             for e in entries:

@@ -53,8 +53,8 @@ class RadixCache:
         self._roots: dict[str | tuple[int, str | None], Node] = {}
         self._clock = itertools.count(1)
         self.cached_pages = 0
-        # Called with (tree, the tokens from the root to a leaf, the leaf's pages) before
-        # the leaf's pages go back to the pool: the disk tier's write-back
+        # Called with (tree, the tokens from the root to a leaf, their pages) before the
+        # leaf's pages go back to the pool: the disk tier's write-back
         # (runtime/kv_store.py, --hicache-write-policy write_back).
         self.on_evict: Callable[[Space, list[int], list[int]], None] | None = None
 
@@ -207,7 +207,7 @@ class RadixCache:
             assert parent is not None
             del parent.children[self._first(leaf.key, 0)]
             if self.on_evict is not None:
-                self.on_evict(*self._path(leaf), leaf.pages)
+                self.on_evict(*self._path(leaf))
             self.pool.free(leaf.pages)
             freed += len(leaf.pages)
             self.cached_pages -= len(leaf.pages)
@@ -217,14 +217,16 @@ class RadixCache:
             del self._roots[space]
         return freed
 
-    def _path(self, node: Node) -> tuple[Space, list[int]]:
-        """The tree `node` is in and the tokens from its root to `node` (its own last)."""
-        keys = []
+    def _path(self, node: Node) -> tuple[Space, list[int], list[int]]:
+        """The tree `node` is in, and the tokens and pages from its root to `node` (its own
+        last)."""
+        parts = []
         while node.parent is not None:
-            keys.append(node.key)
+            parts.append(node)
             node = node.parent
         space = next((k for k, r in self._roots.items() if r is node), None)
-        return space, [t for key in reversed(keys) for t in key]
+        parts.reverse()
+        return space, [t for n in parts for t in n.key], [p for n in parts for p in n.pages]
 
     def reset(self) -> int:
         """Drop every unlocked entry (flush_cache); returns pages freed."""

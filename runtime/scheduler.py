@@ -385,44 +385,51 @@ class Scheduler:
             req.cached_tokens = max(req.cached_tokens, length)
 
     def _restore(self, req: Request, pages: list[int], length: int, node: Any) -> tuple:
-        """The match (pages, length, node) extended by the pages of `req`'s prompt the disk
+        """The match (pages, length, node) extended by the blocks of `req`'s prompt the disk
         tier holds past it, read into free pool pages (the tree evicting for them, never
-        the match) and given to the tree."""
+        the match) and given to the tree. A block the match covers in part is read whole,
+        and the tree keeps its own pages of that part."""
         assert self.cache is not None and self.store is not None
         ids = req.all_ids[:-1]
         names = self.store.names(ids, req.prefix_space, req.page_names)
-        first = length // self.pool.page_size
+        first = length // self.store.block_tokens
         if names is None or first >= len(names):
             return pages, length, node
         want = self.store.stored(names[first:])
         if not want:
             return pages, length, node
+        each = self.store.block_pages
         self.cache.lock(node)
-        self._ensure_free(want)
+        self._ensure_free(want * each)
         self.cache.unlock(node)
-        fresh = self.pool.allocate(min(want, self.pool.free_pages))
-        got = self.store.load(names[first : first + len(fresh)], fresh)
-        self.pool.free(fresh[got:])
+        blocks = min(want, self.pool.free_pages // each)
+        fresh = self.pool.allocate(blocks * each)
+        got = self.store.load(names[first : first + blocks], fresh)
+        self.pool.free(fresh[got * each :])
         if not got:
             return pages, length, node
-        end = length + got * self.pool.page_size
-        self.pool.free(self.cache.insert(ids[:end], pages + fresh[:got], req.prefix_space))
+        end = (first + got) * self.store.block_tokens
+        held = pages[: first * each] + fresh[: got * each]
+        self.pool.free(self.cache.insert(ids[:end], held, req.prefix_space))
         return self.cache.match(ids[:end], req.prefix_space)
 
     def _keep(self, req: Request, full: int) -> None:
-        """Write-through: the disk tier keeps `req`'s first `full` pages (the tree's now)."""
+        """Write-through: the disk tier keeps the whole blocks of `req`'s first `full` pages
+        (the tree's now)."""
         assert self.store is not None
-        names = self.store.names(req.all_ids[: full * self.pool.page_size], req.prefix_space,
-                                 req.page_names)  # fmt: skip
+        tokens = req.all_ids[: full * self.pool.page_size]
+        names = self.store.names(tokens, req.prefix_space, req.page_names)
         if names is not None:
-            self.store.save(names[:full], req.pages[:full])
+            blocks = len(tokens) // self.store.block_tokens
+            self.store.save(names[:blocks], req.pages[: blocks * self.store.block_pages])
 
     def _keep_evicted(self, space: Space, tokens: list[int], pages: list[int]) -> None:
-        """Write-back: the disk tier keeps a leaf's pages as the tree evicts them."""
+        """Write-back: the disk tier keeps the whole blocks of a path the tree evicts the
+        leaf of (those it holds already are skipped)."""
         assert self.store is not None
         names = self.store.names(tokens, space, [])
         if names is not None:
-            self.store.save(names[-len(pages) :], pages)
+            self.store.save(names, pages[: len(names) * self.store.block_pages])
 
     def _detach_prefix(self, req: Request) -> None:
         assert self.cache is not None and req.cache_node is not None

@@ -634,7 +634,7 @@ async def flush_cache(request: Request) -> dict[str, Any]:
 
 @router.api_route("/clear_hicache_storage_backend", methods=["GET", "POST"])
 async def clear_hicache_storage_backend(request: Request) -> dict[str, Any]:
-    """SGLang's: remove every KV page the prefix cache's disk tier keeps for this model
+    """SGLang's: remove every KV block the prefix cache's disk tier keeps for this model
     (--hicache-storage-backend file); the pool's own prefix cache stays."""
 
     def clear(engine: Any) -> int:
@@ -647,7 +647,7 @@ async def clear_hicache_storage_backend(request: Request) -> dict[str, Any]:
         return int(engine.kv_store.clear())
 
     removed = await _ctx(request).async_engine.run(clear)
-    return {"message": "hicache storage backend cleared", "removed_pages": removed}
+    return {"message": "hicache storage backend cleared", "removed_blocks": removed}
 
 
 @router.api_route("/freeze_gc", methods=["GET", "POST"])

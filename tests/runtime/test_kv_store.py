@@ -1,7 +1,8 @@
 """The prefix cache's disk tier (runtime/kv_store.py, --enable-hierarchical-cache
---hicache-storage-backend file): pages kept as files are read back into the pool for a
-prompt that starts with them (after a restart, after the pool evicted them) and change no
-answer; they never reach another model, another tenant or a damaged file's reader."""
+--hicache-storage-backend file): blocks of K/V kept as files are read back into the pool
+for a prompt that starts with them (after a restart, after the pool evicted them) and
+change no answer; they never reach another model, another tenant or a damaged file's
+reader. The tiny models' pages are one token: a block is 64 tokens, 64 pages."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from kiln.runtime.request import Request
 from kiln.runtime.sampling_params import SamplingParams
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
-PROMPT = list(range(3, 83))  # 80 tokens: whole pages at any page size that divides 16
+PROMPT = list(range(3, 203))  # 200 tokens: three whole blocks
+BLOCK = 64
 
 
 def _engine(art: Path, folder: Path, **kw) -> Engine:
@@ -49,7 +51,7 @@ def reference(artefact) -> dict:
     return _run(eng, PROMPT)
 
 
-def _pages(folder: Path) -> list[Path]:
+def _files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*/*.kv"))
 
 
@@ -61,22 +63,18 @@ def test_a_restarted_engine_reads_the_pages_back_and_answers_the_same(
     out = _run(first, PROMPT)
     assert out["meta_info"]["cached_tokens"] == 0
     first.kv_store.flush()
-    page = first.art.spec.page_size
-    # the prompt's whole pages once computed; the request's (prompt and output but the
-    # last token) when it ended
-    assert len(_pages(tmp_path)) == (len(PROMPT) + GREEDY["max_new_tokens"] - 1) // page
+    assert first.kv_store.block_tokens == BLOCK
+    # the whole blocks of the prompt once computed, of the request (prompt and output but
+    # the last token) when it ended
+    assert len(_files(tmp_path)) == (len(PROMPT) + GREEDY["max_new_tokens"] - 1) // BLOCK == 3
     first.shutdown()
 
     again = _engine(art, tmp_path)
-    assert again.kv_store.stored_pages == len(_pages(tmp_path))
+    assert again.kv_store.stored_blocks == 3
     out = _run(again, PROMPT)
-    assert out["meta_info"]["cached_tokens"] == (len(PROMPT) - 1) // page * page
-    assert again.kv_store.hits == (len(PROMPT) - 1) // page
+    assert out["meta_info"]["cached_tokens"] == 3 * BLOCK and again.kv_store.hits == 3
     assert out["output_ids"] == reference["output_ids"]
     assert _logprobs(out) == pytest.approx(_logprobs(reference), abs=1e-4)
-    # a longer prompt over the same start: the stored pages, then its own
-    longer = _run(again, [*PROMPT, 90, 91, 92])
-    assert longer["meta_info"]["cached_tokens"] >= (len(PROMPT) - 1) // page * page
 
 
 def test_pages_are_kept_apart_by_model_and_cache_key(artefact, tmp_path) -> None:
@@ -96,7 +94,7 @@ def test_pages_are_kept_apart_by_model_and_cache_key(artefact, tmp_path) -> None
     assert req.cached_tokens > 0 and again.kv_store.hits > 0
     # another model in the same folder: nothing of the first's
     other = _engine(artefact("mistral"), tmp_path)
-    assert other.kv_store.stored_pages == 0
+    assert other.kv_store.stored_blocks == 0
     out = _run(other, PROMPT)
     assert out["meta_info"]["cached_tokens"] == 0 and other.kv_store.hits == 0
 
@@ -116,22 +114,21 @@ def test_a_damaged_page_is_a_miss_and_the_answer_stays_right(artefact, reference
     _run(eng, PROMPT)
     eng.kv_store.flush()
     eng.shutdown()
-    names = [p.name for p in _pages(tmp_path)]
+    names = [p.name for p in _files(tmp_path)]
     again = _engine(art, tmp_path)
     chain = again.kv_store.names(PROMPT, None, [])
     assert chain is not None and {n.hex() + ".kv" for n in chain} <= set(names)
-    # the second page's header names another page: the first page is read, no more
+    # the second block's header names another block: the first block is read, no more
     second = again.kv_store._path(chain[1])
     data = bytearray(second.read_bytes())
     assert data[:8] == MAGIC
     data[8] ^= 0xFF
     second.write_bytes(bytes(data))
     out = _run(again, PROMPT)
-    page = again.art.spec.page_size
-    assert out["meta_info"]["cached_tokens"] == page
+    assert out["meta_info"]["cached_tokens"] == BLOCK
     assert out["output_ids"] == reference["output_ids"]
     assert _logprobs(out) == pytest.approx(_logprobs(reference), abs=1e-4)
-    # the first page cut short (on a restarted engine): nothing is read
+    # the first block cut short (on a restarted engine): nothing is read
     again.kv_store.flush()
     first = again.kv_store._path(chain[0])
     first.write_bytes(first.read_bytes()[:-1])
@@ -143,32 +140,34 @@ def test_a_damaged_page_is_a_miss_and_the_answer_stays_right(artefact, reference
 
 def test_write_back_keeps_what_the_pool_evicts(artefact, reference, tmp_path) -> None:
     art = artefact("llama")
-    # a pool of 128 tokens: the second prompt evicts the first's pages
-    eng = _engine(art, tmp_path, max_total_tokens=128, hicache_write_policy="write_back")
+    # a pool of 256 tokens: the second prompt evicts the first's pages
+    eng = _engine(art, tmp_path, max_total_tokens=256, hicache_write_policy="write_back")
     _run(eng, PROMPT)
     eng.kv_store.flush()
-    assert _pages(tmp_path) == []  # nothing written while memory lasts
-    _run(eng, list(range(200, 290)))
+    assert _files(tmp_path) == []  # nothing written while memory lasts
+    _run(eng, list(range(203, 383)))
     eng.kv_store.flush()
-    assert len(_pages(tmp_path)) > 0
+    assert len(_files(tmp_path)) > 0
     out = _run(eng, PROMPT)
-    assert eng.kv_store.hits > 0 and out["meta_info"]["cached_tokens"] > 0
+    assert eng.kv_store.hits > 0 and out["meta_info"]["cached_tokens"] == 3 * BLOCK
     assert out["output_ids"] == reference["output_ids"]
+    assert _logprobs(out) == pytest.approx(_logprobs(reference), abs=1e-4)
 
 
 def test_the_oldest_pages_go_past_the_capacity(artefact, tmp_path) -> None:
     art = artefact("llama")
     eng = _engine(art, tmp_path)
     store = eng.kv_store
-    # room for three pages
-    store.capacity = 3 * (store.page_bytes + 48)
+    # room for two blocks
+    store.capacity = 2 * (store.block_bytes + 48)
     _run(eng, PROMPT)
     store.flush()
-    kept = _pages(tmp_path)
-    assert len(kept) == 3 and store.evicted > 0
-    # the pages kept are the last written: the chain's first pages went
+    kept = _files(tmp_path)
+    assert len(kept) == 2 and store.evicted >= 1 and store.stored_blocks == 2
+    # what the index holds is what the folder holds
     chain = store.names(PROMPT, None, [])
-    assert chain is not None and store.stored(chain) == 0
+    assert chain is not None
+    assert {store._path(n) for n in chain if store.stored([n])} == set(kept)
 
 
 def test_the_folder_must_be_this_users_own(artefact, tmp_path) -> None:
