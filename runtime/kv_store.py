@@ -51,6 +51,8 @@ log = logging.getLogger("kiln.runtime")
 MAGIC = b"KILNKV01"
 _HEADER = struct.Struct("<8s32sQ")  # magic, the block's name, payload bytes
 _SUFFIX = ".kv"
+# The most buffers one readv takes (Linux's IOV_MAX).
+_IOV_MAX = 1024
 # Tokens a block holds, at least (whole pages).
 BLOCK_TOKENS = 64
 # Blocks copied out and not yet on disk, at most: past it new ones are not kept (a disk
@@ -217,15 +219,12 @@ class KVStore:
         how many blocks were read."""
         assert len(pages) == len(names) * self.block_pages
         t0 = time.perf_counter()
-        buf = bytearray(_HEADER.size + self.block_bytes)
         n = 0
         for name in names:
-            if not self._read(name, buf):
+            if not self._read(name, pages[n * self.block_pages : (n + 1) * self.block_pages]):
                 with self._lock:
                     self._files.pop(name, None)
                 break
-            block = pages[n * self.block_pages : (n + 1) * self.block_pages]
-            self._scatter(memoryview(buf)[_HEADER.size :], block)
             with self._lock:
                 if name in self._files:
                     self._files.move_to_end(name)
@@ -314,35 +313,61 @@ class KVStore:
         assert kv.k_host is not None and kv.v_host is not None
         return kv.k_host[:, :, at].tobytes() + kv.v_host[:, :, at].tobytes()
 
-    def _scatter(self, payload: memoryview, pages: Sequence[int]) -> None:
+    def _fill(self, f: Any, pages: Sequence[int]) -> bool:
+        """Read a block's payload from file `f` into pool pages `pages`: straight into the
+        pool, one readv for every layer and head's run of slots, when the pages are
+        consecutive (the allocator's usual answer); else through a buffer. False when the
+        file holds less."""
         kv, at = self.kv, self._slots(pages)
         assert kv.k_host is not None and kv.v_host is not None
+        if isinstance(at, slice):
+            blocks = [(layer, head) for layer in range(kv.shape[0]) for head in range(kv.shape[1])]
+            runs = [kv.k_host[(*lh, at)].data.cast("B") for lh in blocks]
+            runs += [kv.v_host[(*lh, at)].data.cast("B") for lh in blocks]
+            got = 0
+            while runs:  # a readv may stop short of the whole (a signal, a large request)
+                n = os.readv(f.fileno(), runs[:_IOV_MAX])
+                if n == 0:
+                    return False
+                got += n
+                while runs and n >= len(runs[0]):
+                    n -= len(runs.pop(0))
+                if n:
+                    runs[0] = runs[0][n:]
+            return got == self.block_bytes
+        payload = bytearray(self.block_bytes)
+        if f.readinto(payload) != len(payload):
+            return False
         layers, heads, _, dim = kv.shape
         k_shape = (layers, heads, self.block_tokens, dim)
         k_bytes = math.prod(k_shape) * kv.itemsize
         v_shape = (layers, heads, self.block_tokens, kv.v_shape[3])
         kv.k_host[:, :, at] = np.frombuffer(payload[:k_bytes], kv.k_host.dtype).reshape(k_shape)
         kv.v_host[:, :, at] = np.frombuffer(payload[k_bytes:], kv.v_host.dtype).reshape(v_shape)
+        return True
 
     # -- files -----------------------------------------------------------------------------
     def _path(self, name: bytes) -> Path:
         return self.folder / (name.hex() + _SUFFIX)
 
-    def _read(self, name: bytes, buf: bytearray) -> bool:
+    def _read(self, name: bytes, pages: Sequence[int]) -> bool:
+        """Block `name` into pool pages `pages`; False (the pages' contents undefined) when
+        its file is gone, short, longer, or names another block or size."""
         try:
             fd = os.open(self._path(name), os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
             return False
         try:
             with os.fdopen(fd, "rb", buffering=0) as f:
-                got = f.readinto(buf)
-                extra = f.read(1)
+                header = f.read(_HEADER.size)
+                if len(header) != _HEADER.size:
+                    return False
+                magic, stored_name, size = _HEADER.unpack(header)
+                if magic != MAGIC or stored_name != name or size != self.block_bytes:
+                    return False
+                if not self._fill(f, pages) or f.read(1):
+                    return False
         except OSError:
-            return False
-        if got != len(buf) or extra:
-            return False
-        magic, stored_name, size = _HEADER.unpack_from(buf)
-        if magic != MAGIC or stored_name != name or size != self.block_bytes:
             return False
         with contextlib.suppress(OSError):  # recently read: last to go, after a restart too
             os.utime(self._path(name), follow_symlinks=False)

@@ -69,7 +69,8 @@ def test_a_restarted_engine_reads_the_pages_back_and_answers_the_same(
     assert len(_files(tmp_path)) == (len(PROMPT) + GREEDY["max_new_tokens"] - 1) // BLOCK == 3
     first.shutdown()
 
-    again = _engine(art, tmp_path)
+    # restarted with another pool size (a server's follows the memory free at start)
+    again = _engine(art, tmp_path, max_total_tokens=2048)
     assert again.kv_store.stored_blocks == 3
     out = _run(again, PROMPT)
     assert out["meta_info"]["cached_tokens"] == 3 * BLOCK and again.kv_store.hits == 3
@@ -197,3 +198,38 @@ def test_bad_settings_are_refused_by_name(artefact, tmp_path, kw, message) -> No
 def test_a_backend_without_the_flag_is_refused(artefact) -> None:
     with pytest.raises(ArgError, match="needs --enable-hierarchical-cache"):
         Engine(artefact("llama"), max_total_tokens=256, hicache_storage_backend="file")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float8_e4m3fn"])
+def test_a_block_comes_back_bit_for_bit_into_any_pages(tmp_path, dtype) -> None:
+    """Scattered pages (read through a buffer) and consecutive ones (one readv straight into
+    the pool), for a 4- and a 1-byte element type."""
+    import numpy as np
+
+    from kiln.runtime.kv_cache import KVCache
+    from kiln.runtime.kv_store import KVStore
+
+    kv = KVCache(num_layers=3, num_slots=16 * 16, num_kv_heads=2, head_dim=8, dtype=dtype)
+    assert kv.k_host is not None and kv.v_host is not None
+    rng = np.random.default_rng(0)
+    for pool in (kv.k_host, kv.v_host):
+        pool[...] = (
+            rng.integers(0, 255, pool.shape, dtype=np.uint8).view(pool.dtype)
+            if (pool.dtype.itemsize == 1)
+            else rng.standard_normal(pool.shape).astype(pool.dtype)
+        )
+    store = KVStore(tmp_path, b"m" * 32, kv, page_size=16)
+    assert store.block_pages == 4
+    names = store.names(list(range(64)), None, [])
+    assert names is not None and len(names) == 1
+    source = [7, 2, 5, 0]
+
+    def block(pages: list[int]) -> bytes:
+        return store._gather(pages)
+
+    store.save(names, source)
+    store.flush()
+    for target in ([8, 9, 10, 11], [12, 15, 13, 14]):
+        assert block(target) != block(source)
+        assert store.load(names, target) == 1
+        assert block(target) == block(source)
