@@ -68,9 +68,7 @@ DEFAULT_CAPACITY = 16 << 30
 def open_store(args: Any, art: Any, kv: KVCache, tp_size: int) -> KVStore | None:
     """The disk tier the server arguments ask for, or None. `--enable-hierarchical-cache`
     alone adds nothing on a CPU: the pool is host memory, SGLang's second tier."""
-    if not args.enable_hierarchical_cache:
-        if args.hicache_storage_backend is not None:
-            raise ArgError("--hicache-storage-backend: needs --enable-hierarchical-cache")
+    if not args.enable_hierarchical_cache:  # a backend without it: refused by kiln/args
         return None
     if kv.k_host is None:
         raise ArgError(
@@ -184,6 +182,7 @@ class KVStore:
         self._pending_bytes = 0
         # blocks read back, written, not kept (the writer behind), removed past the capacity
         self.hits = self.written = self.dropped = self.evicted = 0
+        self.failed = 0  # blocks the disk refused
         self.read_seconds = 0.0  # in `load`
         self._scan()
         self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue()
@@ -297,6 +296,7 @@ class KVStore:
             "blocks_written": self.written,
             "blocks_not_kept": self.dropped,
             "blocks_removed": self.evicted,
+            "blocks_failed": self.failed,
         }
 
     # -- the pool's memory -----------------------------------------------------------------
@@ -397,7 +397,12 @@ class KVStore:
             os.replace(tmp, path)
             ok = True
         except OSError as e:
-            log.warning("could not keep a KV block in %s: %s", self.folder, e)
+            # the first failure a warning, the rest counted (a full disk fails every one)
+            self.failed += 1
+            level = logging.WARNING if self.failed == 1 else logging.DEBUG
+            log.log(
+                level, "could not keep a KV block in %s: %s (more: blocks_failed)", self.folder, e
+            )
             _unlink(tmp)
         gone: list[bytes] = []
         with self._lock:

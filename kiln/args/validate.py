@@ -283,8 +283,21 @@ def _mixed_chunk(v: dict[str, Any]) -> None:
         _fail("--enable-mixed-chunk: needs chunked prefill (--chunked-prefill-size is -1)")
 
 
+def _hicache(v: dict[str, Any]) -> None:
+    if v["hicache_storage_backend"] is None:
+        return
+    if not v["enable_hierarchical_cache"]:
+        _fail("--hicache-storage-backend: needs --enable-hierarchical-cache")
+    if v["disable_radix_cache"]:
+        _fail(
+            "--hicache-storage-backend: keeps the prefix cache's K/V, so not with "
+            "--disable-radix-cache"
+        )
+
+
 RULES: tuple[Callable[[dict[str, Any]], None], ...] = (
     _loras,
+    _hicache,
     _dp_attention,
     _priority,
     _dynamic_batch_tokenizer,

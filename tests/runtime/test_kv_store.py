@@ -195,9 +195,16 @@ def test_bad_settings_are_refused_by_name(artefact, tmp_path, kw, message) -> No
         _engine(artefact("llama"), tmp_path, **kw)
 
 
-def test_a_backend_without_the_flag_is_refused(artefact) -> None:
+def test_a_backend_without_the_flag_or_the_prefix_cache_is_refused(artefact) -> None:
     with pytest.raises(ArgError, match="needs --enable-hierarchical-cache"):
         Engine(artefact("llama"), max_total_tokens=256, hicache_storage_backend="file")
+    with pytest.raises(ArgError, match="not with --disable-radix-cache"):
+        Engine(
+            artefact("llama"),
+            enable_hierarchical_cache=True,
+            hicache_storage_backend="file",
+            disable_radix_cache=True,
+        )
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float8_e4m3fn"])
