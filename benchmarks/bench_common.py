@@ -118,6 +118,21 @@ def gguf_for(precision: str, shipped: Path, work: Path, quantizer: Path | None =
     return out
 
 
+def shipped_artefact(prefix: str) -> tuple[Path, Path, Path]:
+    """A new work folder, the shipped GGUF file (SmolLM2-135M-Instruct Q4_1) and its artefact
+    compiled with the default flags into the folder (a cache hit after the first time)."""
+    import tempfile
+
+    from kiln.args import ServerArgs
+    from kiln.compiler.compile import compile_model
+    from kiln.example import fetch
+
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    gguf = fetch("smollm2")
+    compile_model(ServerArgs(model_path=str(gguf)), work / "art")
+    return work, gguf, work / "art"
+
+
 def print_table(
     title: str, bw: float, rounds: int, threads: int, header: list[str], rows: list[str]
 ) -> None:

@@ -23,17 +23,12 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
-from bench_common import HERE, print_table, read_bandwidth_gbs, spread
+from bench_common import HERE, print_table, read_bandwidth_gbs, shipped_artefact, spread
 from serve_bench import Server, free_port
-
-from kiln.args import ServerArgs
-from kiln.compiler.compile import compile_model
-from kiln.example import fetch
 
 TIER = ("--enable-hierarchical-cache", "--hicache-storage-backend", "file")
 
@@ -57,10 +52,7 @@ def main() -> None:
     if not args.llama_server.is_file():
         sys.exit(f"--llama-server: no file {args.llama_server}")
 
-    work = Path(tempfile.mkdtemp(prefix="kiln-kv-store-"))
-    gguf = fetch("smollm2")
-    art = work / "art"
-    compile_model(ServerArgs(model_path=str(gguf)), art)
+    work, gguf, art = shipped_artefact("kiln-kv-store-")
     words = (HERE / "data" / "quality_text.txt").read_text().split()
     log = work / "log"
     threads = ["--threads", str(args.threads)]

@@ -23,19 +23,13 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import httpx
-from bench_common import HERE, print_table, read_bandwidth_gbs, spread
+from bench_common import HERE, print_table, read_bandwidth_gbs, shipped_artefact, spread
 from serve_bench import Server, free_port
-
-from kiln.args import ServerArgs
-from kiln.compiler.compile import compile_model
-from kiln.example import fetch
 
 CASES = {
     "score": {"per item": (), "query once": ("--multi-item-scoring-delimiter", "0")},
@@ -55,9 +49,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = p.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="kiln-shared-"))
-    art = work / "art"
-    compile_model(ServerArgs(model_path=str(fetch("smollm2"))), art)
+    work, _, art = shipped_artefact("kiln-shared-")
     words = (HERE / "data" / "quality_text.txt").read_text().split()
     items = [" " + " ".join(words[7 * i : 7 * i + 4]) for i in range(args.items)]
     offset = 0

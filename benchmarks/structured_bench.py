@@ -36,7 +36,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -44,7 +43,7 @@ import httpx
 import jsonschema
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import machine, read_bandwidth_gbs
+from bench_common import machine, read_bandwidth_gbs, shipped_artefact
 from serve_bench import Server, free_port, spread
 
 SCHEMA = {
@@ -148,14 +147,7 @@ def main() -> None:
     if not args.llama_server.is_file():
         sys.exit(f"--llama-server: no such file: {args.llama_server}")
 
-    from kiln.args import ServerArgs
-    from kiln.compiler.compile import compile_model
-    from kiln.example import fetch
-
-    work = Path(tempfile.mkdtemp(prefix="kiln-structured-bench-"))
-    gguf = fetch("smollm2")
-    art = work / "art"
-    compile_model(ServerArgs(model_path=str(gguf)), art)
+    work, gguf, art = shipped_artefact("kiln-structured-bench-")
     bw = read_bandwidth_gbs()
     slots = args.clients
     cmds = {
