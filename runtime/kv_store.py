@@ -135,8 +135,8 @@ def identity(files: dict[str, Any], kv: KVCache, page_size: int) -> bytes:
     kernels: each by its checksum) and the pool's layout (not its size: that follows the
     memory free at start)."""
     h = hashlib.blake2b(digest_size=32)
-    for name in sorted(files):
-        h.update(f"{name}\0{files[name].get('sha256', '')}\0".encode())
+    for name in sorted(files):  # each file's manifest entry: its checksum and size
+        h.update(f"{name}\0{json.dumps(files[name], sort_keys=True)}\0".encode())
     layers, heads, _, dim = kv.shape
     h.update(f"{layers} {heads} {dim} {kv.v_shape[3]} {kv.dtype} {page_size}".encode())
     return h.digest()

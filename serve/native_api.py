@@ -632,10 +632,11 @@ async def flush_cache(request: Request) -> dict[str, Any]:
     return {"message": "cache flushed", "freed_tokens": freed}
 
 
-@router.api_route("/clear_hicache_storage_backend", methods=["GET", "POST"])
+@router.post("/clear_hicache_storage_backend")
 async def clear_hicache_storage_backend(request: Request) -> dict[str, Any]:
     """SGLang's: remove every KV block the prefix cache's disk tier keeps for this model
-    (--hicache-storage-backend file); the pool's own prefix cache stays."""
+    (--hicache-storage-backend file); the pool's own prefix cache stays. POST only, as
+    /flush_cache: SGLang takes a GET too, which any web page can make a browser send."""
 
     def clear(engine: Any) -> int:
         if engine.kv_store is None:

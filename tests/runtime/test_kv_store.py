@@ -93,8 +93,8 @@ def test_pages_are_kept_apart_by_model_and_cache_key(artefact, tmp_path) -> None
     again = _engine(art, tmp_path)
     req = _finish(again, PROMPT, "tenant-b")
     assert req.cached_tokens > 0 and again.kv_store.hits > 0
-    # another model in the same folder: nothing of the first's
-    other = _engine(artefact("mistral"), tmp_path)
+    # other weights of the same architecture in the same folder: nothing of the first's
+    other = _engine(artefact("llama", seed=1), tmp_path)
     assert other.kv_store.stored_blocks == 0
     out = _run(other, PROMPT)
     assert out["meta_info"]["cached_tokens"] == 0 and other.kv_store.hits == 0
@@ -107,6 +107,25 @@ def _finish(eng: Engine, prompt: list[int], cache_key: str) -> Request:
     while eng.has_work:
         eng.step()
     return req
+
+
+def test_new_weights_never_read_the_old_ones_blocks(artefact, tmp_path) -> None:
+    """/update_weights_from_disk: the tier's blocks of the old weights are another model's."""
+    new_art = artefact("llama", seed=1)
+    expect = _run(Engine(new_art, max_total_tokens=1024, disable_radix_cache=True), PROMPT)
+    eng = _engine(artefact("llama"), tmp_path)
+    _run(eng, PROMPT)
+    eng.update_weights(new_art)
+    out = _run(eng, PROMPT)
+    assert out["meta_info"]["cached_tokens"] == 0 and eng.kv_store.hits == 0
+    assert out["output_ids"] == expect["output_ids"]
+    # what it kept since is the new weights': an engine started on them reads it
+    eng.kv_store.flush()
+    fresh = _engine(new_art, tmp_path)
+    out = _run(fresh, PROMPT)
+    assert out["meta_info"]["cached_tokens"] == 3 * BLOCK
+    assert out["output_ids"] == expect["output_ids"]
+    assert _logprobs(out) == pytest.approx(_logprobs(expect), abs=1e-4)
 
 
 def test_a_damaged_page_is_a_miss_and_the_answer_stays_right(artefact, reference, tmp_path):

@@ -46,6 +46,8 @@ def test_a_second_server_reads_the_first_ones_pages(artefact, launch, tmp_path) 
     assert again["output_ids"] == out["output_ids"]
     info = second.get("/get_server_info").json()["hicache_storage"]
     assert info["blocks_read"] == 2 and info["stored_blocks"] >= len(kept)
+    assert second.get("/clear_hicache_storage_backend").status_code == 405  # a page's GET
+    assert len(list(tmp_path.glob("*/*.kv"))) == len(kept)
     r = second.post("/clear_hicache_storage_backend")
     assert r.status_code == 200 and r.json()["removed_blocks"] >= len(kept)
     assert list(tmp_path.glob("*/*.kv")) == []
