@@ -61,6 +61,8 @@ MAX_PENDING_BYTES = 256 << 20
 # The folder: SGLang's variable names it, else SGLang's default.
 FOLDER_VARIABLE = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 DEFAULT_FOLDER = "/tmp/hicache"
+# A temporary file older than this at start is a stopped server's unfinished write.
+STALE_WRITE_S = 600
 # The default capacity: this much, or half the disk's free space at start if less.
 DEFAULT_CAPACITY = 16 << 30
 
@@ -424,7 +426,11 @@ class KVStore:
         with os.scandir(self.folder) as entries:
             for e in entries:
                 if e.name.endswith(".tmp") and e.is_file(follow_symlinks=False):
-                    _unlink(Path(e.path))  # a write a stopped server left half done
+                    # a write a stopped server left half done (not one another server
+                    # over the same folder is making now)
+                    with contextlib.suppress(OSError):
+                        if e.stat(follow_symlinks=False).st_mtime < time.time() - STALE_WRITE_S:
+                            _unlink(Path(e.path))
                     continue
                 if not e.name.endswith(_SUFFIX) or not e.is_file(follow_symlinks=False):
                     continue

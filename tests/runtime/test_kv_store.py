@@ -259,3 +259,15 @@ def test_a_block_comes_back_bit_for_bit_into_any_pages(tmp_path, dtype) -> None:
         assert block(target) != block(source)
         assert store.load(names, target) == 1
         assert block(target) == block(source)
+
+
+def test_a_stopped_servers_unfinished_writes_go_and_a_running_ones_stay(artefact, tmp_path):
+    eng = _engine(artefact("llama"), tmp_path)
+    folder = eng.kv_store.folder
+    eng.shutdown()
+    stale, fresh = folder / "aa.1.tmp", folder / "bb.2.tmp"
+    for f in (stale, fresh):
+        f.write_bytes(b"half a block")
+    os.utime(stale, (0, 0))
+    _engine(artefact("llama"), tmp_path).kv_store.close()
+    assert not stale.exists() and fresh.exists()
