@@ -206,7 +206,7 @@ class Engine:
             self._scheduler_config(),
             cache,
             self.kv_store,
-            write_back=self.args.hicache_write_policy == "write_back",
+            write_policy=self.args.hicache_write_policy,
         )
         self.batch_log = BatchLog(self.args.decode_log_interval, self.scheduler, self.runner.pool)
         # --enable-nan-detection: NaN logits are read as -1e5 (never sampled) and logged;

@@ -103,19 +103,22 @@ class Scheduler:
         config: SchedulerConfig,
         cache: RadixCache | None = None,
         store: KVStore | None = None,
-        write_back: bool = False,
+        write_policy: str = "write_through",
     ) -> None:
         if config.policy not in POLICIES:
             raise ValueError(f"unknown schedule policy {config.policy!r}")
         self.pool = pool
         self.cfg = config
         self.cache = cache
-        # The prefix cache's disk tier (runtime/kv_store.py): pages the tree lacks are read
-        # from it before a prompt is computed; pages are kept there as they join the tree
-        # (write-through) or as the tree evicts them (`write_back`).
+        # The prefix cache's disk tier (runtime/kv_store.py): blocks the tree lacks are read
+        # from it before a prompt is computed; blocks are kept there as they join the tree
+        # (write_through), once a request reads them from the tree (write_through_selective:
+        # what is used twice), or as the tree evicts them (write_back).
         self.store = store if cache is not None else None
-        self._write_through = self.store is not None and not write_back
-        if self.store is not None and cache is not None and write_back:
+        policy = write_policy if self.store is not None else None
+        self._write_through = policy == "write_through"
+        self._write_on_hit = policy == "write_through_selective"
+        if policy == "write_back" and cache is not None:
             cache.on_evict = self._keep_evicted
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # hold pages: decoding, or mid-way through a prompt
@@ -376,6 +379,8 @@ class Scheduler:
     def _attach_prefix(self, req: Request) -> None:
         assert self.cache is not None
         pages, length, node = self.cache.match(req.all_ids[:-1], req.prefix_space)
+        if self._write_on_hit and length:
+            self._keep_hit(req, pages, length)
         if self.store is not None:
             pages, length, node = self._restore(req, pages, length, node)
         if length:
@@ -422,6 +427,14 @@ class Scheduler:
         if names is not None:
             blocks = len(tokens) // self.store.block_tokens
             self.store.save(names[:blocks], req.pages[: blocks * self.store.block_pages])
+
+    def _keep_hit(self, req: Request, pages: list[int], length: int) -> None:
+        """Write-through-selective: the disk tier keeps the whole blocks of a prefix a
+        request found in the tree (the second use of those K/V)."""
+        assert self.store is not None
+        names = self.store.names(req.all_ids[:length], req.prefix_space, req.page_names)
+        if names is not None:
+            self.store.save(names, pages[: len(names) * self.store.block_pages])
 
     def _keep_evicted(self, space: Space, tokens: list[int], pages: list[int]) -> None:
         """Write-back: the disk tier keeps the whole blocks of a path the tree evicts the

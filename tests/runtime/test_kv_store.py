@@ -174,6 +174,21 @@ def test_write_back_keeps_what_the_pool_evicts(artefact, reference, tmp_path) ->
     assert _logprobs(out) == pytest.approx(_logprobs(reference), abs=1e-4)
 
 
+def test_write_through_selective_keeps_what_is_used_twice(artefact, reference, tmp_path):
+    art = artefact("llama")
+    eng = _engine(art, tmp_path, hicache_write_policy="write_through_selective")
+    _run(eng, PROMPT)
+    eng.kv_store.flush()
+    assert _files(tmp_path) == []  # used once
+    _run(eng, PROMPT)  # found in the prefix cache: its three blocks are kept
+    eng.kv_store.flush()
+    assert len(_files(tmp_path)) == 3
+    again = _engine(art, tmp_path)
+    out = _run(again, PROMPT)
+    assert out["meta_info"]["cached_tokens"] == 3 * BLOCK
+    assert out["output_ids"] == reference["output_ids"]
+
+
 def test_the_oldest_pages_go_past_the_capacity(artefact, tmp_path) -> None:
     art = artefact("llama")
     eng = _engine(art, tmp_path)
@@ -206,7 +221,7 @@ def test_the_folder_must_be_this_users_own(artefact, tmp_path) -> None:
     [
         ({"extra": {"capacity": 1}}, "takes storage_dir and capacity_gb, not \\['capacity'\\]"),
         ({"extra": {"capacity_gb": -1}}, "capacity_gb must be a positive number"),
-        ({"hicache_write_policy": "write_through_selective"}, "--hicache-write-policy"),
+        ({"extra": {"storage_dir": ""}}, "storage_dir must be a folder's path"),
     ],
 )
 def test_bad_settings_are_refused_by_name(artefact, tmp_path, kw, message) -> None:
