@@ -83,7 +83,7 @@ def open_store(args: Any, art: Any, kv: KVCache, tp_size: int) -> KVStore | None
     if tp_size > 1:
         raise ArgError(
             f"--hicache-storage-backend file: one rank only (this artefact has --tp-size "
-            f"{tp_size}); tensor-parallel ranks' pages are planned"
+            f"{tp_size}); tensor-parallel ranks' blocks are planned"
         )
     extra = _extra_config(args.hicache_storage_backend_extra_config)
     folder = extra.get("storage_dir") or os.environ.get(FOLDER_VARIABLE) or DEFAULT_FOLDER
@@ -450,7 +450,7 @@ def _digest(data: bytes) -> bytes:
 
 def _own_folder(path: Path) -> Path:
     """`path`, created 0700 if missing; refused unless it is a folder of this user that no
-    one else can write (its pages are read into the K/V requests attend over)."""
+    one else can write (its blocks are read into the K/V requests attend over)."""
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = os.lstat(path)
@@ -461,7 +461,7 @@ def _own_folder(path: Path) -> Path:
     if st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise StoreError(
             f"--hicache-storage-backend file: {path} must belong to this user and be "
-            "writable by no one else (its pages become the K/V requests read); "
+            "writable by no one else (its blocks become the K/V requests read); "
             "choose another with SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
         )
     return path
