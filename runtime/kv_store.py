@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from kiln.args import ArgError
+from kiln.args.validate import hicache_extra_config
 from kiln.runtime.kv_cache import KVCache
 
 log = logging.getLogger("kiln.runtime")
@@ -85,7 +86,7 @@ def open_store(args: Any, art: Any, kv: KVCache, tp_size: int) -> KVStore | None
             f"--hicache-storage-backend file: one rank only (this artefact has --tp-size "
             f"{tp_size}); tensor-parallel ranks' blocks are planned"
         )
-    extra = _extra_config(args.hicache_storage_backend_extra_config)
+    extra = hicache_extra_config(args.hicache_storage_backend_extra_config)
     folder = extra.get("storage_dir") or os.environ.get(FOLDER_VARIABLE) or DEFAULT_FOLDER
     capacity = extra.get("capacity_gb")
     page_size = art.spec.page_size
@@ -102,30 +103,6 @@ def open_store(args: Any, art: Any, kv: KVCache, tp_size: int) -> KVStore | None
         args.hicache_write_policy,
     )  # fmt: skip
     return store
-
-
-def _extra_config(text: str | None) -> dict[str, Any]:
-    """--hicache-storage-backend-extra-config for the file backend: a JSON object with
-    `storage_dir` (a folder) and `capacity_gb` (a positive number), both optional."""
-    if not text:
-        return {}
-    flag = "--hicache-storage-backend-extra-config"
-    try:
-        extra = json.loads(text)
-    except ValueError as e:
-        raise ArgError(f"{flag}: not JSON ({e})") from None
-    if not isinstance(extra, dict):
-        raise ArgError(f"{flag}: a JSON object, not {type(extra).__name__}")
-    unknown = sorted(set(extra) - {"storage_dir", "capacity_gb"})
-    if unknown:
-        raise ArgError(f"{flag}: the file backend takes storage_dir and capacity_gb, not {unknown}")
-    folder = extra.get("storage_dir", "-")
-    if not (isinstance(folder, str) and folder):
-        raise ArgError(f"{flag}: storage_dir must be a folder's path")
-    gb = extra.get("capacity_gb")
-    if gb is not None and (isinstance(gb, bool) or not isinstance(gb, int | float) or gb <= 0):
-        raise ArgError(f"{flag}: capacity_gb must be a positive number")
-    return extra
 
 
 class StoreError(ValueError):

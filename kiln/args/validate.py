@@ -283,9 +283,34 @@ def _mixed_chunk(v: dict[str, Any]) -> None:
         _fail("--enable-mixed-chunk: needs chunked prefill (--chunked-prefill-size is -1)")
 
 
+def hicache_extra_config(text: str | None) -> dict[str, Any]:
+    """--hicache-storage-backend-extra-config for the file backend: a JSON object with
+    `storage_dir` (a folder) and `capacity_gb` (a positive number), both optional."""
+    if not text:
+        return {}
+    flag = "--hicache-storage-backend-extra-config"
+    try:
+        extra = json.loads(text)
+    except ValueError as e:
+        _fail(f"{flag}: not JSON ({e})")
+    if not isinstance(extra, dict):
+        _fail(f"{flag}: a JSON object, not {type(extra).__name__}")
+    unknown = sorted(set(extra) - {"storage_dir", "capacity_gb"})
+    if unknown:
+        _fail(f"{flag}: the file backend takes storage_dir and capacity_gb, not {unknown}")
+    folder = extra.get("storage_dir", "-")
+    if not (isinstance(folder, str) and folder):
+        _fail(f"{flag}: storage_dir must be a folder's path")
+    gb = extra.get("capacity_gb")
+    if gb is not None and (isinstance(gb, bool) or not isinstance(gb, int | float) or gb <= 0):
+        _fail(f"{flag}: capacity_gb must be a positive number")
+    return extra
+
+
 def _hicache(v: dict[str, Any]) -> None:
     if v["hicache_storage_backend"] is None:
         return
+    hicache_extra_config(v["hicache_storage_backend_extra_config"])
     if not v["enable_hierarchical_cache"]:
         _fail("--hicache-storage-backend: needs --enable-hierarchical-cache")
     if v["disable_radix_cache"]:
