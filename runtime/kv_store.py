@@ -162,6 +162,8 @@ class KVStore:
         # blocks read back, written, not kept (the writer behind), removed past the capacity
         self.hits = self.written = self.dropped = self.evicted = 0
         self.failed = 0  # blocks the disk refused
+        self.off = False  # no more reads or writes (new weights whose folder failed)
+        self._closed = False
         self.read_seconds = 0.0  # in `load`
         self._scan()
         self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue()
@@ -184,6 +186,8 @@ class KVStore:
 
     def stored(self, names: Sequence[bytes]) -> int:
         """How many of `names`, from the first, are on disk."""
+        if self.off:
+            return 0
         with self._lock:
             n = 0
             while n < len(names) and names[n] in self._files:
@@ -215,6 +219,8 @@ class KVStore:
         """Keep blocks `names`, held by pool pages `pages` (block_pages a block): copied out
         now, written by the store's thread. Blocks already kept or on the way are skipped."""
         assert len(pages) == len(names) * self.block_pages
+        if self.off or self._closed:
+            return
         each = self.block_pages
         with self._lock:
             new = [
@@ -246,8 +252,13 @@ class KVStore:
         self.flush()
         with self._lock:
             self.model = model
-            self.folder = _own_folder(self.root / model.hex()[:32])
             self._files = OrderedDict()
+        try:
+            self.folder = _own_folder(self.root / model.hex()[:32])
+        except StoreError as e:  # the old weights' blocks must not be read: the tier stops
+            self.off = True
+            log.error("the KV disk tier is off until a restart: %s", e)
+            return
         self._scan()
 
     def flush(self) -> None:
@@ -255,6 +266,10 @@ class KVStore:
         self._queue.join()
 
     def close(self) -> None:
+        """Write the blocks on the way and stop the writer (again: nothing)."""
+        if self._closed:
+            return
+        self._closed = True
         self._queue.put(None)
         self._writer.join()
 

@@ -128,6 +128,24 @@ def test_new_weights_never_read_the_old_ones_blocks(artefact, tmp_path) -> None:
     assert _logprobs(out) == pytest.approx(_logprobs(expect), abs=1e-4)
 
 
+def test_new_weights_whose_folder_fails_turn_the_tier_off(artefact, tmp_path) -> None:
+    """A folder the new identity cannot use (here: made writable by others): the tier
+    stops rather than keep serving the old weights' blocks."""
+    eng = _engine(artefact("llama"), tmp_path)
+    _run(eng, PROMPT)
+    eng.kv_store.flush()
+    new_art = artefact("llama", seed=1)
+    probe = _engine(new_art, tmp_path / "probe")
+    (tmp_path / probe.kv_store.folder.name).mkdir(mode=0o777)
+    os.chmod(tmp_path / probe.kv_store.folder.name, 0o777)
+    eng.update_weights(new_art)
+    assert eng.kv_store.off
+    out = _run(eng, PROMPT)
+    assert out["meta_info"]["cached_tokens"] == 0 and eng.kv_store.hits == 0
+    eng.shutdown()
+    eng.kv_store.close()  # a second close does nothing
+
+
 def test_a_damaged_page_is_a_miss_and_the_answer_stays_right(artefact, reference, tmp_path):
     art = artefact("llama")
     eng = _engine(art, tmp_path)
