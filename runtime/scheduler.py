@@ -434,7 +434,8 @@ class Scheduler:
         assert self.store is not None
         names = self.store.names(req.all_ids[:length], req.prefix_space, req.page_names)
         if names is not None:
-            self.store.save(names, pages[: len(names) * self.store.block_pages])
+            blocks = length // self.store.block_tokens  # the names may reach further
+            self.store.save(names[:blocks], pages[: blocks * self.store.block_pages])
 
     def _keep_evicted(self, space: Space, tokens: list[int], pages: list[int]) -> None:
         """Write-back: the disk tier keeps the whole blocks of a path the tree evicts the

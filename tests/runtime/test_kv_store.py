@@ -207,6 +207,24 @@ def test_write_through_selective_keeps_what_is_used_twice(artefact, reference, t
     assert out["output_ids"] == reference["output_ids"]
 
 
+def test_write_through_selective_keeps_only_the_prefix_found(artefact, reference, tmp_path):
+    """A request whose block names reach past what it finds in the tree (a request tried
+    before, its names computed for the whole prompt): only the found prefix's blocks are
+    kept, and it runs."""
+    art = artefact("llama")
+    eng = _engine(art, tmp_path, hicache_write_policy="write_through_selective")
+    _run(eng, [*PROMPT[:BLOCK], 300, 301, 302])  # the tree holds the first block only
+    req = eng.make_request(PROMPT, SamplingParams(**GREEDY))
+    assert eng.kv_store.names(PROMPT[:-1], None, req.page_names) is not None
+    assert len(req.page_names) == 3
+    eng.add_request(req)
+    while eng.has_work:
+        eng.step()
+    assert req.output_ids == reference["output_ids"] and req.cached_tokens == BLOCK
+    eng.kv_store.flush()
+    assert len(_files(tmp_path)) == 1
+
+
 def test_the_oldest_pages_go_past_the_capacity(artefact, tmp_path) -> None:
     art = artefact("llama")
     eng = _engine(art, tmp_path)
