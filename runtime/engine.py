@@ -1229,7 +1229,6 @@ class Engine:
         old weights', and prefilled again (prompt and output so far) with the new ones, so
         no K/V of the old weights is ever read again. Returns the cached tokens dropped;
         WeightUpdateError says why nothing changed."""
-        from kiln.runtime.kv_store import identity
         from kiln.runtime.weight_update import WeightUpdateError, apply_update, read_update
 
         new = read_update(self.art, Path(root), 0)
@@ -1244,11 +1243,8 @@ class Engine:
         if not self._tell_ranks({"weights": "load"}):  # checked: only a broken rank fails
             raise RuntimeError("a tensor-parallel rank failed to copy weights it had checked")
         log.warning("weights updated from %s", root)
-        if self.kv_store is not None:  # the disk tier's pages are the old weights'
-            files = checked_manifest(Path(root), verify=False)["files"]
-            self.kv_store.rebind(identity(files, self.runner.kv, self.art.spec.page_size))
-            for req in self.scheduler.waiting:
-                req.page_names.clear()
+        if self.kv_store is not None:  # the disk tier's blocks are the old weights'
+            self.kv_store.rebind(checked_manifest(Path(root), verify=False)["files"])
         return self.flush_cache()
 
     def flush_cache(self) -> int:

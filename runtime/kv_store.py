@@ -146,9 +146,12 @@ class KVStore:
         self.kv, self.page = kv, page_size
         self.block_pages = max(1, -(-BLOCK_TOKENS // page_size))
         self.block_tokens = self.block_pages * page_size
-        self.block_bytes = self.block_tokens * KVCache.bytes_per_token(
-            kv.shape[0], kv.shape[1], kv.shape[3], kv.dtype, kv.v_shape[3]
-        )
+        layers, heads, _, dim = kv.shape
+        # a block's K and V, as its file holds them (all of K, then all of V)
+        self._k_block = (layers, heads, self.block_tokens, dim)
+        self._v_block = (layers, heads, self.block_tokens, kv.v_shape[3])
+        self._k_bytes = math.prod(self._k_block) * kv.itemsize
+        self.block_bytes = self._k_bytes + math.prod(self._v_block) * kv.itemsize
         self.model = model
         self.root = _own_folder(Path(folder))
         self.folder = _own_folder(self.root / model.hex()[:32])
@@ -173,16 +176,22 @@ class KVStore:
     # -- names -----------------------------------------------------------------------------
     def names(self, tokens: Sequence[int], space: Any, known: list[bytes]) -> list[bytes] | None:
         """The names of `tokens`' whole blocks in tree `space`, extending `known` (the names
-        of its first blocks, computed before) in place; None for a tree not stored."""
+        of its first blocks, computed before) in place; None for a tree not stored. Names
+        computed under another model identity (before new weights) are computed again."""
         tag = space_bytes(space)
         if tag is None:
             return None
         size = self.block_tokens
+        if known and len(tokens) >= size and known[0] != self._name(b"", tag, tokens[:size]):
+            known.clear()
         for i in range(len(known), len(tokens) // size):
-            prev = known[-1] if known else _digest(self.model + tag)
-            ids = array("i", tokens[i * size : (i + 1) * size]).tobytes()
-            known.append(_digest(prev + ids))
+            prev = known[-1] if known else b""
+            known.append(self._name(prev, tag, tokens[i * size : (i + 1) * size]))
         return known
+
+    def _name(self, prev: bytes, tag: bytes, block: Sequence[int]) -> bytes:
+        """A block's name from the one before it (b"": the first block of tree `tag`)."""
+        return _digest((prev or _digest(self.model + tag)) + array("i", block).tobytes())
 
     def stored(self, names: Sequence[bytes]) -> int:
         """How many of `names`, from the first, are on disk."""
@@ -246,9 +255,11 @@ class KVStore:
             _unlink(self._path(name))
         return len(names)
 
-    def rebind(self, model: bytes) -> None:
-        """Serve blocks of model identity `model` from now on (new weights): the blocks
-        on the way are written first, and those of the old weights never match again."""
+    def rebind(self, files: dict[str, Any]) -> None:
+        """Serve the blocks of the artefact whose manifest lists `files` from now on (new
+        weights): the blocks on the way are written first, and those of the old weights
+        never match again."""
+        model = identity(files, self.kv, self.page)
         self.flush()
         with self._lock:
             self.model = model
@@ -332,12 +343,9 @@ class KVStore:
         payload = bytearray(self.block_bytes)
         if f.readinto(payload) != len(payload):
             return False
-        layers, heads, _, dim = kv.shape
-        k_shape = (layers, heads, self.block_tokens, dim)
-        k_bytes = math.prod(k_shape) * kv.itemsize
-        v_shape = (layers, heads, self.block_tokens, kv.v_shape[3])
-        kv.k_host[:, :, at] = np.frombuffer(payload[:k_bytes], kv.k_host.dtype).reshape(k_shape)
-        kv.v_host[:, :, at] = np.frombuffer(payload[k_bytes:], kv.v_host.dtype).reshape(v_shape)
+        k, v = payload[: self._k_bytes], payload[self._k_bytes :]
+        kv.k_host[:, :, at] = np.frombuffer(k, kv.k_host.dtype).reshape(self._k_block)
+        kv.v_host[:, :, at] = np.frombuffer(v, kv.v_host.dtype).reshape(self._v_block)
         return True
 
     # -- files -----------------------------------------------------------------------------
@@ -361,10 +369,10 @@ class KVStore:
                     return False
                 if not self._fill(f, pages) or f.read(1):
                     return False
+                with contextlib.suppress(OSError):  # recently read: last to go, restarts too
+                    os.utime(f.fileno())
         except OSError:
             return False
-        with contextlib.suppress(OSError):  # recently read: last to go, after a restart too
-            os.utime(self._path(name), follow_symlinks=False)
         return True
 
     def _write_loop(self) -> None:

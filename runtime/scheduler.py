@@ -421,29 +421,29 @@ class Scheduler:
     def _keep(self, req: Request, full: int) -> None:
         """Write-through: the disk tier keeps the whole blocks of `req`'s first `full` pages
         (the tree's now)."""
-        assert self.store is not None
         tokens = req.all_ids[: full * self.pool.page_size]
-        names = self.store.names(tokens, req.prefix_space, req.page_names)
-        if names is not None:
-            blocks = len(tokens) // self.store.block_tokens
-            self.store.save(names[:blocks], req.pages[: blocks * self.store.block_pages])
+        self._save_blocks(tokens, req.prefix_space, req.pages, req.page_names)
 
     def _keep_hit(self, req: Request, pages: list[int], length: int) -> None:
         """Write-through-selective: the disk tier keeps the whole blocks of a prefix a
         request found in the tree (the second use of those K/V)."""
-        assert self.store is not None
-        names = self.store.names(req.all_ids[:length], req.prefix_space, req.page_names)
-        if names is not None:
-            blocks = length // self.store.block_tokens  # the names may reach further
-            self.store.save(names[:blocks], pages[: blocks * self.store.block_pages])
+        self._save_blocks(req.all_ids[:length], req.prefix_space, pages, req.page_names)
 
     def _keep_evicted(self, space: Space, tokens: list[int], pages: list[int]) -> None:
         """Write-back: the disk tier keeps the whole blocks of a path the tree evicts the
         leaf of (those it holds already are skipped)."""
+        self._save_blocks(tokens, space, pages, [])
+
+    def _save_blocks(
+        self, tokens: list[int], space: Space, pages: list[int], names: list[bytes]
+    ) -> None:
+        """Hand the disk tier the whole blocks of `tokens` (tree `space`), held by the
+        first of `pages`; `names`: block names known so far (extended; they may reach
+        further than `tokens`)."""
         assert self.store is not None
-        names = self.store.names(tokens, space, [])
-        if names is not None:
-            self.store.save(names, pages[: len(names) * self.store.block_pages])
+        if self.store.names(tokens, space, names) is not None:
+            blocks = len(tokens) // self.store.block_tokens
+            self.store.save(names[:blocks], pages[: blocks * self.store.block_pages])
 
     def _detach_prefix(self, req: Request) -> None:
         assert self.cache is not None and req.cache_node is not None

@@ -128,6 +128,26 @@ def test_new_weights_never_read_the_old_ones_blocks(artefact, tmp_path) -> None:
     assert _logprobs(out) == pytest.approx(_logprobs(expect), abs=1e-4)
 
 
+def test_a_request_named_under_the_old_weights_keeps_its_blocks_under_the_new(
+    artefact, tmp_path
+) -> None:
+    """A request whose block names were computed before /update_weights_from_disk (it was
+    waiting): its blocks are named again, so an engine on the new weights finds them."""
+    new_art = artefact("llama", seed=1)
+    eng = _engine(artefact("llama"), tmp_path)
+    req = eng.make_request(PROMPT, SamplingParams(**GREEDY))
+    assert eng.kv_store.names(PROMPT[:-1], None, req.page_names) is not None
+    stale = list(req.page_names)
+    eng.update_weights(new_art)
+    eng.add_request(req)
+    while eng.has_work:
+        eng.step()
+    assert req.page_names[:3] != stale
+    eng.kv_store.flush()
+    fresh = _engine(new_art, tmp_path)
+    assert _run(fresh, PROMPT)["meta_info"]["cached_tokens"] == 3 * BLOCK
+
+
 def test_new_weights_whose_folder_fails_turn_the_tier_off(artefact, tmp_path) -> None:
     """A folder the new identity cannot use (here: made writable by others): the tier
     stops rather than keep serving the old weights' blocks."""
