@@ -29,7 +29,7 @@ from kiln.runtime.batch_log import BatchLog
 from kiln.runtime.detokenizer import IncrementalDetokenizer
 from kiln.runtime.grammar import Grammars
 from kiln.runtime.kv_cache import KVCache
-from kiln.runtime.kv_store import open_store
+from kiln.runtime.kv_store import check_tier, open_store
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.parallel import TPGroup, check_nodes
 from kiln.runtime.placement import KVDemand, Placement, available_ram, gpu_memory, place
@@ -168,6 +168,7 @@ class Engine:
         refuse_compile_time_changes(server_args, self.art.manifest)
         if self.args.nnodes > 1:
             check_nodes(spec.tp_size, self.args.nnodes, self.args.dist_init_addr)
+        check_tier(self.args, self.art.device, spec.tp_size)
         if importer.is_alive():
             importer.join()
         self.tokenizer = None if skip_tokenizer else self._load_tokenizer()
@@ -200,7 +201,7 @@ class Engine:
         if not self.args.disable_radix_cache:
             cache = RadixCache(self.runner.pool, self.args.radix_eviction_policy)
         # --hicache-storage-backend file: the prefix cache's disk tier (runtime/kv_store.py)
-        self.kv_store = open_store(self.args, self.art, self.runner.kv, spec.tp_size)
+        self.kv_store = open_store(self.args, self.art, self.runner.kv)
         self.scheduler = Scheduler(
             self.runner.pool,
             self._scheduler_config(),

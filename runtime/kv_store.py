@@ -68,24 +68,31 @@ STALE_WRITE_S = 600
 DEFAULT_CAPACITY = 16 << 30
 
 
-def open_store(args: Any, art: Any, kv: KVCache, tp_size: int) -> KVStore | None:
-    """The disk tier the server arguments ask for, or None. `--enable-hierarchical-cache`
-    alone adds nothing on a CPU: the pool is host memory, SGLang's second tier."""
+def check_tier(args: Any, device: str, tp_size: int) -> None:
+    """Refuse what the tier cannot serve, before an engine starts its ranks or pool."""
     if not args.enable_hierarchical_cache:  # a backend without it: refused by kiln/args
-        return None
-    if kv.k_host is None:
+        return
+    if device != "cpu":
         raise ArgError(
             "--enable-hierarchical-cache: kiln has it for CPU KV pools only (a GPU's host "
             "memory tier is planned)"
         )
-    if args.hicache_storage_backend is None:
-        log.info("--enable-hierarchical-cache: the KV pool is host memory already; no tier below")
-        return None
-    if tp_size > 1:
+    if args.hicache_storage_backend is not None and tp_size > 1:
         raise ArgError(
             f"--hicache-storage-backend file: one rank only (this artefact has --tp-size "
             f"{tp_size}); tensor-parallel ranks' blocks are planned"
         )
+
+
+def open_store(args: Any, art: Any, kv: KVCache) -> KVStore | None:
+    """The disk tier the server arguments ask for (`check_tier` passed), or None.
+    `--enable-hierarchical-cache` alone adds nothing on a CPU: the pool is host memory,
+    SGLang's second tier."""
+    if not args.enable_hierarchical_cache:
+        return None
+    if args.hicache_storage_backend is None:
+        log.info("--enable-hierarchical-cache: the KV pool is host memory already; no tier below")
+        return None
     extra = hicache_extra_config(args.hicache_storage_backend_extra_config)
     folder = extra.get("storage_dir") or os.environ.get(FOLDER_VARIABLE) or DEFAULT_FOLDER
     capacity = extra.get("capacity_gb")

@@ -285,6 +285,15 @@ def test_bad_settings_are_refused_by_name(artefact, tmp_path, kw, message) -> No
         _engine(artefact("llama"), tmp_path, **kw)
 
 
+def test_a_tensor_parallel_artefact_is_refused_before_its_ranks_start(artefact) -> None:
+    with pytest.raises(ArgError, match="one rank only .* --tp-size 2"):
+        Engine(
+            artefact("llama", compile_args={"tp_size": 2}),
+            enable_hierarchical_cache=True,
+            hicache_storage_backend="file",
+        )
+
+
 def test_a_backend_without_the_flag_or_the_prefix_cache_is_refused(artefact) -> None:
     with pytest.raises(ArgError, match="needs --enable-hierarchical-cache"):
         Engine(artefact("llama"), max_total_tokens=256, hicache_storage_backend="file")
