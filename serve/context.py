@@ -18,7 +18,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, TypeVar
 
 from kiln.args import ArgError, ServerArgs, json_object
@@ -26,7 +25,7 @@ from kiln.runtime.detokenizer import token_bytes
 from kiln.runtime.engine import EMBED, Engine, RequestError
 from kiln.runtime.request import Request, RequestOutput
 from kiln.runtime.sampling_params import MAX_N, SamplingParams
-from kiln.serve import fim
+from kiln.serve import conversation, fim
 from kiln.serve.async_engine import AsyncEngine, QueueFull, RidInUse, Unavailable
 from kiln.serve.metrics import Metrics
 from kiln.serve.protocol import ChatMessage
@@ -115,7 +114,7 @@ class ServingContext:
             )
         if args.crash_dump_folder:
             self.async_engine.crash_dump = CrashDump(args.crash_dump_folder, args.to_dict())
-        self.chat_template = _read_template(args.chat_template)
+        self.chat_template = conversation.load(args.chat_template)
         self.completion_template = fim.load(args.completion_template)
         self.preferred = _preferred_sampling(args.preferred_sampling_params)
         self.model_defaults = _model_sampling(engine, args.sampling_defaults)
@@ -173,18 +172,30 @@ class ServingContext:
         messages: Sequence[ChatMessage],
         template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
-    ) -> tuple[str, list[int]]:
+    ) -> tuple[str, list[int], tuple[str, ...]]:
         """The conversation rendered by the chat template (with `tools`, OpenAI's tool
-        objects, as transformers passes them), as text and as token ids."""
+        objects, as transformers passes them), as text and as token ids, and the strings a
+        conversation template (serve/conversation.py) stops at."""
         tokenizer = self._tokenizer("chat")
         reserved = sorted(set(template_kwargs or {}) & _TEMPLATE_RESERVED)
         if reserved:
             raise ApiError(400, f"chat_template_kwargs may not set {', '.join(reserved)}")
         convo = [_turn(m) for m in messages]
+        if isinstance(self.chat_template, conversation.Conversation):
+            try:
+                text = conversation.prompt(
+                    self.chat_template, convo, template_kwargs, self.args.reasoning_parser
+                )
+            except ValueError as e:
+                raise ApiError(400, str(e)) from e
+            ids = list(tokenizer.encode(text, add_special_tokens=True))  # as SGLang's
+            return text, ids, self.chat_template.stop
         template = self.chat_template or getattr(tokenizer, "chat_template", None)
         if not template:
             raise ApiError(
-                400, "the model has no chat template; start the server with --chat-template FILE"
+                400,
+                "the model has no chat template; start the server with --chat-template (a "
+                "Jinja file, or a conversation template such as chatml)",
             )
         try:
             text = tokenizer.apply_chat_template(
@@ -197,7 +208,7 @@ class ServingContext:
             )
         except Exception as e:  # a template error is about this conversation
             raise ApiError(400, f"the chat template failed on these messages: {e}") from e
-        return text, list(tokenizer.encode(text, add_special_tokens=False))
+        return text, list(tokenizer.encode(text, add_special_tokens=False)), ()
 
     def _encode(self, *texts: str) -> list[list[int]]:
         """Each text's ids (several: in one tokenizer call, Engine.encode_batch); a 400
@@ -766,12 +777,3 @@ def _model_sampling(engine: Engine, where: str) -> dict[str, Any]:
     if kept:
         log.info("sampling defaults from generation_config.json: %s", kept)
     return kept
-
-
-def _read_template(path: str | None) -> str | None:
-    if path is None:
-        return None
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"--chat-template: {path} is not a file (give a Jinja template file)")
-    return p.read_text()

@@ -399,10 +399,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 
     def build() -> list[Any]:
         nonlocal prompt
-        prompt, ids = ctx.chat_prompt(body.messages, body.chat_template_kwargs, plan.tools)
+        prompt, ids, stop = ctx.chat_prompt(body.messages, body.chat_template_kwargs, plan.tools)
+        params = {**body.sampling_params(max_tokens), **plan.sampling}
+        if stop and not params.get("ignore_eos"):  # a conversation template's (as SGLang)
+            given = params.get("stop") or []
+            given = [given] if isinstance(given, str) else list(given)
+            params["stop"] = given + [s for s in stop if s not in given]
         return ctx.make_requests(
             [ids],
-            {**body.sampling_params(max_tokens), **plan.sampling},
+            params,
             body.n,
             defaults="openai",
             top_logprobs=top,

@@ -30,6 +30,7 @@ from kiln.args import ServerArgs
 from kiln.core.artefact import FileCheck
 from kiln.runtime.gc_watch import warn_long_collections
 from kiln.runtime.watchdog import Watchdog
+from kiln.serve import conversation, fim
 from kiln.serve.context import ServingContext
 
 log = logging.getLogger("kiln.serve")
@@ -164,6 +165,9 @@ def serve(
     from kiln.serve.app import create_app
 
     args = ServerArgs(**explicit)
+    # the template files and names are checked before the artefact loads (seconds)
+    conversation.load(args.chat_template)
+    fim.load(args.completion_template)
     if args.node_rank > 0 or args.dp_size > 1:
         gc.enable()  # not a single server's start (kiln/cli.py turned it off for that)
     if args.node_rank > 0:

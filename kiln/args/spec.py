@@ -124,7 +124,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--api-key', type='str', stage=RUNTIME, status=IMPLEMENTED, help='Bearer key required on every path but /health* and /metrics.'),
         Flag('--served-model-name', type='str', stage=RUNTIME, status=IMPLEMENTED, help='Model name in /v1/models and responses; default: the checkpoint folder.'),
         Flag('--weight-version', type='str', default='default', stage=RUNTIME, status=IMPLEMENTED, help='Weights version label reported by /get_model_info.'),
-        Flag('--chat-template', type='str', stage=RUNTIME, status=IMPLEMENTED, help="Jinja chat template file, instead of the tokenizer's."),
+        Flag('--chat-template', type='str', stage=RUNTIME, status=IMPLEMENTED, help="The chat template instead of the model's: a Jinja file, one of SGLang's conversation templates by name (chatml, llama-2, gemma-it, vicuna_v1.1, ...) or a JSON file of SGLang's conversation fields (serve/conversation.py; docs/serving.md, Chat templates)."),
         Flag('--completion-template', type='str', stage=RUNTIME, status=IMPLEMENTED, help='Fill-in-the-middle prompts for /v1/completions with a suffix: deepseek_coder, star_coder, qwen_coder, or a JSON file of SGLang\'s fields (serve/fim.py).'),
         Flag('--file-storage-path', type='str', default='sglang_storage', stage=RUNTIME),
         Flag('--enable-cache-report', type='bool', stage=RUNTIME, status=IMPLEMENTED, help='Report cached prompt tokens in usage.prompt_tokens_details.'),

@@ -69,6 +69,25 @@ def test_real_model_chats_through_the_server(smollm2_art: Path, launch) -> None:
     assert reply.choices[0].finish_reason == "stop"
 
 
+def test_real_model_chats_through_sglangs_chatml_template(smollm2_art: Path, launch) -> None:
+    """SmolLM2's own template is ChatML with another default system prompt: SGLang's built-in
+    `chatml` (its default: "You are a helpful assistant.") renders the same prompt as the
+    file's template with that system message, and the model answers the same."""
+    from transformers import AutoTokenizer
+
+    server = launch(smollm2_art, "--api-key", API_KEY, "--chat-template", "chatml")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+    reply = client.chat.completions.create(
+        model="m", messages=QUESTION, max_tokens=32, temperature=0
+    )
+    assert reply.choices[0].message.content == "The capital of France is Paris."
+    assert reply.choices[0].finish_reason == "stop"
+    own = AutoTokenizer.from_pretrained(smollm2_art / "tokenizer")  # the file's template
+    text = own.apply_chat_template(SYSTEM + QUESTION, tokenize=False, add_generation_prompt=True)
+    counted = server.post("/v1/tokenize", json={"prompt": text}).json()["count"]
+    assert reply.usage.prompt_tokens == counted
+
+
 # With the chat template's default system prompt, the Q4_1 file run with int8 activations
 # answers "L'Étoile, la Cité, ..." (greedy), as llama.cpp itself does on that file: the
 # question is near a tie for this 135M model. A system prompt of our own settles it.
