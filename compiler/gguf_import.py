@@ -40,13 +40,18 @@ ARCHITECTURES = {
     "phi3": "phi3",
     "gpt-oss": "gpt_oss",
     "deepseek2": "deepseek2",  # deepseek_v2 or deepseek_v3, by its gating function
+    "gemma": "gemma",
+    "granite": "granite",
+    "smollm3": "smollm3",
+    "olmo2": "olmo2",
 }
 # llama.cpp's converter stores Gemma's norm weights as 1 + w (its norm multiplies by the
 # weight); transformers' Gemma norms take w and add the 1 themselves, as kiln's do.
-_NORMS_PLUS_ONE = ("gemma2", "gemma3")
+_NORMS_PLUS_ONE = ("gemma", "gemma2", "gemma3")
+_SANDWICH = ("gemma2", "gemma3")  # norms before and after attention and MLP
 # llama.cpp's converter interleaves the rotary halves of q/k for these (its rope is the
 # GPT-J pairing); kiln's models rotate halves as transformers does, so the rows go back.
-_PERMUTED_QK = ("llama", "mistral")
+_PERMUTED_QK = ("llama", "mistral", "granite", "smollm3")
 
 # Pre-tokenizer split patterns by `tokenizer.ggml.pre`; the ones not listed use GPT-2's,
 # which the `tokenizers` ByteLevel pre-tokenizer applies itself.
@@ -131,7 +136,19 @@ _DEEPSEEK_LAYER = {
     },
     **{f"ffn_{p}_exps.weight": f"mlp.experts.{p}_exps" for p in ("gate", "up", "down")},
 }
-_LAYERS = {"gpt-oss": _GPT_OSS_LAYER, "deepseek2": _DEEPSEEK_LAYER, "phi3": None}
+# OLMo 2: norms after attention and after the MLP, none before.
+_OLMO2_LAYER = {
+    **_LAYER,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_LAYERS = {
+    "gpt-oss": _GPT_OSS_LAYER,
+    "deepseek2": _DEEPSEEK_LAYER,
+    "phi3": _PHI3_LAYER,
+    "olmo2": _OLMO2_LAYER,
+    **{arch: _GEMMA_LAYER for arch in _SANDWICH},
+}
 # LongRoPE's factors, stored as tensors (read into the config, not weights).
 _ROPE_FACTORS = {
     "rope_factors_short.weight": "short_factor",
@@ -225,14 +242,17 @@ class GGUFFile:
         window = self.arch_field("attention.sliding_window")
         if window:
             cfg["sliding_window"] = int(window)
-        if self.arch in _NORMS_PLUS_ONE:  # Gemma 2 and 3
+        if self.arch in _NORMS_PLUS_ONE:  # Gemma 1, 2 and 3
             # What the file does not say, as llama.cpp assumes it: GELU-tanh, and a query
             # scale of head_dim (the 27B models' differs; llama.cpp special-cases them).
             cfg["hidden_activation"] = "gelu_pytorch_tanh"
             cfg["hidden_act"] = "gelu_pytorch_tanh"
+        if self.arch in _SANDWICH:
             cfg["query_pre_attn_scalar"] = cfg["head_dim"]
             if cfg["num_hidden_layers"] in _GEMMA_27B_LAYERS[self.arch]:
                 cfg["query_pre_attn_scalar"] = hidden // heads
+        if self.arch == "granite":
+            cfg.update(self._granite(cfg["head_dim"]))
         if self.arch == "gemma3":
             # A global layer every sixth, the local rope base 10000 (llama.cpp's constants).
             cfg["sliding_window_pattern"] = 6
@@ -249,6 +269,16 @@ class GGUFFile:
             cfg["attn_logit_softcapping"] = float(self.arch_field("attn_logit_softcapping", 50.0))
             cfg["final_logit_softcapping"] = float(self.arch_field("final_logit_softcapping", 30.0))
         return cfg
+
+    def _granite(self, head_dim: int) -> dict[str, Any]:
+        """Granite's multipliers under llama.cpp's names; one the file leaves out means
+        what llama.cpp then does: no scaling, and attention's scale 1 / sqrt(head_dim)."""
+        return {
+            "embedding_multiplier": float(self.arch_field("embedding_scale") or 1.0),
+            "residual_multiplier": float(self.arch_field("residual_scale") or 1.0),
+            "attention_multiplier": float(self.arch_field("attention.scale") or head_dim**-0.5),
+            "logits_scaling": float(self.arch_field("logit_scale") or 1.0),
+        }
 
     def _yarn(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -660,15 +690,17 @@ _ARCH_CLASS = {
     "phi3": "Phi3ForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
     "deepseek2": "DeepseekV2ForCausalLM",
+    "gemma": "GemmaForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
 }
 
 
 def _hf_name(gguf_name: str, arch: str) -> str | None:
     if gguf_name in _GLOBAL:
         return _GLOBAL[gguf_name]
-    layer = _GEMMA_LAYER if arch in _NORMS_PLUS_ONE else _LAYERS.get(arch) or _LAYER
-    if arch == "phi3":
-        layer = _PHI3_LAYER
+    layer = _LAYERS.get(arch, _LAYER)
     m = _BLOCK.fullmatch(gguf_name)
     if m is None or m.group(2) not in layer:
         return None

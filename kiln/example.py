@@ -213,6 +213,20 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "topk_method": "group_limited_greedy",
         "routed_scaling_factor": 1.5,
     },
+    # Gemma (1): 1 + w norms, GELU-tanh, embeddings times sqrt(hidden), the head's scale.
+    "gemma": {"model_type": "gemma", "head_dim": 24},
+    # Granite: its four multipliers, far enough from 1 to bite.
+    "granite": {
+        "model_type": "granite",
+        "embedding_multiplier": 4.0,
+        "attention_multiplier": 0.1,
+        "residual_multiplier": 0.5,
+        "logits_scaling": 3.0,
+    },
+    # SmolLM3: the second layer without rope (its no_rope_layers: 1 rope, 0 none).
+    "smollm3": {"model_type": "smollm3", "no_rope_layers": [1, 0], "pad_token_id": None},
+    # OLMo 2: norms after attention and the MLP only; q/k norms over whole projections.
+    "olmo2": {"model_type": "olmo2"},
     "qwen3_moe": {
         "model_type": "qwen3_moe",
         "head_dim": 24,

@@ -34,9 +34,20 @@ _FAMILIES: dict[str, dict[str, bool]] = {
     # mixture of experts with shared experts, grouped top-k routing and dense first layers.
     "deepseek_v2": {"qkv_bias": False, "qk_norm": False},
     "deepseek_v3": {"qkv_bias": False, "qk_norm": False},
+    # Gemma (1): Gemma 2's layer without its soft caps, sliding layers or sandwich norms.
+    "gemma": {"qkv_bias": False, "qk_norm": False},
+    # Granite (3.x): Llama's layer with four constants: embeddings times
+    # embedding_multiplier, attention scaled by attention_multiplier, each residual branch
+    # times residual_multiplier, logits divided by logits_scaling.
+    "granite": {"qkv_bias": False, "qk_norm": False},
+    # SmolLM3: Llama's layer, with rope left out of the layers no_rope_layers marks 0.
+    "smollm3": {"qkv_bias": False, "qk_norm": False},
+    # OLMo 2: norms after attention and after the MLP only (none before), and q/k norms
+    # over each whole projection, not per head.
+    "olmo2": {"qkv_bias": False, "qk_norm": True},
 }
 _DEEPSEEKS = ("deepseek_v2", "deepseek_v3")
-_GEMMAS = ("gemma2", "gemma3_text")
+_GEMMAS = ("gemma", "gemma2", "gemma3_text")
 # hidden_act / hidden_activation -> kiln's activation op.
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -276,6 +287,16 @@ class ModelConfig:
     # d features of the pooled vector (any d up to hidden_size, or one of those listed).
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] = ()
+    # Granite: each residual branch (attention's, the MLP's) times residual_scale before
+    # it is added; the logits times logits_scale (1 / logits_scaling).
+    residual_scale: float = 1.0
+    logits_scale: float = 1.0
+    # SmolLM3: per layer, whether rope turns its q and k (empty: every layer's does).
+    rope_layers: tuple[bool, ...] = ()
+    # OLMo 2: a norm after attention and after the MLP, none before; q/k norms over the
+    # whole q and k projections (qk_norm_heads False) rather than each head.
+    post_norms: bool = False
+    qk_norm_heads: bool = True
     # A sequence classifier or reward model (architectures' *ForSequenceClassification):
     # a `score` linear (hidden -> one logit a label, no bias) over the last token's final
     # hidden state in place of the lm_head; each label's name (config.json's id2label).
@@ -301,6 +322,8 @@ class ModelConfig:
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        if model_type == "gemma" and act == "gelu":  # a legacy value meaning tanh's, as
+            act = "gelu_pytorch_tanh"  # transformers reads Gemma's configs
         if act not in _ACTIVATIONS:
             raise ModelConfigError(
                 f"hidden_act {act!r} is not supported (supported: {', '.join(_ACTIVATIONS)})"
@@ -346,6 +369,10 @@ class ModelConfig:
             o_bias=bool(cfg.get("attention_bias", False)) and model_type != "qwen2",
             **_gpt_oss(model_type, cfg),
             **_deepseek(model_type, cfg, _global_rope(model_type, cfg)),
+            **_granite(model_type, cfg),
+            rope_layers=_rope_layers(model_type, cfg, num_layers),
+            post_norms=model_type == "olmo2",
+            qk_norm_heads=model_type != "olmo2",
             is_matryoshka=is_matryoshka,
             matryoshka_dimensions=matryoshka,
             labels=_labels(cfg),
@@ -372,6 +399,7 @@ class ModelConfig:
         d["sliding_windows"] = tuple(d["sliding_windows"])
         d["eos_token_ids"] = tuple(d["eos_token_ids"])
         d["sparse_layers"] = tuple(d.get("sparse_layers", ()))
+        d["rope_layers"] = tuple(d.get("rope_layers", ()))
         d["matryoshka_dimensions"] = tuple(d.get("matryoshka_dimensions", ()))
         d["labels"] = tuple(d.get("labels", ()))
         d["rope"] = _rope_from_manifest(d["rope"])
@@ -555,11 +583,41 @@ def _global_rope(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
+def _granite(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    if model_type != "granite":
+        return {}
+    out = {
+        "embed_scale": float(cfg.get("embedding_multiplier", 1.0)),
+        "query_scale": float(cfg.get("attention_multiplier", 1.0)),
+        "residual_scale": float(cfg.get("residual_multiplier", 1.0)),
+        "logits_scale": 1.0 / float(cfg.get("logits_scaling", 1.0)),
+    }
+    if not all(math.isfinite(v) and v > 0 for v in out.values()):
+        raise ModelConfigError(f"granite's multipliers must be positive: {out}")
+    return out
+
+
+def _rope_layers(model_type: str, cfg: dict[str, Any], num_layers: int) -> tuple[bool, ...]:
+    """SmolLM3's no_rope_layers (1: the layer uses rope, 0: it does not), as booleans;
+    unset, every no_rope_layer_interval-th layer (4) goes without, as transformers fills it."""
+    if model_type != "smollm3":
+        return ()
+    marks = cfg.get("no_rope_layers")
+    if marks is None:
+        every = int(cfg.get("no_rope_layer_interval") or 4)
+        marks = [(i + 1) % every != 0 for i in range(num_layers)]
+    if len(marks) != num_layers:
+        raise ModelConfigError(f"no_rope_layers has {len(marks)} entries for {num_layers} layers")
+    return tuple(bool(m) for m in marks)
+
+
 def _gemma(model_type: str, cfg: dict[str, Any], hidden: int) -> dict[str, Any]:
     if model_type not in _GEMMAS:
         return {}
     if cfg.get("use_bidirectional_attention"):
         raise ModelConfigError("use_bidirectional_attention=true is not supported")
+    if model_type == "gemma":  # pre-norms only, the head's own scale, no caps
+        return {"norm_offset": 1.0, "embed_scale": math.sqrt(hidden)}
     out = {
         "norm_offset": 1.0,
         "sandwich_norms": True,

@@ -1,6 +1,6 @@
-"""The decoder-only transformer behind Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2 and 3,
-Phi-3 and Phi-4-mini, and the mixtures of experts Mixtral, Qwen3-MoE, GPT-OSS and
-DeepSeek V2 / V3 (with multi-head latent attention).
+"""The decoder-only transformer behind Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 1, 2 and 3,
+Phi-3 and Phi-4-mini, Granite, SmolLM3, OLMo 2, and the mixtures of experts Mixtral,
+Qwen3-MoE, GPT-OSS and DeepSeek V2 / V3 (with multi-head latent attention).
 
 Written for one device and traced, never run eagerly: build it on the meta device and
 hand it to `kiln.core.trace.trace`. Parameter names match the Hugging Face
@@ -46,9 +46,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.q_size, h, bias=cfg.o_bias)
         if cfg.attn_sinks:
             self.sinks = _weight(cfg.num_heads)
-        if cfg.qk_norm:
-            self.q_norm = nn.RMSNorm(cfg.head_dim)
-            self.k_norm = nn.RMSNorm(cfg.head_dim)
+        if cfg.qk_norm:  # per head, or (OLMo 2) over the whole projection
+            per_head = cfg.qk_norm_heads
+            self.q_norm = nn.RMSNorm(cfg.head_dim if per_head else cfg.q_size)
+            self.k_norm = nn.RMSNorm(cfg.head_dim if per_head else cfg.kv_size)
 
     def projections(self) -> list[tuple[Value | torch.Tensor, torch.Tensor | None]]:
         """(weight, bias) of q, k and v. A partial rotary's q and k rows are reordered so
@@ -76,10 +77,12 @@ class Attention(nn.Module):
         cfg = self.cfg
         q, k, v = (ops.linear(x, w, b) for w, b in self.projections())
         if cfg.qk_norm:
-            q = _norm(cfg, q, self.q_norm, group=cfg.head_dim)
-            k = _norm(cfg, k, self.k_norm, group=cfg.head_dim)
-        q = ops.rope(q, cos_sin, head_dim=cfg.head_dim)
-        k = ops.rope(k, cos_sin, head_dim=cfg.head_dim)
+            group = cfg.head_dim if cfg.qk_norm_heads else 0
+            q = _norm(cfg, q, self.q_norm, group=group)
+            k = _norm(cfg, k, self.k_norm, group=group)
+        if not cfg.rope_layers or cfg.rope_layers[self.layer]:  # SmolLM3's NoPE layers: none
+            q = ops.rope(q, cos_sin, head_dim=cfg.head_dim)
+            k = ops.rope(k, cos_sin, head_dim=cfg.head_dim)
         o = ops.attention(
             q,
             k,
@@ -307,21 +310,34 @@ class DecoderLayer(nn.Module):
         if sparse:
             ffn = StackedMoE(cfg) if cfg.stacked_experts else SparseMoE(cfg)
         setattr(self, self.ffn_name, ffn)
-        self.input_layernorm = nn.RMSNorm(cfg.hidden_size)
+        if not cfg.post_norms:
+            self.input_layernorm = nn.RMSNorm(cfg.hidden_size)
         # Without sandwich norms this is the MLP's input norm (Llama's name); with them it
-        # normalises the attention's output, and the MLP has a norm before and after.
+        # normalises the attention's output, and the MLP has a norm before and after; with
+        # post norms only (OLMo 2) the attention's output and the MLP's, nothing before.
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size)
         if cfg.sandwich_norms:
             self.pre_feedforward_layernorm = nn.RMSNorm(cfg.hidden_size)
+        if cfg.sandwich_norms or cfg.post_norms:
             self.post_feedforward_layernorm = nn.RMSNorm(cfg.hidden_size)
+
+    def _residual(self, h: Value, branch: Value) -> Value:
+        """h + branch, the branch scaled first where the model says so (Granite)."""
+        scale = self.cfg.residual_scale
+        return ops.add(h, ops.scale(branch, factor=scale) if scale != 1.0 else branch)
 
     def forward(self, h: Value, cos_sin: Value) -> Value:
         cfg = self.cfg
         ffn = getattr(self, self.ffn_name)
+        if cfg.post_norms:
+            h = self._residual(
+                h, _norm(cfg, self.self_attn(h, cos_sin), self.post_attention_layernorm)
+            )
+            return self._residual(h, _norm(cfg, ffn(h), self.post_feedforward_layernorm))
         attn = self.self_attn(_norm(cfg, h, self.input_layernorm), cos_sin)
         if not cfg.sandwich_norms:
-            h = ops.add(h, attn)
-            return ops.add(h, ffn(_norm(cfg, h, self.post_attention_layernorm)))
+            h = self._residual(h, attn)
+            return self._residual(h, ffn(_norm(cfg, h, self.post_attention_layernorm)))
         h = ops.add(h, _norm(cfg, attn, self.post_attention_layernorm))
         out = ffn(_norm(cfg, h, self.pre_feedforward_layernorm))
         return ops.add(h, _norm(cfg, out, self.post_feedforward_layernorm))
@@ -389,6 +405,8 @@ class CausalLM(nn.Module):
         if self.embedding:
             return h
         logits = ops.linear(h, self.lm_head_weight, role="lm_head")
+        if cfg.logits_scale != 1.0:  # Granite's logits_scaling
+            logits = ops.scale(logits, factor=cfg.logits_scale)
         if cfg.final_softcap:
             logits = ops.softcap(logits, cap=cfg.final_softcap)
         return (logits, h) if self.hidden_states else logits

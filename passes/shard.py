@@ -88,6 +88,12 @@ def _part(total: int, size: int, rank: int, node: Node) -> tuple[int, int]:
 
 def _projection(node: Node) -> Node:
     while node.op in _PER_HEAD:
+        if node.op == "rmsnorm" and not node.attrs.get("group"):
+            raise IRError(
+                f"%{node.name}: a norm over the whole q or k projection (OLMo 2's) needs "
+                "every head's features; splitting heads across --tp-size ranks is not "
+                "supported for it yet"
+            )
         node = node.args[0]
     return node
 

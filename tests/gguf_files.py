@@ -42,6 +42,12 @@ _GEMMA_LAYER = {
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
+# OLMo 2's norms after attention and after the MLP.
+_OLMO2_LAYER = {
+    **_LAYER,
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
 # Phi-3's fused tensors.
 _PHI3_LAYER = {
     **_LAYER,
@@ -56,6 +62,9 @@ _ARCH = {
     "deepseek_v3": "deepseek2",
 }
 
+
+# llama.cpp's LlamaModel converter and those built on it interleave q/k rows.
+_PERMUTED = ("llama", "mistral", "granite", "smollm3")
 
 # Block types the gguf package decodes but cannot make: written as random blocks (codes
 # and sub-block scales at random, the float16 scales small enough for a sane model).
@@ -84,11 +93,12 @@ def random_blocks(shape: tuple[int, ...], qtype: str, seed: int) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-def gguf_name(hf: str, gemma: bool = False) -> str:
+def gguf_name(hf: str, gemma: bool = False, arch: str = "") -> str:
+    """`gemma`: Gemma 2's and 3's sandwich norms' names."""
     if hf in _NAMES:
         return _NAMES[hf]
     parts = hf.split(".")
-    layer = _GEMMA_LAYER if gemma else _PHI3_LAYER
+    layer = _GEMMA_LAYER if gemma else _OLMO2_LAYER if arch == "olmo2" else _PHI3_LAYER
     return f"blk.{parts[2]}.{layer['.'.join(parts[3:])]}"
 
 
@@ -141,6 +151,11 @@ def write_gguf(
     if arch == "gemma2":
         w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if arch == "granite":  # llama.cpp's converter: the multipliers under its own names
+        w.add_attention_scale(cfg["attention_multiplier"])
+        w.add_embedding_scale(cfg["embedding_multiplier"])
+        w.add_residual_scale(cfg["residual_multiplier"])
+        w.add_logit_scale(cfg["logits_scaling"])
 
     vocab = tok["model"]["vocab"]
     tokens = [""] * len(vocab)
@@ -178,18 +193,18 @@ def write_gguf(
         kind = next((q for part, q in (overrides or {}).items() if part in name), qtype)
         qt = GGMLQuantizationType[kind]
         t = t.astype(np.float32)
-        if arch in ("llama", "mistral") and ("q_proj" in name or "k_proj" in name):
+        if arch in _PERMUTED and ("q_proj" in name or "k_proj" in name):
             t = _interleave(t, heads if "q_proj" in name else kv_heads)
-        if gemma and name.endswith("norm.weight"):
+        if (gemma or arch == "gemma") and name.endswith("norm.weight"):
             t = t + 1.0  # llama.cpp stores Gemma's norms as 1 + w
         if t.ndim == 2 and kind in _RANDOM_BLOCKS:
             data = random_blocks(t.shape, kind, seed=len(name) * 7919 + t.shape[0])
-            w.add_tensor(gguf_name(name, gemma), data, raw_shape=data.shape, raw_dtype=qt)
+            w.add_tensor(gguf_name(name, gemma, arch), data, raw_shape=data.shape, raw_dtype=qt)
         elif t.ndim == 2 and qt != GGMLQuantizationType.F32:
             data = quantize(t, qt)
-            w.add_tensor(gguf_name(name, gemma), data, raw_shape=data.shape, raw_dtype=qt)
+            w.add_tensor(gguf_name(name, gemma, arch), data, raw_shape=data.shape, raw_dtype=qt)
         else:
-            w.add_tensor(gguf_name(name, gemma), t)
+            w.add_tensor(gguf_name(name, gemma, arch), t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -260,6 +260,37 @@ def test_moe_families_as_llama_cpp_writes_them_run_as_their_checkpoints(
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize(
+    ("family", "kw"),
+    [
+        ("gemma", {}),
+        ("granite", {}),
+        # llama.cpp leaves rope out of every fourth layer whatever the config says: four
+        # layers, transformers' default no_rope_layers (the same rule)
+        ("smollm3", {"num_layers": 4, "no_rope_layers": None}),
+        ("olmo2", {}),
+    ],
+)
+def test_dense_families_as_llama_cpp_writes_them_run_as_their_checkpoints(
+    family: str,
+    kw: dict,
+    checkpoint: Callable[..., Path],
+    artefact: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    """transformers reads none of these GGUF architectures: each file (F32, as llama.cpp's
+    converter writes it: Gemma's norms as 1 + w, Granite's and SmolLM3's q/k rows
+    interleaved, Granite's multipliers under llama.cpp's keys, OLMo 2's post norms) is held
+    to the checkpoint it was written from, whose artefact is held to transformers."""
+    path = write_gguf(checkpoint(family, **kw), tmp_path / f"{family}.gguf", "F32")
+    art = tmp_path / "art"
+    compile_model(ServerArgs(model_path=str(path)), art)
+    seq = list(range(3, 43))
+    got = Engine(art, max_total_tokens=1024).prompt_logits(seq)
+    ref = Engine(artefact(family, **kw), max_total_tokens=1024).prompt_logits(seq)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q8_0", "Q4_1"])
 def test_block_decoding_equals_the_gguf_packages_bit_for_bit(qtype: str) -> None:
     """kiln's codes and scales of random blocks decode (kiln.core.quant.dequantize, every

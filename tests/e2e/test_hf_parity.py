@@ -54,6 +54,11 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     # shared experts and a dense first layer both.
     "deepseek-v3-mla-grouped-sigmoid": ("deepseek_v3", {}),
     "deepseek-v2-mla-grouped-softmax": ("deepseek_v2", {}),
+    "gemma-1": ("gemma", {}),
+    "granite-multipliers": ("granite", {}),
+    "granite-tied": ("granite", {"tie_word_embeddings": True}),
+    "smollm3-nope-layer": ("smollm3", {}),
+    "olmo2-post-norms-whole-qk-norms": ("olmo2", {}),
     "gemma3-sliding-and-global": ("gemma3", {}),
     "gemma3-untied-three-layers": (
         "gemma3",

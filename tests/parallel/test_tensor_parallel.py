@@ -40,6 +40,8 @@ FAMILIES = {
     # latent attention by heads (q's two parts, kv_b), the latent whole on every rank
     "deepseek_v3": {},
     "deepseek_v2": {},
+    # each residual branch scaled after its all-reduce, the logits after the all-gather
+    "granite": {},
 }
 
 
@@ -201,6 +203,11 @@ def test_tp_refuses_what_does_not_divide(checkpoint: Callable[..., Path], tmp_pa
         compile_model(
             ServerArgs(model_path=wide, tp_size=2, torchao_config="int4wo-64"), tmp_path / "b"
         )
+    # OLMo 2's q/k norms span every head: refused, not normalised over a rank's heads alone
+    from kiln.passes.base import PassError
+
+    with pytest.raises(PassError, match="a norm over the whole q or k projection"):
+        compile_model(ServerArgs(model_path=str(checkpoint("olmo2")), tp_size=2), tmp_path / "c")
 
 
 def test_a_heartbeat_counts_in_the_store_and_stops_before_its_rank_exits() -> None:

@@ -46,6 +46,11 @@ CASES = {
     "gemma2": ("gemma2", {}),
     # per-head q/k norms read in place from the fused projection
     "qwen3": ("qwen3", {}),
+    # a layer without rope (attention straight from the projections), whole-projection
+    # q/k norms and post norms only, scaled residual branches and logits
+    "smollm3": ("smollm3", {}),
+    "olmo2": ("olmo2", {}),
+    "granite": ("granite", {}),
     # fp8 pools: rotary apart from the fused attention, the fp8 write and attention
     "llama-fp8": ("llama", {"kv_cache_dtype": "fp8_e4m3", "page_size": 4}),
     "qwen3-fp8-e5m2": ("qwen3", {"kv_cache_dtype": "fp8_e5m2"}),
