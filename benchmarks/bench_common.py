@@ -90,6 +90,12 @@ PRECISIONS = {
     "Q4_K_M": 15,
     "Q5_K_M": 17,
     "Q6_K": 18,
+    # block types kiln holds in a wider kernel format (kiln/core/quant.py, _TRANSCODED);
+    # on SmolLM2's 576-wide rows llama.cpp falls back to Q4_0 / IQ4_NL for most matrices
+    "Q2_K": 10,
+    "Q3_K_M": 12,
+    "IQ4_NL": 25,
+    "IQ4_XS": 30,
 }
 
 

@@ -109,6 +109,7 @@ _FULL: dict[str, QuantFormat] = {
             "qlinear",
             0,
             int8_activations="int8_a8",
+            gguf=(("IQ4_XS", 32),),  # its codebook's int8 values, d (ls - 32) a group
         ),
         QuantFormat(
             "uint4",
@@ -120,6 +121,7 @@ _FULL: dict[str, QuantFormat] = {
             group_step=2,
             has_min=True,
             int8_activations="uint4_a8",
+            gguf=(("Q2_K", 16),),  # its 2-bit codes, d sc and -dmin m a group of 16
         ),
         QuantFormat("fp8_e4m3", "uint8", "q8", 1, "qlinear", 2, fp8=True),
         # 8-bit codes with a scale and a min: what int8 and 5-bit parts of one fused
@@ -155,7 +157,9 @@ def _half_scales(full: str, qfmt: int, gguf: tuple[tuple[str, int], ...]) -> Qua
     )
 
 
-def _super_blocks(full: str, name: str, qfmt: int, gguf: str, group: int) -> QuantFormat:
+def _super_blocks(
+    full: str, name: str, qfmt: int, gguf: tuple[str, ...], group: int
+) -> QuantFormat:
     """A GGUF K-quant kept as stored: `full`'s codes (int6k: its own), scales as super-block
     records (256 weights of a row per record)."""
     base = _FULL.get(full) if name != "int6k" else None
@@ -165,7 +169,7 @@ def _super_blocks(full: str, name: str, qfmt: int, gguf: str, group: int) -> Qua
         base,
         name=name,
         qfmt=qfmt,
-        gguf=((gguf, group),),
+        gguf=tuple((g, group) for g in gguf),
         scale_dtype="uint8",
         full=full,
         superblock=256 // group,
@@ -175,14 +179,15 @@ def _super_blocks(full: str, name: str, qfmt: int, gguf: str, group: int) -> Qua
 
 FORMATS: dict[str, QuantFormat] = {
     **_FULL,
-    "int8h": _half_scales("int8", 8, (("Q8_0", 32),)),
+    "int8h": _half_scales("int8", 8, (("Q8_0", 32), ("IQ4_NL", 32))),
     "uint4h": _half_scales("uint4", 9, (("Q4_0", 32), ("Q4_1", 32))),
     "int5h": _half_scales("int5", 10, (("Q5_0", 32),)),
     "uint5h": _half_scales("uint5", 15, (("Q5_1", 32),)),
     "int8mh": _half_scales("int8m", 16, ()),
-    "uint4k": _super_blocks("uint4", "uint4k", 11, "Q4_K", 32),
-    "uint5k": _super_blocks("uint5", "uint5k", 12, "Q5_K", 32),
-    "int6k": _super_blocks("int8", "int6k", 13, "Q6_K", 16),
+    "uint4k": _super_blocks("uint4", "uint4k", 11, ("Q4_K",), 32),
+    "uint5k": _super_blocks("uint5", "uint5k", 12, ("Q5_K",), 32),
+    # Q3_K's 3-bit codes are 6-bit ones (q - 4 = q6 - 32), its scales Q6_K's record
+    "int6k": _super_blocks("int8", "int6k", 13, ("Q6_K", "Q3_K"), 16),
 }
 
 
@@ -483,6 +488,8 @@ def from_gguf_blocks(raw: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.nd
     f16 d, w = (d sc) (q - 32) (a record of d and the 16 scales)."""
     if qtype in _K_QUANTS:
         return _from_k_quant(np.ascontiguousarray(raw).reshape(n, k // 256, -1), qtype, n, k)
+    if qtype in _TRANSCODED:
+        return _TRANSCODED[qtype](np.ascontiguousarray(raw).reshape(n, -1), n, k)
     blocks = k // 32
     rows = np.ascontiguousarray(raw).reshape(n, blocks, -1)
     d = rows[..., 0:2].copy().view(np.float16).astype(np.float32)  # [N, B, 1]
@@ -512,6 +519,97 @@ def from_gguf_blocks(raw: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.nd
 
 
 _K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+
+# GGUF block types kiln has no kernel of their own for, held exactly by a wider format
+# (twice or so their bytes in memory, against eight times or more as floats):
+#   Q2_K (2.6 bits a weight) -> uint4 with float32 scales and mins a group of 16 (8 bits)
+#   Q3_K (3.4) -> int6k, Q6_K's records (6.6); IQ4_NL (4.5) -> int8h, Q8_0's (8.5);
+#   IQ4_XS (4.3) -> int8 with a float32 scale a group of 32 (9).
+# Q2_K and Q3_K super-blocks of 256 run as two halves of 128, each 4 shifts x 2 parts of
+# 16: weight 128 h + 32 j + 16 p + l is bits 2j of byte 32 h + 16 p + l of the codes
+# (Q3_K: its third bit, bit 4 h + j of hmask byte 16 p + l), sub-block 8 h + 2 j + p.
+IQ4_VALUES = np.array(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8
+)  # llama.cpp's kvalues_iq4nl: the non-linear 4-bit codebook of IQ4_NL and IQ4_XS
+
+
+def _two_bit_codes(qs: np.ndarray) -> np.ndarray:
+    """Q2_K / Q3_K low bits: qs [N, SB, 64] -> [N, SB, 2 (h), 4 (j), 2 (p), 16 (l)]."""
+    n, sb = qs.shape[:2]
+    shifts = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1, 1)
+    return (qs.reshape(n, sb, 2, 1, 2, 16) >> shifts) & 3
+
+
+def _from_q2_k(rows: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q2_K = 16 bytes of (sc, m) nibbles, 64 of 2-bit codes, f16 d, f16 dmin:
+    w = (d sc) q - (dmin m)."""
+    sb = rows.reshape(n, k // 256, 84)
+    d = sb[..., 80:82].copy().view(np.float16).astype(np.float32)  # [N, SB, 1]
+    dmin = sb[..., 82:84].copy().view(np.float16).astype(np.float32)
+    sc = sb[..., 0:16]
+    scale = d * (sc & 0x0F).astype(np.float32)  # [N, SB, 16]
+    low = -(dmin * (sc >> 4).astype(np.float32))
+    codes = _two_bit_codes(sb[..., 16:80]).astype(np.uint8).reshape(n, k)
+    return codes, np.stack([scale, low], axis=-1).reshape(n, k // 16, 2)
+
+
+def _from_q3_k(rows: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q3_K = 32 bytes of third bits, 64 of 2-bit codes, 12 bytes of sixteen 6-bit scales
+    (stored + 32), f16 d: w = (d (sc - 32)) (q - 4), held as int6k codes q + 28."""
+    sb = rows.reshape(n, k // 256, 110)
+    nsb = sb.shape[1]
+    hmask = sb[..., 0:32].reshape(n, nsb, 1, 1, 2, 16)
+    bits = np.arange(8, dtype=np.uint8).reshape(1, 1, 2, 4, 1, 1)  # 4 h + j
+    third = (hmask >> bits) & 1
+    codes = (_two_bit_codes(sb[..., 32:96]) | (third << 2)).astype(np.uint8) + 28
+    b = sb[..., 96:108].astype(np.uint16)  # the 12 scale bytes
+    lo4, mid4, top = b[..., 0:4], b[..., 4:8], b[..., 8:12]
+    six = np.concatenate(
+        [
+            (lo4 & 0x0F) | ((top & 0x03) << 4),
+            (mid4 & 0x0F) | (((top >> 2) & 0x03) << 4),
+            (lo4 >> 4) | (((top >> 4) & 0x03) << 4),
+            (mid4 >> 4) | (((top >> 6) & 0x03) << 4),
+        ],
+        axis=-1,
+    )  # [N, SB, 16] in 0..63
+    scales = (six.astype(np.int16) - 32).astype(np.int8).view(np.uint8)
+    records = np.concatenate([sb[..., 108:110], scales], axis=-1)  # d, then 16 scales
+    return codes.reshape(n, k), np.ascontiguousarray(records)
+
+
+def _from_iq4_nl(rows: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """IQ4_NL = f16 d, 16 bytes of nibbles in Q4_0's order: w = d value(q)."""
+    blocks = rows.reshape(n, k // 32, 18)
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [N, B, 1]
+    nib = blocks[..., 2:18]
+    codes = IQ4_VALUES[np.concatenate([nib & 0x0F, nib >> 4], axis=-1)]
+    return codes.reshape(n, k), d
+
+
+def _from_iq4_xs(rows: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """IQ4_XS = f16 d, 16 bits of scales' high pairs, 4 bytes of their low nibbles, 128
+    bytes of nibbles (each 32 weights: 16 bytes' low nibbles, then their high ones):
+    w = (d (ls - 32)) value(q), ls = 6 bits a group of 32."""
+    sb = rows.reshape(n, k // 256, 136)
+    nsb = sb.shape[1]
+    d = sb[..., 0:2].copy().view(np.float16).astype(np.float32)  # [N, SB, 1]
+    high = sb[..., 2:4].copy().view(np.uint16)  # [N, SB, 1]
+    ib = np.arange(8)
+    low = (sb[..., 4:8][..., ib // 2] >> (4 * (ib % 2)).astype(np.uint8)) & 0x0F
+    ls = low.astype(np.int32) | (((high >> (2 * ib).astype(np.uint16)) & 3) << 4).astype(np.int32)
+    scales = d * (ls - 32).astype(np.float32)  # [N, SB, 8]
+    nib = sb[..., 8:136].reshape(n, nsb, 8, 16)
+    codes = IQ4_VALUES[np.concatenate([nib & 0x0F, nib >> 4], axis=-1)]
+    return codes.reshape(n, k), scales.reshape(n, k // 32, 1)
+
+
+_TRANSCODED = {
+    "Q2_K": _from_q2_k,
+    "Q3_K": _from_q3_k,
+    "IQ4_NL": _from_iq4_nl,
+    "IQ4_XS": _from_iq4_xs,
+}
 
 
 def _from_k_quant(rows: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:

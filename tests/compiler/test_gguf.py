@@ -46,6 +46,11 @@ CASES = {
     "llama-q5_1": ("llama", "Q5_1", {}),
     "qwen2-q5_0": ("qwen2", "Q5_0", {}),
     "llama-q8_0": ("llama", "Q8_0", {}),
+    # no kernel of their own: held exactly by a wider format (kiln/core/quant.py)
+    "llama-q2_k": ("llama", "Q2_K", _K),
+    "llama-q3_k": ("llama", "Q3_K", _K),
+    "llama-iq4_nl": ("llama", "IQ4_NL", {}),
+    "llama-iq4_xs": ("llama", "IQ4_XS", _K),
     "llama-q4_0-tied": ("llama", "Q4_0", {"tie_word_embeddings": True}),
     "llama-q4_1": ("llama", "Q4_1", {}),
     "qwen2-f16-bias": ("qwen2", "F16", {}),
@@ -187,6 +192,10 @@ def test_gguf_blocks_run_as_stored_unless_a_float_dtype_is_asked(
         "llama-q6_k": ("int6k", 16),
         "llama-q5_k": ("uint5k", 32),
         "llama-q5_1": ("uint5h", 32),
+        "llama-q2_k": ("uint4", 16),
+        "llama-q3_k": ("int6k", 16),
+        "llama-iq4_nl": ("int8h", 32),
+        "llama-iq4_xs": ("int8", 32),
     }
     for case, (fmt, group) in expect.items():
         compile_model(ServerArgs(model_path=str(gguf_file(case))), tmp_path / case)
@@ -213,6 +222,9 @@ A8_FORMATS = {
     "llama-q4_k": "uint4k_a8",  # the super-block records as stored, in int8 dot products
     "llama-q5_k": "uint5k_a8",
     "qwen2-q5_0": "int5h_a8",
+    "llama-q2_k": "uint4_a8",  # Q2_K held as uint4, groups of 16
+    "llama-iq4_nl": "int8h_a8",  # IQ4_NL as Q8_0's layout
+    "llama-iq4_xs": "int8_a8",
 }
 
 
@@ -228,7 +240,7 @@ def test_gguf_blocks_with_int8_activations_match_transformers_rounding_the_same(
     art = tmp_path / "art"
     compile_model(ServerArgs(model_path=str(path), quantize_activations="int8"), art)
     nodes = json.loads((art / "graph.json").read_text())["nodes"]
-    group = 32
+    group = 16 if case == "llama-q2_k" else 32  # activations round per weight group
     assert {n["attrs"]["format"] for n in nodes if n["op"].startswith("quant_")} == {
         A8_FORMATS[case]
     }
@@ -291,7 +303,10 @@ def test_dense_families_as_llama_cpp_writes_them_run_as_their_checkpoints(
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q8_0", "Q4_1"])
+@pytest.mark.parametrize(
+    "qtype",
+    ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q8_0", "Q4_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"],
+)
 def test_block_decoding_equals_the_gguf_packages_bit_for_bit(qtype: str) -> None:
     """kiln's codes and scales of random blocks decode (kiln.core.quant.dequantize, every
     kernel's reference) to the gguf package's floats, bit for bit."""
@@ -316,7 +331,7 @@ def test_block_decoding_equals_the_gguf_packages_bit_for_bit(qtype: str) -> None
     form = FORMATS[fmt]
     if form.superblock:  # K-quants: one scale record per super-block of 256, as stored
         assert scales.shape[1:] == (k // 256, form.record_bytes)
-        assert codes.max() < {"Q4_K": 16, "Q5_K": 32, "Q6_K": 64}[qtype]
+        assert codes.max() < {"Q4_K": 16, "Q5_K": 32, "Q6_K": 64, "Q3_K": 36}[qtype]
     else:
         assert scales.shape[1] == k // group
     got = dequantize(torch.from_numpy(codes), torch.from_numpy(scales), fmt).numpy()
