@@ -44,6 +44,7 @@ ARCHITECTURES = {
     "granite": "granite",
     "smollm3": "smollm3",
     "olmo2": "olmo2",
+    "ernie4_5": "ernie4_5",
 }
 # llama.cpp's converter stores Gemma's norm weights as 1 + w (its norm multiplies by the
 # weight); transformers' Gemma norms take w and add the 1 themselves, as kiln's do.
@@ -694,6 +695,7 @@ _ARCH_CLASS = {
     "granite": "GraniteForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "ernie4_5": "Ernie4_5ForCausalLM",
 }
 
 

@@ -227,6 +227,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "smollm3": {"model_type": "smollm3", "no_rope_layers": [1, 0], "pad_token_id": None},
     # OLMo 2: norms after attention and the MLP only; q/k norms over whole projections.
     "olmo2": {"model_type": "olmo2"},
+    # ERNIE 4.5: rope over interleaved pairs.
+    "ernie4_5": {"model_type": "ernie4_5", "head_dim": 24},
     "qwen3_moe": {
         "model_type": "qwen3_moe",
         "head_dim": 24,

@@ -45,6 +45,9 @@ _FAMILIES: dict[str, dict[str, bool]] = {
     # OLMo 2: norms after attention and after the MLP only (none before), and q/k norms
     # over each whole projection, not per head.
     "olmo2": {"qkv_bias": False, "qk_norm": True},
+    # ERNIE 4.5 (dense): Llama's layer with rope over interleaved pairs (x0, x1), (x2, x3)...
+    # (kiln stores each head's q and k rows as halves, where its rope turns them).
+    "ernie4_5": {"qkv_bias": False, "qk_norm": False},
 }
 _DEEPSEEKS = ("deepseek_v2", "deepseek_v3")
 _GEMMAS = ("gemma", "gemma2", "gemma3_text")
@@ -330,6 +333,8 @@ class ModelConfig:
             )
         if cfg.get("mlp_bias"):
             raise ModelConfigError("mlp_bias=true is not supported yet")
+        if model_type == "ernie4_5" and cfg.get("use_bias"):
+            raise ModelConfigError("ernie4_5 with use_bias=true is not supported yet")
         family = _FAMILIES[model_type]
         num_heads = int(cfg["num_attention_heads"])
         num_layers = int(cfg["num_hidden_layers"])
@@ -370,6 +375,7 @@ class ModelConfig:
             **_gpt_oss(model_type, cfg),
             **_deepseek(model_type, cfg, _global_rope(model_type, cfg)),
             **_granite(model_type, cfg),
+            **({"rope_interleave": True} if model_type == "ernie4_5" else {}),
             rope_layers=_rope_layers(model_type, cfg, num_layers),
             post_norms=model_type == "olmo2",
             qk_norm_heads=model_type != "olmo2",

@@ -1,5 +1,5 @@
 """The decoder-only transformer behind Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 1, 2 and 3,
-Phi-3 and Phi-4-mini, Granite, SmolLM3, OLMo 2, and the mixtures of experts Mixtral,
+Phi-3 and Phi-4-mini, Granite, SmolLM3, OLMo 2, ERNIE 4.5, and the mixtures of experts Mixtral,
 Qwen3-MoE, GPT-OSS and DeepSeek V2 / V3 (with multi-head latent attention).
 
 Written for one device and traced, never run eagerly: build it on the meta device and
@@ -65,6 +65,15 @@ class Attention(nn.Module):
                 (ops.rows(w, "v_proj", nq + nkv, nq + 2 * nkv), None),
             ]
         mods = (self.q_proj, self.k_proj, self.v_proj)
+        if cfg.rope_interleave:  # ERNIE 4.5: each head's pairs stored as halves
+            if cfg.qkv_bias or cfg.rotary_dim:
+                raise ValueError("interleaved rope with q/k/v biases or a partial rotary")
+            d = (cfg.head_dim,)
+            return [
+                (ops.head_parts(self.q_proj.weight, cfg.num_heads, d, True), None),
+                (ops.head_parts(self.k_proj.weight, cfg.num_kv_heads, d, True), None),
+                (self.v_proj.weight, None),
+            ]
         if rotary == (0, 0):
             return [(m.weight, m.bias) for m in mods]
         if cfg.qkv_bias:

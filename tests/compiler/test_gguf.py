@@ -281,6 +281,7 @@ def test_moe_families_as_llama_cpp_writes_them_run_as_their_checkpoints(
         # layers, transformers' default no_rope_layers (the same rule)
         ("smollm3", {"num_layers": 4, "no_rope_layers": None}),
         ("olmo2", {}),
+        ("ernie4_5", {}),  # rope pairs interleaved in the file as in the checkpoint
     ],
 )
 def test_dense_families_as_llama_cpp_writes_them_run_as_their_checkpoints(

@@ -59,6 +59,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "granite-tied": ("granite", {"tie_word_embeddings": True}),
     "smollm3-nope-layer": ("smollm3", {}),
     "olmo2-post-norms-whole-qk-norms": ("olmo2", {}),
+    "ernie4_5-interleaved-rope": ("ernie4_5", {}),
     "gemma3-sliding-and-global": ("gemma3", {}),
     "gemma3-untied-three-layers": (
         "gemma3",

@@ -42,6 +42,8 @@ FAMILIES = {
     "deepseek_v2": {},
     # each residual branch scaled after its all-reduce, the logits after the all-gather
     "granite": {},
+    # each head's q/k rows de-interleaved, then cut by heads
+    "ernie4_5": {},
 }
 
 
