@@ -229,6 +229,12 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "olmo2": {"model_type": "olmo2"},
     # ERNIE 4.5: rope over interleaved pairs.
     "ernie4_5": {"model_type": "ernie4_5", "head_dim": 24},
+    # EXAONE 4: a sliding layer (with rope) then a global one (without), post norms.
+    "exaone4": {
+        "model_type": "exaone4",
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
     "qwen3_moe": {
         "model_type": "qwen3_moe",
         "head_dim": 24,

@@ -48,6 +48,9 @@ _FAMILIES: dict[str, dict[str, bool]] = {
     # ERNIE 4.5 (dense): Llama's layer with rope over interleaved pairs (x0, x1), (x2, x3)...
     # (kiln stores each head's q and k rows as halves, where its rope turns them).
     "ernie4_5": {"qkv_bias": False, "qk_norm": False},
+    # EXAONE 4: OLMo 2's post norms with per-head q/k norms; with a sliding window, its
+    # sliding layers use rope and its global ones none.
+    "exaone4": {"qkv_bias": False, "qk_norm": True},
 }
 _DEEPSEEKS = ("deepseek_v2", "deepseek_v3")
 _GEMMAS = ("gemma", "gemma2", "gemma3_text")
@@ -377,7 +380,7 @@ class ModelConfig:
             **_granite(model_type, cfg),
             **({"rope_interleave": True} if model_type == "ernie4_5" else {}),
             rope_layers=_rope_layers(model_type, cfg, num_layers),
-            post_norms=model_type == "olmo2",
+            post_norms=model_type in ("olmo2", "exaone4"),
             qk_norm_heads=model_type != "olmo2",
             is_matryoshka=is_matryoshka,
             matryoshka_dimensions=matryoshka,
@@ -605,7 +608,12 @@ def _granite(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
 
 def _rope_layers(model_type: str, cfg: dict[str, Any], num_layers: int) -> tuple[bool, ...]:
     """SmolLM3's no_rope_layers (1: the layer uses rope, 0: it does not), as booleans;
-    unset, every no_rope_layer_interval-th layer (4) goes without, as transformers fills it."""
+    unset, every no_rope_layer_interval-th layer (4) goes without, as transformers fills it.
+    EXAONE 4 with a sliding window: its sliding layers only."""
+    if model_type == "exaone4":
+        if cfg.get("sliding_window") is None:
+            return ()
+        return tuple(w is not None for w in _sliding_windows(cfg, num_layers))
     if model_type != "smollm3":
         return ()
     marks = cfg.get("no_rope_layers")
@@ -647,7 +655,7 @@ def _sliding_windows(cfg: dict[str, Any], num_layers: int) -> tuple[int | None, 
     pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
     if not layer_types and cfg.get("model_type") in ("gemma2", "gpt_oss"):
         pattern = 2  # transformers' Gemma 2 and GPT-OSS: sliding and full layers alternate
-    if not layer_types and cfg.get("model_type") in (*_GEMMAS, "gpt_oss") and pattern:
+    if not layer_types and cfg.get("model_type") in (*_GEMMAS, "gpt_oss", "exaone4") and pattern:
         # Older Gemma files: every pattern-th layer is global, the others slide.
         layer_types = [
             "full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention"

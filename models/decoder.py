@@ -1,6 +1,6 @@
 """The decoder-only transformer behind Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 1, 2 and 3,
-Phi-3 and Phi-4-mini, Granite, SmolLM3, OLMo 2, ERNIE 4.5, and the mixtures of experts Mixtral,
-Qwen3-MoE, GPT-OSS and DeepSeek V2 / V3 (with multi-head latent attention).
+Phi-3 and Phi-4-mini, Granite, SmolLM3, OLMo 2, ERNIE 4.5, EXAONE 4, and the mixtures of
+experts Mixtral, Qwen3-MoE, GPT-OSS and DeepSeek V2 / V3 (with multi-head latent attention).
 
 Written for one device and traced, never run eagerly: build it on the meta device and
 hand it to `kiln.core.trace.trace`. Parameter names match the Hugging Face

@@ -60,6 +60,11 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "smollm3-nope-layer": ("smollm3", {}),
     "olmo2-post-norms-whole-qk-norms": ("olmo2", {}),
     "ernie4_5-interleaved-rope": ("ernie4_5", {}),
+    "exaone4-sliding-rope-global-nope": ("exaone4", {}),
+    "exaone4-no-window": (
+        "exaone4",
+        {"sliding_window": None, "layer_types": ["full_attention"] * 2},
+    ),
     "gemma3-sliding-and-global": ("gemma3", {}),
     "gemma3-untied-three-layers": (
         "gemma3",

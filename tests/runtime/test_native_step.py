@@ -53,6 +53,7 @@ CASES = {
     "granite": ("granite", {}),
     # q/k rows stored de-interleaved per head (ERNIE 4.5's rope pairs)
     "ernie4_5": ("ernie4_5", {}),
+    "exaone4": ("exaone4", {}),
     # fp8 pools: rotary apart from the fused attention, the fp8 write and attention
     "llama-fp8": ("llama", {"kv_cache_dtype": "fp8_e4m3", "page_size": 4}),
     "qwen3-fp8-e5m2": ("qwen3", {"kv_cache_dtype": "fp8_e5m2"}),
