@@ -378,7 +378,6 @@ class ModelConfig:
             **_gpt_oss(model_type, cfg),
             **_deepseek(model_type, cfg, _global_rope(model_type, cfg)),
             **_granite(model_type, cfg),
-            **({"rope_interleave": True} if model_type == "ernie4_5" else {}),
             rope_layers=_rope_layers(model_type, cfg, num_layers),
             post_norms=model_type in ("olmo2", "exaone4"),
             qk_norm_heads=model_type != "olmo2",
@@ -518,6 +517,8 @@ def _moe(model_type: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any
 
 
 def _deepseek(model_type: str, cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    if model_type == "ernie4_5":  # its rope pairs interleaved, as DeepSeek's
+        return {"rope_interleave": True}
     if model_type not in _DEEPSEEKS:
         return {}
     if cfg.get("attention_bias"):

@@ -25,13 +25,12 @@ given.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-MAX_FILE_BYTES = 65536
+from kiln.serve.fim import read_json_file
 
 # A separator style is two functions: the prompt's head, from the template and the system
 # message; and one turn, from the template, the turn's index, its role string and its text
@@ -289,13 +288,7 @@ def load(value: str | None) -> Conversation | str | None:
         )
     if path.suffix != ".json":
         return path.read_text()
-    if path.stat().st_size > MAX_FILE_BYTES:
-        raise ValueError(f"{flag}: larger than {MAX_FILE_BYTES} bytes")
-    try:
-        spec = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{flag}: not JSON ({e})") from None
-    return _from_json(flag, spec)
+    return _from_json(flag, read_json_file(flag, path))
 
 
 def _from_json(flag: str, spec: Any) -> Conversation:

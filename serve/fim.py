@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,17 @@ _FIELDS = ("name", "fim_begin_token", "fim_middle_token", "fim_end_token", "fim_
 MAX_FILE_BYTES = 65536
 
 
+def read_json_file(flag: str, path: Path) -> Any:
+    """A template file's JSON (this and the chat template's, serve/conversation.py): at most
+    MAX_FILE_BYTES; ValueError naming the flag otherwise."""
+    if path.stat().st_size > MAX_FILE_BYTES:
+        raise ValueError(f"{flag}: larger than {MAX_FILE_BYTES} bytes")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{flag}: not JSON ({e})") from None
+
+
 def load(value: str | None) -> CompletionTemplate | None:
     """The template --completion-template names: a built-in one, or a JSON file's;
     ValueError naming the flag otherwise."""
@@ -57,12 +69,7 @@ def load(value: str | None) -> CompletionTemplate | None:
         raise ValueError(
             f"{flag}: neither one of {', '.join(TEMPLATES)} nor a JSON file of {', '.join(_FIELDS)}"
         )
-    if path.stat().st_size > MAX_FILE_BYTES:
-        raise ValueError(f"{flag}: larger than {MAX_FILE_BYTES} bytes")
-    try:
-        spec = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{flag}: not JSON ({e})") from None
+    spec = read_json_file(flag, path)
     if not isinstance(spec, dict) or any(not isinstance(spec.get(f), str) for f in _FIELDS):
         raise ValueError(f"{flag}: a JSON object of strings {', '.join(_FIELDS)}")
     if spec["fim_position"] not in ("MIDDLE", "END"):
