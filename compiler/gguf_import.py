@@ -62,8 +62,12 @@ _SPLIT_PATTERNS = {
     "llama-bpe": _LETTERS + r"\p{N}{1,3}|" + _REST,
     "llama3": _LETTERS + r"\p{N}{1,3}|" + _REST,
     "qwen2": _LETTERS + r"\p{N}|" + _REST,
+    "dbrx": _LETTERS + r"\p{N}{1,3}|" + _REST,  # OLMo 2's (cl100k): llama3's split
 }
-_GPT2_PRE = ("default", "gpt2", "smollm", "gpt-2")
+_GPT2_PRE = ("default", "gpt2", "smollm", "gpt-2", "olmo")
+# llama.cpp's pre-tokenizers that isolate every digit, then split as GPT-2 does (Granite
+# 3's files carry "refact").
+_DIGITS_THEN_GPT2 = ("refact", "command-r")
 
 # GGUF tensor names -> transformers' names, per layer and global.
 _GLOBAL = {
@@ -578,18 +582,21 @@ class GGUFFile:
                     },
                 ],
             }
-        elif pre in _GPT2_PRE:
+        elif pre in _GPT2_PRE or pre in _DIGITS_THEN_GPT2:
             pre_tokenizer = {
                 "type": "ByteLevel",
                 "add_prefix_space": False,
                 "trim_offsets": True,
                 "use_regex": True,
             }
+            if pre in _DIGITS_THEN_GPT2:
+                digits = {"type": "Digits", "individual_digits": True}
+                pre_tokenizer = {"type": "Sequence", "pretokenizers": [digits, pre_tokenizer]}
         else:
             raise CheckpointError(
                 f"{self.path.name}: pre-tokenizer {pre!r} is not supported yet (supported: "
-                f"{', '.join(sorted({*_GPT2_PRE, *_SPLIT_PATTERNS}))}); pass the original "
-                "model's tokenizer folder with --tokenizer-path"
+                f"{', '.join(sorted({*_GPT2_PRE, *_SPLIT_PATTERNS, *_DIGITS_THEN_GPT2}))}); "
+                "pass the original model's tokenizer folder with --tokenizer-path"
             )
         post: dict[str, Any] | None = None
         if add_bos and bos is not None:

@@ -144,6 +144,33 @@ def test_gguf_tokenizer_matches_transformers_conversion(
     assert ours.eos_token == "</s>" and ours.bos_token == "<s>"
 
 
+@pytest.mark.parametrize(
+    ("pre", "pieces"),
+    [
+        # llama.cpp's "refact" (Granite 3's files): every digit alone, then GPT-2's split
+        ("refact", ["in", "Ġ", "2", "0", "2", "4", ",", "Ġ", "7", "Ġkilns", "!!"]),
+        # "dbrx" (OLMo 2's, cl100k): llama3's split, digits in threes
+        ("dbrx", ["in", "Ġ", "202", "4", ",", "Ġ", "7", "Ġkilns", "!!"]),
+        # "olmo": GPT-2's split
+        ("olmo", ["in", "Ġ2024", ",", "Ġ7", "Ġkilns", "!!"]),
+    ],
+)
+def test_gguf_pre_tokenizers_split_as_llama_cpp_does(
+    pre: str, pieces: list[str], checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """The pieces each pre-tokenizer name cuts a text into, as llama.cpp's regular
+    expressions for that name cut it (llama-vocab.cpp), before the BPE merges."""
+    from tokenizers import Tokenizer
+
+    path = write_gguf(checkpoint("llama"), tmp_path / "m.gguf", "F32", pre=pre)
+    art = tmp_path / "art"
+    compile_model(ServerArgs(model_path=str(path)), art)
+    tok = Tokenizer.from_file(str(art / "tokenizer" / "tokenizer.json"))
+    assert tok.pre_tokenizer is not None
+    got = [p for p, _ in tok.pre_tokenizer.pre_tokenize_str("in 2024, 7 kilns!!")]
+    assert got == pieces
+
+
 def test_a_folder_with_one_gguf_is_auto_detected_and_the_name_is_not_in_the_key(
     gguf_file: Callable[[str], Path], tmp_path: Path
 ) -> None:
