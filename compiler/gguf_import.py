@@ -159,6 +159,9 @@ _ROPE_FACTORS = {
     "rope_factors_short.weight": "short_factor",
     "rope_factors_long.weight": "long_factor",
 }
+# A divisor per rope frequency (llama.cpp's converter writes Llama 3.1's scaling so, and
+# EXAONE's): read into the config as the "freq_factors" rope.
+_FREQ_FACTORS = "rope_freqs.weight"
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 # Layer counts of the 27B Gemmas, whose query scale is hidden / heads, not head_dim.
 _GEMMA_27B_LAYERS = {"gemma2": (46,), "gemma3": (62,)}
@@ -203,7 +206,7 @@ class GGUFFile:
         """Hugging Face name -> the file's tensor record."""
         out = {}
         for t in self._contents.tensors:
-            if t.name in _ROPE_FACTORS:
+            if t.name in _ROPE_FACTORS or t.name == _FREQ_FACTORS:
                 continue
             name = _hf_name(t.name, self.arch)
             if name is None:
@@ -244,6 +247,14 @@ class GGUFFile:
             cfg["rope_scaling"] = self._yarn()
         elif scaling not in (None, "none"):
             raise CheckpointError(f"{self.path.name}: rope scaling {scaling!r} is not supported")
+        freq = next((t for t in self._contents.tensors if t.name == _FREQ_FACTORS), None)
+        if freq is not None:
+            if scaling not in (None, "none"):
+                raise CheckpointError(
+                    f"{self.path.name}: {_FREQ_FACTORS} beside rope scaling {scaling!r}"
+                )
+            factors = [float(x) for x in np.asarray(freq.data, dtype=np.float32).reshape(-1)]
+            cfg["rope_scaling"] = {"rope_type": "freq_factors", "freq_factors": factors}
         window = self.arch_field("attention.sliding_window")
         if window:
             cfg["sliding_window"] = int(window)

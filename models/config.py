@@ -82,6 +82,9 @@ class RopeConfig:
     # (short) and beyond it (long).
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
+    # "freq_factors": a divisor per frequency as a GGUF file stores it (llama.cpp's
+    # rope_freqs tensor: how its converter writes Llama 3.1's scaling, and EXAONE's).
+    freq_factors: tuple[float, ...] = ()
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> RopeConfig:
@@ -127,6 +130,11 @@ class RopeConfig:
                 "long_factor": tuple(float(f) for f in merged["long_factor"]),
                 "attention_factor": _longrope_attention_factor(merged, float(factor), original),
             }
+        if rope_type == "freq_factors":
+            factors = merged.get("freq_factors") or ()
+            if not factors or not all(isinstance(f, (int, float)) and f > 0 for f in factors):
+                raise ModelConfigError("freq_factors rope needs positive freq_factors")
+            extra = {"freq_factors": tuple(float(f) for f in factors)}
         return cls(
             theta=float(theta),
             rope_type=rope_type,
@@ -138,7 +146,7 @@ class RopeConfig:
         )
 
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "freq_factors")
 
 
 def _longrope_attention_factor(params: dict[str, Any], factor: float, original: int) -> float:
@@ -440,7 +448,7 @@ class ModelConfig:
 
 def _rope_from_manifest(d: dict[str, Any]) -> RopeConfig:
     d = dict(d)
-    for k in ("short_factor", "long_factor"):
+    for k in ("short_factor", "long_factor", "freq_factors"):
         d[k] = tuple(d.get(k, ()))
     return RopeConfig(**d)
 

@@ -28,6 +28,11 @@ def _inv_freq(rope: RopeConfig, rotary_dim: int, long: bool) -> torch.Tensor:
         if ext.numel() != freq.numel():
             raise ValueError(f"longrope has {ext.numel()} factors for {freq.numel()} pairs")
         return 1.0 / (ext * rope.theta**exps)
+    if rope.rope_type == "freq_factors":  # as llama.cpp divides by its rope_freqs tensor
+        div = torch.tensor(rope.freq_factors, dtype=torch.float32)
+        if div.numel() != freq.numel():
+            raise ValueError(f"rope_freqs has {div.numel()} factors for {freq.numel()} pairs")
+        return freq / div
     if rope.rope_type == "linear":
         return freq / rope.factor
     if rope.rope_type == "llama3":

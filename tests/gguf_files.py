@@ -106,6 +106,27 @@ def gguf_name(hf: str, gemma: bool = False, arch: str = "") -> str:
     return f"blk.{parts[2]}.{layer['.'.join(parts[3:])]}"
 
 
+def _llama3_divisors(params: dict, head_dim: int, theta: float) -> np.ndarray:
+    """Llama 3.1's rope scaling as the divisor of each pair's frequency: 1 for wavelengths
+    under the pretraining context / high_freq_factor, `factor` above the context /
+    low_freq_factor, and between them the inverse of the blend (1 - s) / factor + s."""
+    import math
+
+    ctx = params["original_max_position_embeddings"]
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    out = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < ctx / high:
+            out.append(1.0)
+        elif wavelen > ctx / low:
+            out.append(factor)
+        else:
+            s = (ctx / wavelen - low) / (high - low)
+            out.append(1 / ((1 - s) / factor + s))
+    return np.asarray(out, dtype=np.float32)
+
+
 def _interleave(w: np.ndarray, heads: int) -> np.ndarray:
     # llama.cpp's converter: per head, rows (2, pairs) -> (pairs, 2).
     n = w.shape[0]
@@ -144,6 +165,8 @@ def write_gguf(
     w.add_rope_freq_base(float(theta))
     params = cfg.get("rope_parameters") or {}
     w.add_rope_dimension_count(int(head_dim * params.get("partial_rotary_factor", 1.0)))
+    if params.get("rope_type") == "llama3":  # llama.cpp's converter: a divisor per pair
+        w.add_tensor("rope_freqs.weight", _llama3_divisors(params, head_dim, float(theta)))
     if params.get("rope_type") == "longrope":  # as llama.cpp's converter writes LongRoPE
         w.add_rope_scaling_orig_ctx_len(params["original_max_position_embeddings"])
         for kind in ("short", "long"):

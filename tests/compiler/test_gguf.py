@@ -294,6 +294,9 @@ def test_gguf_blocks_with_int8_activations_match_transformers_rounding_the_same(
         ("smollm3", {"num_layers": 4, "no_rope_layers": None}),
         ("olmo2", {}),
         ("ernie4_5", {}),  # rope pairs interleaved in the file as in the checkpoint
+        # transformers' loader reads llama, but not Llama 3.1's rope_freqs tensor (how
+        # llama.cpp's converter writes its scaling): against the checkpoint
+        ("llama3", {}),
     ],
 )
 def test_families_transformers_cannot_read_as_gguf_run_as_their_checkpoints(
@@ -307,8 +310,8 @@ def test_families_transformers_cannot_read_as_gguf_run_as_their_checkpoints(
     converter writes it: GPT-OSS's experts with gate and up apart, DeepSeek's kv_b as its
     absorbed halves and its experts stacked, Gemma's norms as 1 + w, Granite's and
     SmolLM3's q/k rows interleaved, Granite's multipliers under llama.cpp's keys, OLMo 2's
-    post norms) is held to the checkpoint it was written from, whose artefact is held to
-    transformers."""
+    post norms, Llama 3.1's rope scaling as a rope_freqs tensor) is held to the checkpoint
+    it was written from, whose artefact is held to transformers."""
     path = write_gguf(checkpoint(family, **kw), tmp_path / f"{family}.gguf", "F32")
     art = tmp_path / "art"
     compile_model(ServerArgs(model_path=str(path)), art)
