@@ -58,13 +58,28 @@ _PERMUTED_QK = ("llama", "mistral", "granite", "smollm3")
 # which the `tokenizers` ByteLevel pre-tokenizer applies itself.
 _LETTERS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
 _REST = r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_LLAMA3 = _LETTERS + r"\p{N}{1,3}|" + _REST
+# Upper-then-lower letter runs (the original expressions of these tokenizers' own files).
+_CASED = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+%s|"
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*%s|"
+)
+_CASED_REST = r" ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+# llama.cpp's names for the same splits share an entry (llama-vocab.cpp's table).
 _SPLIT_PATTERNS = {
-    "llama-bpe": _LETTERS + r"\p{N}{1,3}|" + _REST,
-    "llama3": _LETTERS + r"\p{N}{1,3}|" + _REST,
-    "qwen2": _LETTERS + r"\p{N}|" + _REST,
-    "dbrx": _LETTERS + r"\p{N}{1,3}|" + _REST,  # OLMo 2's (cl100k): llama3's split
+    **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral"), _LLAMA3),
+    **dict.fromkeys(("dbrx", "smaug-bpe"), _LLAMA3),  # OLMo 2's (cl100k)
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _LETTERS + r"\p{N}|" + _REST),
+    # Phi-4-mini's and Llama 4's
+    "gpt-4o": _CASED % (_CONTRACTION, _CONTRACTION) + r"\p{N}{1,3}|" + _CASED_REST,
+    # Mistral Nemo's and Small 3's
+    "tekken": _CASED % ("", "") + r"\p{N}|" + _CASED_REST,
 }
-_GPT2_PRE = ("default", "gpt2", "smollm", "gpt-2", "olmo")
+# llama.cpp takes a whole pre-token that is in the vocabulary as one token before merging
+# for these (as Llama 3's own tokenizer file says, ignore_merges).
+_IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral")
+_GPT2_PRE = ("default", "gpt2", "smollm", "gpt-2", "olmo", "exaone4")
 # llama.cpp's pre-tokenizers that isolate every digit, then split as GPT-2 does (Granite
 # 3's files carry "refact").
 _DIGITS_THEN_GPT2 = ("refact", "command-r")
@@ -647,7 +662,7 @@ class GGUFFile:
                 "end_of_word_suffix": None,
                 "fuse_unk": False,
                 "byte_fallback": False,
-                "ignore_merges": False,
+                "ignore_merges": pre in _IGNORE_MERGES,
                 "vocab": {tok: i for i, tok in enumerate(tokens)},
                 "merges": [m.split(" ", 1) for m in merges],
             },

@@ -144,22 +144,38 @@ def test_gguf_tokenizer_matches_transformers_conversion(
     assert ours.eos_token == "</s>" and ours.bos_token == "<s>"
 
 
+NUMBERS, CASED = "in 2024, 7 kilns!!", "HelloWorld 12345 isn't"
+
+
 @pytest.mark.parametrize(
-    ("pre", "pieces"),
+    ("pre", "text", "pieces"),
     [
         # llama.cpp's "refact" (Granite 3's files): every digit alone, then GPT-2's split
-        ("refact", ["in", "Ġ", "2", "0", "2", "4", ",", "Ġ", "7", "Ġkilns", "!!"]),
+        ("refact", NUMBERS, ["in", "Ġ", "2", "0", "2", "4", ",", "Ġ", "7", "Ġkilns", "!!"]),
         # "dbrx" (OLMo 2's, cl100k): llama3's split, digits in threes
-        ("dbrx", ["in", "Ġ", "202", "4", ",", "Ġ", "7", "Ġkilns", "!!"]),
+        ("dbrx", NUMBERS, ["in", "Ġ", "202", "4", ",", "Ġ", "7", "Ġkilns", "!!"]),
+        # Llama 3's: the same split, and a whole piece in the vocabulary taken as it is
+        ("llama-bpe", NUMBERS, ["in", "Ġ", "202", "4", ",", "Ġ", "7", "Ġkilns", "!!"]),
         # "olmo": GPT-2's split
-        ("olmo", ["in", "Ġ2024", ",", "Ġ7", "Ġkilns", "!!"]),
+        ("olmo", NUMBERS, ["in", "Ġ2024", ",", "Ġ7", "Ġkilns", "!!"]),
+        # DeepSeek-R1-Distill-Qwen's files: Qwen2's split, digits alone
+        (
+            "deepseek-r1-qwen",
+            NUMBERS,
+            ["in", "Ġ", "2", "0", "2", "4", ",", "Ġ", "7", "Ġkilns", "!!"],
+        ),
+        # Phi-4-mini's: a capital starts a word, contractions join it, digits in threes
+        ("gpt-4o", CASED, ["Hello", "World", "Ġ", "123", "45", "Ġisn't"]),
+        # Mistral Nemo's: the same cut without contractions, digits alone
+        ("tekken", CASED, ["Hello", "World", "Ġ", "1", "2", "3", "4", "5", "Ġisn", "'t"]),
     ],
 )
 def test_gguf_pre_tokenizers_split_as_llama_cpp_does(
-    pre: str, pieces: list[str], checkpoint: Callable[..., Path], tmp_path: Path
+    pre: str, text: str, pieces: list[str], checkpoint: Callable[..., Path], tmp_path: Path
 ) -> None:
     """The pieces each pre-tokenizer name cuts a text into, as llama.cpp's regular
-    expressions for that name cut it (llama-vocab.cpp), before the BPE merges."""
+    expressions for that name (llama-vocab.cpp; for gpt-4o and tekken the tokenizer files'
+    own, which llama.cpp adapts) cut it, before the BPE merges."""
     from tokenizers import Tokenizer
 
     path = write_gguf(checkpoint("llama"), tmp_path / "m.gguf", "F32", pre=pre)
@@ -167,8 +183,9 @@ def test_gguf_pre_tokenizers_split_as_llama_cpp_does(
     compile_model(ServerArgs(model_path=str(path)), art)
     tok = Tokenizer.from_file(str(art / "tokenizer" / "tokenizer.json"))
     assert tok.pre_tokenizer is not None
-    got = [p for p, _ in tok.pre_tokenizer.pre_tokenize_str("in 2024, 7 kilns!!")]
-    assert got == pieces
+    assert [p for p, _ in tok.pre_tokenizer.pre_tokenize_str(text)] == pieces
+    model = json.loads((art / "tokenizer" / "tokenizer.json").read_text())["model"]
+    assert model["ignore_merges"] == (pre == "llama-bpe")  # llama.cpp's rule for Llama 3's
 
 
 def test_a_folder_with_one_gguf_is_auto_detected_and_the_name_is_not_in_the_key(
