@@ -45,6 +45,7 @@ ARCHITECTURES = {
     "smollm3": "smollm3",
     "olmo2": "olmo2",
     "ernie4_5": "ernie4_5",
+    "exaone4": "exaone4",
 }
 # llama.cpp's converter stores Gemma's norm weights as 1 + w (its norm multiplies by the
 # weight); transformers' Gemma norms take w and add the 1 themselves, as kiln's do.
@@ -167,6 +168,7 @@ _LAYERS = {
     "deepseek2": _DEEPSEEK_LAYER,
     "phi3": _PHI3_LAYER,
     "olmo2": _OLMO2_LAYER,
+    "exaone4": _OLMO2_LAYER,  # the same post norms and q/k norms
     **{arch: _GEMMA_LAYER for arch in _SANDWICH},
 }
 # LongRoPE's factors, stored as tensors (read into the config, not weights).
@@ -273,6 +275,19 @@ class GGUFFile:
         window = self.arch_field("attention.sliding_window")
         if window:
             cfg["sliding_window"] = int(window)
+            # Which layers slide, one flag a layer (EXAONE 4's files; llama.cpp assumes
+            # every fourth layer global where an EXAONE file leaves it out).
+            pattern = self.arch_field("attention.sliding_window_pattern")
+            if isinstance(pattern, list):
+                if len(pattern) != cfg["num_hidden_layers"]:
+                    raise CheckpointError(
+                        f"{self.path.name}: sliding_window_pattern has {len(pattern)} flags "
+                        f"for {cfg['num_hidden_layers']} layers"
+                    )
+                kinds = ("full_attention", "sliding_attention")
+                cfg["layer_types"] = [kinds[bool(f)] for f in pattern]
+            elif self.arch == "exaone4":
+                cfg["sliding_window_pattern"] = 4
         if self.arch in _NORMS_PLUS_ONE:  # Gemma 1, 2 and 3
             # What the file does not say, as llama.cpp assumes it: GELU-tanh, and a query
             # scale of head_dim (the 27B models' differs; llama.cpp special-cases them).
@@ -729,6 +744,7 @@ _ARCH_CLASS = {
     "smollm3": "SmolLM3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
 }
 
 

@@ -48,6 +48,7 @@ _OLMO2_LAYER = {
     "post_attention_layernorm.weight": "post_attention_norm.weight",
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
+_POST_NORMS = ("olmo2", "exaone4")
 # Phi-3's fused tensors.
 _PHI3_LAYER = {
     **_LAYER,
@@ -102,7 +103,7 @@ def gguf_name(hf: str, gemma: bool = False, arch: str = "") -> str:
     if hf in _NAMES:
         return _NAMES[hf]
     parts = hf.split(".")
-    layer = _GEMMA_LAYER if gemma else _OLMO2_LAYER if arch == "olmo2" else _PHI3_LAYER
+    layer = _GEMMA_LAYER if gemma else _OLMO2_LAYER if arch in _POST_NORMS else _PHI3_LAYER
     return f"blk.{parts[2]}.{layer['.'.join(parts[3:])]}"
 
 
@@ -175,6 +176,8 @@ def write_gguf(
     w.add_vocab_size(cfg["vocab_size"])
     if cfg.get("sliding_window"):
         w.add_sliding_window(cfg["sliding_window"])
+        if arch == "exaone4":  # llama.cpp's converter: a flag a layer
+            w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
     if arch == "gemma2":
         w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         w.add_final_logit_softcapping(cfg["final_logit_softcapping"])

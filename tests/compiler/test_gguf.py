@@ -311,6 +311,7 @@ def test_gguf_blocks_with_int8_activations_match_transformers_rounding_the_same(
         ("smollm3", {"num_layers": 4, "no_rope_layers": None}),
         ("olmo2", {}),
         ("ernie4_5", {}),  # rope pairs interleaved in the file as in the checkpoint
+        ("exaone4", {}),  # its layers' sliding flags as an array
         # transformers' loader reads llama, but not Llama 3.1's rope_freqs tensor (how
         # llama.cpp's converter writes its scaling): against the checkpoint
         ("llama3", {}),
