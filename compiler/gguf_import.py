@@ -82,8 +82,9 @@ _SPLIT_PATTERNS = {
 _IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral")
 _GPT2_PRE = ("default", "gpt2", "smollm", "gpt-2", "olmo", "exaone4")
 # llama.cpp's pre-tokenizers that isolate every digit, then split as GPT-2 does (Granite
-# 3's files carry "refact").
-_DIGITS_THEN_GPT2 = ("refact", "command-r")
+# 3's files carry "refact" or "starcoder"; llama.cpp reads "smollm" so too, where kiln keeps
+# GPT-2's split alone: SmolLM2's vocabulary has no token of an ASCII digit and more).
+_DIGITS_THEN_GPT2 = ("refact", "starcoder", "command-r", "codeshell", "exaone", "minerva")
 
 # GGUF tensor names -> transformers' names, per layer and global.
 _GLOBAL = {

@@ -152,6 +152,7 @@ NUMBERS, CASED = "in 2024, 7 kilns!!", "HelloWorld 12345 isn't"
     [
         # llama.cpp's "refact" (Granite 3's files): every digit alone, then GPT-2's split
         ("refact", NUMBERS, ["in", "Ġ", "2", "0", "2", "4", ",", "Ġ", "7", "Ġkilns", "!!"]),
+        ("starcoder", NUMBERS, ["in", "Ġ", "2", "0", "2", "4", ",", "Ġ", "7", "Ġkilns", "!!"]),
         # "dbrx" (OLMo 2's, cl100k): llama3's split, digits in threes
         ("dbrx", NUMBERS, ["in", "Ġ", "202", "4", ",", "Ġ", "7", "Ġkilns", "!!"]),
         # Llama 3's: the same split, and a whole piece in the vocabulary taken as it is
