@@ -135,6 +135,7 @@ def test_metrics_exported_to_file(server, client, metrics_dir) -> None:
         prompt="Exported once",
         max_tokens=3,
         extra_headers={"x-custom-labels": json.dumps({"team": "export"})},
+        extra_body={"ignore_eos": True},  # sampled: an EOS at the third token ended it once
     )
     record = None
     for _ in range(100):  # written on the log thread
