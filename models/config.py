@@ -356,6 +356,7 @@ class ModelConfig:
         qkv_bias = family["qkv_bias"] or bool(cfg.get("attention_bias", False))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        windows = _sliding_windows(cfg, num_layers)
         out = cls(
             model_type=model_type,
             architecture=(cfg.get("architectures") or [""])[0],
@@ -372,7 +373,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in _GEMMAS)),
             qkv_bias=qkv_bias,
             qk_norm=family["qk_norm"],
-            sliding_windows=_sliding_windows(cfg, num_layers),
+            sliding_windows=windows,
             torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -386,7 +387,7 @@ class ModelConfig:
             **_gpt_oss(model_type, cfg),
             **_deepseek(model_type, cfg, _global_rope(model_type, cfg)),
             **_granite(model_type, cfg),
-            rope_layers=_rope_layers(model_type, cfg, num_layers),
+            rope_layers=_rope_layers(model_type, cfg, windows),
             post_norms=model_type in ("olmo2", "exaone4"),
             qk_norm_heads=model_type != "olmo2",
             is_matryoshka=is_matryoshka,
@@ -615,22 +616,24 @@ def _granite(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _rope_layers(model_type: str, cfg: dict[str, Any], num_layers: int) -> tuple[bool, ...]:
+def _rope_layers(
+    model_type: str, cfg: dict[str, Any], windows: tuple[int | None, ...]
+) -> tuple[bool, ...]:
     """SmolLM3's no_rope_layers (1: the layer uses rope, 0: it does not), as booleans;
     unset, every no_rope_layer_interval-th layer (4) goes without, as transformers fills it.
     EXAONE 4 with a sliding window: its sliding layers only."""
     if model_type == "exaone4":
         if cfg.get("sliding_window") is None:
             return ()
-        return tuple(w is not None for w in _sliding_windows(cfg, num_layers))
+        return tuple(w is not None for w in windows)
     if model_type != "smollm3":
         return ()
     marks = cfg.get("no_rope_layers")
     if marks is None:
         every = int(cfg.get("no_rope_layer_interval") or 4)
-        marks = [(i + 1) % every != 0 for i in range(num_layers)]
-    if len(marks) != num_layers:
-        raise ModelConfigError(f"no_rope_layers has {len(marks)} entries for {num_layers} layers")
+        marks = [(i + 1) % every != 0 for i in range(len(windows))]
+    if len(marks) != len(windows):
+        raise ModelConfigError(f"no_rope_layers has {len(marks)} entries for {len(windows)} layers")
     return tuple(bool(m) for m in marks)
 
 

@@ -86,17 +86,12 @@ def _part(total: int, size: int, rank: int, node: Node) -> tuple[int, int]:
     return rank * step, (rank + 1) * step
 
 
-def _projection(node: Node) -> Node:
+def _projection(node: Node, heads: bool = False) -> Node:
+    """The linear behind `node`, through rope and norms. `heads`: an attention input, whose
+    heads are split: a norm over the whole q or k projection (OLMo 2's) needs every head's
+    features, so it is refused."""
     while node.op in _PER_HEAD:
-        node = node.args[0]
-    return node
-
-
-def _head_projection(node: Node) -> Node:
-    """An attention input's projection, through per-head ops only: a norm over the whole q
-    or k projection (OLMo 2's) needs every head's features, so its heads cannot be split."""
-    while node.op in _PER_HEAD:
-        if node.op == "rmsnorm" and not node.attrs.get("group"):
+        if heads and node.op == "rmsnorm" and not node.attrs.get("group"):
             raise IRError(
                 f"%{node.name}: a norm over the whole q or k projection (OLMo 2's) needs "
                 "every head's features; splitting heads across --tp-size ranks is not "
@@ -112,7 +107,7 @@ def _attention(
     """Heads [lo, hi) of q and the KV heads they read; o_proj by columns. Returns the
     linears it split."""
     heads, kv, d = attn.attrs["num_heads"], attn.attrs["num_kv_heads"], attn.attrs["head_dim"]
-    q, k, v = (_head_projection(a) for a in attn.args[:3])
+    q, k, v = (_projection(a, heads=True) for a in attn.args[:3])
     lo, hi = _part(heads, size, rank, attn)
     if attn.attrs.get("sinks"):  # one per query head: this rank's heads'
         sinks = attn.args[3]

@@ -17,7 +17,7 @@ from kiln.args import ServerArgs
 from kiln.runtime.engine import Engine
 from kiln.runtime.model_runner import freeze_startup_heap
 from kiln.serve import native_api, openai_api, responses_api
-from kiln.serve.context import ServingContext
+from kiln.serve.context import ServingContext, Templates
 from kiln.serve.metrics import CustomLabels
 from kiln.serve.middleware import FrontDoor, error_body
 from kiln.serve.streams import ApiError
@@ -25,11 +25,14 @@ from kiln.serve.streams import ApiError
 log = logging.getLogger("kiln.serve")
 
 
-def create_app(engine: Engine, args: ServerArgs, clean_start: bool = False) -> FastAPI:
+def create_app(
+    engine: Engine, args: ServerArgs, clean_start: bool = False, templates: Templates | None = None
+) -> FastAPI:
     """`clean_start`: this process only imported kiln and opened the artefact (`kiln
     serve`), so its startup heap is frozen without a full collection first
-    (model_runner.freeze_startup_heap)."""
-    ctx = ServingContext(engine, args)
+    (model_runner.freeze_startup_heap). `templates`: the template flags' values, already
+    read (else read here)."""
+    ctx = ServingContext(engine, args, templates)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -81,8 +81,17 @@ _TEMPLATE_RESERVED = frozenset(
 NATIVE_DEFAULTS: dict[str, Any] = {"max_new_tokens": 128}
 
 
+# --chat-template's (a conversation or a Jinja template's text) and --completion-template's.
+Templates = tuple[conversation.Conversation | str | None, fim.CompletionTemplate | None]
+
+
+def read_templates(args: ServerArgs) -> Templates:
+    """The template flags' values, read and checked once; ValueError naming the flag."""
+    return conversation.load(args.chat_template), fim.load(args.completion_template)
+
+
 class ServingContext:
-    def __init__(self, engine: Engine, args: ServerArgs) -> None:
+    def __init__(self, engine: Engine, args: ServerArgs, templates: Templates | None = None):
         self.args = args
         self.engine = engine
         self._workers = ThreadPoolExecutor(
@@ -114,8 +123,8 @@ class ServingContext:
             )
         if args.crash_dump_folder:
             self.async_engine.crash_dump = CrashDump(args.crash_dump_folder, args.to_dict())
-        self.chat_template = conversation.load(args.chat_template)
-        self.completion_template = fim.load(args.completion_template)
+        # `kiln serve` read them before the artefact loaded (serve/server.py)
+        self.chat_template, self.completion_template = templates or read_templates(args)
         self.preferred = _preferred_sampling(args.preferred_sampling_params)
         self.model_defaults = _model_sampling(engine, args.sampling_defaults)
         self.started = time.time()

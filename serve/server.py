@@ -30,8 +30,7 @@ from kiln.args import ServerArgs
 from kiln.core.artefact import FileCheck
 from kiln.runtime.gc_watch import warn_long_collections
 from kiln.runtime.watchdog import Watchdog
-from kiln.serve import conversation, fim
-from kiln.serve.context import ServingContext
+from kiln.serve.context import ServingContext, read_templates
 
 log = logging.getLogger("kiln.serve")
 
@@ -165,9 +164,7 @@ def serve(
     from kiln.serve.app import create_app
 
     args = ServerArgs(**explicit)
-    # the template files and names are checked before the artefact loads (seconds)
-    conversation.load(args.chat_template)
-    fim.load(args.completion_template)
+    templates = read_templates(args)  # checked before the artefact loads (seconds)
     if args.node_rank > 0 or args.dp_size > 1:
         gc.enable()  # not a single server's start (kiln/cli.py turned it off for that)
     if args.node_rank > 0:
@@ -180,7 +177,7 @@ def serve(
     sock = bind(args.host, args.port)
     try:
         engine = Engine(artefact, file_check=check, **explicit)
-        app = create_app(engine, args, clean_start)
+        app = create_app(engine, args, clean_start, templates)
         level = (args.log_level_http or args.log_level).lower()
         config = uvicorn.Config(
             app,

@@ -507,8 +507,7 @@ def from_gguf_blocks(raw: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.nd
         m = rows[..., 2:4].copy().view(np.float16).astype(np.float32)
         return five, np.concatenate([d, m], axis=-1)
     start = 2 if qtype == "Q4_0" else 4
-    nib = rows[..., start : start + 16]
-    codes = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).astype(np.uint8)
+    codes = _nibbles(rows[..., start : start + 16])
     if qtype == "Q4_0":
         m = -8.0 * d
     elif qtype == "Q4_1":
@@ -531,6 +530,12 @@ _K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 IQ4_VALUES = np.array(
     [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8
 )  # llama.cpp's kvalues_iq4nl: the non-linear 4-bit codebook of IQ4_NL and IQ4_XS
+
+
+def _nibbles(b: np.ndarray) -> np.ndarray:
+    """16 bytes a block of 32 -> its codes: byte j's low nibble is weight j, its high one
+    weight j + 16 (Q4_0, Q4_1, IQ4_NL, each IQ4_XS group)."""
+    return np.concatenate([b & 0x0F, b >> 4], axis=-1).astype(np.uint8)
 
 
 def _two_bit_codes(qs: np.ndarray) -> np.ndarray:
@@ -582,9 +587,7 @@ def _from_iq4_nl(rows: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarr
     """IQ4_NL = f16 d, 16 bytes of nibbles in Q4_0's order: w = d value(q)."""
     blocks = rows.reshape(n, k // 32, 18)
     d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [N, B, 1]
-    nib = blocks[..., 2:18]
-    codes = IQ4_VALUES[np.concatenate([nib & 0x0F, nib >> 4], axis=-1)]
-    return codes.reshape(n, k), d
+    return IQ4_VALUES[_nibbles(blocks[..., 2:18])].reshape(n, k), d
 
 
 def _from_iq4_xs(rows: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -599,8 +602,7 @@ def _from_iq4_xs(rows: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarr
     low = (sb[..., 4:8][..., ib // 2] >> (4 * (ib % 2)).astype(np.uint8)) & 0x0F
     ls = low.astype(np.int32) | (((high >> (2 * ib).astype(np.uint16)) & 3) << 4).astype(np.int32)
     scales = d * (ls - 32).astype(np.float32)  # [N, SB, 8]
-    nib = sb[..., 8:136].reshape(n, nsb, 8, 16)
-    codes = IQ4_VALUES[np.concatenate([nib & 0x0F, nib >> 4], axis=-1)]
+    codes = IQ4_VALUES[_nibbles(sb[..., 8:136].reshape(n, nsb, 8, 16))]
     return codes.reshape(n, k), scales.reshape(n, k // 32, 1)
 
 
