@@ -46,6 +46,8 @@ ARCHITECTURES = {
     "olmo2": "olmo2",
     "ernie4_5": "ernie4_5",
     "exaone4": "exaone4",
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
 }
 # llama.cpp's converter stores Gemma's norm weights as 1 + w (its norm multiplies by the
 # weight); transformers' Gemma norms take w and add the 1 themselves, as kiln's do.
@@ -158,6 +160,17 @@ _DEEPSEEK_LAYER = {
     },
     **{f"ffn_{p}_exps.weight": f"mlp.experts.{p}_exps" for p in ("gate", "up", "down")},
 }
+_MLP_PARTS = ("gate", "up", "down")
+# Qwen2-MoE / Qwen3-MoE: the router, the routed experts stacked, Qwen2-MoE's shared expert
+# and its gate (a vector in the file, one row to the model: see `derived`).
+_QWEN_MOE_LAYER = {
+    **_LAYER,
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.vector",
+    **{f"ffn_{p}_shexp.weight": f"mlp.shared_expert.{p}_proj.weight" for p in _MLP_PARTS},
+    **{f"ffn_{p}_exps.weight": f"mlp.experts.{p}_exps" for p in _MLP_PARTS},
+}
+_QWEN_MOES = ("qwen2moe", "qwen3moe")
 # OLMo 2: norms after attention and after the MLP, none before.
 _OLMO2_LAYER = {
     **_LAYER,
@@ -170,6 +183,7 @@ _LAYERS = {
     "phi3": _PHI3_LAYER,
     "olmo2": _OLMO2_LAYER,
     "exaone4": _OLMO2_LAYER,  # the same post norms and q/k norms
+    **{arch: _QWEN_MOE_LAYER for arch in _QWEN_MOES},
     **{arch: _GEMMA_LAYER for arch in _SANDWICH},
 }
 # LongRoPE's factors, stored as tensors (read into the config, not weights).
@@ -310,6 +324,8 @@ class GGUFFile:
             cfg.update(self._gpt_oss())
         if self.arch == "deepseek2":
             cfg.update(self._deepseek())
+        if self.arch in _QWEN_MOES:
+            cfg.update(self._qwen_moe(cfg["intermediate_size"]))
         if self.arch == "gemma2":
             # Sliding and global layers alternate; the caps are in the file (llama.cpp's
             # converter writes them), else Gemma 2's published 50 and 30.
@@ -402,6 +418,26 @@ class GGUFFile:
             out.update(n_group=1, topk_group=1, topk_method="noaux_tc" if v3 else "greedy")
         return out
 
+    def _qwen_moe(self, ffn: int) -> dict[str, Any]:
+        """Qwen2-MoE / Qwen3-MoE from llama.cpp's keys, with what its programs assume of
+        them: every layer sparse, the top-k weights rescaled to sum to 1 for Qwen3-MoE
+        and never for Qwen2-MoE, the shared expert as wide as the dense MLP where the file
+        leaves its width out, q/k/v biases where the file has them."""
+        qwen2 = self.arch == "qwen2moe"
+        out: dict[str, Any] = {
+            "num_experts": int(self.arch_field("expert_count")),
+            "num_experts_per_tok": int(self.arch_field("expert_used_count")),
+            "moe_intermediate_size": int(self.arch_field("expert_feed_forward_length", ffn)),
+            "norm_topk_prob": not qwen2,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        }
+        if qwen2:
+            shared = self.arch_field("expert_shared_feed_forward_length") or ffn
+            out["shared_expert_intermediate_size"] = int(shared)
+            out["qkv_bias"] = "model.layers.0.self_attn.q_proj.bias" in self.tensors
+        return out
+
     def _phi3_rope(self, head_dim: int) -> dict[str, Any]:
         """Phi-3's partial rotary (rope.dimension_count) and LongRoPE: the factor tensors
         and the pretraining context llama.cpp's converter writes."""
@@ -442,8 +478,12 @@ class GGUFFile:
             )
             if self.arch == "gpt-oss" and stacked in self.tensors:
                 out.update(self._gpt_oss_experts(layer))
-            if self.arch == "deepseek2" and stacked in self.tensors:
-                out.update(self._deepseek_experts(layer))
+            if self.arch in ("deepseek2", *_QWEN_MOES) and stacked in self.tensors:
+                out.update(self._routed_experts(layer))
+            gate = f"{layer}.mlp.shared_expert_gate.vector"
+            if gate in self.tensors:
+                # [hidden] or [1, hidden] in the file, as converters write it
+                out[gate.replace(".vector", ".weight")] = self._one_row(gate)
             if self.arch == "deepseek2" and f"{layer}.self_attn.k_b_proj.weight" in self.tensors:
                 out.update(self._kv_b(layer))
         return out
@@ -479,7 +519,10 @@ class GGUFFile:
             p + "down_proj_bias": ((e, hidden), lambda: self.get(p + "down_exps.bias")),
         }
 
-    def _deepseek_experts(self, layer: str) -> dict[str, Any]:
+    def _one_row(self, name: str) -> tuple[tuple[int, ...], Callable[[], np.ndarray]]:
+        return (1, self._stored_shape(name)[-1]), lambda: self.get(name).reshape(1, -1)
+
+    def _routed_experts(self, layer: str) -> dict[str, Any]:
         """Each routed expert's own gate, up and down, cut from the stacked tensors."""
         out: dict[str, Any] = {}
         for part in ("gate", "up", "down"):
@@ -746,6 +789,8 @@ _ARCH_CLASS = {
     "olmo2": "Olmo2ForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 
 

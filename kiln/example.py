@@ -244,6 +244,15 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "norm_topk_prob": False,
         "mlp_only_layers": [0],
     },
+    # Qwen2-MoE: Qwen2's biased attention, routed experts and a gated shared expert.
+    "qwen2_moe": {
+        "model_type": "qwen2_moe",
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 96,
+        "mlp_only_layers": [0],
+    },
 }
 
 

@@ -17,6 +17,9 @@ _FAMILIES: dict[str, dict[str, bool]] = {
     "qwen3": {"qkv_bias": False, "qk_norm": True},
     "mixtral": {"qkv_bias": False, "qk_norm": False},
     "qwen3_moe": {"qkv_bias": False, "qk_norm": True},
+    # Qwen1.5-MoE / Qwen2-MoE: Qwen2's attention (q/k/v biases), Qwen3-MoE's routing, and a
+    # shared expert every token runs, its output times sigmoid(shared_expert_gate(x)).
+    "qwen2_moe": {"qkv_bias": True, "qk_norm": False},
     # Gemma 3's text model: GELU-tanh MLP, norms that scale by 1 + w around attention and
     # MLP both, embeddings times sqrt(hidden), its own rope for the sliding layers.
     "gemma3_text": {"qkv_bias": False, "qk_norm": True},
@@ -296,6 +299,9 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     score_correction_bias: bool = False
     n_shared_experts: int = 0
+    # Qwen2-MoE: the width of its one shared expert, whose output a per-token sigmoid gate
+    # scales (0: none).
+    shared_expert_size: int = 0
     # An embedding model trained for Matryoshka truncation (config.json's is_matryoshka or
     # matryoshka_dimensions, as vLLM reads them): a request's `dimensions` keeps the first
     # d features of the pooled vector (any d up to hidden_size, or one of those listed).
@@ -354,6 +360,8 @@ class ModelConfig:
         if model_type in _DEEPSEEKS:  # the rope tables' width: the rope part of a head
             head_dim = cfg["qk_rope_head_dim"]
         qkv_bias = family["qkv_bias"] or bool(cfg.get("attention_bias", False))
+        if model_type == "qwen2_moe":  # its config says (True unless written otherwise)
+            qkv_bias = bool(cfg.get("qkv_bias", True))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         windows = _sliding_windows(cfg, num_layers)
@@ -508,7 +516,7 @@ def _moe(model_type: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any
             "norm_topk_prob": True,
             "sparse_layers": (True,) * num_layers,
         }
-    if model_type == "qwen3_moe":
+    if model_type in ("qwen2_moe", "qwen3_moe"):
         # Qwen's own files write num_experts; transformers >= 5 writes num_local_experts.
         experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
         dense = set(cfg.get("mlp_only_layers") or ())
@@ -521,6 +529,7 @@ def _moe(model_type: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any
             "sparse_layers": tuple(
                 i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers)
             ),
+            "shared_expert_size": int(cfg.get("shared_expert_intermediate_size") or 0),
         }
     return {}
 

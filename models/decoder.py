@@ -227,7 +227,8 @@ class Router(nn.Module):
 
 class SparseMoE(nn.Module):
     """A router (`gate`) over `experts`; each token runs its top-k (ops.moe). DeepSeek's
-    also has `shared_experts`, an MLP every token runs, added."""
+    also has `shared_experts`, an MLP every token runs, added; Qwen2-MoE's `shared_expert`,
+    added times sigmoid(`shared_expert_gate`(x)), one gate value a token."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -236,6 +237,9 @@ class SparseMoE(nn.Module):
         self.experts = nn.ModuleList(Expert(cfg) for _ in range(cfg.num_experts))
         if cfg.n_shared_experts:
             self.shared_experts = MLP(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts)
+        if cfg.shared_expert_size:
+            self.shared_expert = MLP(cfg, cfg.shared_expert_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: Value) -> Value:
         experts = [cast(Expert, e).weights() for e in self.experts]
@@ -251,9 +255,13 @@ class SparseMoE(nn.Module):
             groups=(cfg.n_group, cfg.topk_group),
             routed_scaling=cfg.routed_scaling_factor,
         )
-        if not cfg.n_shared_experts:
-            return routed
-        return ops.add(routed, self.shared_experts(x))
+        if cfg.n_shared_experts:
+            return ops.add(routed, self.shared_experts(x))
+        if cfg.shared_expert_size:
+            # one gate value a token, computed whole on every tensor-parallel rank
+            gate = ops.linear(x, self.shared_expert_gate.weight, role="expert_gate")
+            return ops.add(routed, ops.sigmoid_gate(self.shared_expert(x), gate))
+        return routed
 
 
 class StackedExperts(nn.Module):

@@ -45,7 +45,9 @@ from kiln.passes.options import CompileOptions, PassResult, Quantization, compil
 
 # Roles (recorded at trace time) whose weights a float checkpoint keeps float, as SGLang
 # leaves the lm_head (and the embedding table a tied lm_head shares).
-_FLOAT_ROLES = ("lm_head", "embedding", "score")  # score: a classifier's head, as SGLang's
+# score: a classifier's head; expert_gate: Qwen2-MoE's one-row shared-expert gate (both
+# float in SGLang too)
+_FLOAT_ROLES = ("lm_head", "embedding", "score", "expert_gate")
 
 
 @compiler_pass("quantization", "target")

@@ -66,7 +66,10 @@ def shard(graph: Graph, ctx: CompileOptions) -> PassResult:
         done.add(id(_lm_head(graph, size, rank)))
     # a classifier's score head (a few labels' rows) stays whole: each rank computes the
     # same logits from the same final hidden state, as SGLang's replicated head does
-    done |= {id(n) for n in graph.nodes if n.op == "linear" and n.meta.get("role") == "score"}
+    # likewise Qwen2-MoE's shared-expert gate (one output feature a token): whole on every
+    # rank from the whole hidden state, it scales the shared expert's reduced output
+    whole = ("score", "expert_gate")
+    done |= {id(n) for n in graph.nodes if n.op == "linear" and n.meta.get("role") in whole}
     _embedding(graph, users, size, rank)
     left = [n for n in graph.nodes if n.op == "linear" and id(n) not in done]
     if left:

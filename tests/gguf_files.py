@@ -61,6 +61,8 @@ _ARCH = {
     "gpt_oss": "gpt-oss",
     "deepseek_v2": "deepseek2",
     "deepseek_v3": "deepseek2",
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
 }
 
 
@@ -212,7 +214,7 @@ def write_gguf(
         w.add_chat_template(template)
 
     tensors = load_file(str(ckpt / "model.safetensors"))
-    if arch in ("gpt-oss", "deepseek2"):
+    if arch in _MOE_ARCHS:
         _write_moe_family(w, cfg, arch, tensors, GGMLQuantizationType[qtype])
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -242,15 +244,25 @@ def write_gguf(
     return out
 
 
+_MOE_ARCHS = ("gpt-oss", "deepseek2", "qwen2moe", "qwen3moe")
+
+
 def _write_moe_family(w: GGUFWriter, cfg: dict, arch: str, tensors: dict, qt: object) -> None:
-    """GPT-OSS and DeepSeek V2 / V3 as llama.cpp's converter writes them: its keys, its
-    tensor names (the gguf package's own map), experts stacked with gate and up apart,
-    DeepSeek's kv_b as its absorbed halves."""
+    """GPT-OSS, DeepSeek V2 / V3, Qwen2-MoE and Qwen3-MoE as llama.cpp's converter writes
+    them: its keys, its tensor names (the gguf package's own map), experts stacked with gate
+    and up apart, DeepSeek's kv_b as its absorbed halves; routers and Qwen2-MoE's shared
+    expert gate kept F32, as llama.cpp's quantizer keeps them."""
     import gguf
 
     layers = cfg["num_hidden_layers"]
     names = gguf.get_tensor_name_map(
-        gguf.MODEL_ARCH.GPT_OSS if arch == "gpt-oss" else gguf.MODEL_ARCH.DEEPSEEK2, layers
+        {
+            "gpt-oss": gguf.MODEL_ARCH.GPT_OSS,
+            "deepseek2": gguf.MODEL_ARCH.DEEPSEEK2,
+            "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE,
+            "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
+        }[arch],
+        layers,
     )
     params = cfg.get("rope_parameters") or {}
     if params.get("rope_type") == "yarn":
@@ -280,6 +292,13 @@ def _write_moe_family(w: GGUFWriter, cfg: dict, arch: str, tensors: dict, qt: ob
                 out[name + ".weight"] = t
             else:
                 out[name] = t
+    elif arch in ("qwen2moe", "qwen3moe"):
+        w.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if arch == "qwen2moe":
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+        out = _stacked_experts(tensors)
     else:
         nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
         latent, heads = cfg["kv_lora_rank"], cfg["num_attention_heads"]
@@ -301,13 +320,8 @@ def _write_moe_family(w: GGUFWriter, cfg: dict, arch: str, tensors: dict, qt: ob
             w.add_expert_weights_norm(True)
         w.add_expert_group_count(cfg["n_group"])
         w.add_expert_group_used_count(cfg["topk_group"])
-        experts: dict[str, list] = {}
-        for name, t in tensors.items():
-            parts = name.split(".")
-            if "experts" in parts and "shared_experts" not in parts:
-                key = ".".join([*parts[:5], parts[6], "weight"])  # ...mlp.experts.gate_proj.weight
-                experts.setdefault(key, []).append((int(parts[5]), t))
-            elif name.endswith("kv_b_proj.weight"):
+        for name, t in _stacked_experts(tensors).items():
+            if name.endswith("kv_b_proj.weight"):
                 kv_b = t.reshape(heads, nope + v, latent)
                 out[name.replace("kv_b", "k_b")] = kv_b[:, :nope].transpose(0, 2, 1)
                 out[name.replace("kv_b", "v_b")] = kv_b[:, nope:]
@@ -315,16 +329,32 @@ def _write_moe_family(w: GGUFWriter, cfg: dict, arch: str, tensors: dict, qt: ob
                 out[name.replace("e_score_correction_bias", "e_score_correction.bias")] = t
             else:
                 out[name] = t
-        for key, rows in experts.items():
-            out[key] = np.stack([t for _, t in sorted(rows, key=lambda r: r[0])])
     for name, t in out.items():
         t = np.ascontiguousarray(t.astype(np.float32))
         base, suffix = name.rsplit(".", 1) if name.endswith((".weight", ".bias")) else (name, "")
         mapped = names.get_name(base)
         assert mapped is not None, name
         gname = f"{mapped}.{suffix}" if suffix else mapped
-        if t.ndim >= 2 and qt != GGMLQuantizationType.F32 and t.shape[-1] % 32 == 0:
+        kept = "gate_inp" in gname  # routers, the shared expert's gate
+        if t.ndim >= 2 and qt != GGMLQuantizationType.F32 and t.shape[-1] % 32 == 0 and not kept:
             data = quantize(t, qt)
             w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=qt)
         else:
             w.add_tensor(gname, t)
+
+
+def _stacked_experts(tensors: dict) -> dict[str, np.ndarray]:
+    """`tensors` with each layer's routed experts stacked, one tensor a part (as
+    ...mlp.experts.gate_proj.weight [experts, out, in]); the rest as they are."""
+    out: dict[str, np.ndarray] = {}
+    experts: dict[str, list] = {}
+    for name, t in tensors.items():
+        parts = name.split(".")
+        if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
+            key = ".".join([*parts[:5], parts[6], "weight"])  # ...mlp.experts.gate_proj.weight
+            experts.setdefault(key, []).append((int(parts[5]), t))
+        else:
+            out[name] = t
+    for key, rows in experts.items():
+        out[key] = np.stack([t for _, t in sorted(rows, key=lambda r: r[0])])
+    return out

@@ -34,9 +34,9 @@ from kiln.core.ir import Graph, IRError, Node
 from kiln.core.trace import Value, active_tracer
 
 # What a node may be to the model, recorded at trace time in `meta["role"]`: the token
-# embedding and the lm_head (passes keep them float, shard them by vocabulary rows), and a
-# classifier's score head (kept float and whole).
-ROLES = ("embedding", "lm_head", "score")
+# embedding and the lm_head (passes keep them float, shard them by vocabulary rows), a
+# classifier's score head and Qwen2-MoE's shared-expert gate (kept float and whole).
+ROLES = ("embedding", "lm_head", "score", "expert_gate")
 # A weight or node name: what a "str" attribute may hold (no code, no path).
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,255}")
 

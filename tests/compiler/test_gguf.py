@@ -313,6 +313,10 @@ def test_gguf_blocks_with_int8_activations_match_transformers_rounding_the_same(
         ("olmo2", {}),
         ("ernie4_5", {}),  # rope pairs interleaved in the file as in the checkpoint
         ("exaone4", {}),  # its layers' sliding flags as an array
+        # transformers' loader reads qwen2moe and qwen3moe but not their expert widths;
+        # llama.cpp makes every layer sparse, rescales Qwen3-MoE's top-k, never Qwen2-MoE's
+        ("qwen2_moe", {"mlp_only_layers": []}),
+        ("qwen3_moe", {"mlp_only_layers": [], "norm_topk_prob": True}),
         # transformers' loader reads llama, but not Llama 3.1's rope_freqs tensor (how
         # llama.cpp's converter writes its scaling): against the checkpoint
         ("llama3", {}),
@@ -327,7 +331,8 @@ def test_families_transformers_cannot_read_as_gguf_run_as_their_checkpoints(
 ) -> None:
     """transformers reads none of these GGUF architectures: each file (F32, as llama.cpp's
     converter writes it: GPT-OSS's experts with gate and up apart, DeepSeek's kv_b as its
-    absorbed halves and its experts stacked, Gemma's norms as 1 + w, Granite's and
+    absorbed halves and its experts stacked, the Qwen MoEs' experts stacked and Qwen2-MoE's
+    shared-expert gate a vector, Gemma's norms as 1 + w, Granite's and
     SmolLM3's q/k rows interleaved, Granite's multipliers under llama.cpp's keys, OLMo 2's
     post norms, Llama 3.1's rope scaling as a rope_freqs tensor) is held to the checkpoint
     it was written from, whose artefact is held to transformers."""

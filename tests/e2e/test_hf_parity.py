@@ -30,6 +30,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     # not (norm_topk_prob false) and keeps a dense MLP in layer 0 (mlp_only_layers).
     "mixtral-moe": ("mixtral", {}),
     "qwen3-moe-dense-first-layer": ("qwen3_moe", {}),
+    # Qwen2-MoE: a shared expert every token runs, times sigmoid of its own gate
+    "qwen2-moe-gated-shared-expert": ("qwen2_moe", {}),
     # YaRN over a pretraining context of 32: prompt and continuation reach past it.
     "qwen2-yarn": (
         "qwen2",

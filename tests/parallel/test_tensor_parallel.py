@@ -30,6 +30,8 @@ FAMILIES = {
     # each expert split across the ranks, the router whole
     "mixtral": {"num_kv_heads": 4},
     "qwen3_moe": {"num_kv_heads": 4},
+    # the shared expert split like a dense MLP, its one-row sigmoid gate whole on each rank
+    "qwen2_moe": {"num_kv_heads": 4},
     # GELU-tanh MLP split like SiLU's; the 1 + w norms and the embedding scale whole
     "gemma3": {},
     "gemma2": {},
@@ -81,7 +83,7 @@ def test_tp2_gives_tp1_and_transformers_greedy_ids(
         assert o["output_ids"] == hf_greedy(hf, prompt, 32)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss", "deepseek_v3"])
 def test_ep2_holds_whole_experts_and_gives_tp1s_ids(
     family: str, checkpoint: Callable[..., Path], artefact: Callable[..., Path], tmp_path: Path
 ) -> None:

@@ -35,6 +35,14 @@ def _unary(check: Check, a: dict[str, Any], ins: list[Any]) -> Any:
     return check.float_tensor(ins[0])
 
 
+def _gated(check: Check, a: dict[str, Any], ins: list[Any]) -> Any:
+    """x and a one-feature gate of its type in, x's type out."""
+    x, g = (check.float_tensor(t) for t in ins)
+    check.expect("gate features", g.features, 1)
+    check.same_dtype(x, g)
+    return x
+
+
 @op("a, b", rule=_same)
 def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a + b
@@ -54,6 +62,13 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """GELU with the tanh approximation (Gemma's `gelu_pytorch_tanh`)."""
     return F.gelu(x, approximate="tanh")
+
+
+@op("x, gate", rule=_gated)
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x times sigmoid(gate), one gate value a row (Qwen2-MoE's shared expert's output
+    times sigmoid(shared_expert_gate(hidden)))."""
+    return torch.sigmoid(gate) * x
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,4 +133,15 @@ def index_select(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 # Ops whose output feature j depends on input feature j alone (split inputs stay split).
 ELEMENTWISE = (add, mul, silu, gelu_tanh, scale, softcap, silu_and_mul)
-OPS = (add, mul, silu, gelu_tanh, scale, softcap, silu_and_mul, split, index_select)
+OPS = (
+    add,
+    mul,
+    silu,
+    gelu_tanh,
+    scale,
+    softcap,
+    silu_and_mul,
+    sigmoid_gate,
+    split,
+    index_select,
+)
