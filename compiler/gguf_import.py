@@ -48,6 +48,7 @@ ARCHITECTURES = {
     "exaone4": "exaone4",
     "qwen2moe": "qwen2_moe",
     "qwen3moe": "qwen3_moe",
+    "glm4": "glm4",
 }
 # llama.cpp's converter stores Gemma's norm weights as 1 + w (its norm multiplies by the
 # weight); transformers' Gemma norms take w and add the 1 themselves, as kiln's do.
@@ -72,6 +73,7 @@ _CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
 # llama.cpp's names for the same splits share an entry (llama-vocab.cpp's table).
 _SPLIT_PATTERNS = {
     **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral"), _LLAMA3),
+    **dict.fromkeys(("chatglm-bpe", "glm4", "glm5"), _LLAMA3),  # GLM-4's (llama.cpp's CHATGLM4)
     **dict.fromkeys(("dbrx", "smaug-bpe"), _LLAMA3),  # OLMo 2's (cl100k)
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _LETTERS + r"\p{N}|" + _REST),
     # Phi-4-mini's and Llama 4's
@@ -81,7 +83,7 @@ _SPLIT_PATTERNS = {
 }
 # llama.cpp takes a whole pre-token that is in the vocabulary as one token before merging
 # for these (as Llama 3's own tokenizer file says, ignore_merges).
-_IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral")
+_IGNORE_MERGES = ("llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral", "glm4", "glm5")
 _GPT2_PRE = ("default", "gpt2", "smollm", "gpt-2", "olmo", "exaone4")
 # llama.cpp's pre-tokenizers that isolate every digit, then split as GPT-2 does (Granite
 # 3's files carry "refact" or "starcoder"; llama.cpp reads "smollm" so too, where kiln keeps
@@ -171,6 +173,15 @@ _QWEN_MOE_LAYER = {
     **{f"ffn_{p}_exps.weight": f"mlp.experts.{p}_exps" for p in _MLP_PARTS},
 }
 _QWEN_MOES = ("qwen2moe", "qwen3moe")
+# GLM-4 (0414): Gemma's four norms under llama.cpp's names (its ffn_norm the MLP's input
+# norm, GLM's post_attention_layernorm), gate and up fused under ffn_up; q/k rows as the
+# checkpoint has them (llama.cpp turns GLM's interleaved pairs itself).
+_GLM4_LAYER = {
+    **_LAYER,
+    "post_attention_norm.weight": "post_self_attn_layernorm.weight",
+    "post_ffw_norm.weight": "post_mlp_layernorm.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
 # OLMo 2: norms after attention and after the MLP, none before.
 _OLMO2_LAYER = {
     **_LAYER,
@@ -184,6 +195,7 @@ _LAYERS = {
     "olmo2": _OLMO2_LAYER,
     "exaone4": _OLMO2_LAYER,  # the same post norms and q/k norms
     **{arch: _QWEN_MOE_LAYER for arch in _QWEN_MOES},
+    "glm4": _GLM4_LAYER,
     **{arch: _GEMMA_LAYER for arch in _SANDWICH},
 }
 # LongRoPE's factors, stored as tensors (read into the config, not weights).
@@ -326,6 +338,10 @@ class GGUFFile:
             cfg.update(self._deepseek())
         if self.arch in _QWEN_MOES:
             cfg.update(self._qwen_moe(cfg["intermediate_size"]))
+        if self.arch == "glm4":  # its rotary part of a head, q/k/v biases where stored
+            rotary = int(self.arch_field("rope.dimension_count", cfg["head_dim"] // 2))
+            cfg["partial_rotary_factor"] = rotary / cfg["head_dim"]
+            cfg["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in self.tensors
         if self.arch == "gemma2":
             # Sliding and global layers alternate; the caps are in the file (llama.cpp's
             # converter writes them), else Gemma 2's published 50 and 30.
@@ -791,6 +807,7 @@ _ARCH_CLASS = {
     "exaone4": "Exaone4ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "glm4": "Glm4ForCausalLM",
 }
 
 

@@ -244,6 +244,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "norm_topk_prob": False,
         "mlp_only_layers": [0],
     },
+    # GLM-4: biased q/k/v, rope over interleaved pairs of half of each head (head_dim 24:
+    # 12 rotated, 12 passed), fused gate/up; glm4 with four norms a layer.
+    "glm": {"model_type": "glm", "head_dim": 24, "pad_token_id": None},
+    "glm4": {"model_type": "glm4", "head_dim": 24, "pad_token_id": None},
     # Qwen2-MoE: Qwen2's biased attention, routed experts and a gated shared expert.
     "qwen2_moe": {
         "model_type": "qwen2_moe",

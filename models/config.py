@@ -54,8 +54,14 @@ _FAMILIES: dict[str, dict[str, bool]] = {
     # EXAONE 4: OLMo 2's post norms with per-head q/k norms; with a sliding window, its
     # sliding layers use rope and its global ones none.
     "exaone4": {"qkv_bias": False, "qk_norm": True},
+    # GLM-4 (glm: GLM-4-9B-Chat's converted checkpoints; glm4: the 0414 models): biased
+    # q/k/v, rope over interleaved pairs of half of each head, gate/up one tensor; glm4 has
+    # Gemma's four norms a layer under names of its own.
+    "glm": {"qkv_bias": True, "qk_norm": False},
+    "glm4": {"qkv_bias": True, "qk_norm": False},
 }
 _DEEPSEEKS = ("deepseek_v2", "deepseek_v3")
+_GLMS = ("glm", "glm4")
 _GEMMAS = ("gemma", "gemma2", "gemma3_text")
 # hidden_act / hidden_activation -> kiln's activation op.
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -264,9 +270,11 @@ class ModelConfig:
     # Gemma 2: attention scores and final logits held inside (-cap, cap); 0: no cap.
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
-    # Phi-3: q/k/v and gate/up stored fused (qkv_proj, gate_up_proj); rope over the first
-    # rotary_dim features of each head (Phi-4-mini: 3/4 of them), the rest passed through.
-    fused_projections: bool = False
+    # Phi-3: q/k/v and gate/up stored fused (qkv_proj, gate_up_proj; GLM: gate/up only);
+    # rope over the first rotary_dim features of each head (Phi-4-mini: 3/4 of them, GLM:
+    # half), the rest passed through.
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
     rotary_dim: int = 0
     # A bias on o_proj too (transformers' attention_bias: Llama's, Qwen3's, GPT-OSS's).
     o_bias: bool = False
@@ -362,6 +370,8 @@ class ModelConfig:
         qkv_bias = family["qkv_bias"] or bool(cfg.get("attention_bias", False))
         if model_type == "qwen2_moe":  # its config says (True unless written otherwise)
             qkv_bias = bool(cfg.get("qkv_bias", True))
+        if model_type in _GLMS:  # transformers' default: biased
+            qkv_bias = bool(cfg.get("attention_bias", True))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         windows = _sliding_windows(cfg, num_layers)
@@ -388,10 +398,13 @@ class ModelConfig:
             **_moe(model_type, cfg, num_layers),
             hidden_act=_ACTIVATIONS[act],
             **_gemma(model_type, cfg, hidden),
-            fused_projections=model_type == "phi3",
-            rotary_dim=_rotary_dim(cfg, int(head_dim)),
-            # Qwen2's o_proj has no bias whatever attention_bias says (its q/k/v always do).
-            o_bias=bool(cfg.get("attention_bias", False)) and model_type != "qwen2",
+            # norms before and after attention and the MLP
+            sandwich_norms=model_type in ("gemma2", "gemma3_text", "glm4"),
+            fused_qkv=model_type == "phi3",
+            fused_gate_up=model_type in ("phi3", *_GLMS),
+            rotary_dim=_rotary_dim(cfg, int(head_dim), 0.5 if model_type in _GLMS else 1.0),
+            # Qwen2's and GLM's o_proj have no bias whatever attention_bias says.
+            o_bias=bool(cfg.get("attention_bias", False)) and model_type not in ("qwen2", *_GLMS),
             **_gpt_oss(model_type, cfg),
             **_deepseek(model_type, cfg, _global_rope(model_type, cfg)),
             **_granite(model_type, cfg),
@@ -462,11 +475,11 @@ def _rope_from_manifest(d: dict[str, Any]) -> RopeConfig:
     return RopeConfig(**d)
 
 
-def _rotary_dim(cfg: dict[str, Any], head_dim: int) -> int:
+def _rotary_dim(cfg: dict[str, Any], head_dim: int, default: float = 1.0) -> int:
     """0 (the whole head) or the rotated features' count: partial_rotary_factor, top level
-    (transformers < 5) or in rope_parameters."""
+    (transformers < 5) or in rope_parameters (`default` where neither says)."""
     params = cfg.get("rope_parameters") or {}
-    part = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    part = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default))
     if part is None or float(part) == 1.0:
         return 0
     dim = int(head_dim * float(part))
@@ -535,7 +548,7 @@ def _moe(model_type: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any
 
 
 def _deepseek(model_type: str, cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
-    if model_type == "ernie4_5":  # its rope pairs interleaved, as DeepSeek's
+    if model_type in ("ernie4_5", *_GLMS):  # their rope pairs interleaved, as DeepSeek's
         return {"rope_interleave": True}
     if model_type not in _DEEPSEEKS:
         return {}
@@ -655,7 +668,6 @@ def _gemma(model_type: str, cfg: dict[str, Any], hidden: int) -> dict[str, Any]:
         return {"norm_offset": 1.0, "embed_scale": math.sqrt(hidden)}
     out = {
         "norm_offset": 1.0,
-        "sandwich_norms": True,
         "embed_scale": math.sqrt(hidden),
         "query_scale": float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
         "attn_softcap": float(cfg.get("attn_logit_softcapping") or 0.0),

@@ -37,7 +37,7 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         h = cfg.hidden_size
-        if cfg.fused_projections:  # Phi-3: one [q; k; v] tensor in the checkpoint
+        if cfg.fused_qkv:  # Phi-3: one [q; k; v] tensor in the checkpoint
             self.qkv_proj = nn.Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=False)
         else:
             self.q_proj = nn.Linear(h, cfg.q_size, bias=cfg.qkv_bias)
@@ -51,12 +51,13 @@ class Attention(nn.Module):
             self.q_norm = nn.RMSNorm(cfg.head_dim if per_head else cfg.q_size)
             self.k_norm = nn.RMSNorm(cfg.head_dim if per_head else cfg.kv_size)
 
-    def projections(self) -> list[tuple[Value | torch.Tensor, torch.Tensor | None]]:
-        """(weight, bias) of q, k and v. A partial rotary's q and k rows are reordered so
-        that rope turns the whole head (kiln.core.recipes.rotary_order)."""
+    def projections(self) -> list[tuple[Value | torch.Tensor, Value | torch.Tensor | None]]:
+        """(weight, bias) of q, k and v. A partial rotary's q and k rows (biases too) are
+        reordered so that rope turns the whole head, and interleaved rope pairs (ERNIE's,
+        GLM's) stored as halves (kiln.core.recipes.rotary_order)."""
         cfg = self.cfg
-        rotary = (cfg.head_dim, cfg.rotary_dim) if cfg.rotary_dim else (0, 0)
-        if cfg.fused_projections:
+        if cfg.fused_qkv:
+            rotary = (cfg.head_dim, cfg.rotary_dim) if cfg.rotary_dim else (0, 0)
             nq, nkv = cfg.q_size, cfg.kv_size
             w = self.qkv_proj.weight
             return [
@@ -64,23 +65,21 @@ class Attention(nn.Module):
                 (ops.rows(w, "k_proj", nq, nq + nkv, rotary), None),
                 (ops.rows(w, "v_proj", nq + nkv, nq + 2 * nkv), None),
             ]
-        mods = (self.q_proj, self.k_proj, self.v_proj)
-        if cfg.rope_interleave:  # ERNIE 4.5: each head's pairs stored as halves
-            if cfg.qkv_bias or cfg.rotary_dim:
-                raise ValueError("interleaved rope with q/k/v biases or a partial rotary")
-            d = (cfg.head_dim,)
-            return [
-                (ops.head_parts(self.q_proj.weight, cfg.num_heads, d, True), None),
-                (ops.head_parts(self.k_proj.weight, cfg.num_kv_heads, d, True), None),
-                (self.v_proj.weight, None),
-            ]
-        if rotary == (0, 0):
-            return [(m.weight, m.bias) for m in mods]
-        if cfg.qkv_bias:
-            raise ValueError("a partial rotary with q/k/v biases is not supported")
-        wq, wk, wv = (m.weight for m in mods)
-        return [(ops.rows(wq, "q_proj", rotary=rotary), None),
-                (ops.rows(wk, "k_proj", rotary=rotary), None), (wv, None)]  # fmt: skip
+        plain: list[tuple[Value | torch.Tensor, Value | torch.Tensor | None]] = [
+            (m.weight, m.bias) for m in (self.q_proj, self.k_proj, self.v_proj)
+        ]
+        if not cfg.rotary_dim and not cfg.rope_interleave:
+            return plain
+        rotary, pairs = (cfg.head_dim, cfg.rotary_dim or cfg.head_dim), cfg.rope_interleave
+
+        def turned(t: torch.Tensor, part: str) -> Value:
+            return ops.rows(t, part, rotary=rotary, interleaved=pairs)
+
+        out = plain[2:]
+        for m, part in ((self.k_proj, "k_proj"), (self.q_proj, "q_proj")):
+            bias = None if m.bias is None else turned(m.bias, part)
+            out.insert(0, (turned(m.weight, part), bias))
+        return out
 
     def forward(self, x: Value, cos_sin: Value) -> Value:
         cfg = self.cfg
@@ -174,8 +173,8 @@ class MLP(nn.Module):
         super().__init__()
         self.act = ops.OPS[cfg.hidden_act]
         h, width = cfg.hidden_size, width or cfg.intermediate_size
-        self.fused = cfg.fused_projections
-        if self.fused:  # Phi-3: one [gate; up] tensor in the checkpoint
+        self.fused = cfg.fused_gate_up
+        if self.fused:  # Phi-3, GLM: one [gate; up] tensor in the checkpoint
             self.gate_up_proj = nn.Linear(h, 2 * width, bias=False)
         else:
             self.gate_proj = nn.Linear(h, width, bias=False)
@@ -329,14 +328,10 @@ class DecoderLayer(nn.Module):
         setattr(self, self.ffn_name, ffn)
         if not cfg.post_norms:
             self.input_layernorm = nn.RMSNorm(cfg.hidden_size)
-        # Without sandwich norms this is the MLP's input norm (Llama's name); with them it
-        # normalises the attention's output, and the MLP has a norm before and after; with
-        # post norms only (OLMo 2) the attention's output and the MLP's, nothing before.
-        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size)
-        if cfg.sandwich_norms:
-            self.pre_feedforward_layernorm = nn.RMSNorm(cfg.hidden_size)
-        if cfg.sandwich_norms or cfg.post_norms:
-            self.post_feedforward_layernorm = nn.RMSNorm(cfg.hidden_size)
+        self.norm_names = _norm_names(cfg)
+        for name in self.norm_names:
+            if name:
+                setattr(self, name, nn.RMSNorm(cfg.hidden_size))
 
     def _residual(self, h: Value, branch: Value) -> Value:
         """h + branch, the branch scaled first where the model says so (Granite)."""
@@ -346,18 +341,35 @@ class DecoderLayer(nn.Module):
     def forward(self, h: Value, cos_sin: Value) -> Value:
         cfg = self.cfg
         ffn = getattr(self, self.ffn_name)
+        after_attn, before_ffn, after_ffn = 0, 1, 2  # the norms of _norm_names
         if cfg.post_norms:
-            h = self._residual(
-                h, _norm(cfg, self.self_attn(h, cos_sin), self.post_attention_layernorm)
-            )
-            return self._residual(h, _norm(cfg, ffn(h), self.post_feedforward_layernorm))
+            h = self._residual(h, self._norm(self.self_attn(h, cos_sin), after_attn))
+            return self._residual(h, self._norm(ffn(h), after_ffn))
         attn = self.self_attn(_norm(cfg, h, self.input_layernorm), cos_sin)
         if not cfg.sandwich_norms:
             h = self._residual(h, attn)
-            return self._residual(h, ffn(_norm(cfg, h, self.post_attention_layernorm)))
-        h = ops.add(h, _norm(cfg, attn, self.post_attention_layernorm))
-        out = ffn(_norm(cfg, h, self.pre_feedforward_layernorm))
-        return ops.add(h, _norm(cfg, out, self.post_feedforward_layernorm))
+            return self._residual(h, ffn(self._norm(h, before_ffn)))
+        h = ops.add(h, self._norm(attn, after_attn))
+        out = ffn(self._norm(h, before_ffn))
+        return ops.add(h, self._norm(out, after_ffn))
+
+    def _norm(self, x: Value, which: int) -> Value:
+        """x through the layer's norm `which` of _norm_names."""
+        name = self.norm_names[which]
+        assert name is not None
+        return _norm(self.cfg, x, cast(nn.RMSNorm, getattr(self, name)))
+
+
+def _norm_names(cfg: ModelConfig) -> tuple[str | None, str | None, str | None]:
+    """The checkpoint's names of a layer's norms besides the input one: of the attention's
+    output, the MLP's input and the MLP's output (None: the layer has no such norm)."""
+    if cfg.post_norms:  # OLMo 2, EXAONE 4: after attention and after the MLP only
+        return "post_attention_layernorm", None, "post_feedforward_layernorm"
+    if not cfg.sandwich_norms:  # Llama's name for the MLP's input norm
+        return None, "post_attention_layernorm", None
+    if cfg.model_type == "glm4":  # GLM-4's names for Gemma's four norms
+        return "post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"
+    return "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"
 
 
 class Backbone(nn.Module):

@@ -49,6 +49,13 @@ _OLMO2_LAYER = {
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
 _POST_NORMS = ("olmo2", "exaone4")
+# GLM-4's four norms and fused gate/up.
+_GLM4_LAYER = {
+    **_LAYER,
+    "post_self_attn_layernorm.weight": "post_attention_norm.weight",
+    "post_mlp_layernorm.weight": "post_ffw_norm.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
+}
 # Phi-3's fused tensors.
 _PHI3_LAYER = {
     **_LAYER,
@@ -105,7 +112,15 @@ def gguf_name(hf: str, gemma: bool = False, arch: str = "") -> str:
     if hf in _NAMES:
         return _NAMES[hf]
     parts = hf.split(".")
-    layer = _GEMMA_LAYER if gemma else _OLMO2_LAYER if arch in _POST_NORMS else _PHI3_LAYER
+    layer = (
+        _GEMMA_LAYER
+        if gemma
+        else _OLMO2_LAYER
+        if arch in _POST_NORMS
+        else _GLM4_LAYER
+        if arch == "glm4"
+        else _PHI3_LAYER
+    )
     return f"blk.{parts[2]}.{layer['.'.join(parts[3:])]}"
 
 

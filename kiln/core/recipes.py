@@ -10,15 +10,22 @@ from typing import Any
 import torch
 
 
-def rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+def rotary_order(head_dim: int, rotary_dim: int, interleaved: bool = False) -> torch.Tensor:
     """The order of a head's features under which rope over the first `rotary_dim` of them
     (rotate-half pairs i, i + rotary_dim/2) is rope over the whole head (pairs i,
     i + head_dim/2) with the pass-through pairs at frequency 0: [rotated first half,
-    passed first half, rotated second half, passed second half]. q and k rows are stored in
-    this order; their dot products, hence attention, do not change."""
+    passed first half, rotated second half, passed second half]. With `interleaved` the
+    rotated features' pairs are (2i, 2i + 1) (GLM's, ERNIE's rope): their evens are taken
+    as the first half, their odds as the second. q and k rows are stored in this order;
+    their dot products, hence attention, do not change."""
     r, p = rotary_dim // 2, (head_dim - rotary_dim) // 2
     spans = ((0, r), (2 * r, 2 * r + p), (r, 2 * r), (2 * r + p, head_dim))
-    return torch.cat([torch.arange(lo, hi) for lo, hi in spans])
+    order = torch.cat([torch.arange(lo, hi) for lo, hi in spans])
+    if not interleaved:
+        return order
+    pairs = torch.arange(rotary_dim)
+    halves = torch.cat((pairs[0::2], pairs[1::2], torch.arange(rotary_dim, head_dim)))
+    return halves[order]
 
 
 def head_part_rows(src: dict[str, Any]) -> torch.Tensor:
@@ -41,7 +48,7 @@ def rotary_rows(src: dict[str, Any]) -> torch.Tensor:
     head, rotary = src["head_dim"], src["rotary_dim"]
     inner = src["rotary_order"]
     rows = (inner["stop"] - inner["start"]) if "slice" in inner else inner["shape"][0]
-    order = rotary_order(head, rotary)
+    order = rotary_order(head, rotary, bool(src.get("interleaved")))
     return (torch.arange(0, rows, head)[:, None] + order[None, :]).reshape(-1)
 
 

@@ -69,18 +69,26 @@ class Tracer:
         return Value(self._param(name, tuple(weight.shape), _dtype_name(weight.dtype), source))
 
     def rows(
-        self, weight: torch.Tensor, part: str, start: int, stop: int, rotary: tuple[int, int]
+        self,
+        weight: torch.Tensor,
+        part: str,
+        start: int,
+        stop: int,
+        rotary: tuple[int, int],
+        interleaved: bool = False,
     ) -> Value:
         """Rows [start, stop) of a fused checkpoint weight (Phi-3's qkv_proj, gate_up_proj),
         cut at compile time and named as module `part` would name its own weight. With
-        `rotary` (head_dim, rotary_dim) != (0, 0), each head's rows are put in
-        kiln.core.recipes.rotary_order."""
+        `rotary` (head_dim, rotary_dim) != (0, 0), each head's rows (of a weight or a bias)
+        are put in kiln.core.recipes.rotary_order, its rope pairs `interleaved` or not."""
         name, source = self._load(weight)
         full = list(weight.shape)
         if (start, stop) != (0, full[0]):
             source = {"slice": source, "dim": 0, "start": start, "stop": stop}
         if rotary != (0, 0):
             source = {"rotary_order": source, "head_dim": rotary[0], "rotary_dim": rotary[1]}
+            if interleaved:
+                source["interleaved"] = True
         modules = name.split(".")
         modules[-2] = part
         shape = (stop - start, *full[1:])

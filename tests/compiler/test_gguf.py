@@ -157,6 +157,8 @@ NUMBERS, CASED = "in 2024, 7 kilns!!", "HelloWorld 12345 isn't"
         ("dbrx", NUMBERS, ["in", "Ġ", "202", "4", ",", "Ġ", "7", "Ġkilns", "!!"]),
         # Llama 3's: the same split, and a whole piece in the vocabulary taken as it is
         ("llama-bpe", NUMBERS, ["in", "Ġ", "202", "4", ",", "Ġ", "7", "Ġkilns", "!!"]),
+        # GLM-4's (llama.cpp's CHATGLM4): the same split, whole pieces first too
+        ("glm4", NUMBERS, ["in", "Ġ", "202", "4", ",", "Ġ", "7", "Ġkilns", "!!"]),
         # "olmo": GPT-2's split
         ("olmo", NUMBERS, ["in", "Ġ2024", ",", "Ġ7", "Ġkilns", "!!"]),
         # DeepSeek-R1-Distill-Qwen's files: Qwen2's split, digits alone
@@ -186,7 +188,8 @@ def test_gguf_pre_tokenizers_split_as_llama_cpp_does(
     assert tok.pre_tokenizer is not None
     assert [p for p, _ in tok.pre_tokenizer.pre_tokenize_str(text)] == pieces
     model = json.loads((art / "tokenizer" / "tokenizer.json").read_text())["model"]
-    assert model["ignore_merges"] == (pre == "llama-bpe")  # llama.cpp's rule for Llama 3's
+    # llama.cpp's rule for Llama 3's and GLM-4's
+    assert model["ignore_merges"] == (pre in ("llama-bpe", "glm4"))
 
 
 def test_a_folder_with_one_gguf_is_auto_detected_and_the_name_is_not_in_the_key(
@@ -316,6 +319,7 @@ def test_gguf_blocks_with_int8_activations_match_transformers_rounding_the_same(
         # transformers' loader reads qwen2moe and qwen3moe but not their expert widths;
         # llama.cpp makes every layer sparse, rescales Qwen3-MoE's top-k, never Qwen2-MoE's
         ("qwen2_moe", {"mlp_only_layers": []}),
+        ("glm4", {}),  # q/k rows and biases as the checkpoint's (GPT-J pairs in llama.cpp)
         ("qwen3_moe", {"mlp_only_layers": [], "norm_topk_prob": True}),
         # transformers' loader reads llama, but not Llama 3.1's rope_freqs tensor (how
         # llama.cpp's converter writes its scaling): against the checkpoint

@@ -62,6 +62,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "smollm3-nope-layer": ("smollm3", {}),
     "olmo2-post-norms-whole-qk-norms": ("olmo2", {}),
     "ernie4_5-interleaved-rope": ("ernie4_5", {}),
+    "glm-biased-interleaved-partial-rope": ("glm", {}),
+    "glm4-four-norms": ("glm4", {}),
     "exaone4-sliding-rope-global-nope": ("exaone4", {}),
     "exaone4-no-window": (
         "exaone4",

@@ -319,7 +319,7 @@ def test_phi3_longrope_reads_as_transformers_reads_it(published) -> None:
 
     cfg = ModelConfig.from_dict(published)
     hf = Phi3Config(**{k: v for k, v in published.items() if k != "model_type"})
-    assert cfg.fused_projections and cfg.rope.rope_type == "longrope"
+    assert cfg.fused_qkv and cfg.fused_gate_up and cfg.rope.rope_type == "longrope"
     assert cfg.rotary == int(96 * published.get("partial_rotary_factor", 1.0))
     for long, seq_len in ((False, None), (True, 4097)):
         ref, factor = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu", seq_len=seq_len)

@@ -46,6 +46,8 @@ FAMILIES = {
     "granite": {},
     # each head's q/k rows de-interleaved, then cut by heads
     "ernie4_5": {},
+    # the same with biases and a half-head rotary: biases reordered and cut as their rows
+    "glm4": {"num_kv_heads": 2},
 }
 
 

@@ -38,6 +38,8 @@ def adapters(checkpoint, tmp_path_factory) -> Callable[[str], dict[str, Path]]:
             ckpt = checkpoint(family)
             fused = family == "phi3"
             every = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if fused else ALL
+            if family == "glm4":  # gate and up one module; q/k rows in GLM's rope order
+                every = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
             qv = ("qkv_proj",) if fused else ("q_proj", "v_proj")
             made[family] = {
                 "all": write_adapter(ckpt, root / f"{family}-all", seed=1, targets=every),
@@ -56,7 +58,13 @@ def _engine(art: Path, paths: dict[str, Path], **kw) -> Engine:
 
 @pytest.mark.parametrize(
     "family, path",
-    [("llama", "native"), ("llama", "executor"), ("qwen3", "native"), ("phi3", "native")],
+    [
+        ("llama", "native"),
+        ("llama", "executor"),
+        ("qwen3", "native"),
+        ("phi3", "native"),
+        ("glm4", "native"),
+    ],
 )
 def test_adapters_in_one_batch_follow_transformers(
     artefact, checkpoint, adapters, family, path

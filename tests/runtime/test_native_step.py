@@ -54,6 +54,8 @@ CASES = {
     # q/k rows stored de-interleaved per head (ERNIE 4.5's rope pairs)
     "ernie4_5": ("ernie4_5", {}),
     "exaone4": ("exaone4", {}),
+    # biased q and k (rows in rotary order), half-head rope, fused gate/up, GLM's 4 norms
+    "glm4": ("glm4", {}),
     # fp8 pools: rotary apart from the fused attention, the fp8 write and attention
     "llama-fp8": ("llama", {"kv_cache_dtype": "fp8_e4m3", "page_size": 4}),
     "qwen3-fp8-e5m2": ("qwen3", {"kv_cache_dtype": "fp8_e5m2"}),

@@ -85,11 +85,12 @@ def rows(
     start: int = 0,
     stop: int | None = None,
     rotary: tuple[int, int] = (0, 0),
+    interleaved: bool = False,
 ) -> Value:
     """Rows of a checkpoint weight as module `part`'s own weight, cut (and for a partial
-    rotary's q and k, reordered per head) at compile time."""
+    or interleaved rotary's q and k, reordered per head) at compile time."""
     end = weight.shape[0] if stop is None else stop
-    return active_tracer().rows(weight, part, start, end, rotary)
+    return active_tracer().rows(weight, part, start, end, rotary, interleaved)
 
 
 def head_parts(
