@@ -49,6 +49,7 @@ ARCHITECTURES = {
     "qwen2moe": "qwen2_moe",
     "qwen3moe": "qwen3_moe",
     "glm4": "glm4",
+    "starcoder2": "starcoder2",
 }
 # llama.cpp's converter stores Gemma's norm weights as 1 + w (its norm multiplies by the
 # weight); transformers' Gemma norms take w and add the 1 themselves, as kiln's do.
@@ -94,6 +95,7 @@ _DIGITS_THEN_GPT2 = ("refact", "starcoder", "command-r", "codeshell", "exaone", 
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
+    "output_norm.bias": "model.norm.bias",  # LayerNorm's (StarCoder 2)
     "output.weight": "lm_head.weight",
 }
 _LAYER = {
@@ -182,6 +184,15 @@ _GLM4_LAYER = {
     "post_ffw_norm.weight": "post_mlp_layernorm.weight",
     "ffn_up.weight": "mlp.gate_up_proj.weight",
 }
+# StarCoder 2: LayerNorms with biases, o_proj's bias, its plain MLP's c_fc and c_proj.
+_STARCODER2_LAYER = {
+    **_LAYER,
+    "attn_norm.bias": "input_layernorm.bias",
+    "ffn_norm.bias": "post_attention_layernorm.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    **{f"ffn_up.{k}": f"mlp.c_fc.{k}" for k in ("weight", "bias")},
+    **{f"ffn_down.{k}": f"mlp.c_proj.{k}" for k in ("weight", "bias")},
+}
 # OLMo 2: norms after attention and after the MLP, none before.
 _OLMO2_LAYER = {
     **_LAYER,
@@ -196,6 +207,7 @@ _LAYERS = {
     "exaone4": _OLMO2_LAYER,  # the same post norms and q/k norms
     **{arch: _QWEN_MOE_LAYER for arch in _QWEN_MOES},
     "glm4": _GLM4_LAYER,
+    "starcoder2": _STARCODER2_LAYER,
     **{arch: _GEMMA_LAYER for arch in _SANDWICH},
 }
 # LongRoPE's factors, stored as tensors (read into the config, not weights).
@@ -338,6 +350,10 @@ class GGUFFile:
             cfg.update(self._deepseek())
         if self.arch in _QWEN_MOES:
             cfg.update(self._qwen_moe(cfg["intermediate_size"]))
+        if self.arch == "starcoder2":  # LayerNorms and biases (llama.cpp requires them)
+            cfg["rms_norm_eps"] = float(self.arch_field("attention.layer_norm_epsilon", 1e-5))
+            cfg["hidden_act"] = "gelu_pytorch_tanh"
+            cfg["use_bias"] = True
         if self.arch == "glm4":  # its rotary part of a head, q/k/v biases where stored
             rotary = int(self.arch_field("rope.dimension_count", cfg["head_dim"] // 2))
             cfg["partial_rotary_factor"] = rotary / cfg["head_dim"]
@@ -808,6 +824,7 @@ _ARCH_CLASS = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    "starcoder2": "Starcoder2ForCausalLM",
 }
 
 

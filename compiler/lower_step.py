@@ -375,6 +375,18 @@ class _Lowering:
         )
         self.keep(n, out)
 
+    def _layernorm(self, i: int, n: Node, a: dict[str, Any]) -> None:
+        x = self.buf(n.args[0])
+        out = self.new(n, x.width, x.rows)
+        self.emit(
+            i,
+            f"s->k->layernorm({x.expr}, {x.stride}, (const float *){self.weight(n.args[1])}, "
+            f"{self._bias(n, 2)}, {out.expr}, {x.rows}, {x.width}, "
+            f"{_float(a['eps'], 'eps')}, T)",
+            checked=False,
+        )
+        self.keep(n, out)
+
     def _add_rmsnorm(self, i: int, n: Node, a: dict[str, Any]) -> None:
         x, res = self.buf(n.args[0]), self.buf(n.args[1])
         if not (x.contiguous and res.contiguous and x.width == res.width):

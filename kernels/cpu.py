@@ -25,7 +25,7 @@ from kiln.core.lazy import lazy_module
 from kiln.core.ops.attention import Attention, AttentionBatch, is_fp8, rope_then_attend, write_kv
 from kiln.core.ops.elementwise import Cap
 from kiln.core.ops.linear import PackedLinear, QuantEmbedding, QuantLinear
-from kiln.core.ops.norm import AddNorm, Norm
+from kiln.core.ops.norm import AddNorm, LayerNormAttrs, Norm
 from kiln.core.ops.rope import Rope, RopeQKV
 from kiln.core.quant import FORMATS
 from kiln.kernels import native
@@ -189,6 +189,31 @@ def quant_embedding(
         raise KernelError(f"kiln_cpu embedding: a token id is outside [0, {num_embeddings})")
     if rc != 0:
         raise KernelError(f"kiln_cpu quant_embedding: {format} with group {group} over {h}")
+    return out
+
+
+@_native("layernorm")
+def layernorm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    a: LayerNormAttrs,
+    lib: ctypes.CDLL,
+) -> torch.Tensor:
+    x = _rows(x, "layernorm input")
+    out = torch.empty(x.shape)
+    lib.kiln_layernorm_f32(
+        x.data_ptr(),
+        x.stride(0),
+        weight.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        a.eps,
+        _threads(),
+    )
     return out
 
 

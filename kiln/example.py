@@ -244,6 +244,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "norm_topk_prob": False,
         "mlp_only_layers": [0],
     },
+    # StarCoder 2: LayerNorms, biases everywhere, a plain GELU-tanh MLP, a window of 16.
+    "starcoder2": {"model_type": "starcoder2", "sliding_window": 16},
     # GLM-4: biased q/k/v, rope over interleaved pairs of half of each head (head_dim 24:
     # 12 rotated, 12 passed), fused gate/up; glm4 with four norms a layer.
     "glm": {"model_type": "glm", "head_dim": 24, "pad_token_id": None},

@@ -54,6 +54,9 @@ _FAMILIES: dict[str, dict[str, bool]] = {
     # EXAONE 4: OLMo 2's post norms with per-head q/k norms; with a sliding window, its
     # sliding layers use rope and its global ones none.
     "exaone4": {"qkv_bias": False, "qk_norm": True},
+    # StarCoder 2: LayerNorm with biases, biased q/k/v/o, an MLP of one biased GELU-tanh
+    # projection up (c_fc) and one down (c_proj), a sliding window over every layer.
+    "starcoder2": {"qkv_bias": True, "qk_norm": False},
     # GLM-4 (glm: GLM-4-9B-Chat's converted checkpoints; glm4: the 0414 models): biased
     # q/k/v, rope over interleaved pairs of half of each head, gate/up one tensor; glm4 has
     # Gemma's four norms a layer under names of its own.
@@ -278,6 +281,11 @@ class ModelConfig:
     rotary_dim: int = 0
     # A bias on o_proj too (transformers' attention_bias: Llama's, Qwen3's, GPT-OSS's).
     o_bias: bool = False
+    # StarCoder 2: LayerNorm (weight and bias) in place of RMSNorm; an MLP of one projection
+    # up and one down around the activation (not gated), with biases.
+    layer_norm: bool = False
+    gated_mlp: bool = True
+    mlp_bias: bool = False
     # GPT-OSS: per-head attention sinks; the router's bias, the experts' biases and their
     # clamped SwiGLU (limit, alpha); experts stored stacked ([experts, in, out] tensors).
     attn_sinks: bool = False
@@ -372,6 +380,10 @@ class ModelConfig:
             qkv_bias = bool(cfg.get("qkv_bias", True))
         if model_type in _GLMS:  # transformers' default: biased
             qkv_bias = bool(cfg.get("attention_bias", True))
+        # Qwen2's and GLM's o_proj have no bias whatever attention_bias says.
+        o_bias = bool(cfg.get("attention_bias", False)) and model_type not in ("qwen2", *_GLMS)
+        if model_type == "starcoder2":  # use_bias: every projection's
+            qkv_bias = o_bias = bool(cfg.get("use_bias", True))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         windows = _sliding_windows(cfg, num_layers)
@@ -385,7 +397,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", cfg.get("norm_epsilon", 1e-6))),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             rope=RopeConfig.from_hf(_global_rope(model_type, cfg)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in _GEMMAS)),
@@ -403,8 +415,8 @@ class ModelConfig:
             fused_qkv=model_type == "phi3",
             fused_gate_up=model_type in ("phi3", *_GLMS),
             rotary_dim=_rotary_dim(cfg, int(head_dim), 0.5 if model_type in _GLMS else 1.0),
-            # Qwen2's and GLM's o_proj have no bias whatever attention_bias says.
-            o_bias=bool(cfg.get("attention_bias", False)) and model_type not in ("qwen2", *_GLMS),
+            o_bias=o_bias,
+            **_starcoder2(model_type, cfg),
             **_gpt_oss(model_type, cfg),
             **_deepseek(model_type, cfg, _global_rope(model_type, cfg)),
             **_granite(model_type, cfg),
@@ -584,6 +596,12 @@ def _deepseek(model_type: str, cfg: dict[str, Any], rope: dict[str, Any]) -> dic
         "score_correction_bias": v3,
         "n_shared_experts": int(cfg.get("n_shared_experts") or 0),
     }
+
+
+def _starcoder2(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    if model_type != "starcoder2":
+        return {}
+    return {"layer_norm": True, "gated_mlp": False, "mlp_bias": bool(cfg.get("use_bias", True))}
 
 
 def _gpt_oss(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -25,11 +25,19 @@ def _weight(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-def _norm(cfg: ModelConfig, x: Value, norm: nn.RMSNorm, group: int = 0) -> Value:
-    """RMSNorm with the checkpoint's weight, plus the model's offset (Gemma's 1 + w)."""
+def _norm(cfg: ModelConfig, x: Value, norm: nn.Module, group: int = 0) -> Value:
+    """RMSNorm with the checkpoint's weight, plus the model's offset (Gemma's 1 + w); a
+    LayerNorm with its weight and bias (StarCoder 2's)."""
     w = cast(nn.Parameter, norm.weight)
+    if isinstance(norm, nn.LayerNorm):
+        return ops.layernorm(x, w, norm.bias, eps=cfg.rms_norm_eps)
     weight = ops.shifted(w, cfg.norm_offset) if cfg.norm_offset else w
     return ops.rmsnorm(x, weight, eps=cfg.rms_norm_eps, group=group)
+
+
+def _hidden_norm(cfg: ModelConfig) -> nn.Module:
+    """A norm over the hidden state: RMSNorm, or LayerNorm with a bias where the model has it."""
+    return nn.LayerNorm(cfg.hidden_size) if cfg.layer_norm else nn.RMSNorm(cfg.hidden_size)
 
 
 class Attention(nn.Module):
@@ -173,7 +181,11 @@ class MLP(nn.Module):
         super().__init__()
         self.act = ops.OPS[cfg.hidden_act]
         h, width = cfg.hidden_size, width or cfg.intermediate_size
-        self.fused = cfg.fused_gate_up
+        self.fused, self.gated = cfg.fused_gate_up, cfg.gated_mlp
+        if not self.gated:  # StarCoder 2: up (c_fc), the activation, down (c_proj)
+            self.c_fc = nn.Linear(h, width, bias=cfg.mlp_bias)
+            self.c_proj = nn.Linear(width, h, bias=cfg.mlp_bias)
+            return
         if self.fused:  # Phi-3, GLM: one [gate; up] tensor in the checkpoint
             self.gate_up_proj = nn.Linear(h, 2 * width, bias=False)
         else:
@@ -182,6 +194,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(width, h, bias=False)
 
     def forward(self, x: Value) -> Value:
+        if not self.gated:
+            up = self.act(ops.linear(x, self.c_fc.weight, self.c_fc.bias))
+            return ops.linear(up, self.c_proj.weight, self.c_proj.bias)
         if self.fused:
             w, width = self.gate_up_proj.weight, self.down_proj.weight.shape[1]
             gate_w: Value | torch.Tensor = ops.rows(w, "gate_proj", 0, width)
@@ -327,11 +342,11 @@ class DecoderLayer(nn.Module):
             ffn = StackedMoE(cfg) if cfg.stacked_experts else SparseMoE(cfg)
         setattr(self, self.ffn_name, ffn)
         if not cfg.post_norms:
-            self.input_layernorm = nn.RMSNorm(cfg.hidden_size)
+            self.input_layernorm = _hidden_norm(cfg)
         self.norm_names = _norm_names(cfg)
         for name in self.norm_names:
             if name:
-                setattr(self, name, nn.RMSNorm(cfg.hidden_size))
+                setattr(self, name, _hidden_norm(cfg))
 
     def _residual(self, h: Value, branch: Value) -> Value:
         """h + branch, the branch scaled first where the model says so (Granite)."""
@@ -357,7 +372,7 @@ class DecoderLayer(nn.Module):
         """x through the layer's norm `which` of _norm_names."""
         name = self.norm_names[which]
         assert name is not None
-        return _norm(self.cfg, x, cast(nn.RMSNorm, getattr(self, name)))
+        return _norm(self.cfg, x, getattr(self, name))
 
 
 def _norm_names(cfg: ModelConfig) -> tuple[str | None, str | None, str | None]:
@@ -381,7 +396,7 @@ class Backbone(nn.Module):
             cfg.vocab_size, cfg.hidden_size, _weight=_weight(cfg.vocab_size, cfg.hidden_size)
         )
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = nn.RMSNorm(cfg.hidden_size)
+        self.norm = _hidden_norm(cfg)
 
 
 class CausalLM(nn.Module):

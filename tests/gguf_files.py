@@ -15,6 +15,7 @@ from safetensors.numpy import load_file
 _NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
+    "model.norm.bias": "output_norm.bias",
     "lm_head.weight": "output.weight",
 }
 _LAYER = {
@@ -32,6 +33,12 @@ _LAYER = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    # StarCoder 2's LayerNorm biases, o_proj's bias and plain MLP
+    "input_layernorm.bias": "attn_norm.bias",
+    "post_attention_layernorm.bias": "ffn_norm.bias",
+    "self_attn.o_proj.bias": "attn_output.bias",
+    **{f"mlp.c_fc.{k}": f"ffn_up.{k}" for k in ("weight", "bias")},
+    **{f"mlp.c_proj.{k}": f"ffn_down.{k}" for k in ("weight", "bias")},
 }
 
 
@@ -178,7 +185,10 @@ def write_gguf(
         w.add_head_count_kv(kv_heads)
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if "norm_epsilon" in cfg:  # a LayerNorm's (StarCoder 2)
+        w.add_layer_norm_eps(cfg["norm_epsilon"])
+    else:
+        w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4)
     w.add_rope_freq_base(float(theta))
     params = cfg.get("rope_parameters") or {}

@@ -18,9 +18,11 @@
 #include <string.h>
 #include <time.h>
 
-/* The kernels' signatures (kernels/native.py _SIGNATURES, ABI 12). */
+/* The kernels' signatures (kernels/native.py _SIGNATURES, ABI 14). */
 typedef void (*kiln_rmsnorm_fn)(const float *, int64_t, int64_t, const float *, float *,
                                 int64_t, int64_t, float, int);
+typedef void (*kiln_layernorm_fn)(const float *, int64_t, const float *, const float *, float *,
+                                  int64_t, int64_t, float, int);
 typedef void (*kiln_add_rmsnorm_fn)(const float *, const float *, const float *, float *,
                                     float *, int64_t, int64_t, float, int);
 typedef void (*kiln_silu_and_mul_fn)(const float *, float *, int64_t, int64_t, int);
@@ -75,6 +77,7 @@ typedef struct {
     kiln_gelu_tanh_fn gelu_tanh;
     kiln_softcap_fn softcap;
     kiln_kv_write_fp8_fn kv_write_fp8;
+    kiln_layernorm_fn layernorm;
 } kiln_kernels;
 
 /* One step, as runtime/native_step.py fills it: every row one token, attending to its

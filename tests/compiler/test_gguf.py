@@ -63,6 +63,8 @@ CASES = {
     # transformers' GGUF loader reads neither a partial rotary nor LongRoPE: Phi-3-mini-4k's
     # shape (fused tensors, whole-head rope) against it; the rest against the checkpoint.
     "phi3-q8_0-fused": ("phi3", "Q8_0", {"rope_scaling": None, "partial_rotary_factor": 1.0}),
+    # transformers' loader reads no window for StarCoder 2, llama.cpp runs none
+    "starcoder2-q8_0-layernorm": ("starcoder2", "Q8_0", {"sliding_window": None}),
     "gemma2-f32": (
         "gemma2",
         "F32",

@@ -63,6 +63,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "olmo2-post-norms-whole-qk-norms": ("olmo2", {}),
     "ernie4_5-interleaved-rope": ("ernie4_5", {}),
     "glm-biased-interleaved-partial-rope": ("glm", {}),
+    "starcoder2-layernorm-plain-mlp-window": ("starcoder2", {}),
     "glm4-four-norms": ("glm4", {}),
     "exaone4-sliding-rope-global-nope": ("exaone4", {}),
     "exaone4-no-window": (

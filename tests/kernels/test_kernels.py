@@ -73,6 +73,26 @@ def test_rmsnorm_and_add_rmsnorm(backend: str, rows: int) -> None:
     torch.testing.assert_close(normed, F.rms_norm(a + b, (n,), w, 1e-5))
 
 
+@BOTH
+@pytest.mark.parametrize("rows", [3, 160])
+def test_layernorm_with_and_without_bias(backend: str, rows: int) -> None:
+    n = 16 if rows == 3 else 576
+    wide = torch.randn(rows, n + 8)  # read in place from wider rows
+    x, w, b = wide[:, 4 : 4 + n], torch.randn(n), torch.randn(n)
+    got = k("layernorm", backend)(x, w, b, 1e-5)
+    torch.testing.assert_close(got, F.layer_norm(x, (n,), w, b, 1e-5))
+    torch.testing.assert_close(
+        k("layernorm", backend)(x, w, None, 1e-5), F.layer_norm(x, (n,), w, None, 1e-5)
+    )
+    # rows far from zero mean, against float64: a variance taken as E[x^2] - E[x]^2 in
+    # float32 would lose them (torch's own float32 kernel is within 4e-5 here)
+    far = x + 100.0
+    ref = F.layer_norm(far.double(), (n,), w.double(), b.double(), 1e-5)
+    torch.testing.assert_close(
+        k("layernorm", backend)(far, w, b, 1e-5).double(), ref, atol=1e-4, rtol=0
+    )
+
+
 @pytest.mark.parametrize("backend", NATIVE)
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 8, 9, 13, 16, 17, 33, 64, 65])
 @pytest.mark.parametrize("with_bias", [False, True])

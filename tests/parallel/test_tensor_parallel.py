@@ -48,6 +48,9 @@ FAMILIES = {
     "ernie4_5": {},
     # the same with biases and a half-head rotary: biases reordered and cut as their rows
     "glm4": {"num_kv_heads": 2},
+    # the plain MLP's c_fc by rows with its bias, c_proj by columns (bias on rank 0); the
+    # LayerNorms whole
+    "starcoder2": {"num_kv_heads": 2},
 }
 
 

@@ -56,6 +56,8 @@ CASES = {
     "exaone4": ("exaone4", {}),
     # biased q and k (rows in rotary order), half-head rope, fused gate/up, GLM's 4 norms
     "glm4": ("glm4", {}),
+    # LayerNorms (weight and bias), biased linears everywhere, a plain GELU-tanh MLP
+    "starcoder2": ("starcoder2", {}),
     # fp8 pools: rotary apart from the fused attention, the fp8 write and attention
     "llama-fp8": ("llama", {"kv_cache_dtype": "fp8_e4m3", "page_size": 4}),
     "qwen3-fp8-e5m2": ("qwen3", {"kv_cache_dtype": "fp8_e5m2"}),

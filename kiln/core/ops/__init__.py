@@ -38,7 +38,7 @@ from kiln.core.ops.elementwise import (
 from kiln.core.ops.linear import PROLOGUES, embedding, linear
 from kiln.core.ops.mla import head_linear, latent_attention, mla_attention
 from kiln.core.ops.moe import moe
-from kiln.core.ops.norm import add_rmsnorm, rmsnorm
+from kiln.core.ops.norm import add_rmsnorm, layernorm, rmsnorm
 from kiln.core.ops.rope import rope, rope_cos_sin, rope_qkv
 from kiln.core.ops.structure import STRUCTURAL_OPS
 from kiln.core.trace import Value, active_tracer
@@ -134,6 +134,7 @@ __all__ = [
     "head_linear",
     "index_select",
     "latent_attention",
+    "layernorm",
     "linear",
     "mla_attention",
     "moe",

@@ -1,4 +1,4 @@
-"""RMSNorm, alone or after the residual add it follows."""
+"""RMSNorm, alone or after the residual add it follows; LayerNorm."""
 
 from __future__ import annotations
 
@@ -69,4 +69,25 @@ def add_rmsnorm(
     return rmsnorm.kernel(total, weight, a=Norm(a.eps)), total
 
 
-OPS = (rmsnorm, add_rmsnorm)
+@dataclass(frozen=True, slots=True)
+class LayerNormAttrs(Attrs):
+    eps: float
+
+
+def _layer_norm(check: Check, a: dict[str, Any], ins: list[Any]) -> Any:
+    x = check.float_tensor(ins[0])
+    for i in range(1, len(ins)):
+        check.expect("weight size", check.weight(i, 1)[0], x.features)
+    return x
+
+
+@op("x, weight, bias?", LayerNormAttrs, rule=_layer_norm)
+def layernorm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, a: LayerNormAttrs
+) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) * weight (+ bias) over each row's features (StarCoder
+    2's norms), computed in float32 for 16-bit inputs as torch's layer_norm does."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, a.eps)
+
+
+OPS = (rmsnorm, add_rmsnorm, layernorm)
