@@ -50,6 +50,8 @@ ARCHITECTURES = {
     "qwen3moe": "qwen3_moe",
     "glm4": "glm4",
     "starcoder2": "starcoder2",
+    "command-r": "cohere",
+    "cohere2": "cohere2",
 }
 # llama.cpp's converter stores Gemma's norm weights as 1 + w (its norm multiplies by the
 # weight); transformers' Gemma norms take w and add the 1 themselves, as kiln's do.
@@ -325,7 +327,9 @@ class GGUFFile:
                     )
                 kinds = ("full_attention", "sliding_attention")
                 cfg["layer_types"] = [kinds[bool(f)] for f in pattern]
-            elif self.arch == "exaone4":
+            elif pattern is not None:  # every pattern-th layer global
+                cfg["sliding_window_pattern"] = int(pattern)
+            elif self.arch in ("exaone4", "cohere2"):  # llama.cpp's default for them
                 cfg["sliding_window_pattern"] = 4
         if self.arch in _NORMS_PLUS_ONE:  # Gemma 1, 2 and 3
             # What the file does not say, as llama.cpp assumes it: GELU-tanh, and a query
@@ -350,6 +354,10 @@ class GGUFFile:
             cfg.update(self._deepseek())
         if self.arch in _QWEN_MOES:
             cfg.update(self._qwen_moe(cfg["intermediate_size"]))
+        if self.arch in ("command-r", "cohere2"):  # a LayerNorm's epsilon; the logits' scale
+            cfg["layer_norm_eps"] = float(self.arch_field("attention.layer_norm_epsilon", 1e-5))
+            cfg["logit_scale"] = float(self.arch_field("logit_scale", 0.0625))
+            del cfg["rms_norm_eps"]
         if self.arch == "starcoder2":  # LayerNorms and biases (llama.cpp requires them)
             cfg["rms_norm_eps"] = float(self.arch_field("attention.layer_norm_epsilon", 1e-5))
             cfg["hidden_act"] = "gelu_pytorch_tanh"
@@ -825,6 +833,8 @@ _ARCH_CLASS = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "glm4": "Glm4ForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM",
+    "command-r": "CohereForCausalLM",
+    "cohere2": "Cohere2ForCausalLM",
 }
 
 

@@ -246,6 +246,16 @@ FAMILIES: dict[str, dict[str, Any]] = {
     },
     # StarCoder 2: LayerNorms, biases everywhere, a plain GELU-tanh MLP, a window of 16.
     "starcoder2": {"model_type": "starcoder2", "sliding_window": 16},
+    # Cohere: attention and MLP side by side, rope over interleaved pairs, scaled logits;
+    # Cohere 2: a sliding layer with rope (window 16), then a global one without.
+    "cohere": {"model_type": "cohere", "logit_scale": 0.5, "pad_token_id": None},
+    "cohere2": {
+        "model_type": "cohere2",
+        "logit_scale": 0.5,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "pad_token_id": None,
+    },
     # GLM-4: biased q/k/v, rope over interleaved pairs of half of each head (head_dim 24:
     # 12 rotated, 12 passed), fused gate/up; glm4 with four norms a layer.
     "glm": {"model_type": "glm", "head_dim": 24, "pad_token_id": None},

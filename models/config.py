@@ -57,6 +57,11 @@ _FAMILIES: dict[str, dict[str, bool]] = {
     # StarCoder 2: LayerNorm with biases, biased q/k/v/o, an MLP of one biased GELU-tanh
     # projection up (c_fc) and one down (c_proj), a sliding window over every layer.
     "starcoder2": {"qkv_bias": True, "qk_norm": False},
+    # Cohere (Command-R, Aya) and Cohere 2 (Command R7B): attention and MLP side by side
+    # from one LayerNorm without bias, rope over interleaved pairs, logits times
+    # logit_scale; Cohere 2's sliding layers turn q/k, its global ones do not.
+    "cohere": {"qkv_bias": False, "qk_norm": False},
+    "cohere2": {"qkv_bias": False, "qk_norm": False},
     # GLM-4 (glm: GLM-4-9B-Chat's converted checkpoints; glm4: the 0414 models): biased
     # q/k/v, rope over interleaved pairs of half of each head, gate/up one tensor; glm4 has
     # Gemma's four norms a layer under names of its own.
@@ -65,6 +70,7 @@ _FAMILIES: dict[str, dict[str, bool]] = {
 }
 _DEEPSEEKS = ("deepseek_v2", "deepseek_v3")
 _GLMS = ("glm", "glm4")
+_COHERES = ("cohere", "cohere2")
 _GEMMAS = ("gemma", "gemma2", "gemma3_text")
 # hidden_act / hidden_activation -> kiln's activation op.
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -286,6 +292,10 @@ class ModelConfig:
     layer_norm: bool = False
     gated_mlp: bool = True
     mlp_bias: bool = False
+    # Cohere: a LayerNorm without bias; attention and MLP both read the layer's one input
+    # norm, and both outputs join the residual (h + attn + mlp).
+    norm_bias: bool = True
+    parallel_block: bool = False
     # GPT-OSS: per-head attention sinks; the router's bias, the experts' biases and their
     # clamped SwiGLU (limit, alpha); experts stored stacked ([experts, in, out] tensors).
     attn_sinks: bool = False
@@ -397,7 +407,9 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", cfg.get("norm_epsilon", 1e-6))),
+            rms_norm_eps=float(
+                cfg.get("rms_norm_eps", cfg.get("norm_epsilon", cfg.get("layer_norm_eps", 1e-6)))
+            ),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             rope=RopeConfig.from_hf(_global_rope(model_type, cfg)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in _GEMMAS)),
@@ -417,6 +429,7 @@ class ModelConfig:
             rotary_dim=_rotary_dim(cfg, int(head_dim), 0.5 if model_type in _GLMS else 1.0),
             o_bias=o_bias,
             **_starcoder2(model_type, cfg),
+            **_cohere(model_type, cfg),
             **_gpt_oss(model_type, cfg),
             **_deepseek(model_type, cfg, _global_rope(model_type, cfg)),
             **_granite(model_type, cfg),
@@ -604,6 +617,20 @@ def _starcoder2(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     return {"layer_norm": True, "gated_mlp": False, "mlp_bias": bool(cfg.get("use_bias", True))}
 
 
+def _cohere(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    if model_type not in _COHERES:
+        return {}
+    if cfg.get("use_qk_norm"):  # a LayerNorm per head with weights of its own
+        raise ModelConfigError("cohere with use_qk_norm=true is not supported yet")
+    return {
+        "layer_norm": True,
+        "norm_bias": False,
+        "parallel_block": True,
+        "rope_interleave": True,
+        "logits_scale": float(cfg.get("logit_scale", 0.0625)),
+    }
+
+
 def _gpt_oss(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if model_type != "gpt_oss":
         return {}
@@ -666,6 +693,8 @@ def _rope_layers(
         if cfg.get("sliding_window") is None:
             return ()
         return tuple(w is not None for w in windows)
+    if model_type == "cohere2":  # rope where the layer slides, as transformers turns it
+        return tuple(w is not None for w in windows)
     if model_type != "smollm3":
         return ()
     marks = cfg.get("no_rope_layers")
@@ -706,7 +735,10 @@ def _sliding_windows(cfg: dict[str, Any], num_layers: int) -> tuple[int | None, 
     pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
     if not layer_types and cfg.get("model_type") in ("gemma2", "gpt_oss"):
         pattern = 2  # transformers' Gemma 2 and GPT-OSS: sliding and full layers alternate
-    if not layer_types and cfg.get("model_type") in (*_GEMMAS, "gpt_oss", "exaone4") and pattern:
+    if not layer_types and cfg.get("model_type") == "cohere2":
+        pattern = pattern or 4  # transformers' default: three sliding layers, one global
+    patterned = (*_GEMMAS, "gpt_oss", "exaone4", "cohere2")
+    if not layer_types and cfg.get("model_type") in patterned and pattern:
         # Older Gemma files: every pattern-th layer is global, the others slide.
         layer_types = [
             "full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention"

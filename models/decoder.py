@@ -37,7 +37,9 @@ def _norm(cfg: ModelConfig, x: Value, norm: nn.Module, group: int = 0) -> Value:
 
 def _hidden_norm(cfg: ModelConfig) -> nn.Module:
     """A norm over the hidden state: RMSNorm, or LayerNorm with a bias where the model has it."""
-    return nn.LayerNorm(cfg.hidden_size) if cfg.layer_norm else nn.RMSNorm(cfg.hidden_size)
+    if cfg.layer_norm:
+        return nn.LayerNorm(cfg.hidden_size, bias=cfg.norm_bias)
+    return nn.RMSNorm(cfg.hidden_size)
 
 
 class Attention(nn.Module):
@@ -360,7 +362,10 @@ class DecoderLayer(nn.Module):
         if cfg.post_norms:
             h = self._residual(h, self._norm(self.self_attn(h, cos_sin), after_attn))
             return self._residual(h, self._norm(ffn(h), after_ffn))
-        attn = self.self_attn(_norm(cfg, h, self.input_layernorm), cos_sin)
+        x = _norm(cfg, h, self.input_layernorm)
+        attn = self.self_attn(x, cos_sin)
+        if cfg.parallel_block:  # Cohere: the MLP reads the same normed input
+            return ops.add(ops.add(h, attn), ffn(x))
         if not cfg.sandwich_norms:
             h = self._residual(h, attn)
             return self._residual(h, ffn(self._norm(h, before_ffn)))
@@ -380,6 +385,8 @@ def _norm_names(cfg: ModelConfig) -> tuple[str | None, str | None, str | None]:
     output, the MLP's input and the MLP's output (None: the layer has no such norm)."""
     if cfg.post_norms:  # OLMo 2, EXAONE 4: after attention and after the MLP only
         return "post_attention_layernorm", None, "post_feedforward_layernorm"
+    if cfg.parallel_block:  # one norm, the input's, for both
+        return None, None, None
     if not cfg.sandwich_norms:  # Llama's name for the MLP's input norm
         return None, "post_attention_layernorm", None
     if cfg.model_type == "glm4":  # GLM-4's names for Gemma's four norms

@@ -77,6 +77,7 @@ _ARCH = {
     "deepseek_v3": "deepseek2",
     "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe",
+    "cohere": "command-r",
 }
 
 
@@ -185,8 +186,8 @@ def write_gguf(
         w.add_head_count_kv(kv_heads)
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    if "norm_epsilon" in cfg:  # a LayerNorm's (StarCoder 2)
-        w.add_layer_norm_eps(cfg["norm_epsilon"])
+    if "norm_epsilon" in cfg or "layer_norm_eps" in cfg:  # a LayerNorm's (StarCoder 2, Cohere)
+        w.add_layer_norm_eps(cfg.get("norm_epsilon", cfg.get("layer_norm_eps")))
     else:
         w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4)
@@ -208,6 +209,8 @@ def write_gguf(
     if arch == "gemma2":
         w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if arch in ("command-r", "cohere2"):
+        w.add_logit_scale(cfg["logit_scale"])
     if arch == "granite":  # llama.cpp's converter: the multipliers under its own names
         w.add_attention_scale(cfg["attention_multiplier"])
         w.add_embedding_scale(cfg["embedding_multiplier"])

@@ -322,6 +322,9 @@ def test_gguf_blocks_with_int8_activations_match_transformers_rounding_the_same(
         # llama.cpp makes every layer sparse, rescales Qwen3-MoE's top-k, never Qwen2-MoE's
         ("qwen2_moe", {"mlp_only_layers": []}),
         ("glm4", {}),  # q/k rows and biases as the checkpoint's (GPT-J pairs in llama.cpp)
+        ("cohere", {}),  # its interleaved pairs are llama.cpp's too: rows as stored
+        # no layer pattern in the file: llama.cpp's every fourth layer global
+        ("cohere2", {"num_layers": 4, "layer_types": None}),
         ("qwen3_moe", {"mlp_only_layers": [], "norm_topk_prob": True}),
         # transformers' loader reads llama, but not Llama 3.1's rope_freqs tensor (how
         # llama.cpp's converter writes its scaling): against the checkpoint

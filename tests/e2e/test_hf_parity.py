@@ -64,6 +64,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "ernie4_5-interleaved-rope": ("ernie4_5", {}),
     "glm-biased-interleaved-partial-rope": ("glm", {}),
     "starcoder2-layernorm-plain-mlp-window": ("starcoder2", {}),
+    "cohere-parallel-block-interleaved-rope": ("cohere", {}),
+    "cohere2-sliding-rope-global-nope": ("cohere2", {}),
     "glm4-four-norms": ("glm4", {}),
     "exaone4-sliding-rope-global-nope": ("exaone4", {}),
     "exaone4-no-window": (

@@ -51,6 +51,8 @@ FAMILIES = {
     # the plain MLP's c_fc by rows with its bias, c_proj by columns (bias on rank 0); the
     # LayerNorms whole
     "starcoder2": {"num_kv_heads": 2},
+    # attention's and the MLP's all-reduces both join the one residual add
+    "cohere": {"num_kv_heads": 2},
 }
 
 
