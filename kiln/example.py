@@ -260,6 +260,24 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # 12 rotated, 12 passed), fused gate/up; glm4 with four norms a layer.
     "glm": {"model_type": "glm", "head_dim": 24, "pad_token_id": None},
     "glm4": {"model_type": "glm4", "head_dim": 24, "pad_token_id": None},
+    # GLM-4.5: biased q/k/v, rope over half of each head with per-head q/k norms, DeepSeek
+    # V3's routing (sigmoid, correction bias, 2 groups) with a shared expert, a dense first
+    # layer.
+    "glm4_moe": {
+        "model_type": "glm4_moe",
+        "head_dim": 24,
+        "attention_bias": True,
+        "use_qk_norm": True,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "n_shared_experts": 1,
+        "n_group": 2,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 1,
+        "pad_token_id": None,
+    },
     # Qwen2-MoE: Qwen2's biased attention, routed experts and a gated shared expert.
     "qwen2_moe": {
         "model_type": "qwen2_moe",
@@ -362,6 +380,10 @@ def _randomise_norms(model: Any, seed: int) -> None:
                     if "norm" in name
                     else 0.1 * torch.randn(p.shape, generator=g)
                 )
+        # DeepSeek V3's and GLM-4.5's routers: a bias that only picks experts (a buffer)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -67,6 +67,10 @@ _FAMILIES: dict[str, dict[str, bool]] = {
     # Gemma's four norms a layer under names of its own.
     "glm": {"qkv_bias": True, "qk_norm": False},
     "glm4": {"qkv_bias": True, "qk_norm": False},
+    # GLM-4.5 / 4.6 (glm4_moe): Llama's attention with biased q/k/v, rope over half of each
+    # head (halves, not pairs), optional per-head q/k norms; DeepSeek V3's mixture of
+    # experts (sigmoid routing, correction bias, a shared expert, dense first layers).
+    "glm4_moe": {"qkv_bias": False, "qk_norm": False},
 }
 _DEEPSEEKS = ("deepseek_v2", "deepseek_v3")
 _GLMS = ("glm", "glm4")
@@ -391,7 +395,8 @@ class ModelConfig:
         if model_type in _GLMS:  # transformers' default: biased
             qkv_bias = bool(cfg.get("attention_bias", True))
         # Qwen2's and GLM's o_proj have no bias whatever attention_bias says.
-        o_bias = bool(cfg.get("attention_bias", False)) and model_type not in ("qwen2", *_GLMS)
+        no_o_bias = ("qwen2", *_GLMS, "glm4_moe")
+        o_bias = bool(cfg.get("attention_bias", False)) and model_type not in no_o_bias
         if model_type == "starcoder2":  # use_bias: every projection's
             qkv_bias = o_bias = bool(cfg.get("use_bias", True))
         eos = cfg.get("eos_token_id")
@@ -414,7 +419,7 @@ class ModelConfig:
             rope=RopeConfig.from_hf(_global_rope(model_type, cfg)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in _GEMMAS)),
             qkv_bias=qkv_bias,
-            qk_norm=family["qk_norm"],
+            qk_norm=family["qk_norm"] or bool(model_type == "glm4_moe" and cfg.get("use_qk_norm")),
             sliding_windows=windows,
             torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
             bos_token_id=cfg.get("bos_token_id"),
@@ -426,12 +431,15 @@ class ModelConfig:
             sandwich_norms=model_type in ("gemma2", "gemma3_text", "glm4"),
             fused_qkv=model_type == "phi3",
             fused_gate_up=model_type in ("phi3", *_GLMS),
-            rotary_dim=_rotary_dim(cfg, int(head_dim), 0.5 if model_type in _GLMS else 1.0),
+            rotary_dim=_rotary_dim(
+                cfg, int(head_dim), 0.5 if model_type in (*_GLMS, "glm4_moe") else 1.0
+            ),
             o_bias=o_bias,
             **_starcoder2(model_type, cfg),
             **_cohere(model_type, cfg),
             **_gpt_oss(model_type, cfg),
             **_deepseek(model_type, cfg, _global_rope(model_type, cfg)),
+            **_deepseek_routing(model_type, cfg),
             **_granite(model_type, cfg),
             rope_layers=_rope_layers(model_type, cfg, windows),
             post_norms=model_type in ("olmo2", "exaone4"),
@@ -527,8 +535,8 @@ def _moe(model_type: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any
             "norm_topk_prob": True,  # Mixtral always rescales its top-k weights
             "sparse_layers": (True,) * num_layers,
         }
-    if model_type in _DEEPSEEKS:
-        routed = int(cfg.get("n_routed_experts") or 0)
+    if model_type in (*_DEEPSEEKS, "glm4_moe"):
+        routed = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0)
         first_sparse = int(cfg.get("first_k_dense_replace", 0))
         freq = int(cfg.get("moe_layer_freq", 1) or 1)
         return {
@@ -536,8 +544,9 @@ def _moe(model_type: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any
             "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 1)),
             "moe_intermediate_size": int(cfg.get("moe_intermediate_size", 0)),
             # transformers' V2 router never rescales (whatever norm_topk_prob says); V3's
-            # does when asked.
-            "norm_topk_prob": model_type == "deepseek_v3" and bool(cfg.get("norm_topk_prob")),
+            # does when asked (GLM-4.5's unless told not to).
+            "norm_topk_prob": model_type != "deepseek_v2"
+            and bool(cfg.get("norm_topk_prob", model_type == "glm4_moe")),
             "sparse_layers": tuple(
                 routed > 0 and i >= first_sparse and i % freq == 0 for i in range(num_layers)
             ),
@@ -589,10 +598,6 @@ def _deepseek(model_type: str, cfg: dict[str, Any], rope: dict[str, Any]) -> dic
         if m_all and factor > 1:
             scale *= (0.1 * m_all * math.log(factor) + 1.0) ** 2
     v3 = model_type == "deepseek_v3"
-    method = cfg.get("topk_method", "noaux_tc" if v3 else "greedy")
-    grouped = method in ("group_limited_greedy", "noaux_tc")
-    if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
-        raise ModelConfigError(f"topk_method {method!r} is not supported")
     return {
         "q_lora_rank": int(cfg.get("q_lora_rank") or 0),
         "kv_lora_rank": int(cfg["kv_lora_rank"]),
@@ -602,6 +607,19 @@ def _deepseek(model_type: str, cfg: dict[str, Any], rope: dict[str, Any]) -> dic
         # V2's rope is complex multiplication over (even, odd) pairs; V3 says which.
         "rope_interleave": bool(cfg.get("rope_interleave", True)) if v3 else True,
         "mla_scale": scale,
+    }
+
+
+def _deepseek_routing(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek's mixture of experts (V2's, V3's; GLM-4.5's is V3's)."""
+    if model_type not in (*_DEEPSEEKS, "glm4_moe"):
+        return {}
+    v3 = model_type != "deepseek_v2"
+    method = cfg.get("topk_method", "noaux_tc" if v3 else "greedy")
+    grouped = method in ("group_limited_greedy", "noaux_tc")
+    if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise ModelConfigError(f"topk_method {method!r} is not supported")
+    return {
         "moe_scoring": "sigmoid" if v3 else "softmax",
         "n_group": int(cfg.get("n_group") or 1) if grouped else 0,
         "topk_group": int(cfg.get("topk_group") or 1) if grouped else 0,

@@ -91,13 +91,25 @@ class Attention(nn.Module):
             out.insert(0, (turned(m.weight, part), bias))
         return out
 
+    def _qk_norm(self, x: Value, norm: nn.Module, part: str) -> Value:
+        """q's or k's norm, per head or (OLMo 2) over the whole projection; under a partial
+        rotary a head's norm weight is in its rows' order (GLM-4.5's)."""
+        cfg = self.cfg
+        if not cfg.qk_norm_heads:
+            return _norm(cfg, x, norm)
+        if not (cfg.rotary_dim or cfg.rope_interleave):
+            return _norm(cfg, x, norm, group=cfg.head_dim)
+        if cfg.norm_offset:
+            raise ValueError("q/k norms with a weight offset under a reordered rotary")
+        rotary = (cfg.head_dim, cfg.rotary_dim or cfg.head_dim)
+        w = ops.rows(norm.weight, part, rotary=rotary, interleaved=cfg.rope_interleave)
+        return ops.rmsnorm(x, w, eps=cfg.rms_norm_eps, group=cfg.head_dim)
+
     def forward(self, x: Value, cos_sin: Value) -> Value:
         cfg = self.cfg
         q, k, v = (ops.linear(x, w, b) for w, b in self.projections())
         if cfg.qk_norm:
-            group = cfg.head_dim if cfg.qk_norm_heads else 0
-            q = _norm(cfg, q, self.q_norm, group=group)
-            k = _norm(cfg, k, self.k_norm, group=group)
+            q, k = self._qk_norm(q, self.q_norm, "q_norm"), self._qk_norm(k, self.k_norm, "k_norm")
         if not cfg.rope_layers or cfg.rope_layers[self.layer]:  # SmolLM3's NoPE layers: none
             q = ops.rope(q, cos_sin, head_dim=cfg.head_dim)
             k = ops.rope(k, cos_sin, head_dim=cfg.head_dim)
