@@ -102,7 +102,9 @@ class Attention(nn.Module):
         if cfg.norm_offset:
             raise ValueError("q/k norms with a weight offset under a reordered rotary")
         rotary = (cfg.head_dim, cfg.rotary_dim or cfg.head_dim)
-        w = ops.rows(norm.weight, part, rotary=rotary, interleaved=cfg.rope_interleave)
+        w = ops.rows(
+            cast(nn.Parameter, norm.weight), part, rotary=rotary, interleaved=cfg.rope_interleave
+        )
         return ops.rmsnorm(x, w, eps=cfg.rms_norm_eps, group=cfg.head_dim)
 
     def forward(self, x: Value, cos_sin: Value) -> Value:
