@@ -46,7 +46,7 @@ HEADER = native.SOURCE.parent / "kiln_step.h"
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1, "int32": 4}
 _PROLOGUES = {"none": 0, "silu_and_mul": 1}
-_UNARY = {"scale": "STEP_SCALE", "silu": "STEP_SILU"}
+_UNARY = {"scale": "STEP_SCALE", "silu": "STEP_SILU", "relu2": "STEP_RELU2"}
 
 
 class Refused(ValueError):
@@ -648,6 +648,9 @@ class _Lowering:
     def _silu(self, i: int, n: Node, a: dict[str, Any]) -> None:
         self._unary(i, n, "0.0f")
 
+    def _relu2(self, i: int, n: Node, a: dict[str, Any]) -> None:
+        self._unary(i, n, "0.0f")
+
     def _split(self, i: int, n: Node, a: dict[str, Any]) -> None:
         x = self.buf(n.args[0])
         parts, at = [], 0
@@ -719,5 +722,6 @@ class _Lowering:
 
 # Graph ops whose native form is a loop of kiln_step.h rather than a kiln_cpu kernel.
 _TORCH_NATIVE = frozenset(
-    {"rope_cos_sin", "embedding", "add", "mul", "scale", "silu"} | {"split", "index_select"}
+    {"rope_cos_sin", "embedding", "add", "mul", "scale", "silu", "relu2"}
+    | {"split", "index_select"}
 )

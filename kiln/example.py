@@ -256,6 +256,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "layer_types": ["sliding_attention", "full_attention"],
         "pad_token_id": None,
     },
+    # StableLM 2 (a quarter of each head turned, q/k/v biases) and its side-by-side form;
+    # Nemotron (LayerNorm1P, relu^2 MLP, half of each head turned); Arcee (relu^2 MLP).
+    "stablelm": {"model_type": "stablelm", "use_qkv_bias": True, "pad_token_id": None},
+    "nemotron": {"model_type": "nemotron", "head_dim": 24, "pad_token_id": None},
+    "arcee": {"model_type": "arcee", "pad_token_id": None},
     # GLM-4: biased q/k/v, rope over interleaved pairs of half of each head (head_dim 24:
     # 12 rotated, 12 passed), fused gate/up; glm4 with four norms a layer.
     "glm": {"model_type": "glm", "head_dim": 24, "pad_token_id": None},

@@ -67,6 +67,13 @@ _FAMILIES: dict[str, dict[str, bool]] = {
     # Gemma's four norms a layer under names of its own.
     "glm": {"qkv_bias": True, "qk_norm": False},
     "glm4": {"qkv_bias": True, "qk_norm": False},
+    # StableLM 2: LayerNorms with biases, rope over a quarter of each head, optional q/k/v
+    # biases and (use_parallel_residual) attention and MLP side by side.
+    "stablelm": {"qkv_bias": False, "qk_norm": False},
+    # Nemotron (Minitron): LayerNorm1P (1 + w, with bias), rope over half of each head, an
+    # MLP of up, relu^2 and down; Arcee (AFM): Llama's layer with that MLP.
+    "nemotron": {"qkv_bias": False, "qk_norm": False},
+    "arcee": {"qkv_bias": False, "qk_norm": False},
     # GLM-4.5 / 4.6 (glm4_moe): Llama's attention with biased q/k/v, rope over half of each
     # head (halves, not pairs), optional per-head q/k norms; DeepSeek V3's mixture of
     # experts (sigmoid routing, correction bias, a shared expert, dense first layers).
@@ -75,9 +82,12 @@ _FAMILIES: dict[str, dict[str, bool]] = {
 _DEEPSEEKS = ("deepseek_v2", "deepseek_v3")
 _GLMS = ("glm", "glm4")
 _COHERES = ("cohere", "cohere2")
+# The rotated share of a head where a config leaves partial_rotary_factor out (transformers'
+# defaults for these families).
+_ROTARY_DEFAULTS = {"glm": 0.5, "glm4": 0.5, "glm4_moe": 0.5, "stablelm": 0.25, "nemotron": 0.5}
 _GEMMAS = ("gemma", "gemma2", "gemma3_text")
 # hidden_act / hidden_activation -> kiln's activation op.
-_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "relu2": "relu2"}
 
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
 
@@ -399,6 +409,8 @@ class ModelConfig:
         o_bias = bool(cfg.get("attention_bias", False)) and model_type not in no_o_bias
         if model_type == "starcoder2":  # use_bias: every projection's
             qkv_bias = o_bias = bool(cfg.get("use_bias", True))
+        if model_type == "stablelm":
+            qkv_bias = bool(cfg.get("use_qkv_bias", False))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         windows = _sliding_windows(cfg, num_layers)
@@ -412,9 +424,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
-            rms_norm_eps=float(
-                cfg.get("rms_norm_eps", cfg.get("norm_epsilon", cfg.get("layer_norm_eps", 1e-6)))
-            ),
+            rms_norm_eps=_norm_eps(cfg),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             rope=RopeConfig.from_hf(_global_rope(model_type, cfg)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in _GEMMAS)),
@@ -431,12 +441,11 @@ class ModelConfig:
             sandwich_norms=model_type in ("gemma2", "gemma3_text", "glm4"),
             fused_qkv=model_type == "phi3",
             fused_gate_up=model_type in ("phi3", *_GLMS),
-            rotary_dim=_rotary_dim(
-                cfg, int(head_dim), 0.5 if model_type in (*_GLMS, "glm4_moe") else 1.0
-            ),
+            rotary_dim=_rotary_dim(cfg, int(head_dim), _ROTARY_DEFAULTS.get(model_type, 1.0)),
             o_bias=o_bias,
             **_starcoder2(model_type, cfg),
             **_cohere(model_type, cfg),
+            **_layer_norm_families(model_type, cfg),
             **_gpt_oss(model_type, cfg),
             **_deepseek(model_type, cfg, _global_rope(model_type, cfg)),
             **_deepseek_routing(model_type, cfg),
@@ -633,6 +642,28 @@ def _starcoder2(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if model_type != "starcoder2":
         return {}
     return {"layer_norm": True, "gated_mlp": False, "mlp_bias": bool(cfg.get("use_bias", True))}
+
+
+def _norm_eps(cfg: dict[str, Any]) -> float:
+    """The norms' epsilon, under each family's key."""
+    for key in ("rms_norm_eps", "norm_epsilon", "layer_norm_eps", "norm_eps"):
+        if cfg.get(key) is not None:
+            return float(cfg[key])
+    return 1e-6
+
+
+def _layer_norm_families(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """StableLM's and Nemotron's LayerNorms; Nemotron's and Arcee's relu^2 MLP."""
+    if model_type == "stablelm":
+        if cfg.get("qk_layernorm"):  # a LayerNorm per head with weights of its own
+            raise ModelConfigError("stablelm with qk_layernorm=true is not supported yet")
+        return {"layer_norm": True, "parallel_block": bool(cfg.get("use_parallel_residual"))}
+    mlp = {"gated_mlp": False, "mlp_bias": bool(cfg.get("mlp_bias", False))}
+    if model_type == "nemotron":  # LayerNorm1P: the weight plus one
+        return {"layer_norm": True, "norm_offset": 1.0, **mlp}
+    if model_type == "arcee":
+        return mlp
+    return {}
 
 
 def _cohere(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:

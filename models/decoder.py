@@ -29,9 +29,9 @@ def _norm(cfg: ModelConfig, x: Value, norm: nn.Module, group: int = 0) -> Value:
     """RMSNorm with the checkpoint's weight, plus the model's offset (Gemma's 1 + w); a
     LayerNorm with its weight and bias (StarCoder 2's)."""
     w = cast(nn.Parameter, norm.weight)
-    if isinstance(norm, nn.LayerNorm):
-        return ops.layernorm(x, w, norm.bias, eps=cfg.rms_norm_eps)
     weight = ops.shifted(w, cfg.norm_offset) if cfg.norm_offset else w
+    if isinstance(norm, nn.LayerNorm):  # Nemotron's LayerNorm1P: 1 + w as well
+        return ops.layernorm(x, weight, norm.bias, eps=cfg.rms_norm_eps)
     return ops.rmsnorm(x, weight, eps=cfg.rms_norm_eps, group=group)
 
 
@@ -198,9 +198,12 @@ class MLP(nn.Module):
         self.act = ops.OPS[cfg.hidden_act]
         h, width = cfg.hidden_size, width or cfg.intermediate_size
         self.fused, self.gated = cfg.fused_gate_up, cfg.gated_mlp
-        if not self.gated:  # StarCoder 2: up (c_fc), the activation, down (c_proj)
-            self.c_fc = nn.Linear(h, width, bias=cfg.mlp_bias)
-            self.c_proj = nn.Linear(width, h, bias=cfg.mlp_bias)
+        if not self.gated:  # up, the activation, down (StarCoder 2 names them c_fc, c_proj)
+            self.up_name, self.down_name = (
+                ("c_fc", "c_proj") if cfg.model_type == "starcoder2" else ("up_proj", "down_proj")
+            )
+            setattr(self, self.up_name, nn.Linear(h, width, bias=cfg.mlp_bias))
+            setattr(self, self.down_name, nn.Linear(width, h, bias=cfg.mlp_bias))
             return
         if self.fused:  # Phi-3, GLM: one [gate; up] tensor in the checkpoint
             self.gate_up_proj = nn.Linear(h, 2 * width, bias=False)
@@ -211,8 +214,8 @@ class MLP(nn.Module):
 
     def forward(self, x: Value) -> Value:
         if not self.gated:
-            up = self.act(ops.linear(x, self.c_fc.weight, self.c_fc.bias))
-            return ops.linear(up, self.c_proj.weight, self.c_proj.bias)
+            up, down = getattr(self, self.up_name), getattr(self, self.down_name)
+            return ops.linear(self.act(ops.linear(x, up.weight, up.bias)), down.weight, down.bias)
         if self.fused:
             w, width = self.gate_up_proj.weight, self.down_proj.weight.shape[1]
             gate_w: Value | torch.Tensor = ops.rows(w, "gate_proj", 0, width)

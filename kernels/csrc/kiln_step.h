@@ -182,10 +182,11 @@ static void step_binary(int what, const float *a, int64_t as, const float *b, in
     }
 }
 
-enum { STEP_SCALE, STEP_SILU };
+enum { STEP_SCALE, STEP_SILU, STEP_RELU2 };
 
 /* x * c (torch's one rounding, so bit for bit); silu (c unused), within a few ulp of
- * torch's: no family kiln lowers has a bare silu (theirs are fused into silu_and_mul). */
+ * torch's: no family kiln lowers has a bare silu (theirs are fused into silu_and_mul);
+ * relu(x)^2 (Nemotron's, Arcee's MLP; one rounding, as torch's). */
 static void step_unary(int what, const float *x, int64_t xs, float c, float *o, int64_t rows,
                        int64_t n) {
     for (int64_t r = 0; r < rows; r++) {
@@ -195,6 +196,7 @@ static void step_unary(int what, const float *x, int64_t xs, float c, float *o, 
             const float v = a[i];
             switch (what) {
             case STEP_SCALE: z[i] = v * c; break;
+            case STEP_RELU2: z[i] = v > 0.0f ? v * v : 0.0f; break;
             default: z[i] = v / (1.0f + expf(-v)); break;
             }
         }

@@ -53,6 +53,8 @@ FAMILIES = {
     "starcoder2": {"num_kv_heads": 2},
     # attention's and the MLP's all-reduces both join the one residual add
     "cohere": {"num_kv_heads": 2},
+    # the relu^2 MLP split like a gated one (up by rows, down by columns)
+    "nemotron": {"num_kv_heads": 2},
     # q/k norm weights in rotary order, whole on every rank; DeepSeek V3's routing whole,
     # each expert and the shared one split
     "glm4_moe": {"num_kv_heads": 2},

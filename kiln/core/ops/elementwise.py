@@ -59,6 +59,12 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 
 
 @op("x", rule=_unary)
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """relu(x) squared (Nemotron's and Arcee's MLP activation, `relu2`)."""
+    return torch.square(torch.relu(x))
+
+
+@op("x", rule=_unary)
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """GELU with the tanh approximation (Gemma's `gelu_pytorch_tanh`)."""
     return F.gelu(x, approximate="tanh")
@@ -132,11 +138,12 @@ def index_select(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 # Ops whose output feature j depends on input feature j alone (split inputs stay split).
-ELEMENTWISE = (add, mul, silu, gelu_tanh, scale, softcap, silu_and_mul)
+ELEMENTWISE = (add, mul, silu, relu2, gelu_tanh, scale, softcap, silu_and_mul)
 OPS = (
     add,
     mul,
     silu,
+    relu2,
     gelu_tanh,
     scale,
     softcap,
