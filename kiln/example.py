@@ -265,6 +265,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # 12 rotated, 12 passed), fused gate/up; glm4 with four norms a layer.
     "glm": {"model_type": "glm", "head_dim": 24, "pad_token_id": None},
     "glm4": {"model_type": "glm4", "head_dim": 24, "pad_token_id": None},
+    # OLMoE: whole-projection q/k norms, 4 experts, top-2, every layer sparse.
+    "olmoe": {
+        "model_type": "olmoe",
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 64,
+        "pad_token_id": None,
+    },
     # GLM-4.5: biased q/k/v, rope over half of each head with per-head q/k norms, DeepSeek
     # V3's routing (sigmoid, correction bias, 2 groups) with a shared expert, a dense first
     # layer.

@@ -74,6 +74,9 @@ _FAMILIES: dict[str, dict[str, bool]] = {
     # MLP of up, relu^2 and down; Arcee (AFM): Llama's layer with that MLP.
     "nemotron": {"qkv_bias": False, "qk_norm": False},
     "arcee": {"qkv_bias": False, "qk_norm": False},
+    # OLMoE: Llama's pre-norm layer with OLMo 2's q/k norms over whole projections and
+    # Qwen3-MoE's routing (softmax top-k, not rescaled by default), every layer sparse.
+    "olmoe": {"qkv_bias": False, "qk_norm": True},
     # GLM-4.5 / 4.6 (glm4_moe): Llama's attention with biased q/k/v, rope over half of each
     # head (halves, not pairs), optional per-head q/k norms; DeepSeek V3's mixture of
     # experts (sigmoid routing, correction bias, a shared expert, dense first layers).
@@ -452,7 +455,7 @@ class ModelConfig:
             **_granite(model_type, cfg),
             rope_layers=_rope_layers(model_type, cfg, windows),
             post_norms=model_type in ("olmo2", "exaone4"),
-            qk_norm_heads=model_type != "olmo2",
+            qk_norm_heads=model_type not in ("olmo2", "olmoe"),
             is_matryoshka=is_matryoshka,
             matryoshka_dimensions=matryoshka,
             labels=_labels(cfg),
@@ -572,7 +575,9 @@ def _moe(model_type: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any
             "norm_topk_prob": True,
             "sparse_layers": (True,) * num_layers,
         }
-    if model_type in ("qwen2_moe", "qwen3_moe"):
+    if model_type in ("qwen2_moe", "qwen3_moe", "olmoe"):
+        if cfg.get("clip_qkv") is not None:  # OLMoE's q/k/v clamped: no op for it yet
+            raise ModelConfigError(f"{model_type} with clip_qkv is not supported yet")
         # Qwen's own files write num_experts; transformers >= 5 writes num_local_experts.
         experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
         dense = set(cfg.get("mlp_only_layers") or ())
@@ -580,7 +585,12 @@ def _moe(model_type: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any
         return {
             "num_experts": experts,
             "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 1)),
-            "moe_intermediate_size": int(cfg.get("moe_intermediate_size", 0)),
+            # OLMoE's experts are intermediate_size wide
+            "moe_intermediate_size": int(
+                cfg["intermediate_size"]
+                if model_type == "olmoe"
+                else cfg.get("moe_intermediate_size", 0)
+            ),
             "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
             "sparse_layers": tuple(
                 i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers)

@@ -32,6 +32,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-moe-dense-first-layer": ("qwen3_moe", {}),
     # Qwen2-MoE: a shared expert every token runs, times sigmoid of its own gate
     "qwen2-moe-gated-shared-expert": ("qwen2_moe", {}),
+    "olmoe-whole-qk-norms-every-layer-sparse": ("olmoe", {}),
     # GLM-4.5: a partial rotary's reordered rows under per-head q/k norms and biases;
     # DeepSeek V3's grouped sigmoid routing with a standard attention
     "glm4_moe-qk-norm-partial-rope-grouped-routing": ("glm4_moe", {}),

@@ -219,11 +219,15 @@ def test_tp_refuses_what_does_not_divide(checkpoint: Callable[..., Path], tmp_pa
         compile_model(
             ServerArgs(model_path=wide, tp_size=2, torchao_config="int4wo-64"), tmp_path / "b"
         )
-    # OLMo 2's q/k norms span every head: refused, not normalised over a rank's heads alone
+    # OLMo 2's and OLMoE's q/k norms span every head: refused, not normalised over a rank's
+    # heads alone
     from kiln.passes.base import PassError
 
-    with pytest.raises(PassError, match="a norm over the whole q or k projection"):
-        compile_model(ServerArgs(model_path=str(checkpoint("olmo2")), tp_size=2), tmp_path / "c")
+    for family in ("olmo2", "olmoe"):
+        with pytest.raises(PassError, match="a norm over the whole q or k projection"):
+            compile_model(
+                ServerArgs(model_path=str(checkpoint(family)), tp_size=2), tmp_path / family
+            )
 
 
 def test_a_heartbeat_counts_in_the_store_and_stops_before_its_rank_exits() -> None:
