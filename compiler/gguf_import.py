@@ -52,14 +52,20 @@ ARCHITECTURES = {
     "starcoder2": "starcoder2",
     "command-r": "cohere",
     "cohere2": "cohere2",
+    "stablelm": "stablelm",
+    "nemotron": "nemotron",
+    "arcee": "arcee",
+    "olmoe": "olmoe",
 }
 # llama.cpp's converter stores Gemma's norm weights as 1 + w (its norm multiplies by the
 # weight); transformers' Gemma norms take w and add the 1 themselves, as kiln's do.
 _NORMS_PLUS_ONE = ("gemma", "gemma2", "gemma3")
+# ... and Nemotron's LayerNorm1P weights (its converter adds the 1 its norm then omits).
+_STORED_PLUS_ONE = (*_NORMS_PLUS_ONE, "nemotron")
 _SANDWICH = ("gemma2", "gemma3")  # norms before and after attention and MLP
 # llama.cpp's converter interleaves the rotary halves of q/k for these (its rope is the
 # GPT-J pairing); kiln's models rotate halves as transformers does, so the rows go back.
-_PERMUTED_QK = ("llama", "mistral", "granite", "smollm3")
+_PERMUTED_QK = ("llama", "mistral", "granite", "smollm3", "arcee")
 
 # Pre-tokenizer split patterns by `tokenizer.ggml.pre`; the ones not listed use GPT-2's,
 # which the `tokenizers` ByteLevel pre-tokenizer applies itself.
@@ -176,7 +182,7 @@ _QWEN_MOE_LAYER = {
     **{f"ffn_{p}_shexp.weight": f"mlp.shared_expert.{p}_proj.weight" for p in _MLP_PARTS},
     **{f"ffn_{p}_exps.weight": f"mlp.experts.{p}_exps" for p in _MLP_PARTS},
 }
-_QWEN_MOES = ("qwen2moe", "qwen3moe")
+_QWEN_MOES = ("qwen2moe", "qwen3moe", "olmoe")
 # GLM-4 (0414): Gemma's four norms under llama.cpp's names (its ffn_norm the MLP's input
 # norm, GLM's post_attention_layernorm), gate and up fused under ffn_up; q/k rows as the
 # checkpoint has them (llama.cpp turns GLM's interleaved pairs itself).
@@ -186,12 +192,18 @@ _GLM4_LAYER = {
     "post_ffw_norm.weight": "post_mlp_layernorm.weight",
     "ffn_up.weight": "mlp.gate_up_proj.weight",
 }
-# StarCoder 2: LayerNorms with biases, o_proj's bias, its plain MLP's c_fc and c_proj.
-_STARCODER2_LAYER = {
+# StableLM's and Nemotron's LayerNorms with biases, o_proj's bias, a plain MLP's biases.
+_LAYER_NORM_LAYER = {
     **_LAYER,
     "attn_norm.bias": "input_layernorm.bias",
     "ffn_norm.bias": "post_attention_layernorm.bias",
     "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_up.bias": "mlp.up_proj.bias",
+    "ffn_down.bias": "mlp.down_proj.bias",
+}
+# StarCoder 2's: the same, its plain MLP named c_fc and c_proj.
+_STARCODER2_LAYER = {
+    **_LAYER_NORM_LAYER,
     **{f"ffn_up.{k}": f"mlp.c_fc.{k}" for k in ("weight", "bias")},
     **{f"ffn_down.{k}": f"mlp.c_proj.{k}" for k in ("weight", "bias")},
 }
@@ -210,6 +222,8 @@ _LAYERS = {
     **{arch: _QWEN_MOE_LAYER for arch in _QWEN_MOES},
     "glm4": _GLM4_LAYER,
     "starcoder2": _STARCODER2_LAYER,
+    **dict.fromkeys(("stablelm", "nemotron"), _LAYER_NORM_LAYER),
+    "olmoe": _QWEN_MOE_LAYER,
     **{arch: _GEMMA_LAYER for arch in _SANDWICH},
 }
 # LongRoPE's factors, stored as tensors (read into the config, not weights).
@@ -362,10 +376,23 @@ class GGUFFile:
             cfg["rms_norm_eps"] = float(self.arch_field("attention.layer_norm_epsilon", 1e-5))
             cfg["hidden_act"] = "gelu_pytorch_tanh"
             cfg["use_bias"] = True
-        if self.arch == "glm4":  # its rotary part of a head, q/k/v biases where stored
-            rotary = int(self.arch_field("rope.dimension_count", cfg["head_dim"] // 2))
+        if self.arch in ("glm4", "stablelm", "nemotron"):  # the rotary part of a head
+            rotary = int(self.arch_field("rope.dimension_count", cfg["head_dim"]))
             cfg["partial_rotary_factor"] = rotary / cfg["head_dim"]
-            cfg["attention_bias"] = "model.layers.0.self_attn.q_proj.bias" in self.tensors
+        biased = "model.layers.0.self_attn.q_proj.bias" in self.tensors
+        if self.arch in ("glm4", "nemotron"):  # q/k/v biases where stored
+            cfg["attention_bias"] = biased
+        if self.arch in ("stablelm", "nemotron"):  # LayerNorms
+            cfg["layer_norm_eps"] = float(self.arch_field("attention.layer_norm_epsilon", 1e-5))
+            del cfg["rms_norm_eps"]
+        if self.arch == "stablelm":  # side by side where the MLP has no norm of its own
+            cfg["use_qkv_bias"] = biased
+            cfg["use_parallel_residual"] = (
+                "model.layers.0.post_attention_layernorm.weight" not in self.tensors
+            )
+        if self.arch in ("nemotron", "arcee"):
+            cfg["hidden_act"] = "relu2"
+            cfg["mlp_bias"] = "model.layers.0.mlp.up_proj.bias" in self.tensors
         if self.arch == "gemma2":
             # Sliding and global layers alternate; the caps are in the file (llama.cpp's
             # converter writes them), else Gemma 2's published 50 and 30.
@@ -468,7 +495,7 @@ class GGUFFile:
             "num_experts": int(self.arch_field("expert_count")),
             "num_experts_per_tok": int(self.arch_field("expert_used_count")),
             "moe_intermediate_size": int(self.arch_field("expert_feed_forward_length", ffn)),
-            "norm_topk_prob": not qwen2,
+            "norm_topk_prob": self.arch == "qwen3moe",
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
         }
@@ -623,7 +650,7 @@ class GGUFFile:
         t = self._record(name)
         shape = self.shape(name)
         data = dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32, copy=False)
-        if self.arch in _NORMS_PLUS_ONE and name.endswith("norm.weight"):
+        if self.arch in _STORED_PLUS_ONE and name.endswith("norm.weight"):
             data = data - 1.0
         return self._unpermute(name, data)
 
@@ -835,6 +862,10 @@ _ARCH_CLASS = {
     "starcoder2": "Starcoder2ForCausalLM",
     "command-r": "CohereForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
+    "stablelm": "StableLmForCausalLM",
+    "nemotron": "NemotronForCausalLM",
+    "arcee": "ArceeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 
 

@@ -33,6 +33,8 @@ _LAYER = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.up_proj.bias": "ffn_up.bias",
+    "mlp.down_proj.bias": "ffn_down.bias",
     # StarCoder 2's LayerNorm biases, o_proj's bias and plain MLP
     "input_layernorm.bias": "attn_norm.bias",
     "post_attention_layernorm.bias": "ffn_norm.bias",
@@ -82,7 +84,7 @@ _ARCH = {
 
 
 # llama.cpp's LlamaModel converter and those built on it interleave q/k rows.
-_PERMUTED = ("llama", "mistral", "granite", "smollm3")
+_PERMUTED = ("llama", "mistral", "granite", "smollm3", "arcee")
 
 # Block types the gguf package decodes but cannot make: written as random blocks (codes
 # and sub-block scales at random, the float16 scales small enough for a sane model).
@@ -186,8 +188,11 @@ def write_gguf(
         w.add_head_count_kv(kv_heads)
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    if "norm_epsilon" in cfg or "layer_norm_eps" in cfg:  # a LayerNorm's (StarCoder 2, Cohere)
-        w.add_layer_norm_eps(cfg.get("norm_epsilon", cfg.get("layer_norm_eps")))
+    ln_eps = next(
+        (cfg[k] for k in ("norm_epsilon", "layer_norm_eps", "norm_eps") if k in cfg), None
+    )
+    if ln_eps is not None:  # a LayerNorm's (StarCoder 2, Cohere, StableLM, Nemotron)
+        w.add_layer_norm_eps(ln_eps)
     else:
         w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4)
@@ -255,8 +260,8 @@ def write_gguf(
         t = t.astype(np.float32)
         if arch in _PERMUTED and ("q_proj" in name or "k_proj" in name):
             t = _interleave(t, heads if "q_proj" in name else kv_heads)
-        if (gemma or arch == "gemma") and name.endswith("norm.weight"):
-            t = t + 1.0  # llama.cpp stores Gemma's norms as 1 + w
+        if (gemma or arch in ("gemma", "nemotron")) and name.endswith("norm.weight"):
+            t = t + 1.0  # llama.cpp stores Gemma's norms (and Nemotron's) as 1 + w
         if t.ndim == 2 and kind in _RANDOM_BLOCKS:
             data = random_blocks(t.shape, kind, seed=len(name) * 7919 + t.shape[0])
             w.add_tensor(gguf_name(name, gemma, arch), data, raw_shape=data.shape, raw_dtype=qt)
@@ -272,7 +277,7 @@ def write_gguf(
     return out
 
 
-_MOE_ARCHS = ("gpt-oss", "deepseek2", "qwen2moe", "qwen3moe")
+_MOE_ARCHS = ("gpt-oss", "deepseek2", "qwen2moe", "qwen3moe", "olmoe")
 
 
 def _write_moe_family(w: GGUFWriter, cfg: dict, arch: str, tensors: dict, qt: object) -> None:
@@ -289,6 +294,7 @@ def _write_moe_family(w: GGUFWriter, cfg: dict, arch: str, tensors: dict, qt: ob
             "deepseek2": gguf.MODEL_ARCH.DEEPSEEK2,
             "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE,
             "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
+            "olmoe": gguf.MODEL_ARCH.OLMOE,
         }[arch],
         layers,
     )
@@ -320,10 +326,10 @@ def _write_moe_family(w: GGUFWriter, cfg: dict, arch: str, tensors: dict, qt: ob
                 out[name + ".weight"] = t
             else:
                 out[name] = t
-    elif arch in ("qwen2moe", "qwen3moe"):
+    elif arch in ("qwen2moe", "qwen3moe", "olmoe"):
         w.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
         w.add_expert_used_count(cfg["num_experts_per_tok"])
-        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_feed_forward_length(cfg.get("moe_intermediate_size", cfg["intermediate_size"]))
         if arch == "qwen2moe":
             w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
         out = _stacked_experts(tensors)

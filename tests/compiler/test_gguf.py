@@ -65,6 +65,8 @@ CASES = {
     "phi3-q8_0-fused": ("phi3", "Q8_0", {"rope_scaling": None, "partial_rotary_factor": 1.0}),
     # transformers' loader reads no window for StarCoder 2, llama.cpp runs none
     "starcoder2-q8_0-layernorm": ("starcoder2", "Q8_0", {"sliding_window": None}),
+    # transformers' loader reads the rotary share and the side-by-side form from the file
+    "stablelm-q8_0-parallel": ("stablelm", "Q8_0", {"use_parallel_residual": True}),
     "gemma2-f32": (
         "gemma2",
         "F32",
@@ -323,6 +325,9 @@ def test_gguf_blocks_with_int8_activations_match_transformers_rounding_the_same(
         ("qwen2_moe", {"mlp_only_layers": []}),
         ("glm4", {}),  # q/k rows and biases as the checkpoint's (GPT-J pairs in llama.cpp)
         ("cohere", {}),  # its interleaved pairs are llama.cpp's too: rows as stored
+        ("nemotron", {}),  # LayerNorm1P's weights stored as 1 + w
+        ("arcee", {}),  # q/k rows interleaved, as llama.cpp's Llama converter does
+        ("olmoe", {}),  # experts stacked
         # no layer pattern in the file: llama.cpp's every fourth layer global
         ("cohere2", {"num_layers": 4, "layer_types": None}),
         ("qwen3_moe", {"mlp_only_layers": [], "norm_topk_prob": True}),
