@@ -391,7 +391,7 @@ class ModelConfig:
             raise ModelConfigError(
                 f"hidden_act {act!r} is not supported (supported: {', '.join(_ACTIVATIONS)})"
             )
-        if cfg.get("mlp_bias"):
+        if cfg.get("mlp_bias") and model_type not in ("nemotron", "arcee"):  # a gated MLP's
             raise ModelConfigError("mlp_bias=true is not supported yet")
         if model_type == "ernie4_5" and cfg.get("use_bias"):
             raise ModelConfigError("ernie4_5 with use_bias=true is not supported yet")

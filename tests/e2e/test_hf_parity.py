@@ -72,6 +72,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "stablelm-quarter-rotary-qkv-bias": ("stablelm", {}),
     "stablelm-parallel-residual": ("stablelm", {"use_parallel_residual": True}),
     "nemotron-layernorm1p-relu2": ("nemotron", {}),
+    "nemotron-mlp-and-attention-biases": ("nemotron", {"mlp_bias": True, "attention_bias": True}),
     "arcee-relu2-mlp": ("arcee", {}),
     "cohere2-sliding-rope-global-nope": ("cohere2", {}),
     "glm4-four-norms": ("glm4", {}),
