@@ -265,6 +265,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # 12 rotated, 12 passed), fused gate/up; glm4 with four norms a layer.
     "glm": {"model_type": "glm", "head_dim": 24, "pad_token_id": None},
     "glm4": {"model_type": "glm4", "head_dim": 24, "pad_token_id": None},
+    # Phi-2: side by side from one LayerNorm, biases everywhere (lm_head's too), rope over
+    # half of each head.
+    "phi": {"model_type": "phi", "pad_token_id": None},
     # OLMoE: whole-projection q/k norms, 4 experts, top-2, every layer sparse.
     "olmoe": {
         "model_type": "olmoe",

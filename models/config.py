@@ -74,6 +74,9 @@ _FAMILIES: dict[str, dict[str, bool]] = {
     # MLP of up, relu^2 and down; Arcee (AFM): Llama's layer with that MLP.
     "nemotron": {"qkv_bias": False, "qk_norm": False},
     "arcee": {"qkv_bias": False, "qk_norm": False},
+    # Phi-2 (phi): attention and an MLP of fc1, GELU-tanh and fc2 side by side from one
+    # LayerNorm, biases everywhere (the lm_head's too), rope over part of each head.
+    "phi": {"qkv_bias": True, "qk_norm": False},
     # OLMoE: Llama's pre-norm layer with OLMo 2's q/k norms over whole projections and
     # Qwen3-MoE's routing (softmax top-k, not rescaled by default), every layer sparse.
     "olmoe": {"qkv_bias": False, "qk_norm": True},
@@ -87,10 +90,19 @@ _GLMS = ("glm", "glm4")
 _COHERES = ("cohere", "cohere2")
 # The rotated share of a head where a config leaves partial_rotary_factor out (transformers'
 # defaults for these families).
-_ROTARY_DEFAULTS = {"glm": 0.5, "glm4": 0.5, "glm4_moe": 0.5, "stablelm": 0.25, "nemotron": 0.5}
+_ROTARY_DEFAULTS = {
+    **dict.fromkeys(("glm", "glm4", "glm4_moe", "nemotron", "phi"), 0.5),
+    "stablelm": 0.25,
+}
 _GEMMAS = ("gemma", "gemma2", "gemma3_text")
 # hidden_act / hidden_activation -> kiln's activation op.
-_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "relu2": "relu2"}
+# gelu_new is GELU's tanh approximation too (Phi-2's), written out rather than torch's.
+_ACTIVATIONS = {
+    "silu": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "relu2": "relu2",
+}
 
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
 
@@ -313,6 +325,8 @@ class ModelConfig:
     # norm, and both outputs join the residual (h + attn + mlp).
     norm_bias: bool = True
     parallel_block: bool = False
+    # Phi-2: a bias on the lm_head.
+    lm_head_bias: bool = False
     # GPT-OSS: per-head attention sinks; the router's bias, the experts' biases and their
     # clamped SwiGLU (limit, alpha); experts stored stacked ([experts, in, out] tensors).
     attn_sinks: bool = False
@@ -414,6 +428,8 @@ class ModelConfig:
             qkv_bias = o_bias = bool(cfg.get("use_bias", True))
         if model_type == "stablelm":
             qkv_bias = bool(cfg.get("use_qkv_bias", False))
+        if model_type == "phi":  # every projection biased
+            o_bias = True
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         windows = _sliding_windows(cfg, num_layers)
@@ -673,6 +689,16 @@ def _layer_norm_families(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]
         return {"layer_norm": True, "norm_offset": 1.0, **mlp}
     if model_type == "arcee":
         return mlp
+    if model_type == "phi":
+        if cfg.get("qk_layernorm"):  # LayerNorms over each head's q and k
+            raise ModelConfigError("phi with qk_layernorm=true is not supported yet")
+        return {
+            "layer_norm": True,
+            "parallel_block": True,
+            "gated_mlp": False,
+            "mlp_bias": True,
+            "lm_head_bias": True,
+        }
     return {}
 
 

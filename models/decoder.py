@@ -53,7 +53,8 @@ class Attention(nn.Module):
             self.q_proj = nn.Linear(h, cfg.q_size, bias=cfg.qkv_bias)
             self.k_proj = nn.Linear(h, cfg.kv_size, bias=cfg.qkv_bias)
             self.v_proj = nn.Linear(h, cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.q_size, h, bias=cfg.o_bias)
+        self.o_name = "dense" if cfg.model_type == "phi" else "o_proj"  # Phi-2's name
+        setattr(self, self.o_name, nn.Linear(cfg.q_size, h, bias=cfg.o_bias))
         if cfg.attn_sinks:
             self.sinks = _weight(cfg.num_heads)
         if cfg.qk_norm:  # per head, or (OLMo 2) over the whole projection
@@ -129,7 +130,8 @@ class Attention(nn.Module):
             softcap=cfg.attn_softcap,
             sinks=int(cfg.attn_sinks),
         )
-        return ops.linear(o, self.o_proj.weight, self.o_proj.bias)
+        out = getattr(self, self.o_name)
+        return ops.linear(o, out.weight, out.bias)
 
 
 class LatentAttention(nn.Module):
@@ -192,6 +194,10 @@ class LatentAttention(nn.Module):
         return ops.linear(o, self.o_proj.weight)
 
 
+# A plain (not gated) MLP's up and down projections, where a family names them its own way.
+_PLAIN_MLP_NAMES = {"starcoder2": ("c_fc", "c_proj"), "phi": ("fc1", "fc2")}
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, width: int | None = None) -> None:
         super().__init__()
@@ -199,8 +205,8 @@ class MLP(nn.Module):
         h, width = cfg.hidden_size, width or cfg.intermediate_size
         self.fused, self.gated = cfg.fused_gate_up, cfg.gated_mlp
         if not self.gated:  # up, the activation, down (StarCoder 2 names them c_fc, c_proj)
-            self.up_name, self.down_name = (
-                ("c_fc", "c_proj") if cfg.model_type == "starcoder2" else ("up_proj", "down_proj")
+            self.up_name, self.down_name = _PLAIN_MLP_NAMES.get(
+                cfg.model_type, ("up_proj", "down_proj")
             )
             setattr(self, self.up_name, nn.Linear(h, width, bias=cfg.mlp_bias))
             setattr(self, self.down_name, nn.Linear(width, h, bias=cfg.mlp_bias))
@@ -420,7 +426,9 @@ class Backbone(nn.Module):
             cfg.vocab_size, cfg.hidden_size, _weight=_weight(cfg.vocab_size, cfg.hidden_size)
         )
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = _hidden_norm(cfg)
+        # the final norm (Phi-2 names it final_layernorm)
+        self.norm_name = "final_layernorm" if cfg.model_type == "phi" else "norm"
+        setattr(self, self.norm_name, _hidden_norm(cfg))
 
 
 class CausalLM(nn.Module):
@@ -438,7 +446,7 @@ class CausalLM(nn.Module):
         if cfg.num_labels:  # a classifier: its score head, whatever `embedding` says
             self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False)
         elif not cfg.tie_word_embeddings and not embedding:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.lm_head_bias)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -467,12 +475,14 @@ class CausalLM(nn.Module):
             h = ops.scale(h, factor=cfg.embed_scale)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, local if cfg.layer_rope(i) is cfg.local_rope else cos_sin)
-        h = _norm(cfg, ops.index_select(h, logits_indices), self.model.norm)
+        final_norm = getattr(self.model, self.model.norm_name)
+        h = _norm(cfg, ops.index_select(h, logits_indices), final_norm)
         if cfg.num_labels:  # one logit a label (the runtime pools the last token's)
             return ops.linear(h, self.score.weight, role="score")
         if self.embedding:
             return h
-        logits = ops.linear(h, self.lm_head_weight, role="lm_head")
+        bias = self.lm_head.bias if self.cfg.lm_head_bias else None
+        logits = ops.linear(h, self.lm_head_weight, bias, role="lm_head")
         if cfg.logits_scale != 1.0:  # Granite's logits_scaling
             logits = ops.scale(logits, factor=cfg.logits_scale)
         if cfg.final_softcap:

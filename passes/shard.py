@@ -319,8 +319,11 @@ def _lm_head(graph: Graph, size: int, rank: int) -> Node:
     spec = graph.weight_of(weight)
     assert spec is not None
     lo, hi = _part(spec.shape[0], size, rank, head)
-    # A tied lm_head reads the embedding's table, which stays whole: its own sliced weight.
-    head.args = [head.args[0], _sliced(graph, weight, 0, lo, hi, "lm_head.weight")]
+    # A tied lm_head reads the embedding's table, which stays whole: its own sliced weight
+    # (and its bias's rows, Phi-2's).
+    head.args = [head.args[0], _sliced(graph, weight, 0, lo, hi, "lm_head.weight")] + [
+        _sliced(graph, bias, 0, lo, hi, "lm_head.bias") for bias in head.args[2:]
+    ]
     after = graph.nodes[graph.nodes.index(head) + 1]
     gathered = graph.add("all_gather", [head], {"ranks": size}, before=after)
     for u in graph.users()[head]:

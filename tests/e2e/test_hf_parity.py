@@ -74,6 +74,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "nemotron-layernorm1p-relu2": ("nemotron", {}),
     "nemotron-mlp-and-attention-biases": ("nemotron", {"mlp_bias": True, "attention_bias": True}),
     "arcee-relu2-mlp": ("arcee", {}),
+    "phi2-parallel-biased-lm-head": ("phi", {}),
     "cohere2-sliding-rope-global-nope": ("cohere2", {}),
     "glm4-four-norms": ("glm4", {}),
     "exaone4-sliding-rope-global-nope": ("exaone4", {}),

@@ -55,6 +55,8 @@ FAMILIES = {
     "cohere": {"num_kv_heads": 2},
     # the relu^2 MLP split like a gated one (up by rows, down by columns)
     "nemotron": {"num_kv_heads": 2},
+    # the lm_head's bias cut by vocabulary rows with its weight
+    "phi": {},
     # q/k norm weights in rotary order, whole on every rank; DeepSeek V3's routing whole,
     # each expert and the shared one split
     "glm4_moe": {"num_kv_heads": 2},

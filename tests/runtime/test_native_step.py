@@ -63,6 +63,8 @@ CASES = {
     "cohere2": ("cohere2", {}),
     # LayerNorm1P (1 + w, with bias), a relu^2 MLP, half of each head turned
     "nemotron": ("nemotron", {}),
+    # the lm_head's bias; plain GELU-tanh MLP side by side with attention
+    "phi": ("phi", {}),
     # fp8 pools: rotary apart from the fused attention, the fp8 write and attention
     "llama-fp8": ("llama", {"kv_cache_dtype": "fp8_e4m3", "page_size": 4}),
     "qwen3-fp8-e5m2": ("qwen3", {"kv_cache_dtype": "fp8_e5m2"}),
