@@ -69,10 +69,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "glm-biased-interleaved-partial-rope": ("glm", {}),
     "starcoder2-layernorm-plain-mlp-window": ("starcoder2", {}),
     "cohere-parallel-block-interleaved-rope": ("cohere", {}),
+    # (StableLM's side-by-side form: its GGUF case, against transformers' GGUF loader)
     "stablelm-quarter-rotary-qkv-bias": ("stablelm", {}),
-    "stablelm-parallel-residual": ("stablelm", {"use_parallel_residual": True}),
-    "nemotron-layernorm1p-relu2": ("nemotron", {}),
-    "nemotron-mlp-and-attention-biases": ("nemotron", {"mlp_bias": True, "attention_bias": True}),
+    "nemotron-layernorm1p-relu2-biases": ("nemotron", {"mlp_bias": True, "attention_bias": True}),
     "arcee-relu2-mlp": ("arcee", {}),
     "phi2-parallel-biased-lm-head": ("phi", {}),
     "cohere2-sliding-rope-global-nope": ("cohere2", {}),

@@ -48,18 +48,10 @@ FAMILIES = {
     "ernie4_5": {},
     # the same with biases and a half-head rotary: biases reordered and cut as their rows
     "glm4": {"num_kv_heads": 2},
-    # the plain MLP's c_fc by rows with its bias, c_proj by columns (bias on rank 0); the
-    # LayerNorms whole
-    "starcoder2": {"num_kv_heads": 2},
-    # attention's and the MLP's all-reduces both join the one residual add
-    "cohere": {"num_kv_heads": 2},
-    # the relu^2 MLP split like a gated one (up by rows, down by columns)
-    "nemotron": {"num_kv_heads": 2},
-    # the lm_head's bias cut by vocabulary rows with its weight
+    # side by side from one LayerNorm; the plain MLP's fc1 by rows with its bias, fc2 by
+    # columns (bias on rank 0); the lm_head's bias cut by vocabulary rows with its weight
+    # (StarCoder 2's, Nemotron's and Cohere's layers are cut by the same rules)
     "phi": {},
-    # q/k norm weights in rotary order, whole on every rank; DeepSeek V3's routing whole,
-    # each expert and the shared one split
-    "glm4_moe": {"num_kv_heads": 2},
 }
 
 

@@ -58,9 +58,6 @@ CASES = {
     "glm4": ("glm4", {}),
     # LayerNorms (weight and bias), biased linears everywhere, a plain GELU-tanh MLP
     "starcoder2": ("starcoder2", {}),
-    # attention and MLP from one bias-free LayerNorm, a sliding layer with rope, a global one
-    # without, scaled logits
-    "cohere2": ("cohere2", {}),
     # LayerNorm1P (1 + w, with bias), a relu^2 MLP, half of each head turned
     "nemotron": ("nemotron", {}),
     # the lm_head's bias; plain GELU-tanh MLP side by side with attention
