@@ -56,6 +56,7 @@ ARCHITECTURES = {
     "nemotron": "nemotron",
     "arcee": "arcee",
     "olmoe": "olmoe",
+    "phi2": "phi",
 }
 # llama.cpp's converter stores Gemma's norm weights as 1 + w (its norm multiplies by the
 # weight); transformers' Gemma norms take w and add the 1 themselves, as kiln's do.
@@ -105,6 +106,13 @@ _GLOBAL = {
     "output_norm.weight": "model.norm.weight",
     "output_norm.bias": "model.norm.bias",  # LayerNorm's (StarCoder 2)
     "output.weight": "lm_head.weight",
+    "output.bias": "lm_head.bias",  # Phi-2's
+}
+# Phi-2's final norm (its own name) with its bias.
+_PHI2_GLOBAL = {
+    **_GLOBAL,
+    "output_norm.weight": "model.final_layernorm.weight",
+    "output_norm.bias": "model.final_layernorm.bias",
 }
 _LAYER = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -207,6 +215,13 @@ _STARCODER2_LAYER = {
     **{f"ffn_up.{k}": f"mlp.c_fc.{k}" for k in ("weight", "bias")},
     **{f"ffn_down.{k}": f"mlp.c_proj.{k}" for k in ("weight", "bias")},
 }
+# Phi-2: the same LayerNorms and biases, o_proj named dense, the MLP fc1 and fc2.
+_PHI2_LAYER = {
+    **_LAYER_NORM_LAYER,
+    **{f"attn_output.{k}": f"self_attn.dense.{k}" for k in ("weight", "bias")},
+    **{f"ffn_up.{k}": f"mlp.fc1.{k}" for k in ("weight", "bias")},
+    **{f"ffn_down.{k}": f"mlp.fc2.{k}" for k in ("weight", "bias")},
+}
 # OLMo 2: norms after attention and after the MLP, none before.
 _OLMO2_LAYER = {
     **_LAYER,
@@ -224,6 +239,7 @@ _LAYERS = {
     "starcoder2": _STARCODER2_LAYER,
     **dict.fromkeys(("stablelm", "nemotron"), _LAYER_NORM_LAYER),
     "olmoe": _QWEN_MOE_LAYER,
+    "phi2": _PHI2_LAYER,
     **{arch: _GEMMA_LAYER for arch in _SANDWICH},
 }
 # LongRoPE's factors, stored as tensors (read into the config, not weights).
@@ -376,13 +392,13 @@ class GGUFFile:
             cfg["rms_norm_eps"] = float(self.arch_field("attention.layer_norm_epsilon", 1e-5))
             cfg["hidden_act"] = "gelu_pytorch_tanh"
             cfg["use_bias"] = True
-        if self.arch in ("glm4", "stablelm", "nemotron"):  # the rotary part of a head
+        if self.arch in ("glm4", "stablelm", "nemotron", "phi2"):  # the rotary part of a head
             rotary = int(self.arch_field("rope.dimension_count", cfg["head_dim"]))
             cfg["partial_rotary_factor"] = rotary / cfg["head_dim"]
         biased = "model.layers.0.self_attn.q_proj.bias" in self.tensors
         if self.arch in ("glm4", "nemotron"):  # q/k/v biases where stored
             cfg["attention_bias"] = biased
-        if self.arch in ("stablelm", "nemotron"):  # LayerNorms
+        if self.arch in ("stablelm", "nemotron", "phi2"):  # LayerNorms
             cfg["layer_norm_eps"] = float(self.arch_field("attention.layer_norm_epsilon", 1e-5))
             del cfg["rms_norm_eps"]
         if self.arch == "stablelm":  # side by side where the MLP has no norm of its own
@@ -390,6 +406,8 @@ class GGUFFile:
             cfg["use_parallel_residual"] = (
                 "model.layers.0.post_attention_layernorm.weight" not in self.tensors
             )
+        if self.arch == "phi2":
+            cfg["hidden_act"] = "gelu_new"
         if self.arch in ("nemotron", "arcee"):
             cfg["hidden_act"] = "relu2"
             cfg["mlp_bias"] = "model.layers.0.mlp.up_proj.bias" in self.tensors
@@ -866,12 +884,14 @@ _ARCH_CLASS = {
     "nemotron": "NemotronForCausalLM",
     "arcee": "ArceeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "phi2": "PhiForCausalLM",
 }
 
 
 def _hf_name(gguf_name: str, arch: str) -> str | None:
-    if gguf_name in _GLOBAL:
-        return _GLOBAL[gguf_name]
+    top = _PHI2_GLOBAL if arch == "phi2" else _GLOBAL
+    if gguf_name in top:
+        return top[gguf_name]
     layer = _LAYERS.get(arch, _LAYER)
     m = _BLOCK.fullmatch(gguf_name)
     if m is None or m.group(2) not in layer:

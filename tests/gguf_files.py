@@ -17,6 +17,10 @@ _NAMES = {
     "model.norm.weight": "output_norm.weight",
     "model.norm.bias": "output_norm.bias",
     "lm_head.weight": "output.weight",
+    # Phi-2's final norm and lm_head bias
+    "model.final_layernorm.weight": "output_norm.weight",
+    "model.final_layernorm.bias": "output_norm.bias",
+    "lm_head.bias": "output.bias",
 }
 _LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -41,6 +45,10 @@ _LAYER = {
     "self_attn.o_proj.bias": "attn_output.bias",
     **{f"mlp.c_fc.{k}": f"ffn_up.{k}" for k in ("weight", "bias")},
     **{f"mlp.c_proj.{k}": f"ffn_down.{k}" for k in ("weight", "bias")},
+    # Phi-2's
+    **{f"self_attn.dense.{k}": f"attn_output.{k}" for k in ("weight", "bias")},
+    **{f"mlp.fc1.{k}": f"ffn_up.{k}" for k in ("weight", "bias")},
+    **{f"mlp.fc2.{k}": f"ffn_down.{k}" for k in ("weight", "bias")},
 }
 
 
@@ -80,6 +88,7 @@ _ARCH = {
     "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe",
     "cohere": "command-r",
+    "phi": "phi2",
 }
 
 

@@ -328,6 +328,7 @@ def test_gguf_blocks_with_int8_activations_match_transformers_rounding_the_same(
         ("nemotron", {}),  # LayerNorm1P's weights stored as 1 + w
         ("arcee", {}),  # q/k rows interleaved, as llama.cpp's Llama converter does
         ("olmoe", {}),  # experts stacked
+        ("phi", {}),  # the final norm and the lm_head's bias under llama.cpp's names
         # no layer pattern in the file: llama.cpp's every fourth layer global
         ("cohere2", {"num_layers": 4, "layer_types": None}),
         ("qwen3_moe", {"mlp_only_layers": [], "norm_topk_prob": True}),
