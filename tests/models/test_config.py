@@ -422,3 +422,21 @@ def test_deepseek_v3_reads_as_transformers_reads_it() -> None:
 
     assert cfg.mla_scale == pytest.approx(yarn_apply_mscale(hf.rope_parameters, 192**-0.5))
     assert cfg.mla_scale > 192**-0.5
+
+
+def test_every_family_and_gguf_architecture_is_in_the_models_doc() -> None:
+    """docs/models.md lists what kiln reads: a family or GGUF architecture added without a
+    row there fails here, as does a row for one that went away."""
+    from kiln.compiler.gguf_import import ARCHITECTURES
+    from kiln.models.config import SUPPORTED_MODEL_TYPES
+
+    doc = (Path(__file__).parents[2] / "docs" / "models.md").read_text()
+    rows = [
+        line.split("|")[1:4]
+        for line in doc.splitlines()
+        if line.startswith("| `") and not line.startswith("| `model_type`")  # not the header
+    ]
+    types = {t.strip(" `") for row in rows for t in row[0].split(",")}
+    archs = {a.strip(" `") for row in rows for a in row[2].split(",")} - {"-"}
+    assert types == set(SUPPORTED_MODEL_TYPES)
+    assert archs == set(ARCHITECTURES)
