@@ -462,7 +462,6 @@ class ModelConfig:
             fused_gate_up=model_type in ("phi3", *_GLMS),
             rotary_dim=_rotary_dim(cfg, int(head_dim), _ROTARY_DEFAULTS.get(model_type, 1.0)),
             o_bias=o_bias,
-            **_starcoder2(model_type, cfg),
             **_cohere(model_type, cfg),
             **_layer_norm_families(model_type, cfg),
             **_gpt_oss(model_type, cfg),
@@ -664,12 +663,6 @@ def _deepseek_routing(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _starcoder2(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    if model_type != "starcoder2":
-        return {}
-    return {"layer_norm": True, "gated_mlp": False, "mlp_bias": bool(cfg.get("use_bias", True))}
-
-
 def _norm_eps(cfg: dict[str, Any]) -> float:
     """The norms' epsilon, under each family's key."""
     for key in ("rms_norm_eps", "norm_epsilon", "layer_norm_eps", "norm_eps"):
@@ -679,7 +672,10 @@ def _norm_eps(cfg: dict[str, Any]) -> float:
 
 
 def _layer_norm_families(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """StableLM's and Nemotron's LayerNorms; Nemotron's and Arcee's relu^2 MLP."""
+    """The LayerNorm families' fields (StarCoder 2, StableLM, Nemotron, Phi-2) and the
+    plain MLPs' (theirs but StableLM's; Arcee's)."""
+    if model_type == "starcoder2":
+        return {"layer_norm": True, "gated_mlp": False, "mlp_bias": bool(cfg.get("use_bias", True))}
     if model_type == "stablelm":
         if cfg.get("qk_layernorm"):  # a LayerNorm per head with weights of its own
             raise ModelConfigError("stablelm with qk_layernorm=true is not supported yet")

@@ -79,33 +79,37 @@ class Attention(nn.Module):
         plain: list[tuple[Value | torch.Tensor, Value | torch.Tensor | None]] = [
             (m.weight, m.bias) for m in (self.q_proj, self.k_proj, self.v_proj)
         ]
-        if not cfg.rotary_dim and not cfg.rope_interleave:
+        if not self._reordered:
             return plain
-        rotary, pairs = (cfg.head_dim, cfg.rotary_dim or cfg.head_dim), cfg.rope_interleave
+        for i, (m, part) in enumerate(((self.q_proj, "q_proj"), (self.k_proj, "k_proj"))):
+            bias = None if m.bias is None else self._in_rope_order(m.bias, part)
+            plain[i] = (self._in_rope_order(m.weight, part), bias)
+        return plain
 
-        def turned(t: torch.Tensor, part: str) -> Value:
-            return ops.rows(t, part, rotary=rotary, interleaved=pairs)
+    @property
+    def _reordered(self) -> bool:
+        """Each head's q and k features are stored in rope order (a partial rotary, or
+        interleaved rope pairs), not as the checkpoint has them."""
+        return bool(self.cfg.rotary_dim or self.cfg.rope_interleave)
 
-        out = plain[2:]
-        for m, part in ((self.k_proj, "k_proj"), (self.q_proj, "q_proj")):
-            bias = None if m.bias is None else turned(m.bias, part)
-            out.insert(0, (turned(m.weight, part), bias))
-        return out
+    def _in_rope_order(self, t: torch.Tensor, part: str) -> Value:
+        """A q or k weight, bias or per-head norm weight with each head's rows in
+        kiln.core.recipes.rotary_order, as module `part`'s own."""
+        cfg = self.cfg
+        rotary = (cfg.head_dim, cfg.rotary_dim or cfg.head_dim)
+        return ops.rows(t, part, rotary=rotary, interleaved=cfg.rope_interleave)
 
     def _qk_norm(self, x: Value, norm: nn.Module, part: str) -> Value:
-        """q's or k's norm, per head or (OLMo 2) over the whole projection; under a partial
-        rotary a head's norm weight is in its rows' order (GLM-4.5's)."""
+        """q's or k's norm, per head or (OLMo 2) over the whole projection; with the heads'
+        features in rope order, its weight in that order too (GLM-4.5's)."""
         cfg = self.cfg
         if not cfg.qk_norm_heads:
             return _norm(cfg, x, norm)
-        if not (cfg.rotary_dim or cfg.rope_interleave):
+        if not self._reordered:
             return _norm(cfg, x, norm, group=cfg.head_dim)
         if cfg.norm_offset:
             raise ValueError("q/k norms with a weight offset under a reordered rotary")
-        rotary = (cfg.head_dim, cfg.rotary_dim or cfg.head_dim)
-        w = ops.rows(
-            cast(nn.Parameter, norm.weight), part, rotary=rotary, interleaved=cfg.rope_interleave
-        )
+        w = self._in_rope_order(cast(nn.Parameter, norm.weight), part)
         return ops.rmsnorm(x, w, eps=cfg.rms_norm_eps, group=cfg.head_dim)
 
     def forward(self, x: Value, cos_sin: Value) -> Value:
