@@ -191,6 +191,8 @@ _QWEN_MOE_LAYER = {
     **{f"ffn_{p}_exps.weight": f"mlp.experts.{p}_exps" for p in _MLP_PARTS},
 }
 _QWEN_MOES = ("qwen2moe", "qwen3moe", "olmoe")
+# Architectures whose norms are LayerNorms (their epsilon under layer_norm_epsilon).
+_LAYER_NORM_ARCHS = ("starcoder2", "command-r", "cohere2", "stablelm", "nemotron", "phi2")
 # GLM-4 (0414): Gemma's four norms under llama.cpp's names (its ffn_norm the MLP's input
 # norm, GLM's post_attention_layernorm), gate and up fused under ffn_up; q/k rows as the
 # checkpoint has them (llama.cpp turns GLM's interleaved pairs itself).
@@ -238,7 +240,6 @@ _LAYERS = {
     "glm4": _GLM4_LAYER,
     "starcoder2": _STARCODER2_LAYER,
     **dict.fromkeys(("stablelm", "nemotron"), _LAYER_NORM_LAYER),
-    "olmoe": _QWEN_MOE_LAYER,
     "phi2": _PHI2_LAYER,
     **{arch: _GEMMA_LAYER for arch in _SANDWICH},
 }
@@ -384,12 +385,11 @@ class GGUFFile:
             cfg.update(self._deepseek())
         if self.arch in _QWEN_MOES:
             cfg.update(self._qwen_moe(cfg["intermediate_size"]))
-        if self.arch in ("command-r", "cohere2"):  # a LayerNorm's epsilon; the logits' scale
-            cfg["layer_norm_eps"] = float(self.arch_field("attention.layer_norm_epsilon", 1e-5))
-            cfg["logit_scale"] = float(self.arch_field("logit_scale", 0.0625))
-            del cfg["rms_norm_eps"]
-        if self.arch == "starcoder2":  # LayerNorms and biases (llama.cpp requires them)
+        if self.arch in _LAYER_NORM_ARCHS:  # a LayerNorm's epsilon, under its own key
             cfg["rms_norm_eps"] = float(self.arch_field("attention.layer_norm_epsilon", 1e-5))
+        if self.arch in ("command-r", "cohere2"):
+            cfg["logit_scale"] = float(self.arch_field("logit_scale", 0.0625))
+        if self.arch == "starcoder2":  # biases everywhere (llama.cpp requires them)
             cfg["hidden_act"] = "gelu_pytorch_tanh"
             cfg["use_bias"] = True
         if self.arch in ("glm4", "stablelm", "nemotron", "phi2"):  # the rotary part of a head
@@ -398,9 +398,6 @@ class GGUFFile:
         biased = "model.layers.0.self_attn.q_proj.bias" in self.tensors
         if self.arch in ("glm4", "nemotron"):  # q/k/v biases where stored
             cfg["attention_bias"] = biased
-        if self.arch in ("stablelm", "nemotron", "phi2"):  # LayerNorms
-            cfg["layer_norm_eps"] = float(self.arch_field("attention.layer_norm_epsilon", 1e-5))
-            del cfg["rms_norm_eps"]
         if self.arch == "stablelm":  # side by side where the MLP has no norm of its own
             cfg["use_qkv_bias"] = biased
             cfg["use_parallel_residual"] = (
@@ -504,10 +501,10 @@ class GGUFFile:
         return out
 
     def _qwen_moe(self, ffn: int) -> dict[str, Any]:
-        """Qwen2-MoE / Qwen3-MoE from llama.cpp's keys, with what its programs assume of
-        them: every layer sparse, the top-k weights rescaled to sum to 1 for Qwen3-MoE
-        and never for Qwen2-MoE, the shared expert as wide as the dense MLP where the file
-        leaves its width out, q/k/v biases where the file has them."""
+        """Qwen2-MoE, Qwen3-MoE and OLMoE from llama.cpp's keys, with what its programs
+        assume of them: every layer sparse, the top-k weights rescaled to sum to 1 for
+        Qwen3-MoE only, Qwen2-MoE's shared expert as wide as the dense MLP where the file
+        leaves its width out and its q/k/v biases where the file has them."""
         qwen2 = self.arch == "qwen2moe"
         out: dict[str, Any] = {
             "num_experts": int(self.arch_field("expert_count")),
