@@ -268,6 +268,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # Phi-2: side by side from one LayerNorm, biases everywhere (lm_head's too), rope over
     # half of each head.
     "phi": {"model_type": "phi", "pad_token_id": None},
+    # Helium: rope over interleaved pairs; Seed-OSS: q/k/v and o_proj biases.
+    "helium": {"model_type": "helium", "head_dim": 24, "pad_token_id": None},
+    "seed_oss": {
+        "model_type": "seed_oss",
+        "head_dim": 24,
+        "attention_out_bias": True,
+        "pad_token_id": None,
+    },
     # OLMoE: whole-projection q/k norms, 4 experts, top-2, every layer sparse.
     "olmoe": {
         "model_type": "olmoe",

@@ -77,6 +77,10 @@ _FAMILIES: dict[str, dict[str, bool]] = {
     # Phi-2 (phi): attention and an MLP of fc1, GELU-tanh and fc2 side by side from one
     # LayerNorm, biases everywhere (the lm_head's too), rope over part of each head.
     "phi": {"qkv_bias": True, "qk_norm": False},
+    # Helium: Llama's layer with rope over interleaved pairs; Seed-OSS: Llama's with q/k/v
+    # biases (attention_bias) and optionally o_proj's (attention_out_bias).
+    "helium": {"qkv_bias": False, "qk_norm": False},
+    "seed_oss": {"qkv_bias": False, "qk_norm": False},
     # OLMoE: Llama's pre-norm layer with OLMo 2's q/k norms over whole projections and
     # Qwen3-MoE's routing (softmax top-k, not rescaled by default), every layer sparse.
     "olmoe": {"qkv_bias": False, "qk_norm": True},
@@ -422,7 +426,7 @@ class ModelConfig:
         if model_type in _GLMS:  # transformers' default: biased
             qkv_bias = bool(cfg.get("attention_bias", True))
         # Qwen2's and GLM's o_proj have no bias whatever attention_bias says.
-        no_o_bias = ("qwen2", *_GLMS, "glm4_moe")
+        no_o_bias = ("qwen2", *_GLMS, "glm4_moe", "helium")
         o_bias = bool(cfg.get("attention_bias", False)) and model_type not in no_o_bias
         if model_type == "starcoder2":  # use_bias: every projection's
             qkv_bias = o_bias = bool(cfg.get("use_bias", True))
@@ -430,6 +434,9 @@ class ModelConfig:
             qkv_bias = bool(cfg.get("use_qkv_bias", False))
         if model_type == "phi":  # every projection biased
             o_bias = True
+        if model_type == "seed_oss":  # biased q/k/v by default, o_proj on its own flag
+            qkv_bias = bool(cfg.get("attention_bias", True))
+            o_bias = bool(cfg.get("attention_out_bias", False))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         windows = _sliding_windows(cfg, num_layers)
@@ -616,7 +623,7 @@ def _moe(model_type: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any
 
 
 def _deepseek(model_type: str, cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
-    if model_type in ("ernie4_5", *_GLMS):  # their rope pairs interleaved, as DeepSeek's
+    if model_type in ("ernie4_5", *_GLMS, "helium"):  # rope pairs interleaved, as DeepSeek's
         return {"rope_interleave": True}
     if model_type not in _DEEPSEEKS:
         return {}

@@ -74,6 +74,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "nemotron-layernorm1p-relu2-biases": ("nemotron", {"mlp_bias": True, "attention_bias": True}),
     "arcee-relu2-mlp": ("arcee", {}),
     "phi2-parallel-biased-lm-head": ("phi", {}),
+    "helium-interleaved-rope": ("helium", {}),
+    "seed_oss-qkv-and-o-biases": ("seed_oss", {}),
     "cohere2-sliding-rope-global-nope": ("cohere2", {}),
     "glm4-four-norms": ("glm4", {}),
     "exaone4-sliding-rope-global-nope": ("exaone4", {}),
