@@ -191,6 +191,14 @@ _QWEN_MOE_LAYER = {
     **{f"ffn_{p}_exps.weight": f"mlp.experts.{p}_exps" for p in _MLP_PARTS},
 }
 _QWEN_MOES = ("qwen2moe", "qwen3moe", "olmoe")
+# The MLP's activation where it is not SiLU (the file does not say; llama.cpp's per arch).
+_HIDDEN_ACT = {
+    **dict.fromkeys(("gemma", "gemma2", "gemma3", "starcoder2"), "gelu_pytorch_tanh"),
+    "phi2": "gelu_new",
+    **dict.fromkeys(("nemotron", "arcee"), "relu2"),
+}
+# Architectures that turn only part of each head (rope.dimension_count of its features).
+_PARTIAL_ROTARY = ("phi3", "glm4", "stablelm", "nemotron", "phi2")
 # Architectures whose norms are LayerNorms (their epsilon under layer_norm_epsilon).
 _LAYER_NORM_ARCHS = ("starcoder2", "command-r", "cohere2", "stablelm", "nemotron", "phi2")
 # GLM-4 (0414): Gemma's four norms under llama.cpp's names (its ffn_norm the MLP's input
@@ -323,7 +331,7 @@ class GGUFFile:
             "max_position_embeddings": int(self.arch_field("context_length", 2048)),
             "rope_theta": float(self.arch_field("rope.freq_base", 10000.0)),
             "tie_word_embeddings": "lm_head.weight" not in self.tensors,
-            "hidden_act": "silu",
+            "hidden_act": _HIDDEN_ACT.get(self.arch, "silu"),
             "torch_dtype": "float32",
             "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
             "eos_token_id": self.field("tokenizer.ggml.eos_token_id"),
@@ -366,7 +374,6 @@ class GGUFFile:
             # What the file does not say, as llama.cpp assumes it: GELU-tanh, and a query
             # scale of head_dim (the 27B models' differs; llama.cpp special-cases them).
             cfg["hidden_activation"] = "gelu_pytorch_tanh"
-            cfg["hidden_act"] = "gelu_pytorch_tanh"
         if self.arch in _SANDWICH:
             cfg["query_pre_attn_scalar"] = cfg["head_dim"]
             if cfg["num_hidden_layers"] in _GEMMA_27B_LAYERS[self.arch]:
@@ -378,7 +385,7 @@ class GGUFFile:
             cfg["sliding_window_pattern"] = 6
             cfg["rope_local_base_freq"] = 10000.0
         if self.arch == "phi3":
-            cfg.update(self._phi3_rope(cfg["head_dim"]))
+            cfg.update(self._phi3_rope())
         if self.arch == "gpt-oss":
             cfg.update(self._gpt_oss())
         if self.arch == "deepseek2":
@@ -390,24 +397,20 @@ class GGUFFile:
         if self.arch in ("command-r", "cohere2"):
             cfg["logit_scale"] = float(self.arch_field("logit_scale", 0.0625))
         if self.arch == "starcoder2":  # biases everywhere (llama.cpp requires them)
-            cfg["hidden_act"] = "gelu_pytorch_tanh"
             cfg["use_bias"] = True
-        if self.arch in ("glm4", "stablelm", "nemotron", "phi2"):  # the rotary part of a head
+        if self.arch in _PARTIAL_ROTARY:  # the rotary part of a head
             rotary = int(self.arch_field("rope.dimension_count", cfg["head_dim"]))
             cfg["partial_rotary_factor"] = rotary / cfg["head_dim"]
-        biased = "model.layers.0.self_attn.q_proj.bias" in self.tensors
+        biased = self._in_first_layer("self_attn.q_proj.bias")
         if self.arch in ("glm4", "nemotron"):  # q/k/v biases where stored
             cfg["attention_bias"] = biased
         if self.arch == "stablelm":  # side by side where the MLP has no norm of its own
             cfg["use_qkv_bias"] = biased
-            cfg["use_parallel_residual"] = (
-                "model.layers.0.post_attention_layernorm.weight" not in self.tensors
+            cfg["use_parallel_residual"] = not self._in_first_layer(
+                "post_attention_layernorm.weight"
             )
-        if self.arch == "phi2":
-            cfg["hidden_act"] = "gelu_new"
         if self.arch in ("nemotron", "arcee"):
-            cfg["hidden_act"] = "relu2"
-            cfg["mlp_bias"] = "model.layers.0.mlp.up_proj.bias" in self.tensors
+            cfg["mlp_bias"] = self._in_first_layer("mlp.up_proj.bias")
         if self.arch == "gemma2":
             # Sliding and global layers alternate; the caps are in the file (llama.cpp's
             # converter writes them), else Gemma 2's published 50 and 30.
@@ -500,6 +503,11 @@ class GGUFFile:
             out.update(n_group=1, topk_group=1, topk_method="noaux_tc" if v3 else "greedy")
         return out
 
+    def _in_first_layer(self, name: str) -> bool:
+        """The file holds layer 0's tensor `name` (transformers' name within the layer):
+        what llama.cpp decides an optional part by."""
+        return f"model.layers.0.{name}" in self.tensors
+
     def _qwen_moe(self, ffn: int) -> dict[str, Any]:
         """Qwen2-MoE, Qwen3-MoE and OLMoE from llama.cpp's keys, with what its programs
         assume of them: every layer sparse, the top-k weights rescaled to sum to 1 for
@@ -517,16 +525,13 @@ class GGUFFile:
         if qwen2:
             shared = self.arch_field("expert_shared_feed_forward_length") or ffn
             out["shared_expert_intermediate_size"] = int(shared)
-            out["qkv_bias"] = "model.layers.0.self_attn.q_proj.bias" in self.tensors
+            out["qkv_bias"] = self._in_first_layer("self_attn.q_proj.bias")
         return out
 
-    def _phi3_rope(self, head_dim: int) -> dict[str, Any]:
-        """Phi-3's partial rotary (rope.dimension_count) and LongRoPE: the factor tensors
-        and the pretraining context llama.cpp's converter writes."""
+    def _phi3_rope(self) -> dict[str, Any]:
+        """Phi-3's LongRoPE: the factor tensors and the pretraining context llama.cpp's
+        converter writes."""
         out: dict[str, Any] = {}
-        rotary = int(self.arch_field("rope.dimension_count", head_dim))
-        if rotary != head_dim:
-            out["partial_rotary_factor"] = rotary / head_dim
         factors = {
             key: [float(x) for x in np.asarray(t.data, dtype=np.float32).reshape(-1)]
             for t in self._contents.tensors

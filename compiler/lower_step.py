@@ -648,8 +648,7 @@ class _Lowering:
     def _silu(self, i: int, n: Node, a: dict[str, Any]) -> None:
         self._unary(i, n, "0.0f")
 
-    def _relu2(self, i: int, n: Node, a: dict[str, Any]) -> None:
-        self._unary(i, n, "0.0f")
+    _relu2 = _silu  # the same loop; _UNARY names each op's case
 
     def _split(self, i: int, n: Node, a: dict[str, Any]) -> None:
         x = self.buf(n.args[0])
