@@ -361,9 +361,7 @@ class _Lowering:
     def _rmsnorm(self, i: int, n: Node, a: dict[str, Any]) -> None:
         x = self.buf(n.args[0])
         width = x.width
-        group = _int(a["group"], "group") or width
-        if width % group:
-            raise Refused(f"%{n.name}: {width} features in groups of {group}")
+        group = self._group(n, a, width)
         groups = width // group
         out = self.new(n, width, x.rows)
         self.emit(
@@ -377,15 +375,28 @@ class _Lowering:
 
     def _layernorm(self, i: int, n: Node, a: dict[str, Any]) -> None:
         x = self.buf(n.args[0])
+        group = self._group(n, a, x.width)
+        groups = x.width // group
+        # one weight every group shares (step 0), or one for every feature (step: a group)
+        size = self.graph.weights[n.args[1].attrs["name"]].stored_shape[0]
+        step = 0 if size == group else group
         out = self.new(n, x.width, x.rows)
         self.emit(
             i,
-            f"s->k->layernorm({x.expr}, {x.stride}, (const float *){self.weight(n.args[1])}, "
-            f"{self._bias(n, 2)}, {out.expr}, {x.rows}, {x.width}, "
-            f"{_float(a['eps'], 'eps')}, T)",
+            f"s->k->layernorm({x.expr}, {x.stride}, {groups}, "
+            f"(const float *){self.weight(n.args[1])}, {self._bias(n, 2)}, {step}, "
+            f"{out.expr}, {x.rows} * {groups}, {group}, {_float(a['eps'], 'eps')}, T)",
             checked=False,
         )
         self.keep(n, out)
+
+    @staticmethod
+    def _group(n: Node, a: dict[str, Any], width: int) -> int:
+        """A norm's features a group: its `group`, or the whole row."""
+        group = _int(a.get("group", 0), "group") or width
+        if width % group:
+            raise Refused(f"%{n.name}: {width} features in groups of {group}")
+        return group
 
     def _add_rmsnorm(self, i: int, n: Node, a: dict[str, Any]) -> None:
         x, res = self.buf(n.args[0]), self.buf(n.args[1])

@@ -201,16 +201,22 @@ def layernorm(
     a: LayerNormAttrs,
     lib: ctypes.CDLL,
 ) -> torch.Tensor:
+    """`group`: normalise every `group` features on their own, with the group's weight and
+    bias or a weight and bias for every feature (per-head q/k norms)."""
     x = _rows(x, "layernorm input")
+    n = a.group or x.shape[-1]
+    groups = x.shape[1] // n
     out = torch.empty(x.shape)
     lib.kiln_layernorm_f32(
         x.data_ptr(),
         x.stride(0),
+        groups,
         weight.data_ptr(),
         None if bias is None else bias.data_ptr(),
+        0 if weight.shape[0] == n else n,
         out.data_ptr(),
-        x.shape[0],
-        x.shape[1],
+        x.shape[0] * groups,
+        n,
         a.eps,
         _threads(),
     )

@@ -46,12 +46,12 @@ BASE_FLAGS = (
 
 _P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 # kiln_abi_version() of a library whose exports match _SIGNATURES.
-ABI_VERSION = 14
+ABI_VERSION = 15
 _SIGNATURES = {
     "kiln_abi_version": (_I64, []),
     "kiln_rmsnorm_f32": (None, [_P, _I64, _I64, _P, _P, _I64, _I64, _F32, _INT]),
     "kiln_add_rmsnorm_f32": (None, [_P, _P, _P, _P, _P, _I64, _I64, _F32, _INT]),
-    "kiln_layernorm_f32": (None, [_P, _I64, _P, _P, _P, _I64, _I64, _F32, _INT]),
+    "kiln_layernorm_f32": (None, [_P, _I64, _I64, _P, _P, _I64, _P, _I64, _I64, _F32, _INT]),
     "kiln_silu_and_mul_f32": (None, [_P, _P, _I64, _I64, _INT]),
     "kiln_gelu_tanh_f32": (None, [_P, _I64, _P, _I64, _I64, _INT]),
     "kiln_softcap_f32": (None, [_P, _I64, _F32, _P, _I64, _I64, _INT]),
@@ -117,7 +117,7 @@ STEP_KERNELS = (
 KV_FORMATS = {"float32": 0, "float8_e4m3fn": 1, "float8_e5m2": 2}
 # kiln_step_abi() of a step whose kiln_step_args (kiln_step.h) and exports match
 # runtime/native_step.py and these signatures (compiler/lower_step.py writes it).
-STEP_ABI = 7
+STEP_ABI = 8
 # A step library's exports (compiler/lower_step.py writes them).
 STEP_SIGNATURES = {
     "kiln_step_abi": (_I64, []),

@@ -18,7 +18,8 @@ op definitions, the dataflow; never checkpoint names):
   classifier's score head (one row a label) whole on every rank;
 - the embedding by vocabulary rows too (`embedding_part`: ids of other ranks' rows give
   zeros), then `all_reduce`;
-- norms and rope tables are whole on every rank.
+- norms and rope tables are whole on every rank, but for a per-head q/k norm with a weight
+  for every feature (Cohere's, StableLM's): its weight and bias are cut as its projection.
 A row-parallel linear's bias is added on rank 0 only, so the sum counts it once. A linear no
 rule covers stops the compile, naming the node: it is never left whole on every rank.
 
@@ -36,7 +37,7 @@ from kiln.core.ir import Graph, IRError, Node, WeightSpec
 from kiln.core.ops import ELEMENTWISE
 from kiln.passes.options import CompileOptions, PassResult, compiler_pass
 
-_PER_HEAD = ("rope", "rmsnorm")
+_PER_HEAD = ("rope", "rmsnorm", "layernorm")
 
 
 @compiler_pass("tp")
@@ -94,7 +95,7 @@ def _projection(node: Node, heads: bool = False) -> Node:
     heads are split: a norm over the whole q or k projection (OLMo 2's) needs every head's
     features, so it is refused."""
     while node.op in _PER_HEAD:
-        if heads and node.op == "rmsnorm" and not node.attrs.get("group"):
+        if heads and node.op != "rope" and not node.attrs.get("group"):
             raise IRError(
                 f"%{node.name}: a norm over the whole q or k projection (OLMo 2's) needs "
                 "every head's features; splitting heads across --tp-size ranks is not "
@@ -102,6 +103,19 @@ def _projection(node: Node, heads: bool = False) -> Node:
             )
         node = node.args[0]
     return node
+
+
+def _cut_head_norms(graph: Graph, node: Node, lo: int, hi: int) -> None:
+    """Between a q or k projection and attention, a per-head norm with a weight (and bias)
+    for every feature (Cohere's, StableLM's) keeps features [lo, hi) as its projection
+    does; one whose heads share a weight keeps it whole."""
+    while node.op in _PER_HEAD:
+        group = node.attrs.get("group")
+        for i, p in enumerate(node.args[1:], 1):
+            spec = graph.weight_of(p) if node.op != "rope" else None
+            if spec is not None and group and spec.shape[0] != group:
+                node.args[i] = _sliced(graph, p, 0, lo, hi, p.attrs["name"])
+        node = node.args[0]
 
 
 def _attention(
@@ -126,6 +140,8 @@ def _attention(
     _cut_rows(graph, q, lo * d, hi * d)
     _cut_rows(graph, k, kv_lo * d, kv_hi * d)
     _cut_rows(graph, v, kv_lo * d, kv_hi * d)
+    _cut_head_norms(graph, attn.args[0], lo * d, hi * d)
+    _cut_head_norms(graph, attn.args[1], kv_lo * d, kv_hi * d)
     attn.attrs.update(num_heads=hi - lo, num_kv_heads=kv_hi - kv_lo)
     outs = [u for u in users[attn] if u.op == "linear"]
     if len(outs) != 1 or len(users[attn]) != 1:

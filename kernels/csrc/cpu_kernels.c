@@ -82,15 +82,20 @@ void kiln_rmsnorm_f32(const float *x, int64_t x_stride, int64_t groups, const fl
         rms_row(x + (r / groups) * x_stride + (r % groups) * n, w, out + r * n, n, eps);
 }
 
-/* out[r] = (x[r] - mean) / sqrt(var + eps) * w (+ b: NULL for none) over rows of n, x's
- * `x_stride` apart, out contiguous (LayerNorm: StarCoder 2's). The mean first, then the
- * variance as the mean of squared deviations, both summed in double (rows far from zero
- * mean keep their deviations; no cancellation from E[x^2] - E[x]^2). */
-void kiln_layernorm_f32(const float *x, int64_t x_stride, const float *w, const float *b,
-                        float *out, int64_t rows, int64_t n, float eps, int threads) {
+/* out[r] = (x[r] - mean) / sqrt(var + eps) * w (+ b: NULL for none) over rows of n, out
+ * contiguous (LayerNorm: StarCoder 2's). Each of x's rows, `x_stride` apart, holds `groups`
+ * rows of n side by side (per-head q/k norms; `rows` counts those); row r's weight and
+ * bias start (r % groups) * w_step in (w_step 0: one weight for every group, n: a weight
+ * per feature, Cohere's and StableLM's per-head norms). The mean first, then the variance
+ * as the mean of squared deviations, both summed in double (rows far from zero mean keep
+ * their deviations; no cancellation from E[x^2] - E[x]^2). */
+void kiln_layernorm_f32(const float *x, int64_t x_stride, int64_t groups, const float *w,
+                        const float *b, int64_t w_step, float *out, int64_t rows, int64_t n,
+                        float eps, int threads) {
 #pragma omp parallel for num_threads(threads) if (rows * n >= PARALLEL_MIN_ELEMS)
     for (int64_t r = 0; r < rows; r++) {
-        const float *a = x + r * x_stride;
+        const float *a = x + (r / groups) * x_stride + (r % groups) * n;
+        const float *wr = w + (r % groups) * w_step, *br = b ? b + (r % groups) * w_step : NULL;
         float *o = out + r * n;
         double sum = 0.0;
 #pragma omp simd reduction(+ : sum)
@@ -103,12 +108,12 @@ void kiln_layernorm_f32(const float *x, int64_t x_stride, const float *w, const 
             ss += d * d;
         }
         const float inv = (float)(1.0 / sqrt(ss / (double)n + (double)eps));
-        if (b) {
+        if (br) {
 #pragma omp simd
-            for (int64_t i = 0; i < n; i++) o[i] = (a[i] - mean) * inv * w[i] + b[i];
+            for (int64_t i = 0; i < n; i++) o[i] = (a[i] - mean) * inv * wr[i] + br[i];
         } else {
 #pragma omp simd
-            for (int64_t i = 0; i < n; i++) o[i] = (a[i] - mean) * inv * w[i];
+            for (int64_t i = 0; i < n; i++) o[i] = (a[i] - mean) * inv * wr[i];
         }
     }
 }
@@ -1097,7 +1102,7 @@ int64_t kiln_linear_lanes(void) { return LANES; }
 
 /* The exported functions' signatures, as kernels/native.py declares them: bumped with any
  * change, so a library built from another kiln's source is refused, not misread. */
-int64_t kiln_abi_version(void) { return 14; }
+int64_t kiln_abi_version(void) { return 15; }
 int64_t kiln_linear_group_panels(void) { return GROUP_PANELS; }
 
 /* One narrow tile: `rows` rows (xt: [k][TILE_ROWS]) against one panel. Always inlined with

@@ -18,11 +18,11 @@
 #include <string.h>
 #include <time.h>
 
-/* The kernels' signatures (kernels/native.py _SIGNATURES, ABI 14). */
+/* The kernels' signatures (kernels/native.py _SIGNATURES, ABI 15). */
 typedef void (*kiln_rmsnorm_fn)(const float *, int64_t, int64_t, const float *, float *,
                                 int64_t, int64_t, float, int);
-typedef void (*kiln_layernorm_fn)(const float *, int64_t, const float *, const float *, float *,
-                                  int64_t, int64_t, float, int);
+typedef void (*kiln_layernorm_fn)(const float *, int64_t, int64_t, const float *,
+                                  const float *, int64_t, float *, int64_t, int64_t, float, int);
 typedef void (*kiln_add_rmsnorm_fn)(const float *, const float *, const float *, float *,
                                     float *, int64_t, int64_t, float, int);
 typedef void (*kiln_silu_and_mul_fn)(const float *, float *, int64_t, int64_t, int);

@@ -93,6 +93,32 @@ def test_layernorm_with_and_without_bias(backend: str, rows: int) -> None:
     )
 
 
+@BOTH
+def test_layernorm_grouped_equals_per_head_layernorms(backend: str) -> None:
+    """Per-head q/k LayerNorms: every head's weight and bias alike (Phi's) or a weight and
+    bias for each head (Cohere's, StableLM's), over q's columns of a wider fused row."""
+    heads, d = 4, 8
+    wide = torch.randn(5, 6 * d) + 3.0
+    x = wide[:, : heads * d]
+    per_head = x.reshape(5, heads, d).unbind(1)
+    shared, shared_b = torch.randn(d), torch.randn(d)
+    ref = torch.stack([F.layer_norm(h, (d,), shared, shared_b, 1e-5) for h in per_head], 1)
+    got = k("layernorm", backend)(x, shared, shared_b, 1e-5, group=d)
+    torch.testing.assert_close(got, ref.reshape(5, heads * d))
+    w, b = torch.randn(heads, d), torch.randn(heads, d)
+    for bias in (b, None):
+        ref = torch.stack(
+            [
+                F.layer_norm(h, (d,), w[i], None if bias is None else bias[i], 1e-5)
+                for i, h in enumerate(per_head)
+            ],
+            1,
+        )
+        flat_b = None if bias is None else bias.reshape(-1)
+        got = k("layernorm", backend)(x, w.reshape(-1), flat_b, 1e-5, group=d)
+        torch.testing.assert_close(got, ref.reshape(5, heads * d))
+
+
 @pytest.mark.parametrize("backend", NATIVE)
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 8, 9, 13, 16, 17, 33, 64, 65])
 @pytest.mark.parametrize("with_bias", [False, True])

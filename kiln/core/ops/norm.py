@@ -72,12 +72,22 @@ def add_rmsnorm(
 @dataclass(frozen=True, slots=True)
 class LayerNormAttrs(Attrs):
     eps: float
+    group: int = 0  # normalise every `group` features on their own (per-head q/k norms)
 
 
 def _layer_norm(check: Check, a: dict[str, Any], ins: list[Any]) -> Any:
     x = check.float_tensor(ins[0])
-    for i in range(1, len(ins)):
-        check.expect("weight size", check.weight(i, 1)[0], x.features)
+    group = a.get("group", 0)
+    if group:
+        check.positive(group=group)
+        if not isinstance(x.features, int) or x.features % group:
+            raise check.fail(f"layernorm group {group} does not divide {x.features} features")
+    sizes = check.weight(1, 1)[0], *(check.weight(i, 1)[0] for i in range(2, len(ins)))
+    # one weight (and bias) every group shares, or one for every feature
+    for size in sizes:
+        check.expect("weight size", size, sizes[0])
+    if not (sizes[0] == x.features or (group and sizes[0] == group)):
+        check.expect("weight size", sizes[0], x.features)
     return x
 
 
@@ -86,8 +96,16 @@ def layernorm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, a: LayerNormAttrs
 ) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) * weight (+ bias) over each row's features (StarCoder
-    2's norms), computed in float32 for 16-bit inputs as torch's layer_norm does."""
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, a.eps)
+    2's norms), computed in float32 for 16-bit inputs as torch's layer_norm does. With a
+    `group`, over every `group` features (per-head q/k norms): the weight and bias are the
+    group's (Phi's, every head alike) or the row's (Cohere's and StableLM's, a head each)."""
+    if not a.group:
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, a.eps)
+    shape, g = x.shape, a.group
+    if weight.shape[0] == g:
+        return F.layer_norm(x.reshape(-1, g), (g,), weight, bias, a.eps).reshape(shape)
+    y = F.layer_norm(x.reshape(-1, g), (g,), None, None, a.eps).reshape(shape) * weight
+    return y if bias is None else y + bias
 
 
 OPS = (rmsnorm, add_rmsnorm, layernorm)
