@@ -277,6 +277,8 @@ def _materialise(
     if "concat" in src:
         parts = [_materialise(s, reader, constants) for s in src["concat"]]
         return torch.cat(parts, dim=src["dim"])
+    if "join" in src:  # weights flattened end to end (per-head norm weights)
+        return torch.cat([_materialise(s, reader, constants).reshape(-1) for s in src["join"]])
     if "shift" in src:  # a checkpoint weight plus a constant (Gemma's 1 + w norms)
         return _materialise(src["shift"], reader, constants) + src["by"]
     if "slice" in src:  # a rank's part (passes/shard.py), a fused weight's (Phi-3)

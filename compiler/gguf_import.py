@@ -404,7 +404,12 @@ class GGUFFile:
         biased = self._in_first_layer("self_attn.q_proj.bias")
         if self.arch in ("glm4", "nemotron"):  # q/k/v biases where stored
             cfg["attention_bias"] = biased
+        # LayerNorms over each head of q and k where stored (StableLM 2 12B's, Command R+'s)
+        head_norms = self._in_first_layer("self_attn.q_norm.weight")
+        if self.arch == "command-r":
+            cfg["use_qk_norm"] = head_norms
         if self.arch == "stablelm":  # side by side where the MLP has no norm of its own
+            cfg["qk_layernorm"] = head_norms
             cfg["use_qkv_bias"] = biased
             cfg["use_parallel_residual"] = not self._in_first_layer(
                 "post_attention_layernorm.weight"
@@ -573,6 +578,22 @@ class GGUFFile:
                 out[gate.replace(".vector", ".weight")] = self._one_row(gate)
             if self.arch == "deepseek2" and f"{layer}.self_attn.k_b_proj.weight" in self.tensors:
                 out.update(self._kv_b(layer))
+            if self.arch == "stablelm":
+                out.update(self._per_head_norms(layer))
+        return out
+
+    def _per_head_norms(self, layer: str) -> dict[str, Any]:
+        """StableLM's one LayerNorm a head (`q_layernorm.norms.<h>.weight`) from the
+        [heads, dim] tensor llama.cpp's converter stacks them into; k's alike."""
+        out: dict[str, Any] = {}
+        for which in ("q", "k"):
+            stacked = f"{layer}.self_attn.{which}_norm.weight"
+            if stacked not in self.tensors:
+                continue
+            heads, dim = self._stored_shape(stacked)
+            for h in range(heads):
+                name = f"{layer}.self_attn.{which}_layernorm.norms.{h}.weight"
+                out[name] = ((dim,), lambda s=stacked, h=h: self.get(s)[h])
         return out
 
     def _gpt_oss_experts(self, layer: str) -> dict[str, Any]:

@@ -398,7 +398,7 @@ def _randomise_norms(model: Any, seed: int) -> None:
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 1:
+            if p.dim() == 1 or "norm" in name:  # Cohere's per-head norms: [heads, dim]
                 p.copy_(
                     1.0 + 0.1 * torch.randn(p.shape, generator=g)
                     if "norm" in name

@@ -378,6 +378,9 @@ class ModelConfig:
     # whole q and k projections (qk_norm_heads False) rather than each head.
     post_norms: bool = False
     qk_norm_heads: bool = True
+    # A LayerNorm over each head of q and k before rope (Phi's qk_layernorm, one all heads
+    # share; StableLM's qk_layernorm and Cohere's use_qk_norm, a weight for each head).
+    qk_layernorm: bool = False
     # A sequence classifier or reward model (architectures' *ForSequenceClassification):
     # a `score` linear (hidden -> one logit a label, no bias) over the last token's final
     # hidden state in place of the lm_head; each label's name (config.json's id2label).
@@ -683,19 +686,20 @@ def _layer_norm_families(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]
     plain MLPs' (theirs but StableLM's; Arcee's)."""
     if model_type == "starcoder2":
         return {"layer_norm": True, "gated_mlp": False, "mlp_bias": bool(cfg.get("use_bias", True))}
-    if model_type == "stablelm":
-        if cfg.get("qk_layernorm"):  # a LayerNorm per head with weights of its own
-            raise ModelConfigError("stablelm with qk_layernorm=true is not supported yet")
-        return {"layer_norm": True, "parallel_block": bool(cfg.get("use_parallel_residual"))}
+    if model_type == "stablelm":  # StableLM 2 12B: LayerNorms over each head of q and k
+        return {
+            "layer_norm": True,
+            "parallel_block": bool(cfg.get("use_parallel_residual")),
+            "qk_layernorm": bool(cfg.get("qk_layernorm")),
+        }
     mlp = {"gated_mlp": False, "mlp_bias": bool(cfg.get("mlp_bias", False))}
     if model_type == "nemotron":  # LayerNorm1P: the weight plus one
         return {"layer_norm": True, "norm_offset": 1.0, **mlp}
     if model_type == "arcee":
         return mlp
     if model_type == "phi":
-        if cfg.get("qk_layernorm"):  # LayerNorms over each head's q and k
-            raise ModelConfigError("phi with qk_layernorm=true is not supported yet")
         return {
+            "qk_layernorm": bool(cfg.get("qk_layernorm")),
             "layer_norm": True,
             "parallel_block": True,
             "gated_mlp": False,
@@ -708,9 +712,9 @@ def _layer_norm_families(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]
 def _cohere(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if model_type not in _COHERES:
         return {}
-    if cfg.get("use_qk_norm"):  # a LayerNorm per head with weights of its own
-        raise ModelConfigError("cohere with use_qk_norm=true is not supported yet")
     return {
+        # Command R+'s (Cohere 2 has none)
+        "qk_layernorm": model_type == "cohere" and bool(cfg.get("use_qk_norm")),
         "layer_norm": True,
         "norm_bias": False,
         "parallel_block": True,

@@ -42,6 +42,23 @@ def _hidden_norm(cfg: ModelConfig) -> nn.Module:
     return nn.RMSNorm(cfg.hidden_size)
 
 
+# LayerNorms over each head of q and k, by their checkpoints' module names (%s: q or k).
+_QK_LAYERNORMS = {"phi": "%s_layernorm", "stablelm": "%s_layernorm", "cohere": "%s_norm"}
+
+
+def _qk_layernorm(cfg: ModelConfig, heads: int) -> nn.Module:
+    """Phi's: one LayerNorm (weight and bias) every head shares. StableLM's: a bias-free
+    LayerNorm a head (`norms.<h>.weight`). Cohere's: one bias-free [heads, head_dim] weight."""
+    if cfg.model_type == "phi":
+        return nn.LayerNorm(cfg.head_dim)
+    module = nn.Module()
+    if cfg.model_type == "stablelm":
+        module.norms = nn.ModuleList(nn.LayerNorm(cfg.head_dim, bias=False) for _ in range(heads))
+    else:
+        module.weight = _weight(heads, cfg.head_dim)
+    return module
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -61,6 +78,9 @@ class Attention(nn.Module):
             per_head = cfg.qk_norm_heads
             self.q_norm = nn.RMSNorm(cfg.head_dim if per_head else cfg.q_size)
             self.k_norm = nn.RMSNorm(cfg.head_dim if per_head else cfg.kv_size)
+        if cfg.qk_layernorm:
+            for which, heads in (("q", cfg.num_heads), ("k", cfg.num_kv_heads)):
+                setattr(self, _QK_LAYERNORMS[cfg.model_type] % which, _qk_layernorm(cfg, heads))
 
     def projections(self) -> list[tuple[Value | torch.Tensor, Value | torch.Tensor | None]]:
         """(weight, bias) of q, k and v. A partial rotary's q and k rows (biases too) are
@@ -112,11 +132,34 @@ class Attention(nn.Module):
         w = self._in_rope_order(cast(nn.Parameter, norm.weight), part)
         return ops.rmsnorm(x, w, eps=cfg.rms_norm_eps, group=cfg.head_dim)
 
+    def _qk_layernorm(self, x: Value, which: str) -> Value:
+        """A LayerNorm over each head of q or k (before rope): one all heads share, with a
+        bias (Phi's), or a weight for each head (StableLM's one LayerNorm a head, Cohere's
+        one [heads, head_dim] weight), in the heads' rope order."""
+        cfg = self.cfg
+        part = _QK_LAYERNORMS[cfg.model_type] % which
+        norm = getattr(self, part)
+        rotary = (cfg.head_dim, cfg.rotary_dim or cfg.head_dim) if self._reordered else (0, 0)
+        weight: Value | torch.Tensor
+        bias: Value | torch.Tensor | None
+        if isinstance(norm, nn.LayerNorm):
+            weight, bias = norm.weight, norm.bias
+            if self._reordered:
+                weight, bias = (self._in_rope_order(t, part) for t in (norm.weight, norm.bias))
+        else:
+            norms = getattr(norm, "norms", None)
+            weights = [n.weight for n in norms] if norms is not None else [norm.weight]
+            weight = ops.joined(weights, part, rotary, cfg.rope_interleave)
+            bias = None
+        return ops.layernorm(x, weight, bias, eps=cfg.rms_norm_eps, group=cfg.head_dim)
+
     def forward(self, x: Value, cos_sin: Value) -> Value:
         cfg = self.cfg
         q, k, v = (ops.linear(x, w, b) for w, b in self.projections())
         if cfg.qk_norm:
             q, k = self._qk_norm(q, self.q_norm, "q_norm"), self._qk_norm(k, self.k_norm, "k_norm")
+        if cfg.qk_layernorm:
+            q, k = self._qk_layernorm(q, "q"), self._qk_layernorm(k, "k")
         if not cfg.rope_layers or cfg.rope_layers[self.layer]:  # SmolLM3's NoPE layers: none
             q = ops.rope(q, cos_sin, head_dim=cfg.head_dim)
             k = ops.rope(k, cos_sin, head_dim=cfg.head_dim)

@@ -263,8 +263,12 @@ def write_gguf(
         w.write_tensors_to_file()
         w.close()
         return out
+    if arch == "stablelm":  # llama.cpp's converter: a layer's per-head norms stacked
+        tensors = _stacked_head_norms(tensors)
     for name, t in tensors.items():
         kind = next((q for part, q in (overrides or {}).items() if part in name), qtype)
+        if "norm" in name:  # norms stay F32 (Cohere's per-head ones are [heads, dim])
+            kind = "F32"
         qt = GGMLQuantizationType[kind]
         t = t.astype(np.float32)
         if arch in _PERMUTED and ("q_proj" in name or "k_proj" in name):
@@ -287,6 +291,22 @@ def write_gguf(
 
 
 _MOE_ARCHS = ("gpt-oss", "deepseek2", "qwen2moe", "qwen3moe", "olmoe")
+
+
+def _stacked_head_norms(tensors: dict) -> dict:
+    """StableLM's `q_layernorm.norms.<h>.weight` (one a head) as one [heads, dim]
+    `q_norm.weight` a layer, k's alike, as llama.cpp's converter stacks them."""
+    out, stacks = {}, {}
+    for name, t in tensors.items():
+        if ".norms." not in name:
+            out[name] = t
+            continue
+        module, rest = name.split(".norms.")
+        stacks.setdefault(module, {})[int(rest.split(".")[0])] = t
+    for module, heads in stacks.items():
+        layer, part = module.rsplit(".", 1)
+        out[f"{layer}.{part[0]}_norm.weight"] = np.stack([heads[h] for h in sorted(heads)])
+    return out
 
 
 def _write_moe_family(w: GGUFWriter, cfg: dict, arch: str, tensors: dict, qt: object) -> None:

@@ -53,6 +53,7 @@ class WeightSpec:
     """Shape and dtype of a weight, and how the compiler materialises it (`source`).
 
     `source` is a small recipe tree: {"load": hf_name}, {"concat": [recipes], "dim": 0},
+    {"join": [recipes], "shape"} (each flattened, joined end to end: per-head norm weights),
     {"shift": recipe, "by": x} (the recipe's tensor plus x),
     {"constant": key} for tensors computed by the model definition (e.g. rope frequencies),
     {"slice": recipe, "dim", "start", "stop"} (a rank's part, a fused weight's rows),

@@ -77,7 +77,7 @@ def recipe_loads(src: dict[str, Any]) -> list[dict[str, Any]]:
     if "load" in src:
         return [src]
     out: list[dict[str, Any]] = []
-    for key in ("quantize", "concat", "slice", "rotary_order", "head_parts", "shift"):
+    for key in ("quantize", "concat", "join", "slice", "rotary_order", "head_parts", "shift"):
         inner = src.get(key)
         if isinstance(inner, dict):
             out += recipe_loads(inner)

@@ -94,6 +94,32 @@ class Tracer:
         shape = (stop - start, *full[1:])
         return Value(self._param(".".join(modules), shape, _dtype_name(weight.dtype), source))
 
+    def joined(
+        self,
+        weights: list[torch.Tensor],
+        part: str,
+        rotary: tuple[int, int] = (0, 0),
+        interleaved: bool = False,
+    ) -> Value:
+        """Checkpoint weights flattened and joined end to end as one 1-D weight, named as
+        module `part` (a module the first weight is in) would name its own (per-head norm
+        weights: StableLM's `q_layernorm.norms.<h>.weight` one a head become
+        `q_layernorm.weight`; Cohere's [heads, dim] `q_norm.weight` keeps its name); with
+        `rotary` (head_dim, rotary_dim) != (0, 0), each head's features in rotary_order."""
+        names = [self._load(w) for w in weights]
+        modules = names[0][0].split(".")
+        if part not in modules[:-1]:
+            raise IRError(f"{names[0][0]}: not a weight of a module named {part!r}")
+        name = ".".join([*modules[: modules.index(part) + 1], "weight"])
+        loads = [load for _, load in names]
+        size = sum(w.numel() for w in weights)
+        source: dict[str, Any] = {"join": loads, "shape": [size]}
+        if rotary != (0, 0):
+            source = {"rotary_order": source, "head_dim": rotary[0], "rotary_dim": rotary[1]}
+            if interleaved:
+                source["interleaved"] = True
+        return Value(self._param(name, (size,), _dtype_name(weights[0].dtype), source))
+
     def head_parts(
         self, weight: torch.Tensor, heads: int, parts: tuple[int, ...], deinterleave: bool
     ) -> Value:

@@ -324,7 +324,10 @@ def test_gguf_blocks_with_int8_activations_match_transformers_rounding_the_same(
         # llama.cpp makes every layer sparse, rescales Qwen3-MoE's top-k, never Qwen2-MoE's
         ("qwen2_moe", {"mlp_only_layers": []}),
         ("glm4", {}),  # q/k rows and biases as the checkpoint's (GPT-J pairs in llama.cpp)
-        ("cohere", {}),  # its interleaved pairs are llama.cpp's too: rows as stored
+        # its interleaved pairs are llama.cpp's too: rows as stored; Command R+'s per-head
+        # q/k norms [heads, dim]
+        ("cohere", {"use_qk_norm": True}),
+        ("stablelm", {"qk_layernorm": True}),  # per-head norms stacked [heads, dim]
         ("nemotron", {}),  # LayerNorm1P's weights stored as 1 + w
         ("arcee", {}),  # q/k rows interleaved, as llama.cpp's Llama converter does
         ("olmoe", {}),  # experts stacked

@@ -68,12 +68,15 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "ernie4_5-interleaved-rope": ("ernie4_5", {}),
     "glm-biased-interleaved-partial-rope": ("glm", {}),
     "starcoder2-layernorm-plain-mlp-window": ("starcoder2", {}),
-    "cohere-parallel-block-interleaved-rope": ("cohere", {}),
-    # (StableLM's side-by-side form: its GGUF case, against transformers' GGUF loader)
-    "stablelm-quarter-rotary-qkv-bias": ("stablelm", {}),
+    # Command R+'s: a LayerNorm over each head of q and k, a [heads, dim] weight each
+    "cohere-parallel-block-interleaved-rope-qk-norm": ("cohere", {"use_qk_norm": True}),
+    # (StableLM's side-by-side form: its GGUF case, against transformers' GGUF loader);
+    # StableLM 2 12B's LayerNorm over each head of q and k, a weight of its own each
+    "stablelm-quarter-rotary-qkv-bias-qk-layernorm": ("stablelm", {"qk_layernorm": True}),
     "nemotron-layernorm1p-relu2-biases": ("nemotron", {"mlp_bias": True, "attention_bias": True}),
     "arcee-relu2-mlp": ("arcee", {}),
-    "phi2-parallel-biased-lm-head": ("phi", {}),
+    # with qk_layernorm: one LayerNorm (weight and bias) over each head of q and k
+    "phi2-parallel-biased-lm-head-qk-layernorm": ("phi", {"qk_layernorm": True}),
     "helium-interleaved-rope": ("helium", {}),
     "seed_oss-qkv-and-o-biases": ("seed_oss", {}),
     "cohere2-sliding-rope-global-nope": ("cohere2", {}),

@@ -126,13 +126,7 @@ _MLA = {
         ),
         ({**_MLA, "attention_bias": True}, "attention_bias=true is not supported for DeepSeek"),
         ({**_MLA, "topk_method": "sqrt"}, "topk_method 'sqrt' is not supported"),
-        # per-head q/k LayerNorms, a clamp on q/k/v, a gated MLP's biases: named, not run
-        ({"model_type": "cohere", "use_qk_norm": True}, "cohere with use_qk_norm=true"),
-        (
-            {"model_type": "stablelm", "qk_layernorm": True, "partial_rotary_factor": 0.5},
-            "stablelm with qk_layernorm=true",
-        ),
-        ({"model_type": "phi", "qk_layernorm": True}, "phi with qk_layernorm=true"),
+        # a clamp on q/k/v, a gated MLP's biases: named, not run
         ({"model_type": "olmoe", "clip_qkv": 8.0}, "olmoe with clip_qkv is not supported"),
         ({"model_type": "llama", "mlp_bias": True}, "mlp_bias=true is not supported"),
     ],

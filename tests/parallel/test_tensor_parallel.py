@@ -51,6 +51,8 @@ FAMILIES = {
     # columns (bias on rank 0); the lm_head's bias cut by vocabulary rows with its weight
     # (StarCoder 2's, Nemotron's and Cohere's layers are cut by the same rules)
     "phi": {},
+    # a LayerNorm over each head of q and k with a weight of its own: cut as q's and k's rows
+    "stablelm": {"qk_layernorm": True},
 }
 
 

@@ -94,6 +94,18 @@ def rows(
     return active_tracer().rows(weight, part, start, end, rotary, interleaved)
 
 
+def joined(
+    weights: list[torch.Tensor],
+    part: str,
+    rotary: tuple[int, int] = (0, 0),
+    interleaved: bool = False,
+) -> Value:
+    """Checkpoint weights flattened and joined as module `part`'s one 1-D weight at compile
+    time (per-head norm weights), each head's features reordered for a partial or
+    interleaved rotary as ops.rows reorders q's rows."""
+    return active_tracer().joined(weights, part, rotary, interleaved)
+
+
 def head_parts(
     weight: torch.Tensor, heads: int, parts: tuple[int, ...], deinterleave: bool = False
 ) -> Value:
