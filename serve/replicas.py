@@ -2,9 +2,10 @@
 
 kiln does not route requests itself: SGLang's router (the `sglang-router` package, the Rust
 load balancer SGLang deployments already run) listens on --host / --port and spreads
-requests round-robin over N `kiln serve` processes on free loopback ports, each with its
-share of the threads and the user's other runtime flags. A request's Authorization header
-goes through the router to the replica, which checks --api-key as a lone server does.
+requests (--load-balance-method: in turn, or to the replica with the fewest in flight) over
+N `kiln serve` processes on free loopback ports, each with its share of the threads and the
+user's other runtime flags. A request's Authorization header goes through the router to the
+replica, which checks --api-key as a lone server does.
 
 This process only supervises: once every replica answers /health it starts the router; when
 a replica or the router exits on its own, it stops the others and exits 1; SIGTERM / SIGINT
@@ -96,7 +97,7 @@ def serve_replicas(artefact: Path, args: ServerArgs, explicit: dict[str, Any]) -
         failed = _wait_healthy(urls, procs, stop)
         if failed is None and not stop.is_set():
             router = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls]
-            router += ["--host", args.host, "--port", str(args.port), "--policy", "round_robin"]
+            router += ["--host", args.host, "--port", str(args.port), *_policy(args)]
             # its metrics exporter on a free port too (it defaults to a fixed one)
             router += ["--prometheus-port", str(_free_port()), "--log-level", "warn"]
             name = f"SGLang's router (http://{args.host}:{args.port})"
@@ -116,6 +117,17 @@ def serve_replicas(artefact: Path, args: ServerArgs, explicit: dict[str, Any]) -
         log.error("%s; the other replicas and the router are stopped", failed)
         return 1
     return 0
+
+
+def _policy(args: ServerArgs) -> list[str]:
+    """The router's flags for --load-balance-method. shortest_queue: its cache_aware policy
+    routes to the replica with the fewest requests in flight whenever the load is
+    imbalanced, (max - min) > abs and max > rel * min; at abs 0 and rel 1 any difference
+    is, and where every replica carries the same load its prefix tree only breaks the tie."""
+    if args.load_balance_method == "shortest_queue":
+        thresholds = ["--balance-abs-threshold", "0", "--balance-rel-threshold", "1.0"]
+        return ["--policy", "cache_aware", *thresholds]
+    return ["--policy", "round_robin"]
 
 
 def _replica_nodes(artefact: Path, args: ServerArgs) -> list[list[int]] | None:

@@ -136,7 +136,7 @@ SECTIONS: tuple[Section, ...] = (
     )),
     Section('Data parallelism', 'data_parallelism', (
         Flag('--data-parallel-size', '--dp-size', '--dp', type='int', default=1, dest='dp_size', stage=RUNTIME, status=IMPLEMENTED, help="kiln serve runs this many replicas of the artefact (each with its share of the threads) behind SGLang's router (the sglang-router package, round-robin) on --host / --port."),
-        Flag('--load-balance-method', type='str', default='round_robin', choices=('round_robin', 'shortest_queue', 'minimum_tokens'), stage=RUNTIME),
+        Flag('--load-balance-method', type='str', default='round_robin', choices=('round_robin', 'shortest_queue', 'minimum_tokens'), stage=RUNTIME, status=IMPLEMENTED, choice_status={'minimum_tokens': PLANNED}, help="How --dp-size's router spreads requests: round_robin in turn; shortest_queue to a replica with the fewest requests in flight (the router's cache_aware policy with both balance thresholds at their floor, so any difference in load decides, and a prefix the router has seen only breaks ties). minimum_tokens (SGLang's count of tokens) is planned: the router counts requests, not tokens."),
         Flag('--load-watch-interval', type='float', default=0.1, stage=RUNTIME),
         Flag('--prefill-round-robin-balance', type='bool', stage=RUNTIME),
     )),

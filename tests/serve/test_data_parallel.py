@@ -8,11 +8,12 @@ import re
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import openai
-from serve_helpers import API_KEY, metric, start_server, stop_server
+from serve_helpers import ADMIN_KEY, API_KEY, metric, start_server, stop_server
 
 from kiln import Engine
 from kiln.runtime import numa
@@ -90,9 +91,14 @@ def test_two_replicas_behind_sglangs_router(artefact, tmp_path: Path) -> None:
         code = server.process.wait(timeout=90)
     assert code == 0, server.log.read_text()[-2000:]
     assert _children(server.process.pid) == []
-    # a replica killed: the endpoint goes down with exit 1 and nothing is left
-    server = start_server(art, tmp_path / "dp2.log", "--dp-size", "2")
+    # --load-balance-method shortest_queue: with one request held on a paused replica, the
+    # next ones all go to the other (round-robin would send every other one to the held
+    # replica, where it would wait); then a replica killed: the endpoint goes down with
+    # exit 1 and nothing is left
+    flags = ("--dp-size", "2", "--load-balance-method", "shortest_queue", "--enable-metrics")
+    server = start_server(art, tmp_path / "dp2.log", *flags, "--admin-api-key", ADMIN_KEY)
     try:
+        _shortest_queue(server, want["text"])
         replica = _children(server.process.pid)[0]
         subprocess.run(["kill", "-9", str(replica)], check=True)
         code = server.process.wait(timeout=90)
@@ -102,3 +108,34 @@ def test_two_replicas_behind_sglangs_router(artefact, tmp_path: Path) -> None:
     log = server.log.read_text()
     assert code == 1, log[-2000:]
     assert "exited with code -9; the other replicas and the router are stopped" in log
+
+
+def _load(url: str) -> int:
+    return int(httpx.get(url + "/get_load", timeout=10).json()[0]["num_reqs"])
+
+
+def _shortest_queue(server, text: str) -> None:
+    urls = _replicas(server)
+    before = [_served(u) for u in urls]
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    for u in urls:
+        paused = httpx.post(u + "/pause_generation", json={}, headers=admin, timeout=10)
+        assert paused.status_code == 200, paused.text
+    body = {"text": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 8,
+            "ignore_eos": True}}  # fmt: skip
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(httpx.post, server.url + "/generate", json=body, timeout=120)
+        deadline = time.monotonic() + 30
+        while sum(map(_load, urls)) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        busy = [_load(u) for u in urls].index(1)
+        idle = urls[1 - busy]
+        resumed = httpx.post(idle + "/continue_generation", headers=admin, timeout=10)
+        assert resumed.status_code == 200, resumed.text
+        for _ in range(3):
+            r = httpx.post(server.url + "/generate", json=body, timeout=20)
+            assert r.status_code == 200 and r.json()["text"] == text, r.text
+        served = [_served(u) - b for u, b in zip(urls, before, strict=True)]
+        assert served[1 - busy] == 3 and _load(urls[busy]) == 1, served
+        httpx.post(urls[busy] + "/continue_generation", headers=admin, timeout=10)
+        assert held.result().json()["text"] == text
