@@ -42,6 +42,7 @@ ARCHITECTURES = {
     "deepseek2": "deepseek2",  # deepseek_v2 or deepseek_v3, by its gating function
     "gemma": "gemma",
     "granite": "granite",
+    "granitemoe": "granitemoe",
     "smollm3": "smollm3",
     "olmo2": "olmo2",
     "ernie4_5": "ernie4_5",
@@ -66,7 +67,7 @@ _STORED_PLUS_ONE = (*_NORMS_PLUS_ONE, "nemotron")
 _SANDWICH = ("gemma2", "gemma3")  # norms before and after attention and MLP
 # llama.cpp's converter interleaves the rotary halves of q/k for these (its rope is the
 # GPT-J pairing); kiln's models rotate halves as transformers does, so the rows go back.
-_PERMUTED_QK = ("llama", "mistral", "granite", "smollm3", "arcee")
+_PERMUTED_QK = ("llama", "mistral", "granite", "granitemoe", "smollm3", "arcee")
 
 # Pre-tokenizer split patterns by `tokenizer.ggml.pre`; the ones not listed use GPT-2's,
 # which the `tokenizers` ByteLevel pre-tokenizer applies itself.
@@ -191,6 +192,13 @@ _QWEN_MOE_LAYER = {
     **{f"ffn_{p}_exps.weight": f"mlp.experts.{p}_exps" for p in _MLP_PARTS},
 }
 _QWEN_MOES = ("qwen2moe", "qwen3moe", "olmoe")
+# Granite MoE: the router and the experts stacked (gate and up apart, as llama.cpp's
+# converter splits the checkpoint's input_linear; joined again as derived tensors).
+_GRANITE_MOE_LAYER = {
+    **_LAYER,
+    "ffn_gate_inp.weight": "block_sparse_moe.router.layer.weight",
+    **{f"ffn_{p}_exps.weight": f"block_sparse_moe.{p}_exps" for p in _MLP_PARTS},
+}
 # The MLP's activation where it is not SiLU (the file does not say; llama.cpp's per arch).
 _HIDDEN_ACT = {
     **dict.fromkeys(("gemma", "gemma2", "gemma3", "starcoder2"), "gelu_pytorch_tanh"),
@@ -249,6 +257,7 @@ _LAYERS = {
     "starcoder2": _STARCODER2_LAYER,
     **dict.fromkeys(("stablelm", "nemotron"), _LAYER_NORM_LAYER),
     "phi2": _PHI2_LAYER,
+    "granitemoe": _GRANITE_MOE_LAYER,
     **{arch: _GEMMA_LAYER for arch in _SANDWICH},
 }
 # LongRoPE's factors, stored as tensors (read into the config, not weights).
@@ -378,8 +387,11 @@ class GGUFFile:
             cfg["query_pre_attn_scalar"] = cfg["head_dim"]
             if cfg["num_hidden_layers"] in _GEMMA_27B_LAYERS[self.arch]:
                 cfg["query_pre_attn_scalar"] = hidden // heads
-        if self.arch == "granite":
+        if self.arch in ("granite", "granitemoe"):
             cfg.update(self._granite(cfg["head_dim"]))
+        if self.arch == "granitemoe":  # every layer's experts; their width the FFN length
+            cfg["num_local_experts"] = int(self.arch_field("expert_count"))
+            cfg["num_experts_per_tok"] = int(self.arch_field("expert_used_count"))
         if self.arch == "gemma3":
             # A global layer every sixth, the local rope base 10000 (llama.cpp's constants).
             cfg["sliding_window_pattern"] = 6
@@ -580,7 +592,23 @@ class GGUFFile:
                 out.update(self._kv_b(layer))
             if self.arch == "stablelm":
                 out.update(self._per_head_norms(layer))
+            if self.arch == "granitemoe" and f"{layer}.block_sparse_moe.gate_exps" in self.tensors:
+                out.update(self._granite_experts(layer))
         return out
+
+    def _granite_experts(self, layer: str) -> dict[str, Any]:
+        """Granite MoE's input_linear [experts, 2 * width, hidden] (each expert's gate rows,
+        then its up rows) and output_linear from the stacked tensors llama.cpp stores."""
+        p = f"{layer}.block_sparse_moe."
+        e, width, hidden = self._stored_shape(p + "gate_exps")
+
+        def gate_up() -> np.ndarray:
+            return np.concatenate((self.get(p + "gate_exps"), self.get(p + "up_exps")), axis=1)
+
+        return {
+            p + "input_linear.weight": ((e, 2 * width, hidden), gate_up),
+            p + "output_linear.weight": ((e, hidden, width), lambda: self.get(p + "down_exps")),
+        }
 
     def _per_head_norms(self, layer: str) -> dict[str, Any]:
         """StableLM's one LayerNorm a head (`q_layernorm.norms.<h>.weight`) from the
@@ -893,6 +921,7 @@ _ARCH_CLASS = {
     "deepseek2": "DeepseekV2ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "granite": "GraniteForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",

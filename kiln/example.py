@@ -223,6 +223,17 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "residual_multiplier": 0.5,
         "logits_scaling": 3.0,
     },
+    # Granite 3 MoE: Granite's multipliers over 4 stacked experts, top-2.
+    "granitemoe": {
+        "model_type": "granitemoe",
+        "embedding_multiplier": 4.0,
+        "attention_multiplier": 0.1,
+        "residual_multiplier": 0.5,
+        "logits_scaling": 3.0,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 64,
+    },
     # SmolLM3: the second layer without rope (its no_rope_layers: 1 rope, 0 none).
     "smollm3": {"model_type": "smollm3", "no_rope_layers": [1, 0], "pad_token_id": None},
     # OLMo 2: norms after attention and the MLP only; q/k norms over whole projections.

@@ -43,6 +43,10 @@ _FAMILIES: dict[str, dict[str, bool]] = {
     # embedding_multiplier, attention scaled by attention_multiplier, each residual branch
     # times residual_multiplier, logits divided by logits_scaling.
     "granite": {"qkv_bias": False, "qk_norm": False},
+    # Granite 3 MoE: Granite's multipliers, Mixtral's routing (softmax over the top-k
+    # logits), each layer's experts stacked: input_linear [experts, 2 * width, hidden]
+    # (gate rows, then up rows), output_linear [experts, hidden, width].
+    "granitemoe": {"qkv_bias": False, "qk_norm": False},
     # SmolLM3: Llama's layer, with rope left out of the layers no_rope_layers marks 0.
     "smollm3": {"qkv_bias": False, "qk_norm": False},
     # OLMo 2: norms after attention and after the MLP only (none before), and q/k norms
@@ -563,13 +567,13 @@ def _rotary_dim(cfg: dict[str, Any], head_dim: int, default: float = 1.0) -> int
 
 def _moe(model_type: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """The mixture-of-experts fields, as transformers reads them for each family."""
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "granitemoe"):
         experts = int(cfg.get("num_local_experts", 8))
         return {
             "num_experts": experts,
             "num_experts_per_tok": int(cfg.get("num_experts_per_tok", 2)),
             "moe_intermediate_size": int(cfg["intermediate_size"]),
-            "norm_topk_prob": True,  # Mixtral always rescales its top-k weights
+            "norm_topk_prob": True,  # both always rescale their top-k weights
             "sparse_layers": (True,) * num_layers,
         }
     if model_type in (*_DEEPSEEKS, "glm4_moe"):
@@ -762,7 +766,7 @@ def _global_rope(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _granite(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    if model_type != "granite":
+    if model_type not in ("granite", "granitemoe"):
         return {}
     out = {
         "embed_scale": float(cfg.get("embedding_multiplier", 1.0)),

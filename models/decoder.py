@@ -1,6 +1,7 @@
 """The decoder-only transformer behind Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 1, 2 and 3,
 Phi-3 and Phi-4-mini, Granite, SmolLM3, OLMo 2, ERNIE 4.5, EXAONE 4, and the mixtures of
-experts Mixtral, Qwen3-MoE, GPT-OSS and DeepSeek V2 / V3 (with multi-head latent attention).
+experts Mixtral, Granite MoE, Qwen3-MoE, GPT-OSS and DeepSeek V2 / V3 (with multi-head
+latent attention); docs/models.md lists every family.
 
 Written for one device and traced, never run eagerly: build it on the meta device and
 hand it to `kiln.core.trace.trace`. Parameter names match the Hugging Face
@@ -399,6 +400,39 @@ class StackedMoE(nn.Module):
         )
 
 
+class GraniteMoE(nn.Module):
+    """Granite 3 MoE's MLP as its checkpoints store it: `router.layer` [experts, hidden]
+    over stacked experts, `input_linear` [experts, 2 * width, hidden] (each expert's gate
+    rows, then its up rows) and `output_linear` [experts, hidden, width]."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        e, h, width = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.router = nn.Module()
+        self.router.layer = nn.Linear(h, e, bias=False)
+        self.input_linear = nn.Module()
+        self.input_linear.weight = _weight(e, 2 * width, h)
+        self.output_linear = nn.Module()
+        self.output_linear.weight = _weight(e, h, width)
+
+    def forward(self, x: Value) -> Value:
+        cfg = self.cfg
+        width = cfg.moe_intermediate_size
+        gate_up = cast(nn.Parameter, self.input_linear.weight)
+        down = cast(nn.Parameter, self.output_linear.weight)
+        experts = [
+            (
+                ops.expert_part(gate_up, "gate", e, rows=(0, width)),
+                ops.expert_part(gate_up, "up", e, rows=(width, 2 * width)),
+                ops.expert_part(down, "down", e),
+            )
+            for e in range(cfg.num_experts)
+        ]
+        router = cast(nn.Linear, self.router.layer)
+        return ops.moe(x, router.weight, experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -407,10 +441,14 @@ class DecoderLayer(nn.Module):
             LatentAttention(cfg, layer) if cfg.kv_lora_rank else Attention(cfg, layer)
         )
         sparse = bool(cfg.sparse_layers) and cfg.sparse_layers[layer]
-        # The checkpoints' names: Mixtral's block_sparse_moe, everyone else's mlp.
-        self.ffn_name = "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp"
+        # The checkpoints' names: Mixtral's and Granite MoE's block_sparse_moe, everyone
+        # else's mlp.
+        moe_name = cfg.model_type in ("mixtral", "granitemoe")
+        self.ffn_name = "block_sparse_moe" if moe_name else "mlp"
         ffn: nn.Module = MLP(cfg)
-        if sparse:
+        if sparse and cfg.model_type == "granitemoe":
+            ffn = GraniteMoE(cfg)
+        elif sparse:
             ffn = StackedMoE(cfg) if cfg.stacked_experts else SparseMoE(cfg)
         setattr(self, self.ffn_name, ffn)
         if not cfg.post_norms:

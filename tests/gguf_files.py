@@ -225,7 +225,7 @@ def write_gguf(
         w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
     if arch in ("command-r", "cohere2"):
         w.add_logit_scale(cfg["logit_scale"])
-    if arch == "granite":  # llama.cpp's converter: the multipliers under its own names
+    if arch in ("granite", "granitemoe"):  # llama.cpp's converter: the multipliers
         w.add_attention_scale(cfg["attention_multiplier"])
         w.add_embedding_scale(cfg["embedding_multiplier"])
         w.add_residual_scale(cfg["residual_multiplier"])
@@ -290,7 +290,7 @@ def write_gguf(
     return out
 
 
-_MOE_ARCHS = ("gpt-oss", "deepseek2", "qwen2moe", "qwen3moe", "olmoe")
+_MOE_ARCHS = ("gpt-oss", "deepseek2", "qwen2moe", "qwen3moe", "olmoe", "granitemoe")
 
 
 def _stacked_head_norms(tensors: dict) -> dict:
@@ -324,6 +324,7 @@ def _write_moe_family(w: GGUFWriter, cfg: dict, arch: str, tensors: dict, qt: ob
             "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE,
             "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
             "olmoe": gguf.MODEL_ARCH.OLMOE,
+            "granitemoe": gguf.MODEL_ARCH.GRANITE_MOE,
         }[arch],
         layers,
     )
@@ -353,6 +354,20 @@ def _write_moe_family(w: GGUFWriter, cfg: dict, arch: str, tensors: dict, qt: ob
                 out[name.replace("down_proj_bias", "down_proj.bias")] = t
             elif name.endswith("sinks"):
                 out[name + ".weight"] = t
+            else:
+                out[name] = t
+    elif arch == "granitemoe":  # input_linear split into gate and up; q/k interleaved
+        w.add_expert_count(cfg["num_local_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        for name, t in tensors.items():
+            if name.endswith("input_linear.weight"):
+                base = name.removesuffix("block_sparse_moe.input_linear.weight")
+                gate, up = np.split(t, 2, axis=1)
+                out[base + "mlp.experts.gate_proj.weight"] = gate
+                out[base + "mlp.experts.up_proj.weight"] = up
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                out[name] = _interleave(t, heads if "q_proj" in name else kv_heads)
             else:
                 out[name] = t
     elif arch in ("qwen2moe", "qwen3moe", "olmoe"):

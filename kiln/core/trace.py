@@ -145,21 +145,26 @@ class Tracer:
         index: int,
         take: tuple[int, int] = (0, 1),
         transpose: bool = False,
+        rows: tuple[int, int] | None = None,
     ) -> Value:
         """Expert `index` of a stacked [experts, ...] checkpoint tensor, as weight
         `<tensor>.<index>.<part>`: of its last dimension every take[1]-th element from
-        take[0], transposed if asked (GPT-OSS's experts), cut at compile time."""
+        take[0], transposed if asked (GPT-OSS's experts), then rows [rows[0], rows[1]) if
+        given (Granite MoE's gate and up halves), cut at compile time."""
         whole, load = self._load(weight)
         shape = list(weight.shape)[1:]
         shape[-1] = len(range(take[0], shape[-1], take[1]))
         if transpose:
             shape = [shape[1], shape[0], *shape[2:]]
-        source = {
+        source: dict[str, Any] = {
             "expert": load,
             "index": index,
             "take": list(take),
             "transpose": transpose,
         }
+        if rows is not None:
+            source = {"slice": source, "dim": 0, "start": rows[0], "stop": rows[1]}
+            shape[0] = rows[1] - rows[0]
         name = f"{whole}.{index}.{part}"
         return Value(self._param(name, tuple(shape), _dtype_name(weight.dtype), source))
 

@@ -314,6 +314,7 @@ def test_gguf_blocks_with_int8_activations_match_transformers_rounding_the_same(
         ("deepseek_v2", {}),
         ("gemma", {}),
         ("granite", {}),
+        ("granitemoe", {}),  # input_linear as llama.cpp splits it: gate and up apart
         # llama.cpp leaves rope out of every fourth layer whatever the config says: four
         # layers, transformers' default no_rope_layers (the same rule)
         ("smollm3", {"num_layers": 4, "no_rope_layers": None}),

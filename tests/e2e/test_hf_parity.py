@@ -63,6 +63,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma-1": ("gemma", {}),
     "granite-multipliers": ("granite", {}),
     "granite-tied": ("granite", {"tie_word_embeddings": True}),
+    "granitemoe-stacked-gate-up-experts": ("granitemoe", {}),
     "smollm3-nope-layer": ("smollm3", {}),
     "olmo2-post-norms-whole-qk-norms": ("olmo2", {}),
     "ernie4_5-interleaved-rope": ("ernie4_5", {}),

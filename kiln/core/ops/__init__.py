@@ -119,9 +119,10 @@ def expert_part(
     index: int,
     take: tuple[int, int] = (0, 1),
     transpose: bool = False,
+    rows: tuple[int, int] | None = None,
 ) -> Value:
     """One expert's part of a stacked expert tensor, cut at compile time."""
-    return active_tracer().expert_part(weight, part, index, take, transpose)
+    return active_tracer().expert_part(weight, part, index, take, transpose, rows)
 
 
 def constant(name: str, value: torch.Tensor) -> Value:
