@@ -377,8 +377,10 @@ class GGUFFile:
                 cfg["layer_types"] = [kinds[bool(f)] for f in pattern]
             elif pattern is not None:  # every pattern-th layer global
                 cfg["sliding_window_pattern"] = int(pattern)
-            elif self.arch in ("exaone4", "cohere2"):  # llama.cpp's default for them
+            elif self.arch in ("exaone4", "cohere2", "olmo2"):  # llama.cpp's default for them
                 cfg["sliding_window_pattern"] = 4
+            if self.arch == "olmo2":  # OLMo 3 (llama.cpp's olmo2 with sliding layers)
+                cfg.update(self._olmo3())
         if self.arch in _NORMS_PLUS_ONE:  # Gemma 1, 2 and 3
             # What the file does not say, as llama.cpp assumes it: GELU-tanh, and a query
             # scale of head_dim (the 27B models' differs; llama.cpp special-cases them).
@@ -434,6 +436,14 @@ class GGUFFile:
             cfg["attn_logit_softcapping"] = float(self.arch_field("attn_logit_softcapping", 50.0))
             cfg["final_logit_softcapping"] = float(self.arch_field("final_logit_softcapping", 30.0))
         return cfg
+
+    def _olmo3(self) -> dict[str, Any]:
+        """OLMo 3 from an olmo2 file with a sliding window: the global layers take the file's
+        rope (and its scaling), the sliding ones plain rope of their own base or the same
+        one, as llama.cpp runs them."""
+        base = self.arch_field("rope.freq_base_swa", self.arch_field("rope.freq_base", 10000.0))
+        sliding = {"rope_type": "default", "rope_theta": float(base)}
+        return {"model_type": "olmo3", "rope_parameters": {"sliding_attention": sliding}}
 
     def _granite(self, head_dim: int) -> dict[str, Any]:
         """Granite's multipliers under llama.cpp's names; one the file leaves out means

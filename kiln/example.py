@@ -238,6 +238,22 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "smollm3": {"model_type": "smollm3", "no_rope_layers": [1, 0], "pad_token_id": None},
     # OLMo 2: norms after attention and the MLP only; q/k norms over whole projections.
     "olmo2": {"model_type": "olmo2"},
+    # OLMo 3: a sliding layer then a global one, YaRN on the global one only (as its 7B).
+    "olmo3": {
+        "model_type": "olmo3",
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "full_attention": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "rope_theta": 10000.0,
+            },
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        "pad_token_id": None,
+    },
     # ERNIE 4.5: rope over interleaved pairs.
     "ernie4_5": {"model_type": "ernie4_5", "head_dim": 24},
     # EXAONE 4: a sliding layer (with rope) then a global one (without), post norms.

@@ -52,6 +52,9 @@ _FAMILIES: dict[str, dict[str, bool]] = {
     # OLMo 2: norms after attention and after the MLP only (none before), and q/k norms
     # over each whole projection, not per head.
     "olmo2": {"qkv_bias": False, "qk_norm": True},
+    # OLMo 3: OLMo 2's layer, three sliding-window layers to a global one, and a rope per
+    # layer type (the published 7B and 32B: YaRN on the global layers only).
+    "olmo3": {"qkv_bias": False, "qk_norm": True},
     # ERNIE 4.5 (dense): Llama's layer with rope over interleaved pairs (x0, x1), (x2, x3)...
     # (kiln stores each head's q and k rows as halves, where its rope turns them).
     "ernie4_5": {"qkv_bias": False, "qk_norm": False},
@@ -483,8 +486,9 @@ class ModelConfig:
             **_deepseek_routing(model_type, cfg),
             **_granite(model_type, cfg),
             rope_layers=_rope_layers(model_type, cfg, windows),
-            post_norms=model_type in ("olmo2", "exaone4"),
-            qk_norm_heads=model_type not in ("olmo2", "olmoe"),
+            post_norms=model_type in ("olmo2", "olmo3", "exaone4"),
+            qk_norm_heads=model_type not in ("olmo2", "olmo3", "olmoe"),
+            **_olmo3(model_type, cfg),
             is_matryoshka=is_matryoshka,
             matryoshka_dimensions=matryoshka,
             labels=_labels(cfg),
@@ -760,9 +764,23 @@ def _global_rope(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """The config's rope fields for the full-attention layers: Gemma 3 writes one rope per
     layer type in `rope_parameters` (transformers >= 5)."""
     params = cfg.get("rope_parameters") or {}
-    if model_type == "gemma3_text" and "full_attention" in params:
+    if model_type in ("gemma3_text", "olmo3") and "full_attention" in params:
         return {"rope_parameters": params["full_attention"]}
     return cfg
+
+
+def _olmo3(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """OLMo 3's sliding layers' own rope where it is not the global layers' (its 7B and 32B:
+    YaRN on the global layers only, a config's top-level rope_scaling too, as transformers
+    reads one; the sliding layers the plain rope of the same base)."""
+    if model_type != "olmo3":
+        return {}
+    full = RopeConfig.from_hf(_global_rope(model_type, cfg))
+    params = cfg.get("rope_parameters") or {}
+    local = RopeConfig.from_hf(
+        {"rope_parameters": params.get("sliding_attention") or {"rope_theta": full.theta}}
+    )
+    return {"local_rope": local} if local != full else {}
 
 
 def _granite(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -65,7 +65,7 @@ _OLMO2_LAYER = {
     "post_attention_layernorm.weight": "post_attention_norm.weight",
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
-_POST_NORMS = ("olmo2", "exaone4")
+_POST_NORMS = ("olmo2", "exaone4")  # OLMo 3's files are olmo2's
 # GLM-4's four norms and fused gate/up.
 _GLM4_LAYER = {
     **_LAYER,
@@ -88,6 +88,7 @@ _ARCH = {
     "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe",
     "cohere": "command-r",
+    "olmo3": "olmo2",  # llama.cpp's olmo2, with a sliding window
     "phi": "phi2",
 }
 
@@ -204,9 +205,10 @@ def write_gguf(
         w.add_layer_norm_eps(ln_eps)
     else:
         w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4)
-    w.add_rope_freq_base(float(theta))
     params = cfg.get("rope_parameters") or {}
+    params = params.get("full_attention", params)  # one rope a layer type (OLMo 3)
+    theta = cfg.get("rope_theta") or params.get("rope_theta", 1e4)
+    w.add_rope_freq_base(float(theta))
     w.add_rope_dimension_count(int(head_dim * params.get("partial_rotary_factor", 1.0)))
     if params.get("rope_type") == "llama3":  # llama.cpp's converter: a divisor per pair
         w.add_tensor("rope_freqs.weight", _llama3_divisors(params, head_dim, float(theta)))
@@ -218,7 +220,7 @@ def write_gguf(
     w.add_vocab_size(cfg["vocab_size"])
     if cfg.get("sliding_window"):
         w.add_sliding_window(cfg["sliding_window"])
-        if arch == "exaone4":  # llama.cpp's converter: a flag a layer
+        if arch in ("exaone4", "olmo2"):  # llama.cpp's converter: a flag a layer
             w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
     if arch == "gemma2":
         w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])

@@ -319,6 +319,7 @@ def test_gguf_blocks_with_int8_activations_match_transformers_rounding_the_same(
         # layers, transformers' default no_rope_layers (the same rule)
         ("smollm3", {"num_layers": 4, "no_rope_layers": None}),
         ("olmo2", {}),
+        ("olmo3", {"rope_parameters": None}),  # an olmo2 file with sliding layers
         ("ernie4_5", {}),  # rope pairs interleaved in the file as in the checkpoint
         ("exaone4", {}),  # its layers' sliding flags as an array
         # transformers' loader reads qwen2moe and qwen3moe but not their expert widths;

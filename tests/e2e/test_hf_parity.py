@@ -66,6 +66,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "granitemoe-stacked-gate-up-experts": ("granitemoe", {}),
     "smollm3-nope-layer": ("smollm3", {}),
     "olmo2-post-norms-whole-qk-norms": ("olmo2", {}),
+    "olmo3-sliding-layers-yarn-on-global-ones": ("olmo3", {}),
     "ernie4_5-interleaved-rope": ("ernie4_5", {}),
     "glm-biased-interleaved-partial-rope": ("glm", {}),
     "starcoder2-layernorm-plain-mlp-window": ("starcoder2", {}),
