@@ -247,7 +247,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "full_attention": {
                 "rope_type": "yarn",
                 "factor": 4.0,
-                "original_max_position_embeddings": 32,
+                "original_max_position_embeddings": 64,
                 "rope_theta": 10000.0,
             },
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
