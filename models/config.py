@@ -776,10 +776,7 @@ def _olmo3(model_type: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if model_type != "olmo3":
         return {}
     full = RopeConfig.from_hf(_global_rope(model_type, cfg))
-    params = cfg.get("rope_parameters") or {}
-    local = RopeConfig.from_hf(
-        {"rope_parameters": params.get("sliding_attention") or {"rope_theta": full.theta}}
-    )
+    local = _sliding_rope(cfg, full.theta)
     return {"local_rope": local} if local != full else {}
 
 
@@ -835,12 +832,17 @@ def _gemma(model_type: str, cfg: dict[str, Any], hidden: int) -> dict[str, Any]:
         "final_softcap": float(cfg.get("final_logit_softcapping") or 0.0),
     }
     if model_type == "gemma3_text":
-        params = cfg.get("rope_parameters") or {}
-        local = params.get("sliding_attention") or {
-            "rope_theta": cfg.get("rope_local_base_freq", 10000.0)
-        }
-        out["local_rope"] = RopeConfig.from_hf({"rope_parameters": local})
+        out["local_rope"] = _sliding_rope(cfg, cfg.get("rope_local_base_freq", 10000.0))
     return out
+
+
+def _sliding_rope(cfg: dict[str, Any], theta: float) -> RopeConfig:
+    """The sliding layers' rope of a config with one a layer type (transformers >= 5's
+    `rope_parameters`), else plain rope of base `theta`."""
+    params = cfg.get("rope_parameters") or {}
+    return RopeConfig.from_hf(
+        {"rope_parameters": params.get("sliding_attention") or {"rope_theta": theta}}
+    )
 
 
 def _sliding_windows(cfg: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:

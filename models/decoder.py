@@ -113,12 +113,15 @@ class Attention(nn.Module):
         interleaved rope pairs), not as the checkpoint has them."""
         return bool(self.cfg.rotary_dim or self.cfg.rope_interleave)
 
+    @property
+    def _rotary(self) -> tuple[int, int]:
+        """(head_dim, the part rope turns) of each head, as the rope-order recipes take it."""
+        return self.cfg.head_dim, self.cfg.rotary_dim or self.cfg.head_dim
+
     def _in_rope_order(self, t: torch.Tensor, part: str) -> Value:
         """A q or k weight, bias or per-head norm weight with each head's rows in
         kiln.core.recipes.rotary_order, as module `part`'s own."""
-        cfg = self.cfg
-        rotary = (cfg.head_dim, cfg.rotary_dim or cfg.head_dim)
-        return ops.rows(t, part, rotary=rotary, interleaved=cfg.rope_interleave)
+        return ops.rows(t, part, rotary=self._rotary, interleaved=self.cfg.rope_interleave)
 
     def _qk_norm(self, x: Value, norm: nn.Module, part: str) -> Value:
         """q's or k's norm, per head or (OLMo 2) over the whole projection; with the heads'
@@ -140,7 +143,7 @@ class Attention(nn.Module):
         cfg = self.cfg
         part = _QK_LAYERNORMS[cfg.model_type] % which
         norm = getattr(self, part)
-        rotary = (cfg.head_dim, cfg.rotary_dim or cfg.head_dim) if self._reordered else (0, 0)
+        rotary = self._rotary if self._reordered else (0, 0)
         weight: Value | torch.Tensor
         bias: Value | torch.Tensor | None
         if isinstance(norm, nn.LayerNorm):

@@ -110,11 +110,11 @@ def _cut_head_norms(graph: Graph, node: Node, lo: int, hi: int) -> None:
     for every feature (Cohere's, StableLM's) keeps features [lo, hi) as its projection
     does; one whose heads share a weight keeps it whole."""
     while node.op in _PER_HEAD:
-        group = node.attrs.get("group")
-        for i, p in enumerate(node.args[1:], 1):
-            spec = graph.weight_of(p) if node.op != "rope" else None
-            if spec is not None and group and spec.shape[0] != group:
-                node.args[i] = _sliced(graph, p, 0, lo, hi, p.attrs["name"])
+        group = node.attrs.get("group")  # a norm's; rope has none
+        weight = graph.weight_of(node.args[1]) if group else None
+        if weight is not None and weight.shape[0] != group:  # weight and bias alike
+            x, *params = node.args
+            node.args = [x, *(_sliced(graph, p, 0, lo, hi, p.attrs["name"]) for p in params)]
         node = node.args[0]
 
 

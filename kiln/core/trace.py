@@ -85,10 +85,7 @@ class Tracer:
         full = list(weight.shape)
         if (start, stop) != (0, full[0]):
             source = {"slice": source, "dim": 0, "start": start, "stop": stop}
-        if rotary != (0, 0):
-            source = {"rotary_order": source, "head_dim": rotary[0], "rotary_dim": rotary[1]}
-            if interleaved:
-                source["interleaved"] = True
+        source = _in_rotary_order(source, rotary, interleaved)
         modules = name.split(".")
         modules[-2] = part
         shape = (stop - start, *full[1:])
@@ -113,11 +110,7 @@ class Tracer:
         name = ".".join([*modules[: modules.index(part) + 1], "weight"])
         loads = [load for _, load in names]
         size = sum(w.numel() for w in weights)
-        source: dict[str, Any] = {"join": loads, "shape": [size]}
-        if rotary != (0, 0):
-            source = {"rotary_order": source, "head_dim": rotary[0], "rotary_dim": rotary[1]}
-            if interleaved:
-                source["interleaved"] = True
+        source = _in_rotary_order({"join": loads, "shape": [size]}, rotary, interleaved)
         return Value(self._param(name, (size,), _dtype_name(weights[0].dtype), source))
 
     def head_parts(
@@ -182,6 +175,17 @@ class Tracer:
             node = self.graph.add("param", attrs={"name": name})
             self._param_nodes[name] = node
         return node
+
+
+def _in_rotary_order(
+    source: dict[str, Any], rotary: tuple[int, int], interleaved: bool
+) -> dict[str, Any]:
+    """`source`'s rows with each head's in kiln.core.recipes.rotary_order for `rotary`
+    (head_dim, rotary_dim); (0, 0): as they are."""
+    if rotary == (0, 0):
+        return source
+    out = {"rotary_order": source, "head_dim": rotary[0], "rotary_dim": rotary[1]}
+    return {**out, "interleaved": True} if interleaved else out
 
 
 def active_tracer() -> Tracer:
