@@ -51,6 +51,7 @@ class CheckpointReader:
         self.path = path
         self.load_format = resolve_format(path, load_format)
         self._where: dict[str, Path] = {}
+        self._borrowed: dict[str, tuple[CheckpointReader, str]] = {}
         self._stack = ExitStack()
         self._open: dict[Path, Any] = {}
         self.files, weight_map = weight_files(path, self.load_format)
@@ -97,6 +98,26 @@ class CheckpointReader:
                     prefix = name[: -len(".qweight")]
                     self._int4[prefix + ".weight"] = prefix
 
+    def strip_prefix(self, prefix: str) -> None:
+        """Read a tensor stored as `prefix + name` by `name` too (an EAGLE head's weights,
+        which some heads store under `model.`)."""
+        for key in list(self._where):
+            if key.startswith(prefix) and key[len(prefix) :] not in self._where:
+                short = key[len(prefix) :]
+                self._where[short], self._key[short] = self._where[key], self._key.get(key, key)
+
+    def borrow(self, name: str, other: CheckpointReader, as_name: str) -> None:
+        """Read `name` from `other`'s `as_name` (an EAGLE head's embedding and lm_head are
+        its model's; the model's graph holds EAGLE-3's fc, from the head)."""
+        self._borrowed[name] = (other, as_name)
+
+    def has(self, name: str) -> bool:
+        if name in self._borrowed:
+            return True
+        if self.gguf is not None:
+            return bool(self.gguf.has(name))
+        return name in self._where or name in self._int4 or name in self.mxfp4
+
     def _names(self, f: Path) -> list[str]:
         # A safetensors handle and a loaded pt state dict both answer keys().
         return list(self._handle(f).keys())
@@ -117,9 +138,12 @@ class CheckpointReader:
     def names(self) -> list[str]:
         if self.gguf is not None:
             return sorted(self.gguf.tensors)
-        return sorted([*self._where, *self._int4, *self.mxfp4])
+        return sorted({*self._where, *self._int4, *self.mxfp4, *self._borrowed})
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name in self._borrowed:
+            other, as_name = self._borrowed[name]
+            return other.get(as_name, shape)
         if self.load_format == "dummy":
             return _dummy(name, shape)
         if self.gguf is not None:

@@ -16,11 +16,11 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from kiln.args import ArgError, ServerArgs
-from kiln.compiler.checkpoint import CheckpointReader
+from kiln.compiler.checkpoint import CheckpointError, CheckpointReader
 from kiln.compiler.hub import hub_name
 from kiln.compiler.key import CompileKey, draft_args, model_overrides, resolve_dtype
 from kiln.compiler.lower_step import LoweredStep, Refused, lower_step
-from kiln.compiler.options import KV_DTYPES, compile_options
+from kiln.compiler.options import EAGLE_ALGORITHMS, KV_DTYPES, compile_options
 from kiln.compiler.publish import publish, staging_dir
 from kiln.compiler.store import CompileResult, compile_cached
 from kiln.core import artefact as fmt
@@ -32,8 +32,9 @@ from kiln.core.recipes import head_part_rows, rotary_rows
 from kiln.core.target import Target
 from kiln.core.trace import trace
 from kiln.kernels import native
-from kiln.models import ModelConfig, build
-from kiln.models.config import read_hf_config
+from kiln.models import ModelConfig, ModelConfigError, build
+from kiln.models.config import EagleHead, read_hf_config
+from kiln.models.eagle import build_eagle
 from kiln.models.rope import inv_freq
 from kiln.passes import PIPELINE, run_passes
 from kiln.version import __version__
@@ -69,10 +70,16 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
             log.info("%s is a sequence classifier: compiled as --is-embedding", cfg.architecture)
             args = args.replace(is_embedding=True)
         options = compile_options(args, ck, reader, cfg)
+        eagle = _eagle_head(args, cfg, reader)
         ranks = []  # (graph, pass log, constants) of each rank
         for rank in range(options.tp.size):
             graph, constants = trace(
-                build(cfg, args.is_embedding, hidden_states=args.enable_return_hidden_states)
+                build(
+                    cfg,
+                    args.is_embedding,
+                    hidden_states=args.enable_return_hidden_states,
+                    eagle=None if eagle is None else eagle.tap,
+                )
             )
             graph.context_length = cfg.max_position_embeddings
             for spec in graph.weights.values():
@@ -110,7 +117,12 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
                 speculative = options.speculative
                 if speculative is not None and speculative["algorithm"] == "STANDALONE":
                     speculative = {**speculative, "draft": _draft_model(args, cfg, tmp)}
+                if eagle is not None:
+                    assert speculative is not None
+                    speculative = {**speculative, "draft": eagle.write(args, ck, tmp)}
                 manifest = _manifest(args, cfg, graph, tmp, ck, pass_log)
+                if eagle is not None:
+                    manifest["runtime"]["eagle_hidden"] = eagle.tap.hidden_size
                 if speculative is not None:
                     manifest["runtime"]["speculative"] = speculative
                 manifest["native"] = built
@@ -121,6 +133,111 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
             publish(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+            if eagle is not None:
+                eagle.reader.close()
+
+
+class _Eagle:
+    """An EAGLE head (--speculative-algorithm EAGLE or EAGLE3) being compiled with its
+    model: its checkpoint open, what the model's graph returns for it (`tap`), and the
+    head's own artefact, written into the model's draft/ (`write`)."""
+
+    def __init__(self, args: ServerArgs, cfg: ModelConfig, model: CheckpointReader) -> None:
+        path = Path(args.speculative_draft_model_path or "")
+        flag = "--speculative-draft-model-path"
+        try:
+            hf = read_hf_config(path)
+            self.reader = CheckpointReader(path)
+        except (ModelConfigError, CheckpointError) as e:
+            raise ArgError(f"{flag}: {e}") from None
+        self.reader.strip_prefix("model.")
+        try:
+            self.head = EagleHead.read(hf, set(self.reader.names()), cfg.num_layers)
+            # served at the model's context, whatever the head's config says
+            self.cfg = ModelConfig.from_dict(
+                {**hf, "max_position_embeddings": cfg.max_position_embeddings}
+            )
+        except ModelConfigError as e:
+            self.reader.close()
+            raise ArgError(f"{flag}: {e}") from None
+        problem = self._problem(args, cfg, hf)
+        if problem is not None:
+            self.reader.close()
+            raise ArgError(f"{flag}: {problem}")
+        self.tap = self.head.tap(self.cfg.hidden_size)
+        # The model's embedding always (SGLang's too), its lm_head where the head has none.
+        self.reader.borrow("embed_tokens.weight", model, "model.embed_tokens.weight")
+        if not self.head.own_lm_head:
+            tied = cfg.tie_word_embeddings
+            lm_head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+            self.reader.borrow("lm_head.weight", model, lm_head)
+        for part in ("weight", "bias"):  # EAGLE-3's fc runs in the model's graph
+            model.borrow(f"eagle3_fc.{part}", self.reader, f"fc.{part}")
+
+    def _problem(self, args: ServerArgs, cfg: ModelConfig, hf: dict[str, Any]) -> str | None:
+        """Why the head cannot draft for this model, or None."""
+        head, mine = self.head, self.cfg
+        if head.algorithm != args.speculative_algorithm:
+            return f"it is an {head.algorithm} head, for --speculative-algorithm {head.algorithm}"
+        if mine.vocab_size != cfg.vocab_size:
+            return f"its vocabulary has {mine.vocab_size} tokens and the model's {cfg.vocab_size}"
+        if head.algorithm == "EAGLE" and mine.hidden_size != cfg.hidden_size:
+            return (
+                f"it reads hidden states of {mine.hidden_size}, the model's are {cfg.hidden_size}"
+            )
+        if hf.get("target_hidden_size", cfg.hidden_size) != cfg.hidden_size:
+            return (
+                f"its fc reads hidden states of {hf['target_hidden_size']}, the model's are "
+                f"{cfg.hidden_size}"
+            )
+        if head.draft_vocab_size != cfg.vocab_size and not self.reader.has("d2t"):
+            return "it has no d2t (its draft vocabulary's ids in the model's)"
+        return None
+
+    def write(self, args: ServerArgs, ck: CompileKey, tmp: Path) -> dict[str, Any]:
+        """The head's artefact in `tmp`'s draft/ (after the model's tokenizer, which it
+        shares); the manifest's record of it."""
+        out = tmp / fmt.DRAFT_DIR
+        # steps return (logits, hidden states), and run in the executor: no native step
+        dargs = draft_args(args, int8_activations=False).replace(
+            enable_return_hidden_states=True, disable_cuda_graph=True
+        )
+        options = compile_options(dargs, ck, self.reader, self.cfg)
+        graph, constants = trace(build_eagle(self.cfg, self.head))
+        graph.context_length = self.cfg.max_position_embeddings
+        for spec in graph.weights.values():
+            if "constant" not in spec.source:
+                spec.dtype = ck.dtype
+        graph, pass_log = run_passes(graph, options.for_rank(0), PIPELINE)
+        native_kernels = any(
+            n.meta.get("backend") == "kiln_cpu" for n in graph.nodes if n.op not in STRUCTURAL_OPS
+        )
+        built = None
+        if native_kernels:
+            assert ck.toolchain is not None
+            built = _native_build(ck.target, ck.toolchain, out)
+        _write_weights(out / fmt.weights_file(0), graph, self.reader, constants)
+        (out / fmt.graph_file(0)).write_text(graph.dumps())
+        shutil.copytree(tmp / fmt.TOKENIZER_DIR, out / fmt.TOKENIZER_DIR)
+        manifest = _manifest(dargs, self.cfg, graph, out, ck, pass_log)
+        if self.head.draft_vocab_size != self.cfg.vocab_size:
+            manifest["runtime"]["logits_size"] = self.head.draft_vocab_size
+        manifest["native"], manifest["native_step"] = built, None
+        (out / fmt.MANIFEST).write_text(json.dumps(manifest, indent=1))
+        ref: dict[str, Any] = {
+            "cache_key": ck.factors["speculative_draft"],
+            "vocab_size": self.cfg.vocab_size,
+        }
+        if self.head.draft_vocab_size != self.cfg.vocab_size:
+            d2t = self.reader.get("d2t", (self.head.draft_vocab_size,))
+            ref["hot_ids"] = (d2t.long() + torch.arange(len(d2t))).tolist()
+        return ref
+
+
+def _eagle_head(args: ServerArgs, cfg: ModelConfig, reader: CheckpointReader) -> _Eagle | None:
+    if args.speculative_algorithm not in EAGLE_ALGORITHMS:
+        return None
+    return _Eagle(args, cfg, reader)
 
 
 def _draft_model(args: ServerArgs, cfg: ModelConfig, tmp: Path) -> dict[str, Any]:

@@ -57,6 +57,8 @@ _PATH_ARGS = (
 # The compile arguments a STANDALONE draft model's own compile takes from the model's: the
 # target, and what the KV pool and pages must agree on.
 DRAFT_INHERITS = ("device", "target_isa", "page_size", "kv_cache_dtype")
+# The algorithms whose draft (a model, an EAGLE head) is a factor of the key.
+DRAFTING = ("STANDALONE", "EAGLE", "EAGLE3")
 # The packages whose source decides what an artefact holds.
 _SOURCE_PACKAGES = (
     *("kiln", "kiln.args", "kiln.compiler", "kiln.kernels", "kiln.models", "kiln.passes"),
@@ -173,7 +175,7 @@ def compile_key(args: ServerArgs, rehash: bool = False) -> CompileKey:
         # The KV cache scales file (--quantization-param-path) by its content.
         "kv_scales_sha256": _scales_sha256(args, hashed),
     }
-    if args.speculative_algorithm == "STANDALONE" and args.speculative_draft_model_path:
+    if args.speculative_algorithm in DRAFTING and args.speculative_draft_model_path:
         # The draft model by its own key (its files' content, not its path).
         factors["speculative_draft"] = compile_key(draft_args(args), rehash).key
     key = hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()

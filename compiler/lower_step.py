@@ -198,7 +198,9 @@ class _Lowering:
                 last[id(a)] = i
         out = g.output
         if len(out.args) != 1:
-            raise Refused("the graph returns its hidden states too (--enable-return-hidden-states)")
+            raise Refused(
+                "the graph returns hidden states too (--enable-return-hidden-states, EAGLE)"
+            )
         self.out_node = out.args[0]
         for i, n in enumerate(g.nodes):
             if n.op == "output":

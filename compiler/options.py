@@ -38,6 +38,10 @@ log = logging.getLogger("kiln.compile")
 TORCHAO = {"int8wo": ("int8", 0), **{f"int4wo-{g}": ("uint4", g) for g in (32, 64, 128, 256)}}
 NO_GPU_MAX_BS = 160  # SGLang's cuda_graph_max_bs when it sees no GPU
 DEFAULT_DRAFT_STEPS = 3  # --speculative-num-steps unset with a draft model
+# The algorithms that draft with a model of their own (--speculative-draft-model-path), and
+# of those, the EAGLE heads that read the model's hidden states (models/eagle.py).
+EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3")
+DRAFT_MODEL_ALGORITHMS = ("STANDALONE", *EAGLE_ALGORITHMS)
 
 
 def compile_options(
@@ -50,7 +54,7 @@ def compile_options(
     if scheme is not None:
         check_groups(scheme, cfg, tp.size)
     speculative = speculative_options(args)
-    hidden_states_options(args, speculative)
+    hidden_states_options(args, speculative, tp.size)
     return CompileOptions(
         target=target,
         dtype=key.dtype,
@@ -68,21 +72,31 @@ def compile_options(
     )
 
 
-def hidden_states_options(args: ServerArgs, speculative: dict[str, Any] | None) -> None:
-    """--enable-return-hidden-states: the steps' second output, which a verify step, an
-    embedding model's pooled output and a recorded step (CUDA graphs, compiled pieces)
-    have no place for."""
-    if not args.enable_return_hidden_states:
+def hidden_states_options(
+    args: ServerArgs, speculative: dict[str, Any] | None, tp_size: int = 1
+) -> None:
+    """--enable-return-hidden-states and EAGLE's heads: the steps' second output, which a
+    verify step (the first's), an embedding model's pooled output and a recorded step (CUDA
+    graphs, compiled pieces) have no place for; EAGLE's heads run at --tp-size 1 for now."""
+    eagle = speculative is not None and speculative["algorithm"] in EAGLE_ALGORITHMS
+    if not args.enable_return_hidden_states and not eagle:
         return
+    flag = (
+        f"--speculative-algorithm {args.speculative_algorithm}"
+        if eagle
+        else "--enable-return-hidden-states"
+    )
     clash = (
-        "--speculative-algorithm" if speculative
+        "--speculative-algorithm" if speculative and not eagle
+        else "--enable-return-hidden-states" if eagle and args.enable_return_hidden_states
         else "--is-embedding" if args.is_embedding
         else "--enable-torch-compile" if args.enable_torch_compile
         else "--enable-piecewise-cuda-graph" if args.enable_piecewise_cuda_graph
+        else f"--tp-size {tp_size} (EAGLE heads run at 1 for now)" if eagle and tp_size > 1
         else None
     )  # fmt: skip
     if clash is not None:
-        raise ArgError(f"--enable-return-hidden-states: not with {clash}")
+        raise ArgError(f"{flag}: not with {clash}")
 
 
 def deterministic_options(args: ServerArgs, target: Target) -> bool:
@@ -182,11 +196,18 @@ def speculative_options(args: ServerArgs) -> dict[str, Any] | None:
         raise ArgError(f"--speculative-ngram-branch-length: {branch}; at least 1")
     draft = args.speculative_draft_model_path
     steps = None
-    if algorithm == "STANDALONE":
+    topk = args.speculative_eagle_topk
+    if topk is not None and topk != 1:
+        raise ArgError(
+            f"--speculative-eagle-topk: {topk}; kiln drafts a chain (1): a tree of drafts "
+            "is not built yet"
+        )
+    if algorithm in DRAFT_MODEL_ALGORITHMS:
         if not draft:
+            what = "the draft model's" if algorithm == "STANDALONE" else "the EAGLE head's"
             raise ArgError(
-                "--speculative-algorithm STANDALONE: needs --speculative-draft-model-path "
-                "(the draft model's checkpoint)"
+                f"--speculative-algorithm {algorithm}: needs --speculative-draft-model-path "
+                f"({what} checkpoint)"
             )
         steps = args.speculative_num_steps or DEFAULT_DRAFT_STEPS
         if not 1 <= steps < MAX_DRAFT_TOKENS:
@@ -204,7 +225,7 @@ def speculative_options(args: ServerArgs) -> dict[str, Any] | None:
         if draft:
             raise ArgError(
                 f"--speculative-draft-model-path: only with --speculative-algorithm "
-                f"STANDALONE ({algorithm} drafts without a model)"
+                f"{', '.join(DRAFT_MODEL_ALGORITHMS)} ({algorithm} drafts without a model)"
             )
         tokens = args.speculative_num_draft_tokens or hi
     if not 2 <= tokens <= MAX_DRAFT_TOKENS:
@@ -267,8 +288,8 @@ def capture_options(
     if args.enable_torch_compile:
         limit = args.torch_compile_max_bs or 32
         capture.update(decode="compiled", batch_sizes=tuple(b for b in buckets if b <= limit))
-    elif device == "cuda" and not args.disable_cuda_graph and not args.enable_return_hidden_states:
-        # (--enable-return-hidden-states: a step's two outputs are not recorded; eager)
+    elif device == "cuda" and not args.disable_cuda_graph and not two_outputs(args, speculative):
+        # (--enable-return-hidden-states, EAGLE: a step's two outputs are not recorded; eager)
         capture.update(decode="cuda_graph", batch_sizes=tuple(buckets))
     elif device == "cpu" and not args.disable_cuda_graph and tp == 1:
         # kiln's CPU form of a captured step: every step as one native call, a prefill's
@@ -282,6 +303,12 @@ def capture_options(
         tokens = _positive("--piecewise-cuda-graph-tokens", tokens)
         capture.update(prefill="piecewise", tokens=tuple(tokens))
     return Capture(**capture)
+
+
+def two_outputs(args: ServerArgs, speculative: dict[str, Any] | None) -> bool:
+    """Whether the model's steps return hidden states besides the logits."""
+    eagle = speculative is not None and speculative["algorithm"] in EAGLE_ALGORITHMS
+    return bool(args.enable_return_hidden_states) or eagle
 
 
 def decode_batch_sizes(max_bs: int, padding: bool) -> list[int]:

@@ -161,7 +161,9 @@ def format_summary(s: dict[str, Any]) -> str:
         )
     elif spec:
         lines.append(
-            f"speculate  {spec['algorithm']}: draft model {spec['draft']['cache_key'][:16]} "
+            f"speculate  {spec['algorithm']}: "
+            f"{'draft model' if spec['algorithm'] == 'STANDALONE' else 'head'} "
+            f"{spec['draft']['cache_key'][:16]} "
             f"(in draft/), up to {spec['num_steps']} drafted tokens a step"
         )
     nk = s["native_kernels"]

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -414,6 +415,106 @@ def make_checkpoint(
     _randomise_norms(model, seed)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return path
+
+
+def make_eagle_head(
+    path: str | Path,
+    model: str | Path,
+    algorithm: str = "EAGLE",
+    *,
+    draft_vocab_size: int | None = None,
+    aux_layers: list[int] | None = None,
+    fc_bias: bool = True,
+    std: float = 0.2,
+    seed: int = 0,
+) -> Path:
+    """Write a random EAGLE (or EAGLE3) draft head for the checkpoint at `model`, as SGLang
+    reads them: a Llama config of one layer and the head's tensors (EAGLE-3's with its own
+    lm_head over `draft_vocab_size` ids, `d2t` mapping them to the model's: the first ids
+    and then every other one). `aux_layers`: EAGLE-3's eagle_aux_hidden_state_layer_ids."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    base = json.loads((Path(model) / "config.json").read_text())
+    h, kv = base["hidden_size"], base["num_key_value_heads"]
+    heads = base["num_attention_heads"]
+    hd = base.get("head_dim") or h // heads
+    inter, vocab = base["intermediate_size"], base["vocab_size"]
+    eagle3 = algorithm == "EAGLE3"
+    arch = "LlamaForCausalLMEagle3" if eagle3 else "LlamaForCausalLMEagle"
+    config = {
+        "architectures": [arch],
+        "model_type": "llama",
+        **{
+            k: base[k]
+            for k in (
+                "hidden_size",
+                "intermediate_size",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "vocab_size",
+                "max_position_embeddings",
+                "rms_norm_eps",
+                "rope_theta",
+                "rope_parameters",
+                "rope_scaling",
+                "hidden_act",
+            )
+            if k in base
+        },
+        "head_dim": hd,
+        "num_hidden_layers": 1,
+        "tie_word_embeddings": False,
+    }
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, scale: float = std) -> torch.Tensor:
+        return scale * torch.randn(shape, generator=g)
+
+    def norm() -> torch.Tensor:
+        return 1.0 + rand(h, scale=0.1)
+
+    layer = "midlayer" if eagle3 else "layers.0"
+    width = 2 * h if eagle3 else h
+    t = {
+        f"{layer}.self_attn.q_proj.weight": rand(heads * hd, width),
+        f"{layer}.self_attn.k_proj.weight": rand(kv * hd, width),
+        f"{layer}.self_attn.v_proj.weight": rand(kv * hd, width),
+        f"{layer}.self_attn.o_proj.weight": rand(h, heads * hd),
+        f"{layer}.post_attention_layernorm.weight": norm(),
+        f"{layer}.mlp.gate_proj.weight": rand(inter, h),
+        f"{layer}.mlp.up_proj.weight": rand(inter, h),
+        f"{layer}.mlp.down_proj.weight": rand(h, inter),
+    }
+    if eagle3:
+        dv = draft_vocab_size or vocab
+        hot = torch.cat([torch.arange(dv // 2), torch.arange(dv // 2, vocab, 2)])[:dv]
+        t |= {
+            "fc.weight": rand(h, 3 * h, scale=std / 2),
+            f"{layer}.input_layernorm.weight": norm(),
+            f"{layer}.hidden_norm.weight": norm(),
+            "norm.weight": norm(),
+            "lm_head.weight": rand(dv, h),
+        }
+        if dv != vocab:
+            t["d2t"] = hot - torch.arange(dv)
+            t2d = torch.zeros(vocab, dtype=torch.bool)
+            t2d[hot] = True
+            t["t2d"] = t2d
+        config["draft_vocab_size"] = dv
+        if aux_layers is not None:
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layers}
+    else:
+        t |= {"fc.weight": rand(h, 2 * h), "embed_tokens.weight": rand(vocab, h)}
+    if fc_bias:
+        t["fc.bias"] = rand(h, scale=0.1)
+        if eagle3:  # (SGLang reads an EAGLE-3 fc's bias where the config says so)
+            config["bias"] = True
+    save_file({k: v.contiguous() for k, v in t.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config, indent=1))
     return path
 
 

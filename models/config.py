@@ -274,6 +274,66 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     return cfg
 
 
+# An EAGLE draft head's architectures: EAGLE (1 and 2) and EAGLE-3, as SGLang loads them.
+EAGLE_ARCHITECTURES = {"LlamaForCausalLMEagle": "EAGLE", "LlamaForCausalLMEagle3": "EAGLE3"}
+
+
+@dataclass(frozen=True)
+class EagleTap:
+    """What a model compiled for an EAGLE draft returns besides its logits, for every row:
+    EAGLE's, its final norm's output; EAGLE-3's, the draft's fc over the residual stream
+    entering each of `layers` (the number of layers: the last one's output)."""
+
+    layers: tuple[int, ...] = ()
+    hidden_size: int = 0  # EAGLE-3: the draft's hidden size (fc's output)
+    fc_bias: bool = False
+
+
+@dataclass(frozen=True)
+class EagleHead:
+    """An EAGLE draft head's checkpoint, read from its config.json and weight names."""
+
+    algorithm: str  # EAGLE or EAGLE3
+    draft_vocab_size: int  # EAGLE-3's lm_head may cover the most frequent tokens only
+    fc_bias: bool
+    own_lm_head: bool  # EAGLE-3's own lm_head (else the model's)
+    layers: tuple[int, ...] = ()  # EAGLE-3's taps (EagleTap.layers)
+
+    @classmethod
+    def read(cls, hf: dict[str, Any], names: set[str], model_layers: int) -> EagleHead:
+        """`names`: the head checkpoint's tensor names, without a `model.` prefix."""
+        arch = (hf.get("architectures") or [""])[0]
+        algorithm = EAGLE_ARCHITECTURES.get(arch)
+        if algorithm is None:
+            raise ModelConfigError(
+                f"architectures {arch!r} is not an EAGLE draft head "
+                f"({', '.join(EAGLE_ARCHITECTURES)})"
+            )
+        if int(hf.get("num_hidden_layers", 1)) != 1:
+            raise ModelConfigError(
+                f"an EAGLE head of {hf['num_hidden_layers']} layers; kiln's have one (as SGLang's)"
+            )
+        layers: tuple[int, ...] = ()
+        if algorithm == "EAGLE3":
+            ids = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+            # SGLang's: the stream entering layers 2, L/2 and L-3; a head's config names the
+            # layers whose output it read (so the stream entering the next one)
+            wanted = [int(i) + 1 for i in ids] if ids else [2, model_layers // 2, model_layers - 3]
+            if any(not 0 <= i <= model_layers for i in wanted) or len(set(wanted)) != len(wanted):
+                raise ModelConfigError(
+                    f"EAGLE-3 taps the model's layers {wanted}: the model has {model_layers}"
+                )
+            layers = tuple(wanted)
+        vocab = int(hf.get("draft_vocab_size") or hf["vocab_size"])
+        # SGLang's: EAGLE-3's fc has a bias where the config says `bias`; EAGLE's where the
+        # head has one
+        bias = bool(hf.get("bias", False)) if algorithm == "EAGLE3" else "fc.bias" in names
+        return cls(algorithm, vocab, bias, "lm_head.weight" in names, layers)
+
+    def tap(self, hidden_size: int) -> EagleTap:
+        return EagleTap(self.layers, hidden_size, self.fc_bias)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shapes and numerics of a decoder-only transformer, read once from config.json."""

@@ -18,7 +18,7 @@ from torch import nn
 
 from kiln.core import ops
 from kiln.core.trace import Value
-from kiln.models.config import ModelConfig
+from kiln.models.config import EagleTap, ModelConfig
 from kiln.models.rope import inv_freq
 
 
@@ -61,16 +61,19 @@ def _qk_layernorm(cfg: ModelConfig, heads: int) -> nn.Module:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, in_features: int = 0) -> None:
+        """`in_features`: what q, k and v read, where not the hidden size (EAGLE-3's draft
+        layer reads its token's and its hidden state's norms side by side)."""
         super().__init__()
         self.cfg, self.layer = cfg, layer
         h = cfg.hidden_size
+        width = in_features or h
         if cfg.fused_qkv:  # Phi-3: one [q; k; v] tensor in the checkpoint
-            self.qkv_proj = nn.Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=False)
+            self.qkv_proj = nn.Linear(width, cfg.q_size + 2 * cfg.kv_size, bias=False)
         else:
-            self.q_proj = nn.Linear(h, cfg.q_size, bias=cfg.qkv_bias)
-            self.k_proj = nn.Linear(h, cfg.kv_size, bias=cfg.qkv_bias)
-            self.v_proj = nn.Linear(h, cfg.kv_size, bias=cfg.qkv_bias)
+            self.q_proj = nn.Linear(width, cfg.q_size, bias=cfg.qkv_bias)
+            self.k_proj = nn.Linear(width, cfg.kv_size, bias=cfg.qkv_bias)
+            self.v_proj = nn.Linear(width, cfg.kv_size, bias=cfg.qkv_bias)
         self.o_name = "dense" if cfg.model_type == "phi" else "o_proj"  # Phi-2's name
         setattr(self, self.o_name, nn.Linear(cfg.q_size, h, bias=cfg.o_bias))
         if cfg.attn_sinks:
@@ -524,12 +527,24 @@ class CausalLM(nn.Module):
     `embedding` (SGLang's --is-embedding), their final hidden states instead (no lm_head:
     the runtime pools the last token's), or a classifier's label logits (its score head);
     with `hidden_states` (--enable-return-hidden-states), (logits, final hidden states) of
-    those rows."""
+    those rows; with `eagle` (models/eagle.py `EagleTap`), (logits, what an EAGLE draft
+    reads) of every row."""
 
-    def __init__(self, cfg: ModelConfig, embedding: bool = False, hidden_states: bool = False):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        embedding: bool = False,
+        hidden_states: bool = False,
+        eagle: EagleTap | None = None,
+    ):
         super().__init__()
         self.cfg = cfg
         self.embedding, self.hidden_states = embedding, hidden_states
+        self.eagle = eagle
+        if eagle is not None and eagle.layers:  # EAGLE-3's fc, its draft's first linear
+            self.eagle3_fc = nn.Linear(
+                len(eagle.layers) * cfg.hidden_size, eagle.hidden_size, bias=eagle.fc_bias
+            )
         self.model = Backbone(cfg)
         if cfg.num_labels:  # a classifier: its score head, whatever `embedding` says
             self.score = nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False)
@@ -561,24 +576,49 @@ class CausalLM(nn.Module):
         h = ops.embedding(input_ids, self.model.embed_tokens.weight, role="embedding")
         if cfg.embed_scale != 1.0:
             h = ops.scale(h, factor=cfg.embed_scale)
+        taps = []  # EAGLE-3: the residual stream entering these layers (L: the last's output)
+        tapped = self.eagle.layers if self.eagle is not None else ()
         for i, layer in enumerate(self.model.layers):
+            if i in tapped:
+                taps.append(h)
             h = layer(h, local if cfg.layer_rope(i) is cfg.local_rope else cos_sin)
+        if cfg.num_layers in tapped:
+            taps.append(h)
         final_norm = getattr(self.model, self.model.norm_name)
+        if self.eagle is not None:  # every row's tap: the draft reads each token checked
+            if taps:  # EAGLE-3: the draft's fc over the tapped layers' streams
+                fc = self.eagle3_fc
+                tap = ops.linear(ops.concat(*taps), fc.weight, fc.bias)
+                h = _norm(cfg, ops.index_select(h, logits_indices), final_norm)
+            else:  # EAGLE: the final norm's output
+                tap = _norm(cfg, h, final_norm)
+                h = ops.index_select(tap, logits_indices)
+            return self._logits(h), tap
         h = _norm(cfg, ops.index_select(h, logits_indices), final_norm)
         if cfg.num_labels:  # one logit a label (the runtime pools the last token's)
             return ops.linear(h, self.score.weight, role="score")
         if self.embedding:
             return h
-        bias = self.lm_head.bias if self.cfg.lm_head_bias else None
+        logits = self._logits(h)
+        return (logits, h) if self.hidden_states else logits
+
+    def _logits(self, h: Value) -> Value:
+        cfg = self.cfg
+        bias = self.lm_head.bias if cfg.lm_head_bias else None
         logits = ops.linear(h, self.lm_head_weight, bias, role="lm_head")
         if cfg.logits_scale != 1.0:  # Granite's logits_scaling
             logits = ops.scale(logits, factor=cfg.logits_scale)
         if cfg.final_softcap:
             logits = ops.softcap(logits, cap=cfg.final_softcap)
-        return (logits, h) if self.hidden_states else logits
+        return logits
 
 
-def build(cfg: ModelConfig, embedding: bool = False, hidden_states: bool = False) -> CausalLM:
+def build(
+    cfg: ModelConfig,
+    embedding: bool = False,
+    hidden_states: bool = False,
+    eagle: EagleTap | None = None,
+) -> CausalLM:
     """The definition on the meta device: names and shapes, no memory."""
     with torch.device("meta"):
-        return CausalLM(cfg, embedding, hidden_states)
+        return CausalLM(cfg, embedding, hidden_states, eagle)

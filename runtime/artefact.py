@@ -71,6 +71,10 @@ class ModelSpec:
     labels: tuple[str, ...] = ()
     # --enable-return-hidden-states: its steps give the logits rows' final hidden states too
     return_hidden_states: bool = False
+    # EAGLE: its steps give every row's hidden states for its head, this wide, too
+    eagle_hidden: int = 0
+    # An EAGLE-3 head's logits: its draft vocabulary (None: vocab_size)
+    logits_size: int | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -315,14 +319,18 @@ def _check_agreement(root: Path, spec: ModelSpec, graph: Graph) -> None:
             if table.dtype != spec.dtype and n.op != "quant_embedding":
                 refuse("dtype", spec.dtype, table.dtype)
     outs = infer_types(graph)[graph.output.name]
-    if len(outs) != 1 + spec.return_hidden_states:
+    if len(outs) != 1 + (spec.return_hidden_states or spec.eagle_hidden > 0):
         refuse("return_hidden_states", spec.return_hidden_states, f"{len(outs)} step outputs")
+    if spec.eagle_hidden and outs[1].features != spec.eagle_hidden:
+        refuse("eagle_hidden", spec.eagle_hidden, f"hidden states of {outs[1].features}")
     out = outs[0]
     head = any(n.meta.get("role") == "lm_head" for n in graph.nodes)
     if spec.is_embedding == head:  # an embedding model's steps end at the final norm
         refuse("is_embedding", spec.is_embedding, "an lm_head" if head else "no lm_head")
-    if head and out.features != spec.vocab_size:
-        refuse("vocab_size", spec.vocab_size, f"logits of {out.features} features")
+    if head and out.features != (spec.logits_size or spec.vocab_size):
+        refuse(
+            "vocab_size", spec.logits_size or spec.vocab_size, f"logits of {out.features} features"
+        )
     score = any(n.meta.get("role") == "score" for n in graph.nodes)  # a classifier's head
     if score != bool(spec.labels) or (score and out.features != len(spec.labels)):
         had = f"a score head of {out.features} labels" if score else "no score head"

@@ -52,6 +52,7 @@ from kiln.runtime.speculative import (
     TIMED_KV,
     TIMED_ROWS,
     DraftModel,
+    EagleDraft,
     SpeculativeConfig,
     StepCosts,
     acceptance,
@@ -237,9 +238,11 @@ class Engine:
         return nodes
 
     def _draft_model(self, kv_tokens: int) -> DraftModel | None:
-        """A STANDALONE artefact's draft model (its artefact in draft/, opened under the
-        same rules), with a KV pool of as many tokens as the model's."""
-        if self.speculative is None or self.speculative.algorithm != "STANDALONE":
+        """A STANDALONE artefact's draft model or an EAGLE one's head (its artefact in
+        draft/, opened under the same rules), with a KV pool of as many tokens as the
+        model's."""
+        spec = self.speculative
+        if spec is None or spec.draft is None:
             return None
         draft = Artefact.open(
             self.art.root / fmt.DRAFT_DIR,
@@ -254,6 +257,8 @@ class Engine:
             )
         runner = ModelRunner(draft, kv_tokens, self.context_length)
         runner.warm_up()
+        if spec.algorithm in ("EAGLE", "EAGLE3"):
+            return EagleDraft(runner, spec.draft.get("hot_ids"))
         return DraftModel(runner)
 
     def _time_steps(self) -> StepCosts:
@@ -875,6 +880,7 @@ class Engine:
         sampling = [r for r, s in zip(batch.requests, batch.sample, strict=True) if s]
         try:
             start = time.perf_counter()
+            before = [r.kv_len for r in batch.requests]
             logits = self.runner.forward(batch)
             costs = self.step_costs
             # What a decode step of a row count the planner knows cost (a bigger batch's
@@ -888,7 +894,9 @@ class Engine:
             if self.art.spec.return_hidden_states:
                 self._keep_hidden_states(batch)
             if batch.verify:
-                return self._accept(batch, logits)
+                failed = self._accept(batch, logits)
+                self._keep_for_head(batch, before)
+                return failed
             if self.art.spec.is_embedding:
                 scores_only = bool(self.art.spec.labels)  # a classifier's logits, as they are
                 for req, row in zip(sampling, _rows(logits), strict=True):
@@ -919,12 +927,28 @@ class Engine:
             mid = len(batch.requests) // 2
             return self._execute(batch.subset(0, mid)) + self._execute(batch.subset(mid, None))
         self.scheduler.commit(batch, tokens)
+        self._keep_for_head(batch, before)
         for req, lp in zip(sampling, logprobs, strict=True):
             if lp is not None:
                 req.logprobs.append(lp)
         for req, lps in scores:
             req.prompt_logprobs += lps
         return []
+
+    def _keep_for_head(self, batch: Batch, before: list[int]) -> None:
+        """An EAGLE head's input: the model's hidden states (every fed row's: the step's
+        second output) of the positions each request kept, from its KV length `before`
+        the step to its KV length now."""
+        head = self.draft_model
+        if not isinstance(head, EagleDraft):
+            return
+        hidden = self.runner.hidden
+        rows = hidden if isinstance(hidden, np.ndarray) else hidden.float().cpu().numpy()
+        at = 0
+        for req, fed, first in zip(batch.requests, batch.new_tokens, before, strict=True):
+            if not req.finished and req.kv_len > first:
+                head.keep(req, first, rows[at : at + req.kv_len - first])
+            at += len(fed)
 
     def _keep_hidden_states(self, batch: Batch) -> None:
         """The step's final hidden states (one row per logits row, runtime/model_runner.py)
@@ -1032,7 +1056,8 @@ class Engine:
             req.spec_drafted += len(fed) - 1
         if not req.finished:
             self.scheduler.trim(req)
-            DraftModel.settle(req)
+            if self.draft_model is not None:
+                self.draft_model.settle(req)
 
     def _sampling_row(self, req: Request) -> SamplingRow:
         if req.sampling_row is not None:

@@ -78,9 +78,14 @@ class ModelRunner:
         )
         self.step = StepContext.over(self.kv, spec.page_size)
         self._recorder: Recorder | None = None
-        # --enable-return-hidden-states: the last step's final hidden states, one row per
-        # logits row (what `run` returned the logits of)
+        # The last step's second output: --enable-return-hidden-states' final hidden states,
+        # one row per logits row (what `run` returned the logits of); an EAGLE model's
+        # every row's hidden states for its head; an EAGLE head's own, per logits row
         self.hidden: Any = None
+        # An EAGLE head's: the width of the hidden state each fed token comes with
+        self.hidden_in = next(
+            (n.attrs["features"] for n in art.graph.nodes if n.op == "step_hidden"), 0
+        )
         self.decode = self._decode_runner(art, context_length or spec.context_length)
         self.prefill = self._prefill_runner(art)
         self.group: TPGroup | None = None  # rank 0 of a tensor-parallel artefact
@@ -112,12 +117,13 @@ class ModelRunner:
             self._executor = Executor(self.art.graph, self.art.weights, self.art.lib)
         return self._executor
 
-    def forward(self, batch: Batch, all_logits: bool = False) -> Logits:
+    def forward(self, batch: Batch, all_logits: bool = False, hidden: Any = None) -> Logits:
         """Logits of the last fed token of each request that samples this step, and of
         every fed token of each scored one (`Batch.rows`, in batch order), or of every fed
         token when `all_logits`: a numpy array from the native step (runtime/sampler.py
-        `Logits`)."""
+        `Logits`). `hidden`: an EAGLE head's, each fed token's hidden state."""
         step = self.inputs(batch, all_logits)
+        step.hidden = hidden
         if self.group is not None:
             self.group.send(step)
         return self.run(step)
@@ -180,6 +186,8 @@ class ModelRunner:
                     [0] * m, [kv - 1] * m, list(range(m)), [1] * m, [kv] * m,
                     [len(pages)] * m, pages * m,
                 )  # fmt: skip
+                if self.hidden_in:
+                    step.hidden = np.zeros((m, self.hidden_in), dtype=np.float32)
                 best = math.inf
                 for i in range(repeats + 1):
                     start = time.perf_counter()
@@ -198,7 +206,10 @@ class ModelRunner:
         # A step with an adapter's rows runs in the native step's LoRA hooks, or in the
         # executor whose linears add the deltas (runtime/lora.py), never in a recording.
         lora = step.adapters is not None
-        bucket = None if self.decode is None else self.decode.bucket(step)
+        # (an EAGLE head's step, which reads hidden states, is never lowered: the executor)
+        bucket = (
+            None if self.decode is None or step.hidden is not None else self.decode.bucket(step)
+        )
         if bucket is not None and (not lora or self.native_lora):
             assert self.decode is not None
             logits = self.decode.run(self.step, step, bucket)
@@ -209,6 +220,10 @@ class ModelRunner:
             assert self.prefill is not None
             return self.prefill.run(self.step, step, tokens)
         ctx, ids, positions, rows = self.step.plan(step)
+        if step.hidden is not None:  # an EAGLE head's step
+            import torch
+
+            ctx.hidden = torch.from_numpy(step.hidden)
         if lora:
             from kiln.runtime.lora import step_groups
 

@@ -37,8 +37,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from kiln.runtime.sampler import argmax_rows
 from kiln.runtime.scheduler import Batch
@@ -266,11 +268,21 @@ def plan_steps(
 class DraftSeq:
     """A request's sequence in the draft model's KV pool: the draft's own pages, and how
     many of the request's tokens have their K/V there (model_runner reads these, and the
-    LoRA slot, which a draft never has: speculation and adapters do not mix)."""
+    LoRA slot, which a draft never has: speculation and adapters do not mix).
+
+    An EAGLE head's (EagleDraft) also: the request's position of its first row (a prefix
+    served from the prefix cache has no hidden states from the model, so the head's
+    sequence starts after it), the rows made from the model's hidden states (`checked`;
+    rows past them were made from the head's own), and the model's hidden states of the
+    positions after those, not yet fed (`pending`, blocks of rows, `pending_rows` in all)."""
 
     pages: list[int]
     kv_len: int = 0
     adapter: int = 0
+    start: int = 0
+    checked: int = 0
+    pending: list[np.ndarray] = field(default_factory=list)
+    pending_rows: int = 0
 
 
 class DraftModel:
@@ -320,8 +332,7 @@ class DraftModel:
                 drafts[i].append(t)
         return drafts
 
-    @staticmethod
-    def settle(req: Request) -> None:
+    def settle(self, req: Request) -> None:
         """After a verify step: the draft's K/V is right only up to the tokens kept."""
         if req.draft is not None:
             req.draft.kv_len = min(req.draft.kv_len, req.kv_len)
@@ -331,3 +342,101 @@ class DraftModel:
         if req.draft is not None:
             self.pool.free(req.draft.pages)
             req.draft = None
+
+
+# An EAGLE head's pending hidden states a request may hold (rows the model checked while
+# the head drafted nothing for it: a batch too big to speculate); past it the head's
+# sequence starts again at the newest.
+MAX_PENDING_ROWS = 4096
+
+
+class EagleDraft(DraftModel):
+    """An EAGLE or EAGLE-3 head (models/eagle.py) as a draft model. Its row at position p
+    reads the token at p + 1 and a hidden state for p: the model's, for the tokens it
+    checked (`keep` takes them from each of the model's steps), the head's own output at
+    the row before, for the tokens it drafts. `propose` feeds the head every checked
+    position it has not seen (in one step) and takes its greedy guess at the token after
+    the request's last, then drafts on from its own hidden states; `settle` cuts the
+    head's sequence back to the rows made from the model's hidden states. `hot_ids`: an
+    EAGLE-3 head's draft vocabulary, as the model's ids."""
+
+    def __init__(self, runner: ModelRunner, hot_ids: Sequence[int] | None = None) -> None:
+        super().__init__(runner)
+        self.hot_ids = None if hot_ids is None else np.asarray(hot_ids, dtype=np.int64)
+
+    def keep(self, req: Request, first: int, rows: np.ndarray) -> None:
+        """The model's hidden states of `req`'s positions from `first` on (a step's rows of
+        tokens it kept)."""
+        if not len(rows):
+            return
+        seq = req.draft
+        if seq is not None:
+            end = seq.start + seq.kv_len + seq.pending_rows  # the next position it wants
+            if first < end:  # a position it holds already (fed again): the same state
+                rows = rows[end - first :]
+                first = end
+            if first > end or seq.pending_rows + len(rows) > MAX_PENDING_ROWS:
+                self.release(req)
+                seq = None
+        if seq is None:  # the head's sequence starts here
+            seq = req.draft = DraftSeq([], start=first)
+        if len(rows):
+            seq.pending.append(rows)
+            seq.pending_rows += len(rows)
+
+    def propose(self, reqs: Sequence[Request], k: int) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in reqs]
+        live: list[tuple[int, DraftSeq]] = []
+        fed: list[list[int]] = []
+        for i, req in enumerate(reqs):
+            seq = req.draft
+            # the positions the model checked and the head has not seen: up to the one
+            # before the request's last token (whose hidden state the next step gives)
+            if seq is None or seq.start + seq.kv_len + seq.pending_rows != req.num_tokens - 1:
+                continue
+            if seq.pending_rows == 0:
+                continue
+            need = self.pool.pages_for(seq.kv_len + seq.pending_rows + k - 1) - len(seq.pages)
+            if need > 0:
+                if self.pool.free_pages < need:
+                    continue
+                seq.pages += self.pool.allocate(need)
+            begin = seq.start + seq.kv_len
+            live.append((i, seq))
+            fed.append(req.all_ids[begin + 1 : req.num_tokens])
+        if not live:
+            return drafts
+        seqs = [seq for _, seq in live]
+        hidden = np.concatenate([b for seq in seqs for b in seq.pending]).astype(np.float32)
+        batch = Batch(seqs, fed, [True] * len(seqs), is_prefill=True)  # type: ignore[arg-type]
+        tokens = self._guesses(self.runner.forward(batch, hidden=hidden))
+        for seq, f in zip(seqs, fed, strict=True):
+            seq.kv_len += len(f)
+            seq.checked = seq.kv_len
+            seq.pending, seq.pending_rows = [], 0
+        for (i, _), t in zip(live, tokens, strict=True):
+            drafts[i].append(t)
+        for _ in range(k - 1):
+            own = self._own_hidden()
+            batch = Batch(seqs, [[drafts[i][-1]] for i, _ in live], [True] * len(seqs), False)  # type: ignore[arg-type]
+            tokens = self._guesses(self.runner.forward(batch, hidden=own))
+            for seq in seqs:
+                seq.kv_len += 1
+            for (i, _), t in zip(live, tokens, strict=True):
+                drafts[i].append(t)
+        return drafts
+
+    def _own_hidden(self) -> np.ndarray:
+        """The head's output at each sequence's last row of the step just run."""
+        h = self.runner.hidden
+        return h if isinstance(h, np.ndarray) else h.float().cpu().numpy()
+
+    def _guesses(self, logits: Any) -> list[int]:
+        ids = argmax_rows(logits)
+        return ids if self.hot_ids is None else [int(self.hot_ids[t]) for t in ids]
+
+    def settle(self, req: Request) -> None:
+        """After a verify step: the rows made from the head's own hidden states go (the
+        model's hidden states of the tokens it kept come in their place: `keep`)."""
+        if req.draft is not None:
+            req.draft.kv_len = req.draft.checked

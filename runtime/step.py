@@ -49,6 +49,9 @@ class StepInputs:
     # Each sequence's LoRA adapter slot (runtime/lora.py; 0: the base model), or None when
     # no sequence has one; every tensor-parallel rank holds the same adapters in the same slots.
     adapters: list[int] | None = None
+    # An EAGLE head's step: each new token's hidden state (float32 [tokens, width], numpy;
+    # a head runs at tensor-parallel size 1, so it is not encoded)
+    hidden: Any = None
 
     @property
     def decode(self) -> bool:

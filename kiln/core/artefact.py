@@ -241,16 +241,21 @@ class LongRope(_Strict):
 
 
 class DraftRef(_Strict):
-    """The draft model of a STANDALONE artefact, whose own artefact is in DRAFT_DIR."""
+    """The draft model of a STANDALONE artefact, or the head of an EAGLE one, whose own
+    artefact is in DRAFT_DIR."""
 
     cache_key: str = Field(pattern=r"^[0-9a-f]{64}$")
     vocab_size: int = Field(gt=0, le=MAX_VOCAB)
+    # An EAGLE-3 head's draft vocabulary: the model's id of each of its logits
+    hot_ids: list[Annotated[int, Field(ge=0, lt=MAX_VOCAB)]] | None = Field(
+        default=None, max_length=MAX_VOCAB
+    )
 
 
 class Speculative(_Strict):
     """Speculative decoding as compiled (compiler/options.py, runtime/speculative.py)."""
 
-    algorithm: Literal["NGRAM", "STANDALONE"]
+    algorithm: Literal["NGRAM", "STANDALONE", "EAGLE", "EAGLE3"]
     num_draft_tokens: int = Field(ge=2, le=MAX_DRAFT_TOKENS)
     num_steps: int | None = Field(default=None, ge=1, lt=MAX_DRAFT_TOKENS)
     draft: DraftRef | None = None
@@ -262,8 +267,16 @@ class Speculative(_Strict):
     def _windows(self) -> Speculative:
         if self.ngram_max_window < self.ngram_min_window:
             raise ValueError("ngram_max_window is below ngram_min_window")
-        if (self.algorithm == "STANDALONE") != (self.draft is not None):
-            raise ValueError("a draft model is STANDALONE's, and STANDALONE needs one")
+        if (self.algorithm != "NGRAM") != (self.draft is not None):
+            raise ValueError("STANDALONE and EAGLE need a draft model, NGRAM has none")
+        draft = self.draft
+        hot = None if draft is None else draft.hot_ids
+        if (
+            draft is not None
+            and hot is not None
+            and (self.algorithm != "EAGLE3" or max(hot, default=0) >= draft.vocab_size)
+        ):
+            raise ValueError("hot_ids are an EAGLE-3 head's ids in the model's vocabulary")
         return self
 
 
@@ -306,6 +319,10 @@ class RuntimeSpec(_Strict):
     )
     # --enable-return-hidden-states: the graph returns (logits, final hidden states)
     return_hidden_states: bool = False
+    # EAGLE: the graph returns (logits, the hidden states its head reads, every row's)
+    eagle_hidden: int = Field(default=0, ge=0, le=MAX_HIDDEN)
+    # An EAGLE-3 head's logits: its draft vocabulary, where smaller than vocab_size
+    logits_size: int | None = Field(default=None, gt=0, le=MAX_VOCAB)
 
 
 class Manifest(_Strict):

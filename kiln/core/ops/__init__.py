@@ -25,6 +25,7 @@ from kiln.core.ops.attention import attention, rope_attention
 from kiln.core.ops.collective import all_gather, all_reduce
 from kiln.core.ops.elementwise import (
     add,
+    concat,
     gelu_tanh,
     index_select,
     mul,
@@ -35,6 +36,7 @@ from kiln.core.ops.elementwise import (
     silu_and_mul,
     softcap,
     split,
+    step_hidden,
 )
 from kiln.core.ops.linear import PROLOGUES, embedding, linear
 from kiln.core.ops.mla import head_linear, latent_attention, mla_attention
@@ -142,6 +144,7 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "attention",
+    "concat",
     "constant",
     "embedding",
     "gelu_tanh",
@@ -166,4 +169,5 @@ __all__ = [
     "silu_and_mul",
     "softcap",
     "split",
+    "step_hidden",
 ]

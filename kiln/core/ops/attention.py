@@ -77,6 +77,8 @@ class AttentionBatch:
     # index tensor, or None for all)
     lora: list[tuple[int, Any]] = field(default_factory=list)
     max_q_len: int = 0
+    # An EAGLE head's step: the hidden state each row reads (`step_hidden`), [tokens, width]
+    hidden: torch.Tensor | None = None
 
     @classmethod
     def build(

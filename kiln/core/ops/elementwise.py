@@ -137,6 +137,46 @@ def index_select(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, index)
 
 
+def _concat(check: Check, a: dict[str, Any], ins: list[Any]) -> Any:
+    parts = [check.float_tensor(t) for t in ins]
+    widths = [p.features for p in parts]
+    for p in parts[1:]:
+        check.same_dtype(parts[0], p)
+    if any(w is None for w in widths):
+        raise check.fail("concat of a value without features")
+    return TensorType(sum(w for w in widths if w is not None), parts[0].dtype)
+
+
+@op("x, *rest", rule=_concat)
+def concat(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+    """The inputs' features side by side, row by row (EAGLE's token and hidden state)."""
+    return torch.cat([x, *rest], dim=-1)
+
+
+@dataclass(frozen=True, slots=True)
+class Width(Attrs):
+    features: int
+
+
+def _step_hidden(check: Check, a: dict[str, Any], ins: list[Any]) -> Any:
+    like = check.float_tensor(ins[0])
+    check.positive(features=a["features"])
+    return TensorType(a["features"], like.dtype)
+
+
+@op("like", Width, rule=_step_hidden, needs_ctx=True)
+def step_hidden(ctx: Any, like: torch.Tensor, *, a: Width) -> torch.Tensor:
+    """The hidden states the runtime feeds this step, a row per token (an EAGLE draft's
+    input: the model's own for the tokens it checked, the draft's for those it drafted),
+    in the type and on the device of `like`, a value of the same rows."""
+    hidden = ctx.hidden
+    if hidden is None or tuple(hidden.shape) != (like.shape[0], a.features):
+        got = None if hidden is None else tuple(hidden.shape)
+        raise ValueError(f"step_hidden: the step fed hidden states {got}, the graph reads "
+                         f"{(like.shape[0], a.features)}")  # fmt: skip
+    return hidden.to(device=like.device, dtype=like.dtype)
+
+
 # Ops whose output feature j depends on input feature j alone (split inputs stay split).
 ELEMENTWISE = (add, mul, silu, relu2, gelu_tanh, scale, softcap, silu_and_mul)
 OPS = (
@@ -151,4 +191,6 @@ OPS = (
     sigmoid_gate,
     split,
     index_select,
+    concat,
+    step_hidden,
 )
