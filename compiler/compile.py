@@ -198,9 +198,9 @@ class _Eagle:
         """The head's artefact in `tmp`'s draft/ (after the model's tokenizer, which it
         shares); the manifest's record of it."""
         out = tmp / fmt.DRAFT_DIR
-        # steps return (logits, hidden states), and run in the executor: no native step
+        # its steps return (logits, its own hidden states), on the model's capture plan
         dargs = draft_args(args, int8_activations=False).replace(
-            enable_return_hidden_states=True, disable_cuda_graph=True
+            enable_return_hidden_states=True, disable_cuda_graph=args.disable_cuda_graph
         )
         options = compile_options(dargs, ck, self.reader, self.cfg)
         graph, constants = trace(build_eagle(self.cfg, self.head))
@@ -212,17 +212,21 @@ class _Eagle:
         native_kernels = any(
             n.meta.get("backend") == "kiln_cpu" for n in graph.nodes if n.op not in STRUCTURAL_OPS
         )
-        built = None
+        built = step_info = None
+        step = _lower_step(graph, options, native_kernels)
         if native_kernels:
             assert ck.toolchain is not None
             built = _native_build(ck.target, ck.toolchain, out)
+        if step is not None:
+            assert ck.toolchain is not None
+            step_info = _step_build(step, ck.target, ck.toolchain, out)
         _write_weights(out / fmt.weights_file(0), graph, self.reader, constants)
         (out / fmt.graph_file(0)).write_text(graph.dumps())
         shutil.copytree(tmp / fmt.TOKENIZER_DIR, out / fmt.TOKENIZER_DIR)
         manifest = _manifest(dargs, self.cfg, graph, out, ck, pass_log)
         if self.head.draft_vocab_size != self.cfg.vocab_size:
             manifest["runtime"]["logits_size"] = self.head.draft_vocab_size
-        manifest["native"], manifest["native_step"] = built, None
+        manifest["native"], manifest["native_step"] = built, step_info
         (out / fmt.MANIFEST).write_text(json.dumps(manifest, indent=1))
         ref: dict[str, Any] = {
             "cache_key": ck.factors["speculative_draft"],

@@ -153,6 +153,9 @@ class _Lowering:
         self.rope_widths: list[int] = []  # each rope_cos_sin node's table width
         # LoRA hooks: each linear an adapter may touch, by its weight's index (W[i])
         self.lora_hooks: list[int] = []
+        # The second output's width and rows (1: every row, 0: the logits rows), and the
+        # width of the hidden states an EAGLE head's step reads (its step_hidden node)
+        self.hidden_width, self.hidden_rows, self.hidden_in = 0, 0, 0
 
     # -- values ---------------------------------------------------------------------------
     def width_of(self, n: Node) -> int:
@@ -197,13 +200,13 @@ class _Lowering:
             for a in n.args:
                 last[id(a)] = i
         out = g.output
-        if len(out.args) != 1:
-            raise Refused(
-                "the graph returns hidden states too (--enable-return-hidden-states, EAGLE)"
-            )
+        if len(out.args) > 2:
+            raise Refused(f"a step of {len(out.args)} outputs")
         self.out_node = out.args[0]
         for i, n in enumerate(g.nodes):
             if n.op == "output":
+                if len(out.args) == 2:  # hidden states (--enable-return-hidden-states, EAGLE)
+                    self._second_output(i, out.args[1])
                 break
             self.lower(i, n)
             self.nodes.append(n.format())
@@ -225,6 +228,18 @@ class _Lowering:
             self.logits_width,
             self.calls,
             self.nodes,
+        )
+
+    def _second_output(self, i: int, n: Node) -> None:
+        """The hidden states a step returns besides its logits, copied to s->hidden: every
+        row's (an EAGLE model's) or the logits rows' (--enable-return-hidden-states, an
+        EAGLE head's own)."""
+        h = self.buf(n)
+        if h.rows not in ("M", "R"):
+            raise Refused(f"%{n.name}: hidden states over {h.rows} rows")
+        self.hidden_width, self.hidden_rows = h.width, int(h.rows == "M")
+        self.emit(
+            i, f"step_copy({h.expr}, {h.stride}, {h.width}, {h.rows}, s->hidden, {h.width})", False
         )
 
     def keep(self, n: Node, value: Any) -> None:
@@ -673,6 +688,32 @@ class _Lowering:
             raise Refused(f"%{n.name}: split of {x.width} into {a['sizes']}")
         self.keep(n, tuple(parts))
 
+    def _concat(self, i: int, n: Node, a: dict[str, Any]) -> None:
+        parts = [self.buf(x) for x in n.args]
+        rows = {p.rows for p in parts}
+        if len(rows) != 1:
+            raise Refused(f"%{n.name}: concat of values over {sorted(rows)} rows")
+        out = self.new(n, sum(p.width for p in parts), parts[0].rows)
+        at = 0
+        for p in parts:
+            self.emit(
+                i,
+                f"step_copy({p.expr}, {p.stride}, {p.width}, {p.rows}, {out.expr} + {at}, "
+                f"{out.stride})",
+                checked=False,
+            )
+            at += p.width
+        self.keep(n, out)
+
+    def _step_hidden(self, i: int, n: Node, a: dict[str, Any]) -> None:
+        if self.buf(n.args[0]).rows != "M":
+            raise Refused(f"%{n.name}: hidden states of other than the step's rows")
+        width = _int(a["features"], "step_hidden features")
+        if self.hidden_in not in (0, width):
+            raise Refused(f"%{n.name}: a second width of hidden states read")
+        self.hidden_in = width
+        self.keep(n, Buf("s->hidden_in", width, width, "M"))
+
     def _index_select(self, i: int, n: Node, a: dict[str, Any]) -> None:
         x = self.buf(n.args[0])
         if self.values.get(id(n.args[1])) != "s->logits_rows" or x.rows != "M":
@@ -699,6 +740,9 @@ class _Lowering:
             f"int64_t kiln_step_arena_width(void) {{ return {max(self.arena.width, 1)}; }}",
             f"int64_t kiln_step_weights(void) {{ return {len(self.weights)}; }}",
             f"int64_t kiln_step_logits_width(void) {{ return {self.logits_width}; }}",
+            f"int64_t kiln_step_hidden_width(void) {{ return {self.hidden_width}; }}",
+            f"int64_t kiln_step_hidden_rows(void) {{ return {self.hidden_rows}; }}",
+            f"int64_t kiln_step_hidden_in_width(void) {{ return {self.hidden_in}; }}",
             f"int64_t kiln_step_pool_floats(void) {{ return {self.pool_floats}; }}",
             f"int64_t kiln_step_kv_format(void) {{ return {self.kv_format}; }}",
             f"static const int64_t ROPE_WIDTHS[] = {{{widths}}};",
@@ -735,5 +779,5 @@ class _Lowering:
 # Graph ops whose native form is a loop of kiln_step.h rather than a kiln_cpu kernel.
 _TORCH_NATIVE = frozenset(
     {"rope_cos_sin", "embedding", "add", "mul", "scale", "silu", "relu2"}
-    | {"split", "index_select"}
+    | {"split", "index_select", "concat", "step_hidden"}
 )

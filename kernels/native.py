@@ -117,7 +117,7 @@ STEP_KERNELS = (
 KV_FORMATS = {"float32": 0, "float8_e4m3fn": 1, "float8_e5m2": 2}
 # kiln_step_abi() of a step whose kiln_step_args (kiln_step.h) and exports match
 # runtime/native_step.py and these signatures (compiler/lower_step.py writes it).
-STEP_ABI = 8
+STEP_ABI = 9
 # A step library's exports (compiler/lower_step.py writes them).
 STEP_SIGNATURES = {
     "kiln_step_abi": (_I64, []),
@@ -125,6 +125,9 @@ STEP_SIGNATURES = {
     "kiln_step_weights": (_I64, []),
     "kiln_step_weight_bytes": (_I64, [_I64]),
     "kiln_step_logits_width": (_I64, []),
+    "kiln_step_hidden_width": (_I64, []),
+    "kiln_step_hidden_rows": (_I64, []),
+    "kiln_step_hidden_in_width": (_I64, []),
     "kiln_step_pool_floats": (_I64, []),
     "kiln_step_kv_format": (_I64, []),
     "kiln_step_rope_tables": (_I64, []),

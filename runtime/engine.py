@@ -957,7 +957,8 @@ class Engine:
         hidden, at = self.runner.hidden, 0
         for req, fed, count in zip(batch.requests, batch.new_tokens, batch.rows(), strict=True):
             if req.return_hidden_states and count:
-                rows = hidden[at : at + count].float().cpu().numpy()
+                rows = hidden[at : at + count]  # a numpy array from the native step
+                rows = rows if isinstance(rows, np.ndarray) else rows.float().cpu().numpy()
                 first = req.kv_len + len(fed) - count  # the position of the first row
                 if first > len(req.hidden_states):  # its rows are computed in order
                     raise RuntimeError(f"hidden states from position {first} would leave a gap")

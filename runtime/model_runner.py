@@ -206,13 +206,12 @@ class ModelRunner:
         # A step with an adapter's rows runs in the native step's LoRA hooks, or in the
         # executor whose linears add the deltas (runtime/lora.py), never in a recording.
         lora = step.adapters is not None
-        # (an EAGLE head's step, which reads hidden states, is never lowered: the executor)
-        bucket = (
-            None if self.decode is None or step.hidden is not None else self.decode.bucket(step)
-        )
+        bucket = None if self.decode is None else self.decode.bucket(step)
         if bucket is not None and (not lora or self.native_lora):
             assert self.decode is not None
             logits = self.decode.run(self.step, step, bucket)
+            if isinstance(self.decode, NativeStep) and self.decode.hidden_width:
+                self.hidden = self.decode.hidden  # a second output (of the rows it ran)
             # a padded bucket's extra rows go (the native step has none: no op to pay)
             return logits if len(logits) == len(step.rows) else logits[: len(step.rows)]
         tokens = None if lora or self.prefill is None else self.prefill.bucket(step)

@@ -68,6 +68,8 @@ class StepArgs(ctypes.Structure):
         ("ticks", _P),
         ("failed_at", _I),
         ("lora", _P),
+        ("hidden", _P),
+        ("hidden_in", _P),
     ]
 
 
@@ -184,6 +186,12 @@ class NativeStep:
         self.every_step = plan is not None and plan["prefill"]["mode"] == "native"
         self.width = int(step_lib.kiln_step_arena_width())
         self.vocab = int(step_lib.kiln_step_logits_width())
+        # The step's second output (hidden states: every row's, or the logits rows') and
+        # the hidden states an EAGLE head's step reads; `hidden`: the last step's output
+        self.hidden_width = int(step_lib.kiln_step_hidden_width())
+        self.hidden_every_row = bool(step_lib.kiln_step_hidden_rows())
+        self.hidden_in = int(step_lib.kiln_step_hidden_in_width())
+        self.hidden: np.ndarray | None = None
         self._arrays = arrays  # the weights the pointers below point into
         self._table = KernelTable(
             *(ctypes.cast(getattr(kernels, n), ctypes.c_void_p).value for n in native.STEP_KERNELS)
@@ -309,7 +317,19 @@ class NativeStep:
         a.slots, a.kv_lens, a.kv_rows, a.kv_index = (at + 8 * m * i for i in range(4))
         a.kv_pages = width
         a.logits = _address(logits)
-        a.failed_at = -1
+        a.hidden = a.hidden_in = None
+        if self.hidden_width:
+            self.hidden = np.empty(
+                (m if self.hidden_every_row else r, self.hidden_width), np.float32
+            )
+            a.hidden = _address(self.hidden)
+        if self.hidden_in:
+            fed = inputs.hidden
+            if fed is None or fed.shape != (m, self.hidden_in) or fed.dtype != np.float32:
+                got = None if fed is None else (fed.shape, fed.dtype)
+                raise ValueError(f"the step reads hidden states ({m}, {self.hidden_in}), got {got}")
+            fed = np.ascontiguousarray(fed)
+            a.hidden_in = _address(fed)  # `fed` lives until the call returns
         a.lora = self._lora_step(inputs) or None
         rc = self.fn(self._pointer)
         if rc != 0:

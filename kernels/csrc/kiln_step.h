@@ -134,6 +134,11 @@ typedef struct {
     int64_t *ticks;             /* NULL, or kiln_step_calls() + 1 clock readings (ns) out */
     int64_t failed_at;          /* out: the graph index of the node that failed */
     const kiln_lora *lora;      /* NULL: no row has an adapter */
+    float *hidden;              /* the step's second output (NULL: none): hidden states,
+                                 * kiln_step_hidden_width() a row, every row's or the
+                                 * logits rows' (kiln_step_hidden_rows()) */
+    const float *hidden_in;     /* an EAGLE head's: each row's hidden state, read by its
+                                 * step_hidden node, kiln_step_hidden_in_width() a row */
 } kiln_step_args;
 
 static inline int64_t step_now(void) {
@@ -201,6 +206,12 @@ static void step_unary(int what, const float *x, int64_t xs, float c, float *o, 
             }
         }
     }
+}
+
+/* Rows of n floats from x (stride xs) to o (stride os): a concat's part, a second output. */
+static void step_copy(const float *x, int64_t xs, int64_t n, int64_t rows, float *o,
+                      int64_t os) {
+    for (int64_t r = 0; r < rows; r++) memcpy(o + r * os, x + r * xs, (size_t)n * sizeof(float));
 }
 
 /* Rows `idx` of x (rows, n floats, stride xs) -> o; -1 for an index outside [0, rows). */

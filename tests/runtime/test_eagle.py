@@ -21,6 +21,7 @@ from kiln.compiler import report
 from kiln.compiler.compile import compile_model
 from kiln.example import make_checkpoint, make_eagle_head
 from kiln.runtime.engine import Engine
+from kiln.runtime.native_step import NativeStep
 from kiln.runtime.speculative import StepCosts
 
 # Every draft pays (the planner's cost model pinned): each decode step drafts the most.
@@ -63,16 +64,22 @@ def engines(
 ) -> dict[str, Engine]:
     root = tmp_path_factory.mktemp("eagle-arts")
     out = {"plain": Engine(_compile(target, root / "plain"), max_total_tokens=2048)}
-    for algorithm, head in heads.items():
+    # each algorithm's steps lowered to C (model and head), and EAGLE-3's in the executor
+    for name, algorithm, flags in [
+        ("EAGLE", "EAGLE", {}),
+        ("EAGLE3", "EAGLE3", {}),
+        ("EAGLE3-executor", "EAGLE3", {"disable_cuda_graph": True}),
+    ]:
         art = _compile(
             target,
-            root / algorithm,
+            root / name,
             speculative_algorithm=algorithm,
-            speculative_draft_model_path=str(head),
+            speculative_draft_model_path=str(heads[algorithm]),
             speculative_num_steps=3,
+            **flags,
         )
-        out[algorithm] = Engine(art, max_total_tokens=2048)
-        out[algorithm].step_costs = FREE_ROWS
+        out[name] = Engine(art, max_total_tokens=2048)
+        out[name].step_costs = FREE_ROWS
     return out
 
 
@@ -212,11 +219,16 @@ def _check(calls: list[Call], ref: Reference) -> None:
         )
 
 
-@pytest.mark.parametrize("algorithm", ["EAGLE", "EAGLE3"])
+@pytest.mark.parametrize("name", ["EAGLE", "EAGLE3", "EAGLE3-executor"])
 def test_every_draft_is_the_heads_over_the_models_hidden_states(
-    algorithm: str, engines: dict[str, Engine], target: Path, heads: dict[str, Path]
+    name: str, engines: dict[str, Engine], target: Path, heads: dict[str, Path]
 ) -> None:
-    engine, plain = engines[algorithm], engines["plain"]
+    engine, plain = engines[name], engines["plain"]
+    head = engine.draft_model
+    assert head is not None
+    native = name != "EAGLE3-executor"
+    assert isinstance(engine.runner.decode, NativeStep) == native
+    assert isinstance(head.runner.decode, NativeStep) == native
     calls = _recorded(engine)
     params = {"temperature": 0, "max_new_tokens": 12}
     got = engine.generate(PROMPTS, params)
@@ -228,10 +240,9 @@ def test_every_draft_is_the_heads_over_the_models_hidden_states(
     assert again["output_ids"] == got[0]["output_ids"]
     assert len(calls) >= 3 * 4
     assert any(start > 0 for _, start, _, _ in calls)
-    _check(calls, Reference(target, heads[algorithm]))
+    _check(calls, Reference(target, heads[name.split("-")[0]]))
     engine.flush_cache()
-    head = engine.draft_model
-    assert head is not None and head.pool.free_pages == head.pool.num_pages
+    assert head.pool.free_pages == head.pool.num_pages
 
 
 def _edit(file: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> None:
@@ -337,7 +348,7 @@ def test_the_compile_refuses_what_it_does_not_build_naming_the_flag(
     art = engines["EAGLE3"].art.root
     text = report.format_summary(report.summary(art))
     assert "speculate  EAGLE3: head " in text
-    assert "Python executor: the graph returns hidden states too" in text
+    assert "every step (decode, prefill, extend: a row a new token) lowered to C" in text
     manifest = json.loads((art / "manifest.json").read_text())
     hot = manifest["runtime"]["speculative"]["draft"]["hot_ids"]
     d2t = load_file(str(heads["EAGLE3"] / "model.safetensors"))["d2t"]
