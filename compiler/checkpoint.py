@@ -101,10 +101,15 @@ class CheckpointReader:
     def strip_prefix(self, prefix: str) -> None:
         """Read a tensor stored as `prefix + name` by `name` too (an EAGLE head's weights,
         which some heads store under `model.`)."""
+        self.rename_prefix(prefix, "")
+
+    def rename_prefix(self, prefix: str, to: str) -> None:
+        """Read a tensor stored as `prefix + name` by `to + name` too (a model's MTP layer,
+        model.layers.<L>., as its own head's)."""
         for key in list(self._where):
-            if key.startswith(prefix) and key[len(prefix) :] not in self._where:
-                short = key[len(prefix) :]
-                self._where[short], self._key[short] = self._where[key], self._key.get(key, key)
+            new = to + key[len(prefix) :]
+            if key.startswith(prefix) and new not in self._where:
+                self._where[new], self._key[new] = self._where[key], self._key.get(key, key)
 
     def borrow(self, name: str, other: CheckpointReader, as_name: str) -> None:
         """Read `name` from `other`'s `as_name` (an EAGLE head's embedding and lm_head are

@@ -20,7 +20,12 @@ from kiln.compiler.checkpoint import CheckpointError, CheckpointReader
 from kiln.compiler.hub import hub_name
 from kiln.compiler.key import CompileKey, draft_args, model_overrides, resolve_dtype
 from kiln.compiler.lower_step import LoweredStep, Refused, lower_step
-from kiln.compiler.options import EAGLE_ALGORITHMS, KV_DTYPES, compile_options
+from kiln.compiler.options import (
+    EAGLE_ALGORITHMS,
+    KV_DTYPES,
+    compile_options,
+    speculative_algorithm,
+)
 from kiln.compiler.publish import publish, staging_dir
 from kiln.compiler.store import CompileResult, compile_cached
 from kiln.core import artefact as fmt
@@ -33,7 +38,7 @@ from kiln.core.target import Target
 from kiln.core.trace import trace
 from kiln.kernels import native
 from kiln.models import ModelConfig, ModelConfigError, build
-from kiln.models.config import EagleHead, read_hf_config
+from kiln.models.config import MTP_ARCHITECTURES, EagleHead, read_hf_config
 from kiln.models.eagle import build_eagle
 from kiln.models.rope import inv_freq
 from kiln.passes import PIPELINE, run_passes
@@ -70,7 +75,7 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
             log.info("%s is a sequence classifier: compiled as --is-embedding", cfg.architecture)
             args = args.replace(is_embedding=True)
         options = compile_options(args, ck, reader, cfg)
-        eagle = _eagle_head(args, cfg, reader)
+        eagle = _eagle_head(args, cfg, reader, ck, hf)
         ranks = []  # (graph, pass log, constants) of each rank
         for rank in range(options.tp.size):
             graph, constants = trace(
@@ -142,9 +147,28 @@ class _Eagle:
     model: its checkpoint open, what the model's graph returns for it (`tap`), and the
     head's own artefact, written into the model's draft/ (`write`)."""
 
-    def __init__(self, args: ServerArgs, cfg: ModelConfig, model: CheckpointReader) -> None:
-        path = Path(args.speculative_draft_model_path or "")
+    def __init__(
+        self,
+        args: ServerArgs,
+        cfg: ModelConfig,
+        model: CheckpointReader,
+        ck: CompileKey,
+        model_hf: dict[str, Any],
+    ) -> None:
+        given = args.speculative_draft_model_path
         flag = "--speculative-draft-model-path"
+        # A model's own MTP layer (SGLang's NEXTN; its EAGLE without a head for these)
+        own = not given or Path(given).resolve() == ck.checkpoint.resolve()
+        if own and cfg.architecture in MTP_ARCHITECTURES:
+            self._own_mtp(cfg, model, ck, model_hf)
+            return
+        if not given:
+            raise ArgError(
+                f"--speculative-algorithm {args.speculative_algorithm}: needs {flag} (the "
+                f"EAGLE head's checkpoint; {', '.join(MTP_ARCHITECTURES)} draft with their "
+                "own MTP layer without one)"
+            )
+        path = Path(given)
         try:
             hf = read_hf_config(path)
             self.reader = CheckpointReader(path)
@@ -164,6 +188,30 @@ class _Eagle:
         if problem is not None:
             self.reader.close()
             raise ArgError(f"{flag}: {problem}")
+        self._share(cfg, model)
+
+    def _own_mtp(
+        self, cfg: ModelConfig, model: CheckpointReader, ck: CompileKey, hf: dict[str, Any]
+    ) -> None:
+        """The model's MTP layer, read from its own checkpoint."""
+        try:
+            self.head = EagleHead.mtp_of(cfg, hf)
+        except ModelConfigError as e:
+            raise ArgError(f"--speculative-algorithm EAGLE: {e}") from None
+        self.cfg = self.head.mtp_config(cfg, hf)
+        self.reader = CheckpointReader(ck.checkpoint, model.load_format)
+        layer = f"model.layers.{self.head.mtp}."
+        self.reader.rename_prefix(layer, "mtp.")
+        if not self.reader.has("mtp.eh_proj.weight"):
+            self.reader.close()
+            raise ArgError(
+                f"--speculative-algorithm EAGLE: {ck.checkpoint} has no MTP layer weights "
+                f"({layer}eh_proj.weight), though its config says it has one"
+            )
+        self._share(cfg, model)
+
+    def _share(self, cfg: ModelConfig, model: CheckpointReader) -> None:
+        """What the head reads of the model's weights, and the model of the head's."""
         self.tap = self.head.tap(self.cfg.hidden_size)
         # The model's embedding always (SGLang's too), its lm_head where the head has none.
         self.reader.borrow("embed_tokens.weight", model, "model.embed_tokens.weight")
@@ -177,7 +225,7 @@ class _Eagle:
     def _problem(self, args: ServerArgs, cfg: ModelConfig, hf: dict[str, Any]) -> str | None:
         """Why the head cannot draft for this model, or None."""
         head, mine = self.head, self.cfg
-        if head.algorithm != args.speculative_algorithm:
+        if head.algorithm != speculative_algorithm(args):
             return f"it is an {head.algorithm} head, for --speculative-algorithm {head.algorithm}"
         if mine.vocab_size != cfg.vocab_size:
             return f"its vocabulary has {mine.vocab_size} tokens and the model's {cfg.vocab_size}"
@@ -199,9 +247,10 @@ class _Eagle:
         shares); the manifest's record of it."""
         out = tmp / fmt.DRAFT_DIR
         # its steps return (logits, its own hidden states), on the model's capture plan
-        dargs = draft_args(args, int8_activations=False).replace(
-            enable_return_hidden_states=True, disable_cuda_graph=args.disable_cuda_graph
-        )
+        head_path = args.speculative_draft_model_path or str(ck.checkpoint)  # or the MTP's
+        dargs = draft_args(
+            args.replace(speculative_draft_model_path=head_path), int8_activations=False
+        ).replace(enable_return_hidden_states=True, disable_cuda_graph=args.disable_cuda_graph)
         options = compile_options(dargs, ck, self.reader, self.cfg)
         graph, constants = trace(build_eagle(self.cfg, self.head))
         graph.context_length = self.cfg.max_position_embeddings
@@ -229,7 +278,8 @@ class _Eagle:
         manifest["native"], manifest["native_step"] = built, step_info
         (out / fmt.MANIFEST).write_text(json.dumps(manifest, indent=1))
         ref: dict[str, Any] = {
-            "cache_key": ck.factors["speculative_draft"],
+            # the head's checkpoint's key (a model's own MTP layer: the model's)
+            "cache_key": ck.factors.get("speculative_draft", ck.key),
             "vocab_size": self.cfg.vocab_size,
         }
         if self.head.draft_vocab_size != self.cfg.vocab_size:
@@ -238,10 +288,16 @@ class _Eagle:
         return ref
 
 
-def _eagle_head(args: ServerArgs, cfg: ModelConfig, reader: CheckpointReader) -> _Eagle | None:
+def _eagle_head(
+    args: ServerArgs,
+    cfg: ModelConfig,
+    reader: CheckpointReader,
+    ck: CompileKey,
+    hf: dict[str, Any],
+) -> _Eagle | None:
     if args.speculative_algorithm not in EAGLE_ALGORITHMS:
         return None
-    return _Eagle(args, cfg, reader)
+    return _Eagle(args, cfg, reader, ck, hf)
 
 
 def _draft_model(args: ServerArgs, cfg: ModelConfig, tmp: Path) -> dict[str, Any]:

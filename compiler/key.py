@@ -58,7 +58,7 @@ _PATH_ARGS = (
 # target, and what the KV pool and pages must agree on.
 DRAFT_INHERITS = ("device", "target_isa", "page_size", "kv_cache_dtype")
 # The algorithms whose draft (a model, an EAGLE head) is a factor of the key.
-DRAFTING = ("STANDALONE", "EAGLE", "EAGLE3")
+DRAFTING = ("STANDALONE", "EAGLE", "EAGLE3", "NEXTN")
 # The packages whose source decides what an artefact holds.
 _SOURCE_PACKAGES = (
     *("kiln", "kiln.args", "kiln.compiler", "kiln.kernels", "kiln.models", "kiln.passes"),

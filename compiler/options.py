@@ -40,8 +40,14 @@ NO_GPU_MAX_BS = 160  # SGLang's cuda_graph_max_bs when it sees no GPU
 DEFAULT_DRAFT_STEPS = 3  # --speculative-num-steps unset with a draft model
 # The algorithms that draft with a model of their own (--speculative-draft-model-path), and
 # of those, the EAGLE heads that read the model's hidden states (models/eagle.py).
-EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3")
+EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
 DRAFT_MODEL_ALGORITHMS = ("STANDALONE", *EAGLE_ALGORITHMS)
+
+
+def speculative_algorithm(args: ServerArgs) -> str | None:
+    """--speculative-algorithm as it runs: NEXTN is EAGLE (SGLang's alias)."""
+    algorithm = args.speculative_algorithm
+    return "EAGLE" if algorithm == "NEXTN" else algorithm
 
 
 def compile_options(
@@ -203,7 +209,8 @@ def speculative_options(args: ServerArgs) -> dict[str, Any] | None:
             "is not built yet"
         )
     if algorithm in DRAFT_MODEL_ALGORITHMS:
-        if not draft:
+        # (EAGLE and NEXTN without one: a model's own MTP layer, if it has one: compile.py)
+        if not draft and algorithm in ("STANDALONE", "EAGLE3"):
             what = "the draft model's" if algorithm == "STANDALONE" else "the EAGLE head's"
             raise ArgError(
                 f"--speculative-algorithm {algorithm}: needs --speculative-draft-model-path "
@@ -234,7 +241,7 @@ def speculative_options(args: ServerArgs) -> dict[str, Any] | None:
             f"to {MAX_DRAFT_TOKENS}"
         )
     out: dict[str, Any] = {
-        "algorithm": algorithm,
+        "algorithm": speculative_algorithm(args),
         "num_draft_tokens": tokens,
         "ngram_min_window": lo,
         "ngram_max_window": hi,

@@ -518,6 +518,48 @@ def make_eagle_head(
     return path
 
 
+def add_mtp_layer(path: str | Path, seed: int = 0, std: float = 0.2) -> Path:
+    """Give a DeepSeek V3 or GLM-4.5 checkpoint at `path` (make_checkpoint's) the
+    multi-token-prediction layer their published checkpoints carry after the last (model.layers.<L>.: a decoder
+    layer of the model's kind with random weights, enorm, hnorm, eh_proj and
+    shared_head.norm, and copies of the embedding and the lm_head), and the config entry
+    that says so (num_nextn_predict_layers: 1)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    config = AutoConfig.from_pretrained(path)
+    layer = config.num_hidden_layers
+    config.num_hidden_layers = layer + 1  # the layer as the model's next one, as saved
+    torch.manual_seed(seed)
+    longer = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomise_norms(longer, seed)
+    prefix = f"model.layers.{layer}."
+    with tempfile.TemporaryDirectory() as tmp:
+        longer.save_pretrained(tmp)
+        t = {
+            k: v
+            for k, v in load_file(str(Path(tmp) / "model.safetensors")).items()
+            if k.startswith(prefix)
+        }
+    g = torch.Generator().manual_seed(seed + 1)
+    h = config.hidden_size
+    weights = load_file(str(path / "model.safetensors"))
+    t |= {
+        prefix + "enorm.weight": 1.0 + 0.1 * torch.randn(h, generator=g),
+        prefix + "hnorm.weight": 1.0 + 0.1 * torch.randn(h, generator=g),
+        prefix + "eh_proj.weight": std * torch.randn(h, 2 * h, generator=g),
+        prefix + "shared_head.norm.weight": 1.0 + 0.1 * torch.randn(h, generator=g),
+        prefix + "embed_tokens.weight": weights["model.embed_tokens.weight"].clone(),
+        prefix + "shared_head.head.weight": weights["lm_head.weight"].clone(),
+    }
+    save_file({**weights, **t}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    hf = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**hf, "num_nextn_predict_layers": 1}, indent=1))
+    return path
+
+
 def _randomise_norms(model: Any, seed: int) -> None:
     # from_config leaves norm weights at 1 and biases at 0; random values make the tests
     # able to tell a missing norm or bias from a present one.

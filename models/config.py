@@ -276,6 +276,10 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
 
 # An EAGLE draft head's architectures: EAGLE (1 and 2) and EAGLE-3, as SGLang loads them.
 EAGLE_ARCHITECTURES = {"LlamaForCausalLMEagle": "EAGLE", "LlamaForCausalLMEagle3": "EAGLE3"}
+# Models whose checkpoints hold a multi-token-prediction layer that drafts as an EAGLE
+# head (SGLang's NEXTN, which it runs as EAGLE): the layer after the last, its weights
+# under model.layers.<num_hidden_layers>.
+MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -298,6 +302,7 @@ class EagleHead:
     fc_bias: bool
     own_lm_head: bool  # EAGLE-3's own lm_head (else the model's)
     layers: tuple[int, ...] = ()  # EAGLE-3's taps (EagleTap.layers)
+    mtp: int | None = None  # a model's own MTP layer: its index (num_hidden_layers)
 
     @classmethod
     def read(cls, hf: dict[str, Any], names: set[str], model_layers: int) -> EagleHead:
@@ -329,6 +334,28 @@ class EagleHead:
         # head has one
         bias = bool(hf.get("bias", False)) if algorithm == "EAGLE3" else "fc.bias" in names
         return cls(algorithm, vocab, bias, "lm_head.weight" in names, layers)
+
+    @classmethod
+    def mtp_of(cls, cfg: ModelConfig, hf: dict[str, Any]) -> EagleHead:
+        """The MTP layer of a model's own checkpoint (MTP_ARCHITECTURES) as a head."""
+        if not int(hf.get("num_nextn_predict_layers") or 0):
+            raise ModelConfigError(
+                f"{cfg.architecture} without a multi-token-prediction layer "
+                "(num_nextn_predict_layers is 0): name an EAGLE head"
+            )
+        return cls("EAGLE", cfg.vocab_size, False, False, mtp=cfg.num_layers)
+
+    def mtp_config(self, cfg: ModelConfig, hf: dict[str, Any]) -> ModelConfig:
+        """The model's config as its MTP layer's: one layer, as layer `mtp` would be."""
+        assert self.mtp is not None
+        sparse = _moe(cfg.model_type, hf, self.mtp + 1)["sparse_layers"][self.mtp]
+        return dataclasses.replace(
+            cfg,
+            num_layers=1,
+            sliding_windows=(None,),
+            sparse_layers=(sparse,) if cfg.sparse_layers else (),
+            rope_layers=(),
+        )
 
     def tap(self, hidden_size: int) -> EagleTap:
         return EagleTap(self.layers, hidden_size, self.fc_bias)

@@ -29,7 +29,7 @@ from torch import nn
 from kiln.core import ops
 from kiln.core.trace import Value
 from kiln.models.config import EagleHead, ModelConfig
-from kiln.models.decoder import MLP, Attention, _hidden_norm, _norm, _weight
+from kiln.models.decoder import MLP, Attention, DecoderLayer, _hidden_norm, _norm, _weight
 from kiln.models.rope import inv_freq
 
 
@@ -88,7 +88,56 @@ class EagleDraft(nn.Module):
         return logits, out
 
 
-def build_eagle(cfg: ModelConfig, head: EagleHead) -> EagleDraft:
+class MtpLayer(DecoderLayer):
+    """The model's decoder layer with the MTP layer's own norms and projection."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg, 0)
+        h = cfg.hidden_size
+        self.enorm = _hidden_norm(cfg)
+        self.hnorm = _hidden_norm(cfg)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = _hidden_norm(cfg)
+
+    @property
+    def out_norm(self) -> nn.Module:
+        return cast(nn.Module, self.shared_head.norm)
+
+
+class MtpDraft(nn.Module):
+    """A model's own multi-token-prediction layer as an EAGLE head (SGLang's NEXTN:
+    DeepSeek V3's, GLM-4.5's): `cfg` is the model's as that layer's (EagleHead.mtp_config), the
+    layer's weights under `mtp.` (the checkpoint's model.layers.<L>.). eh_proj over
+    [enorm(embedding), hnorm(hidden)], the model's decoder layer, shared_head.norm; the
+    logits are the model's lm_head over that norm's output, which is also the hidden state
+    the next draft row reads (SGLang's)."""
+
+    def __init__(self, cfg: ModelConfig, head: EagleHead) -> None:
+        super().__init__()
+        self.cfg, self.head = cfg, head
+        h = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, h, _weight=_weight(cfg.vocab_size, h))
+        self.mtp = MtpLayer(cfg)
+        self.lm_head = nn.Linear(h, cfg.vocab_size, bias=False)
+
+    def forward(
+        self, input_ids: Value, positions: Value, logits_indices: Value
+    ) -> tuple[Value, Value]:
+        cfg, mtp = self.cfg, self.mtp
+        freqs = ops.constant("rope.inv_freq", inv_freq(cfg.rope, cfg.rotary, cfg.head_dim))
+        cos_sin = ops.rope_cos_sin(
+            positions, freqs, scale=cfg.rope.attention_factor, scaled_pairs=cfg.rotary_dim // 2
+        )
+        e = ops.embedding(input_ids, self.embed_tokens.weight, role="embedding")
+        hidden = ops.step_hidden(e, features=cfg.hidden_size)
+        x = ops.concat(_norm(cfg, e, mtp.enorm), _norm(cfg, hidden, mtp.hnorm))
+        h = mtp(ops.linear(x, mtp.eh_proj.weight), cos_sin)
+        out = _norm(cfg, ops.index_select(h, logits_indices), mtp.out_norm)
+        return ops.linear(out, self.lm_head.weight, role="lm_head"), out
+
+
+def build_eagle(cfg: ModelConfig, head: EagleHead) -> EagleDraft | MtpDraft:
     """The draft head's definition on the meta device."""
     with torch.device("meta"):
-        return EagleDraft(cfg, head)
+        return MtpDraft(cfg, head) if head.mtp is not None else EagleDraft(cfg, head)

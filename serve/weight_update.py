@@ -30,9 +30,10 @@ def update_args(manifest: dict[str, Any], model_path: str, load_format: str | No
     """The `kiln compile` arguments (flag names as keys) that compile `model_path` as the
     served artefact was compiled."""
     given = manifest["compile_args"]
-    if given.get("speculative_draft_model_path"):
-        raise ApiError(400, "model_path: the artefact carries a draft model (STANDALONE "
-                       "speculative decoding), which a weight update cannot recompile")  # fmt: skip
+    if (manifest["runtime"].get("speculative") or {}).get("draft"):
+        raise ApiError(400, "model_path: the artefact carries a draft model or an EAGLE head "
+                       "(speculative decoding's draft/), which a weight update does not "
+                       "reload")  # fmt: skip
     values = {k: v for k, v in given.items() if k in FLAGS and v != FLAGS[k].default}
     for name in _INPUTS:
         values.pop(name, None)

@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from kiln.args import ArgError, ServerArgs
 from kiln.compiler import report
 from kiln.compiler.compile import compile_model
-from kiln.example import make_checkpoint, make_eagle_head
+from kiln.example import add_mtp_layer, make_checkpoint, make_eagle_head
 from kiln.runtime.engine import Engine
 from kiln.runtime.native_step import NativeStep
 from kiln.runtime.speculative import StepCosts
@@ -116,15 +116,24 @@ def _attention(
 
 
 def _head_rows(
-    w: dict[str, torch.Tensor], cfg: dict[str, Any], embed: torch.Tensor, lm_head: torch.Tensor,
-    tokens: list[int], hidden: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    w: dict[str, torch.Tensor],
+    cfg: dict[str, Any],
+    embed: torch.Tensor,
+    lm_head: torch.Tensor,
+    tokens: list[int],
+    hidden: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The head over every row (token at p + 1, hidden state for p): (logits, own hidden)."""
     eps, e = cfg["rms_norm_eps"], embed[tokens]
     if "midlayer.hidden_norm.weight" in w:  # EAGLE-3
         p = "midlayer"
-        x = torch.cat([_rms(e, w[f"{p}.input_layernorm.weight"], eps),
-                       _rms(hidden, w[f"{p}.hidden_norm.weight"], eps)], -1)  # fmt: skip
+        x = torch.cat(
+            [
+                _rms(e, w[f"{p}.input_layernorm.weight"], eps),
+                _rms(hidden, w[f"{p}.hidden_norm.weight"], eps),
+            ],
+            -1,
+        )
         h = hidden + _attention(x, w, f"{p}.self_attn", cfg)
     else:
         p = "layers.0"
@@ -168,13 +177,54 @@ class Reference:
         drafts: list[int] = []
         rows = []
         for _ in range(k):
-            logits, own = _head_rows(self.w, self.cfg, self.embed, self.lm_head, tokens, hidden)
+            logits, own = self.rows(tokens, hidden)
             rows.append(logits[-1])
             t = int(logits[-1].argmax())
             t = t if self.hot is None else int(self.hot[t])
             drafts.append(t)
             tokens, hidden = [*tokens, t], torch.cat([hidden, own[-1:]])
         return drafts, torch.stack(rows)
+
+    def rows(self, tokens: list[int], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _head_rows(self.w, self.cfg, self.embed, self.lm_head, tokens, hidden)
+
+
+class MtpReference(Reference):
+    """A model's own MTP layer (SGLang's deepseek_nextn.py, glm4_moe_nextn.py):
+    transformers' decoder layer as the model's next one (a model of one more layer over the same checkpoint),
+    after eh_proj over [enorm(embedding), hnorm(hidden)]; shared_head.norm's output gives
+    the logits (the model's lm_head) and the next row's hidden state."""
+
+    def __init__(self, target: Path) -> None:
+        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+        config = AutoConfig.from_pretrained(target)
+        self.layer_index = config.num_hidden_layers
+        config.num_hidden_layers += 1
+        self.longer = AutoModelForCausalLM.from_pretrained(
+            target, config=config, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+        w = load_file(str(target / "model.safetensors"))
+        p = f"model.layers.{self.layer_index}."
+        self.w = {k[len(p) :]: v for k, v in w.items() if k.startswith(p)}
+        self.eps = config.rms_norm_eps
+        self.embed = self.model.get_input_embeddings().weight.detach()
+        self.lm_head = self.model.get_output_embeddings().weight.detach()
+        self.hot = None
+
+    def rows(self, tokens: list[int], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w, eps = self.w, self.eps
+        e = self.embed[tokens]
+        x = torch.cat([_rms(e, w["enorm.weight"], eps), _rms(hidden, w["hnorm.weight"], eps)], -1)
+        x = (x @ w["eh_proj.weight"].T)[None]
+        t = x.shape[1]
+        positions = torch.arange(t)[None]
+        cos_sin = self.longer.model.rotary_emb(x, positions)
+        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+        layer = self.longer.model.layers[self.layer_index]
+        h = layer(x, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin)
+        h = h[0] if isinstance(h, tuple) else h
+        out = _rms(h[0], w["shared_head.norm.weight"], eps)
+        return out @ self.lm_head.T, out
 
 
 Call = tuple[list[int], int, list[int], torch.Tensor]
@@ -353,3 +403,33 @@ def test_the_compile_refuses_what_it_does_not_build_naming_the_flag(
     hot = manifest["runtime"]["speculative"]["draft"]["hot_ids"]
     d2t = load_file(str(heads["EAGLE3"] / "model.safetensors"))["d2t"]
     assert hot == (d2t + torch.arange(200)).tolist() and hot[150] != 150
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_a_model_drafts_with_its_own_mtp_layer(
+    family: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """SGLang's NEXTN (its EAGLE for DeepSeek V3 and GLM-4.5, no draft path): the
+    checkpoint's MTP layer drafts, as transformers' decoder layer does over the model's
+    hidden states."""
+    root = tmp_path_factory.mktemp(f"mtp-{family}")
+    target = add_mtp_layer(make_checkpoint(root / "model", family, num_layers=2), seed=5)
+    plain = Engine(_compile(target, root / "plain"), max_total_tokens=2048)
+    spec = Engine(
+        _compile(target, root / "nextn", speculative_algorithm="NEXTN", speculative_num_steps=3),
+        max_total_tokens=2048,
+    )
+    spec.step_costs = FREE_ROWS
+    assert spec.speculative is not None and spec.speculative.algorithm == "EAGLE"
+    calls = _recorded(spec)
+    params = {"temperature": 0, "max_new_tokens": 10}
+    got = spec.generate(PROMPTS[:2], params)
+    assert [g["output_ids"] for g in got] == [
+        w["output_ids"] for w in plain.generate(PROMPTS[:2], params)
+    ]
+    assert len(calls) >= 2 * 3
+    _check(calls, MtpReference(target))
+    # a model without the layer says so, naming the flag
+    bare = make_checkpoint(root / "bare", family, num_layers=2)
+    with pytest.raises(ArgError, match="EAGLE: .* has no MTP layer weights"):
+        _compile(bare, root / "bare-art", speculative_algorithm="EAGLE")

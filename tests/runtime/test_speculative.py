@@ -111,11 +111,6 @@ def test_bad_speculative_flags_are_named(flags: dict, message: str) -> None:
         speculative_options(ServerArgs(model_path="m", speculative_algorithm="NGRAM", **flags))
 
 
-def test_nextn_is_refused_by_name() -> None:
-    with pytest.raises(ArgError, match="--speculative-algorithm NEXTN: is not implemented"):
-        ServerArgs(model_path="m", speculative_algorithm="NEXTN")
-
-
 def test_the_manifest_records_the_speculation_and_inspect_shows_it(artefact) -> None:
     flags = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 5}
     art = artefact(compile_args=flags)

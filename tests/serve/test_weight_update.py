@@ -84,3 +84,21 @@ def test_new_weights_are_served(artefact, checkpoint, answers, launch) -> None:
     assert update.status_code == 200 and update.json()["num_paused_requests"] == 1, update.text
     assert len(ids) == 200
     assert _ids(server) == answers["old"]
+
+
+def test_an_artefact_with_a_draft_is_not_updated() -> None:
+    """A draft model or an EAGLE head (a model's own MTP layer included: no draft path) lives
+    in draft/, which an update does not reload: a 400 saying so, before any compile."""
+    from kiln.serve.streams import ApiError
+    from kiln.serve.weight_update import update_args
+
+    draft = {"cache_key": "0" * 64, "vocab_size": 10}
+    for algorithm in ("STANDALONE", "EAGLE"):
+        manifest = {
+            "compile_args": {"model_path": "m", "speculative_algorithm": algorithm},
+            "runtime": {"speculative": {"algorithm": algorithm, "draft": draft}},
+            "target": {"isa": "x86-64"},
+        }
+        with pytest.raises(ApiError, match="draft model or an EAGLE head") as e:
+            update_args(manifest, "new", None)
+        assert e.value.status == 400
