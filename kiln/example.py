@@ -520,9 +520,10 @@ def make_eagle_head(
 
 def add_mtp_layer(path: str | Path, seed: int = 0, std: float = 0.2) -> Path:
     """Give a DeepSeek V3 or GLM-4.5 checkpoint at `path` (make_checkpoint's) the
-    multi-token-prediction layer their published checkpoints carry after the last (model.layers.<L>.: a decoder
-    layer of the model's kind with random weights, enorm, hnorm, eh_proj and
-    shared_head.norm, and copies of the embedding and the lm_head), and the config entry
+    multi-token-prediction layer their published checkpoints carry after the last
+    (model.layers.<L>.: a decoder layer of the model's kind with random weights, enorm,
+    hnorm, eh_proj and shared_head.norm, and copies of the embedding and the lm_head), and
+    the config entry
     that says so (num_nextn_predict_layers: 1)."""
     import torch
     from safetensors.torch import load_file, save_file

@@ -191,9 +191,10 @@ class Reference:
 
 class MtpReference(Reference):
     """A model's own MTP layer (SGLang's deepseek_nextn.py, glm4_moe_nextn.py):
-    transformers' decoder layer as the model's next one (a model of one more layer over the same checkpoint),
-    after eh_proj over [enorm(embedding), hnorm(hidden)]; shared_head.norm's output gives
-    the logits (the model's lm_head) and the next row's hidden state."""
+    transformers' decoder layer as the model's next one (a model of one more layer over the
+    same checkpoint), after eh_proj over [enorm(embedding), hnorm(hidden)];
+    shared_head.norm's output gives the logits (the model's lm_head) and the next row's
+    hidden state."""
 
     def __init__(self, target: Path) -> None:
         self.model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
