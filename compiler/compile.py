@@ -29,7 +29,7 @@ from kiln.compiler.options import (
 from kiln.compiler.publish import publish, staging_dir
 from kiln.compiler.store import CompileResult, compile_cached
 from kiln.core import artefact as fmt
-from kiln.core.ir import Graph
+from kiln.core.ir import Graph, WeightSpec
 from kiln.core.layout import pack_panels, pack_qpanels, panel_shape
 from kiln.core.ops import ATTENTION_OPS, STRUCTURAL_OPS
 from kiln.core.quant import FORMATS, quantize, with_int8_activations
@@ -124,7 +124,7 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
                     speculative = {**speculative, "draft": _draft_model(args, cfg, tmp)}
                 if eagle is not None:
                     assert speculative is not None
-                    speculative = {**speculative, "draft": eagle.write(args, ck, tmp)}
+                    speculative = {**speculative, "draft": eagle.write(args, ck, tmp, graph)}
                 manifest = _manifest(args, cfg, graph, tmp, ck, pass_log)
                 if eagle is not None:
                     manifest["runtime"]["eagle_hidden"] = eagle.tap.hidden_size
@@ -242,9 +242,11 @@ class _Eagle:
             return "it has no d2t (its draft vocabulary's ids in the model's)"
         return None
 
-    def write(self, args: ServerArgs, ck: CompileKey, tmp: Path) -> dict[str, Any]:
+    def write(self, args: ServerArgs, ck: CompileKey, tmp: Path, model: Graph) -> dict[str, Any]:
         """The head's artefact in `tmp`'s draft/ (after the model's tokenizer, which it
-        shares); the manifest's record of it."""
+        shares); the manifest's record of it. `model`: the model's graph, whose embedding
+        and lm_head (where the head has none of its own) the head's steps compute with the
+        model's weights, on a CPU target (one copy in memory; runtime/artefact.py)."""
         out = tmp / fmt.DRAFT_DIR
         # its steps return (logits, its own hidden states), on the model's capture plan
         head_path = args.speculative_draft_model_path or str(ck.checkpoint)  # or the MTP's
@@ -258,6 +260,9 @@ class _Eagle:
             if "constant" not in spec.source:
                 spec.dtype = ck.dtype
         graph, pass_log = run_passes(graph, options.for_rank(0), PIPELINE)
+        if ck.target.device == "cpu":
+            roles = ("embedding",) if self.head.own_lm_head else ("embedding", "lm_head")
+            _graft(graph, model, roles)
         native_kernels = any(
             n.meta.get("backend") == "kiln_cpu" for n in graph.nodes if n.op not in STRUCTURAL_OPS
         )
@@ -286,6 +291,33 @@ class _Eagle:
             d2t = self.reader.get("d2t", (self.head.draft_vocab_size,))
             ref["hot_ids"] = (d2t.long() + torch.arange(len(d2t))).tolist()
         return ref
+
+
+def _graft(head: Graph, model: Graph, roles: tuple[str, ...]) -> None:
+    """The head's node of each role (its embedding, its lm_head) made the model's: the
+    same op, attributes and kernel over the model's weights (source {"model": name}, not
+    written into the head's artefact), where both graphs have one such node."""
+    for role in roles:
+        mine = [n for n in head.nodes if n.meta.get("role") == role]
+        theirs = [n for n in model.nodes if n.meta.get("role") == role]
+        if len(mine) != 1 or len(theirs) != 1 or any(a.op != "param" for a in theirs[0].args[1:]):
+            continue
+        node, like = mine[0], theirs[0]
+        params = []
+        for a in like.args[1:]:
+            name = a.attrs["name"]
+            spec = model.weights[name]
+            head.weights[name] = WeightSpec(spec.shape, spec.dtype, {"model": name}, spec.layout)
+            found = [n for n in head.nodes if n.op == "param" and n.attrs["name"] == name]
+            params.append(
+                found[0] if found else head.add("param", attrs={"name": name}, before=head.nodes[0])
+            )
+        node.op, node.attrs, node.meta = like.op, dict(like.attrs), dict(like.meta)
+        node.args = [node.args[0], *params]
+    used = {id(a) for n in head.nodes for a in n.args}
+    for n in [n for n in head.nodes if n.op == "param" and id(n) not in used]:
+        head.nodes.remove(n)
+        del head.weights[n.attrs["name"]]
 
 
 def _eagle_head(
@@ -547,6 +579,8 @@ def _write_weights(
     done: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # codes and scales, by recipe
     bar = tqdm(graph.weights.items(), desc="weights", unit="tensor", disable=None, leave=False)
     for name, spec in bar:
+        if "model" in spec.source:  # the model's weight, served from the model's artefact
+            continue
         if "quantize" in spec.source:
             key = json.dumps({k: v for k, v in spec.source.items() if k != "part"}, sort_keys=True)
             if key not in done:

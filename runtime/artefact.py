@@ -144,13 +144,16 @@ class Artefact:
         manifest: dict[str, Any] | None = None,
         file_check: fmt.FileCheck | None = None,
         mapped: bool = True,
+        model: Artefact | None = None,
     ) -> Artefact:
         """Load and check an artefact (tensor-parallel rank `rank`'s graph and weights, onto
         `device`: by default the target's); raises ArtefactError with one line naming the
         problem. `manifest`: one `checked_manifest(root, verify=False)` already read;
         `file_check`: its files' checksums already under way, waited for if it covers the
         manifest (else they are computed here). `mapped`: False reads the weights file
-        into memory instead of mapping it (--weight-loader-disable-mmap)."""
+        into memory instead of mapping it (--weight-loader-disable-mmap). `model`: the
+        artefact whose weights this one's graph takes (source {"model": name}: an EAGLE
+        head's embedding and lm_head), served from its memory."""
         root = Path(root)
         if manifest is None:
             manifest = checked_manifest(root, verify)
@@ -171,6 +174,17 @@ class Artefact:
             host = HostWeights(fd, mapped)
         except Exception as e:
             raise fmt.ArtefactError(f"{root}/{wfile} is damaged: {e}") from e
+        borrowed = {n: s.source["model"] for n, s in graph.weights.items() if "model" in s.source}
+        if borrowed and (model is None or model.host is None):
+            raise fmt.ArtefactError(
+                f"{root} takes {len(borrowed)} weights from its model's artefact, which "
+                "serves them from host memory: open it through its model's"
+            )
+        for name, theirs in borrowed.items():
+            assert model is not None and model.host is not None
+            if name != theirs or name not in model.host:
+                raise fmt.ArtefactError(f"{root}: its model has no weight {theirs!r}")
+            host.adopt(name, model.host)
         _check_weights(root / wfile, graph, {n: (host[n].shape, host.dtype(n)) for n in host})
         _check_agreement(root, spec, graph)
         tensors = None

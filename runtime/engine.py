@@ -249,6 +249,7 @@ class Engine:
             trust_remote_code=self.args.trust_remote_code,
             device=self.placement.device,
             mapped=not self.args.weight_loader_disable_mmap,
+            model=self.art,
         )
         if draft.spec.vocab_size != self.art.spec.vocab_size:
             raise fmt.ArtefactError(

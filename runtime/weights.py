@@ -106,6 +106,7 @@ class HostWeights(Mapping[str, np.ndarray]):
         start = 8 + int(image[:8].view("<u8")[0])
         self._dtypes: dict[str, str] = {}
         self._arrays: dict[str, np.ndarray] = {}
+        self._others: list[HostWeights] = []  # whose weights it adopted
         for name, (dtype, shape, begin, end) in entries.items():
             storage = DTYPES[dtype].storage
             view = image[start + begin : start + end].view(storage)
@@ -123,6 +124,12 @@ class HostWeights(Mapping[str, np.ndarray]):
 
     def __len__(self) -> int:
         return len(self._arrays)
+
+    def adopt(self, name: str, other: HostWeights) -> None:
+        """Serve `other`'s weight `name` as one of these (an EAGLE head's embedding and
+        lm_head are its model's: one copy in memory), keeping `other`'s mapping alive."""
+        self._arrays[name], self._dtypes[name] = other[name], other.dtype(name)
+        self._others.append(other)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every weight as a torch tensor over the same memory."""

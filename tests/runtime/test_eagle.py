@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -280,6 +281,12 @@ def test_every_draft_is_the_heads_over_the_models_hidden_states(
     native = name != "EAGLE3-executor"
     assert isinstance(engine.runner.decode, NativeStep) == native
     assert isinstance(head.runner.decode, NativeStep) == native
+    # the head computes its embedding (and EAGLE's lm_head) with the model's weights: one
+    # copy, in the model's artefact, not the head's
+    shared = [n for n, w in head.runner.art.graph.weights.items() if "model" in w.source]
+    assert len(shared) == (2 if name == "EAGLE" else 1)
+    assert head.runner.art.host is not None and engine.art.host is not None
+    assert all(np.shares_memory(head.runner.art.host[n], engine.art.host[n]) for n in shared)
     calls = _recorded(engine)
     params = {"temperature": 0, "max_new_tokens": 12}
     got = engine.generate(PROMPTS, params)
