@@ -872,6 +872,9 @@ class Engine:
             return
         proposed = draft.propose(reqs, k)
         self._attach(batch, [d[: max(0, room)] for d, room in zip(proposed, rooms, strict=True)])
+        if not batch.verify:  # (no pages for any request's drafts) a plain decode step:
+            for req in reqs:  # what the draft drafted past the model's tokens goes now
+                draft.settle(req)
 
     def _execute(self, batch: Batch) -> list[tuple[Request, Exception]]:
         """Forward, sample and commit `batch`. If that fails, run each half of it on its
