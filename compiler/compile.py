@@ -160,7 +160,7 @@ class _Eagle:
         # A model's own MTP layer (SGLang's NEXTN; its EAGLE without a head for these)
         own = not given or Path(given).resolve() == ck.checkpoint.resolve()
         if own and cfg.architecture in MTP_ARCHITECTURES:
-            self._own_mtp(cfg, model, ck, model_hf)
+            self._own_mtp(args, cfg, model, ck, model_hf)
             return
         if not given:
             raise ArgError(
@@ -191,13 +191,19 @@ class _Eagle:
         self._share(cfg, model)
 
     def _own_mtp(
-        self, cfg: ModelConfig, model: CheckpointReader, ck: CompileKey, hf: dict[str, Any]
+        self,
+        args: ServerArgs,
+        cfg: ModelConfig,
+        model: CheckpointReader,
+        ck: CompileKey,
+        hf: dict[str, Any],
     ) -> None:
         """The model's MTP layer, read from its own checkpoint."""
+        flag = f"--speculative-algorithm {args.speculative_algorithm}"
         try:
             self.head = EagleHead.mtp_of(cfg, hf)
         except ModelConfigError as e:
-            raise ArgError(f"--speculative-algorithm EAGLE: {e}") from None
+            raise ArgError(f"{flag}: {e}") from None
         self.cfg = self.head.mtp_config(cfg, hf)
         self.reader = CheckpointReader(ck.checkpoint, model.load_format)
         layer = f"model.layers.{self.head.mtp}."
@@ -205,8 +211,8 @@ class _Eagle:
         if not self.reader.has("mtp.eh_proj.weight"):
             self.reader.close()
             raise ArgError(
-                f"--speculative-algorithm EAGLE: {ck.checkpoint} has no MTP layer weights "
-                f"({layer}eh_proj.weight), though its config says it has one"
+                f"{flag}: {ck.checkpoint} has no MTP layer weights ({layer}eh_proj.weight), "
+                "though its config says it has one"
             )
         self._share(cfg, model)
 
