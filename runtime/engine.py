@@ -52,6 +52,7 @@ from kiln.runtime.speculative import (
     TIMED_KV,
     TIMED_ROWS,
     DraftModel,
+    DraftRecord,
     EagleDraft,
     SpeculativeConfig,
     StepCosts,
@@ -189,6 +190,7 @@ class Engine:
             self._start_ranks(kv_tokens)
         self.runner.warm_up()
         self.draft_model = self._draft_model(kv_tokens)
+        self.draft_record = DraftRecord()  # what drafts have landed, over every request
         self.step_costs = self._time_steps() if self.speculative else None
         self.draft_costs = (
             StepCosts(
@@ -865,9 +867,12 @@ class Engine:
         most = min(spec.num_steps, max(rooms))
         if most <= 0:
             return
-        alphas = [acceptance(r.spec_drafted, r.spec_accepted) for r in reqs]
+        record = self.draft_record
+        alphas = [acceptance(r.spec_drafted, r.spec_accepted, record.prior) for r in reqs]
         kv_lens = [r.kv_len for r in reqs]
         k = plan_steps(alphas, kv_lens, most, self.step_costs, self.draft_costs)
+        if k == 0 and record.exploring:  # (its acceptance not known yet: find it out)
+            k = 1
         if k == 0:
             return
         proposed = draft.propose(reqs, k)
@@ -1042,6 +1047,7 @@ class Engine:
         # their argmax all at once: the sampler's own choice for each (a plain row stays
         # plain as tokens are kept: nothing is suppressed once nothing was).
         argmax = argmax_rows(logits) if self._sampling_row(req).plain else None
+        kept = 0
         for j in range(len(fed)):
             if argmax is not None:
                 token, lp = argmax[j], None
@@ -1056,9 +1062,11 @@ class Engine:
             if req.finished or j + 1 == len(fed) or token != fed[j + 1]:
                 break
             req.spec_accepted += 1
+            kept += 1
         if len(fed) > 1:
             req.spec_verify_ct += 1
             req.spec_drafted += len(fed) - 1
+            self.draft_record.add(len(fed) - 1, kept)
         if not req.finished:
             self.scheduler.trim(req)
             if self.draft_model is not None:

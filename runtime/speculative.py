@@ -65,6 +65,8 @@ COST_UPDATE = 0.1
 # Acceptance before a request has any history: a draft kept with this probability, with
 # the weight of this many drafts.
 PRIOR_ACCEPT, PRIOR_WEIGHT = 0.5, 4.0
+# Drafts a draft model gets verified whatever the planner says, to measure its acceptance.
+EXPLORE_DRAFTS = 64
 
 
 @dataclass(frozen=True)
@@ -198,9 +200,34 @@ def rows_kv(kv_len: int, rows: int) -> int:
     return rows * (kv_len + 1) + rows * (rows - 1) // 2
 
 
-def acceptance(drafted: int, kept: int) -> float:
-    """A request's estimated probability that its next draft is kept."""
-    return (kept + PRIOR_ACCEPT * PRIOR_WEIGHT) / (drafted + PRIOR_WEIGHT)
+def acceptance(drafted: int, kept: int, prior: float = PRIOR_ACCEPT) -> float:
+    """A request's estimated probability that its next draft is kept (`prior`: before it
+    has any history)."""
+    return (kept + prior * PRIOR_WEIGHT) / (drafted + PRIOR_WEIGHT)
+
+
+class DraftRecord:
+    """What a draft model's drafts have landed over the server's requests: the prior for a
+    new request's acceptance, and the drafts still owed to finding it out. A model whose
+    step costs say its drafts do not pay at PRIOR_ACCEPT would otherwise never draft, and
+    never learn that it drafts well: until EXPLORE_DRAFTS drafts were verified, a batch the
+    planner would not speculate drafts one token anyway."""
+
+    def __init__(self) -> None:
+        self.drafted = 0
+        self.kept = 0
+
+    def add(self, drafted: int, kept: int) -> None:
+        self.drafted += drafted
+        self.kept += kept
+
+    @property
+    def prior(self) -> float:
+        return acceptance(self.drafted, self.kept)
+
+    @property
+    def exploring(self) -> bool:
+        return self.drafted < EXPLORE_DRAFTS
 
 
 def plan_drafts(

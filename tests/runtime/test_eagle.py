@@ -23,7 +23,7 @@ from kiln.compiler.compile import compile_model
 from kiln.example import add_mtp_layer, make_checkpoint, make_eagle_head
 from kiln.runtime.engine import Engine
 from kiln.runtime.native_step import NativeStep
-from kiln.runtime.speculative import StepCosts
+from kiln.runtime.speculative import EXPLORE_DRAFTS, StepCosts
 
 # Every draft pays (the planner's cost model pinned): each decode step drafts the most.
 FREE_ROWS = StepCosts({1: 1.0, 64: 1.0}, 64, fixed=True)
@@ -441,3 +441,24 @@ def test_a_model_drafts_with_its_own_mtp_layer(
     bare = make_checkpoint(root / "bare", family, num_layers=2)
     with pytest.raises(ArgError, match="EAGLE: .* has no MTP layer weights"):
         _compile(bare, root / "bare-art", speculative_algorithm="EAGLE")
+
+
+def test_a_head_the_costs_say_will_not_pay_drafts_until_its_acceptance_is_known(
+    engines: dict[str, Engine],
+) -> None:
+    """With step costs under which no draft pays at the planner's prior, a new server still
+    has its head draft (one token a step) until EXPLORE_DRAFTS drafts were verified, which
+    then set every request's prior: a random head's, near 0, stops it."""
+    spec = Engine(engines["EAGLE"].art.root, max_total_tokens=2048)
+    spec.step_costs = StepCosts({1: 1.0, 64: 64.0}, 64, fixed=True)  # every row costs a step
+    spec.draft_costs = StepCosts({1: 1.0, 64: 64.0}, 64, fixed=True)
+    plain = engines["plain"]
+    params = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
+    drafted = []
+    for prompt in PROMPTS:  # one at a time
+        got = spec.generate([prompt], params)[0]
+        assert got["output_ids"] == plain.generate([prompt], params)[0]["output_ids"]
+        drafted.append(got["meta_info"]["spec_draft_token_num"])
+    assert drafted[0] > 30  # a draft at (nearly) every step
+    assert sum(drafted) == EXPLORE_DRAFTS and drafted[2] == 0
+    assert spec.draft_record.prior < 0.1
