@@ -23,6 +23,7 @@ from kiln.compiler.compile import compile_model
 from kiln.example import add_mtp_layer, make_checkpoint, make_eagle_head
 from kiln.runtime.engine import Engine
 from kiln.runtime.native_step import NativeStep
+from kiln.runtime.sampling_params import SamplingParams
 from kiln.runtime.speculative import EXPLORE_DRAFTS, StepCosts
 
 # Every draft pays (the planner's cost model pinned): each decode step drafts the most.
@@ -462,3 +463,32 @@ def test_a_head_the_costs_say_will_not_pay_drafts_until_its_acceptance_is_known(
     assert drafted[0] > 30  # a draft at (nearly) every step
     assert sum(drafted) == EXPLORE_DRAFTS and drafted[2] == 0
     assert spec.draft_record.prior < 0.1
+
+
+def test_a_step_whose_drafts_find_no_pages_leaves_the_head_where_the_model_is(
+    engines: dict[str, Engine], target: Path, heads: dict[str, Path]
+) -> None:
+    """Two steps with a page only for the model's own next token: the head drafts, the
+    drafts find no pages, the steps run plain; the head is cut back to the model's tokens,
+    so it goes on drafting from where the model is once pages are free again."""
+    spec = Engine(engines["EAGLE"].art.root, max_total_tokens=2048, disable_radix_cache=True)
+    spec.step_costs = FREE_ROWS
+    calls = _recorded(spec)
+    params = {"temperature": 0, "max_new_tokens": 16}
+    req = spec.make_request(spec.encode(PROMPTS[0]), SamplingParams.from_dict(params))
+    spec.add_request(req)
+    pool, verified = spec.runner.pool, 0
+    for step in range(40):
+        if req.finished:
+            break
+        held = pool.allocate(pool.free_pages - 1) if step in (3, 4) else []
+        spec.step()
+        pool.free(held)
+        if step in (3, 4):
+            assert req.spec_verify_ct == verified  # a plain step: no page for a draft
+        verified = req.spec_verify_ct
+    want = engines["plain"].generate([PROMPTS[0]], params)[0]["output_ids"]
+    assert req.output_ids == want
+    after = [ids for ids, _, _, _ in calls if len(ids) > len(req.prompt_ids) + 5]
+    assert after, "the head stopped drafting after the steps without pages"
+    _check(calls, Reference(target, heads["EAGLE"]))
