@@ -92,10 +92,7 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
                     spec.dtype = dtype
             ranks.append((*run_passes(graph, options.for_rank(rank), PIPELINE), constants))
         graph, pass_log, _ = ranks[0]
-        uses_native = any(
-            n.meta.get("backend") == "kiln_cpu" for n in graph.nodes if n.op not in STRUCTURAL_OPS
-        )
-
+        uses_native = _uses_native(graph)
         step = _lower_step(graph, options, uses_native)
         if options.deterministic and target.device == "cpu":
             _all_steps_native(graph)
@@ -103,14 +100,7 @@ def build_artefact(args: ServerArgs, ck: CompileKey, out: Path) -> None:
         tmp = staging_dir(out)
         try:
             try:
-                built = None
-                if uses_native:
-                    assert toolchain is not None
-                    built = _native_build(target, toolchain, tmp)
-                step_info = None
-                if step is not None:
-                    assert toolchain is not None
-                    step_info = _step_build(step, target, toolchain, tmp)
+                built, step_info = _native_files(uses_native, step, ck, tmp)
                 for rank, (g, _, constants) in enumerate(ranks):
                     _write_weights(tmp / fmt.weights_file(rank), g, reader, constants)
                     (tmp / fmt.graph_file(rank)).write_text(g.dumps())
@@ -269,17 +259,9 @@ class _Eagle:
         if ck.target.device == "cpu":
             roles = ("embedding",) if self.head.own_lm_head else ("embedding", "lm_head")
             _graft(graph, model, roles)
-        native_kernels = any(
-            n.meta.get("backend") == "kiln_cpu" for n in graph.nodes if n.op not in STRUCTURAL_OPS
-        )
-        built = step_info = None
+        native_kernels = _uses_native(graph)
         step = _lower_step(graph, options, native_kernels)
-        if native_kernels:
-            assert ck.toolchain is not None
-            built = _native_build(ck.target, ck.toolchain, out)
-        if step is not None:
-            assert ck.toolchain is not None
-            step_info = _step_build(step, ck.target, ck.toolchain, out)
+        built, step_info = _native_files(native_kernels, step, ck, out)
         _write_weights(out / fmt.weights_file(0), graph, self.reader, constants)
         (out / fmt.graph_file(0)).write_text(graph.dumps())
         shutil.copytree(tmp / fmt.TOKENIZER_DIR, out / fmt.TOKENIZER_DIR)
@@ -386,6 +368,28 @@ def _all_steps_native(graph: Graph) -> None:
             f"--enable-deterministic-inference: needs every step lowered to C, and the "
             f"{' and '.join(eager)} steps are not ({why})"
         )
+
+
+def _uses_native(graph: Graph) -> bool:
+    """Whether any node of `graph` runs a kiln_cpu kernel."""
+    return any(
+        n.meta.get("backend") == "kiln_cpu" for n in graph.nodes if n.op not in STRUCTURAL_OPS
+    )
+
+
+def _native_files(
+    uses_native: bool, step: LoweredStep | None, ck: CompileKey, root: Path
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The kernel library and the lowered step built into `root`, where the graph has
+    them; the manifest's `native` and `native_step` entries."""
+    built = step_info = None
+    if uses_native:
+        assert ck.toolchain is not None
+        built = _native_build(ck.target, ck.toolchain, root)
+    if step is not None:
+        assert ck.toolchain is not None
+        step_info = _step_build(step, ck.target, ck.toolchain, root)
+    return built, step_info
 
 
 def _lower_step(graph: Graph, options: Any, uses_native: bool) -> LoweredStep | None:

@@ -41,6 +41,7 @@ from kiln.runtime.sampler import (
     TokenLogprob,
     argmax_rows,
     as_tensor,
+    host_rows,
     new_generator,
     sample,
     token_logprobs,
@@ -889,7 +890,9 @@ class Engine:
         sampling = [r for r, s in zip(batch.requests, batch.sample, strict=True) if s]
         try:
             start = time.perf_counter()
-            before = [r.kv_len for r in batch.requests]
+            # (an EAGLE head's input: where each request's kept rows begin)
+            eagle = isinstance(self.draft_model, EagleDraft)
+            before = [r.kv_len for r in batch.requests] if eagle else []
             logits = self.runner.forward(batch)
             costs = self.step_costs
             # What a decode step of a row count the planner knows cost (a bigger batch's
@@ -908,7 +911,7 @@ class Engine:
                 return failed
             if self.art.spec.is_embedding:
                 scores_only = bool(self.art.spec.labels)  # a classifier's logits, as they are
-                for req, row in zip(sampling, _rows(logits), strict=True):
+                for req, row in zip(sampling, host_rows(logits), strict=True):
                     req.embedding = (
                         row.astype(np.float64).tolist()
                         if scores_only
@@ -949,11 +952,9 @@ class Engine:
         second output) of the positions each request kept, from its KV length `before`
         the step to its KV length now."""
         head = self.draft_model
-        if not isinstance(head, EagleDraft):
+        if not isinstance(head, EagleDraft) or not before:
             return
-        hidden = self.runner.hidden
-        rows = hidden if isinstance(hidden, np.ndarray) else hidden.float().cpu().numpy()
-        at = 0
+        rows, at = host_rows(self.runner.hidden), 0
         for req, fed, first in zip(batch.requests, batch.new_tokens, before, strict=True):
             if not req.finished and req.kv_len > first:
                 head.keep(req, first, rows[at : at + req.kv_len - first])
@@ -966,8 +967,7 @@ class Engine:
         hidden, at = self.runner.hidden, 0
         for req, fed, count in zip(batch.requests, batch.new_tokens, batch.rows(), strict=True):
             if req.return_hidden_states and count:
-                rows = hidden[at : at + count]  # a numpy array from the native step
-                rows = rows if isinstance(rows, np.ndarray) else rows.float().cpu().numpy()
+                rows = host_rows(hidden[at : at + count])
                 first = req.kv_len + len(fed) - count  # the position of the first row
                 if first > len(req.hidden_states):  # its rows are computed in order
                     raise RuntimeError(f"hidden states from position {first} would leave a gap")
@@ -1398,13 +1398,6 @@ def _set_threads(
     count, source = default_threads()
     set_threads(count)
     return count, source
-
-
-def _rows(out: Logits) -> np.ndarray:
-    """A step's output rows as float32 numpy (a tensor's copied to the host)."""
-    if isinstance(out, np.ndarray):
-        return out
-    return out.detach().float().cpu().numpy()
 
 
 def _normalised(row: np.ndarray) -> list[float]:

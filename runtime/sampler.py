@@ -29,6 +29,14 @@ def as_tensor(logits: Logits) -> torch.Tensor:
     return torch.from_numpy(logits) if isinstance(logits, np.ndarray) else logits
 
 
+def host_rows(out: Logits) -> np.ndarray:
+    """A step's output rows (logits, hidden states) as float32 numpy: the native step's
+    as they are, a tensor's copied to the host."""
+    if isinstance(out, np.ndarray):
+        return out
+    return out.detach().float().cpu().numpy()
+
+
 def argmax_rows(logits: Logits) -> list[int]:
     """Each row's argmax (its first maximum; a NaN counts as the maximum, as in torch).
     Host logits go through numpy: torch's CPU argmax is scalar, 0.12 ms a row of SmolLM2's

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kiln.runtime.sampler import argmax_rows
+from kiln.runtime.sampler import argmax_rows, host_rows
 from kiln.runtime.scheduler import Batch
 
 if TYPE_CHECKING:
@@ -444,7 +444,7 @@ class EagleDraft(DraftModel):
         for (i, _), t in zip(live, tokens, strict=True):
             drafts[i].append(t)
         for _ in range(k - 1):
-            own = self._own_hidden()
+            own = host_rows(self.runner.hidden)  # its output at each sequence's last row
             batch = Batch(seqs, [[drafts[i][-1]] for i, _ in live], [True] * len(seqs), False)  # type: ignore[arg-type]
             tokens = self._guesses(self.runner.forward(batch, hidden=own))
             for seq in seqs:
@@ -452,11 +452,6 @@ class EagleDraft(DraftModel):
             for (i, _), t in zip(live, tokens, strict=True):
                 drafts[i].append(t)
         return drafts
-
-    def _own_hidden(self) -> np.ndarray:
-        """The head's output at each sequence's last row of the step just run."""
-        h = self.runner.hidden
-        return h if isinstance(h, np.ndarray) else h.float().cpu().numpy()
 
     def _guesses(self, logits: Any) -> list[int]:
         ids = argmax_rows(logits)
