@@ -282,13 +282,18 @@ A8_FORMATS = {
 
 @pytest.mark.parametrize("case", sorted(A8_FORMATS))
 def test_gguf_blocks_with_int8_activations_match_transformers_rounding_the_same(
-    case: str, gguf_file: Callable[[str], Path], tmp_path: Path
+    case: str, checkpoint: Callable[..., Path], tmp_path: Path
 ) -> None:
     """--quantize-activations int8: every block matrix (the lm_head too, tied or not) runs
     with its input rounded to int8 per block of 32, llama.cpp's way; transformers on the
     same file with the same rounding in front of each Linear gives the same logits up to
-    float32 rounding and ties (oracle.assert_rounds_like)."""
-    path = gguf_file(case)
+    float32 rounding and ties (oracle.assert_rounds_like). One layer: a tie that float
+    noise breaks the other way in a later layer's input moves every later position through
+    that layer's attention (seen on AVX-512: one near-tie in row 1's down_proj input of a
+    2-layer model moved 25 of 40 positions); in one layer only the first q/k/v input is
+    read across positions."""
+    family, qtype, kw = CASES[case]
+    path = write_gguf(checkpoint(family, **kw, num_layers=1), tmp_path / f"{case}.gguf", qtype)
     art = tmp_path / "art"
     compile_model(ServerArgs(model_path=str(path), quantize_activations="int8"), art)
     nodes = json.loads((art / "graph.json").read_text())["nodes"]
@@ -362,7 +367,9 @@ def test_families_transformers_cannot_read_as_gguf_run_as_their_checkpoints(
     seq = list(range(3, 43))
     got = Engine(art, max_total_tokens=1024).prompt_logits(seq)
     ref = Engine(artefact(family, **kw), max_total_tokens=1024).prompt_logits(seq)
-    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    # rtol: Llama 3.1's rotary frequencies come from the file's rope_freqs tensor against
+    # the config's formula, a few ulp apart (1.07e-5 at a logit of 2.9 on AVX-512)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
