@@ -71,18 +71,35 @@ def kiln_round(
     return kiln.decode_rate(prompt, n), len(long_prompt) / kiln.time(long_prompt, 1)
 
 
-def llama_round(
-    bench: Path, gguf: Path, threads: int, depth: int, prefill: int, n: int
-) -> tuple[float, float]:
-    """(decode tok/s, prefill tok/s) of one llama-bench round: n tokens at `depth`, then a
-    `prefill`-token prompt."""
-    decode = llama_bench_rate(bench, gguf, threads, "-p", "0", "-n", str(n), "-d", str(depth))
-    return decode, llama_bench_rate(bench, gguf, threads, "-p", str(prefill), "-n", "0")
+def llama_round(args: argparse.Namespace, gguf: Path, prefill: int, n: int) -> tuple[float, float]:
+    """(decode tok/s, prefill tok/s) of one llama-bench round: n tokens at --depth, then a
+    `prefill`-token prompt (by --llama-bench-prefill where given)."""
+    ub = ["-ub", str(args.llama_decode_ubatch)] if args.llama_decode_ubatch else []
+    depth = ["-d", str(args.depth)]
+    decode = llama_bench_rate(
+        args.llama_bench, gguf, args.threads, "-p", "0", "-n", str(n), *depth, *ub
+    )
+    pre = args.llama_bench_prefill or args.llama_bench
+    return decode, llama_bench_rate(pre, gguf, args.threads, "-p", str(prefill), "-n", "0")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--llama-bench", type=Path, required=True, help="llama-bench binary")
+    p.add_argument(
+        "--llama-bench-prefill",
+        type=Path,
+        help="another llama-bench for the prefill rounds (default: --llama-bench): where a "
+        "machine lists AMX but faults on its tile instructions (a VM), llama.cpp's native "
+        "build decodes one row through its AMX buffer's VNNI kernels, 2x its build without "
+        "AMX, and cannot run a batch; a build without AMX is its best prefill there",
+    )
+    p.add_argument(
+        "--llama-decode-ubatch",
+        type=int,
+        help="llama-bench -ub for the decode rounds: 1 computes the depth's prompt a token a "
+        "step (that build's batched kernels fault), the timed tokens are one a step anyway",
+    )
     p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--decode-tokens", type=int, default=64)
@@ -121,14 +138,7 @@ def main() -> None:
         for _ in range(args.rounds):
             got["kiln"].append(kiln_round(kiln, prompt, long_prompt, args.decode_tokens))
             got["llama.cpp"].append(
-                llama_round(
-                    args.llama_bench,
-                    gguf,
-                    args.threads,
-                    args.depth,
-                    args.prefill_tokens,
-                    args.decode_tokens,
-                )
+                llama_round(args, gguf, args.prefill_tokens, args.decode_tokens)
             )
         kiln.close()
         limit = bw * 1e9 / step_bytes
@@ -151,7 +161,10 @@ def main() -> None:
     print_table(
         f"Batch-1 decode at a {args.depth}-token depth and {args.prefill_tokens}-token "
         f"prefill, SmolLM2-135M-Instruct, kiln (--target-isa {args.target_isa}) against "
-        f"llama-bench ({args.llama_bench})",
+        f"llama-bench ({args.llama_bench}"
+        + (f", decode -ub {args.llama_decode_ubatch}" if args.llama_decode_ubatch else "")
+        + (f"; prefill {args.llama_bench_prefill}" if args.llama_bench_prefill else "")
+        + ")",
         bw,
         args.rounds,
         args.threads,

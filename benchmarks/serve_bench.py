@@ -209,6 +209,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--kiln-args", default="", help="extra `kiln serve` flags")
     p.add_argument(
+        "--llama-args",
+        default="",
+        help="extra llama-server flags (e.g. `-ub 1` for a build whose batched kernels "
+        "fault: decode_cpu.py --llama-decode-ubatch)",
+    )
+    p.add_argument(
         "--llama-flash-attn",
         choices=("on", "off", "auto"),
         default="off",
@@ -279,6 +285,7 @@ def main() -> None:
                 "--flash-attn",
                 args.llama_flash_attn,
                 "--log-disable",
+                *args.llama_args.split(),
             ],
         }
         if args.speculative_algorithm:
