@@ -169,7 +169,9 @@ def bench(
         str(out),
         "--disable-tqdm",
     ]
-    run = subprocess.run(cmd, capture_output=True, text=True)
+    # Not from the checkout: `-m` puts the working directory first on the path, where the
+    # repository's kernels/ would stand in for the `kernels` package transformers imports.
+    run = subprocess.run(cmd, capture_output=True, text=True, cwd=tempfile.gettempdir())
     if run.returncode != 0 or not out.stat().st_size:
         sys.exit(f"sglang.bench_serving failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
     res = json.loads(out.read_text().splitlines()[-1])
