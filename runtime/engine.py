@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import logging
 import math
+import os
 import threading
 import time
 import uuid
@@ -79,7 +80,11 @@ log = logging.getLogger("kiln.engine")
 DEFAULT_MAX_RUNNING = 256
 # --max-running-requests unset with speculative decoding: SGLang's NGRAM default.
 DEFAULT_MAX_RUNNING_SPECULATIVE = 48
-# --chunked-prefill-size unset: chunks of this many tokens (SGLang sizes it per GPU).
+# --chunked-prefill-size unset: SGLang's size for the device's memory (its server_args.py,
+# from the GPU's memory, or on a CPU the smallest NUMA node's): (below MiB, tokens), then
+# the largest; DEFAULT_CHUNKED_PREFILL where the memory is unknown.
+CHUNKED_PREFILL_BY_MEMORY = ((35 * 1024, 2048), (60 * 1024, 4096), (160 * 1024, 8192))
+LARGEST_CHUNKED_PREFILL = 16384
 DEFAULT_CHUNKED_PREFILL = 4096
 # Longest the engine spends giving KV memory back in one go (it does so when idle).
 RELEASE_BUDGET_S = 0.05
@@ -344,7 +349,7 @@ class Engine:
 
     def _scheduler_config(self) -> SchedulerConfig:
         a = self.args
-        chunk = a.chunked_prefill_size or DEFAULT_CHUNKED_PREFILL
+        chunk = a.chunked_prefill_size or chunked_prefill_for(device_memory_mib(self.runner.device))
         return SchedulerConfig(
             max_running=self.max_running,
             max_prefill_tokens=a.max_prefill_tokens,
@@ -1405,3 +1410,32 @@ def _normalised(row: np.ndarray) -> list[float]:
     v = row.astype(np.float64)
     norm = float(np.sqrt(v @ v))
     return (v / norm if norm > 0 else v).tolist()
+
+
+def chunked_prefill_for(memory_mib: float | None) -> int:
+    """--chunked-prefill-size's default on a device of `memory_mib` (None: unknown)."""
+    if memory_mib is None:
+        return DEFAULT_CHUNKED_PREFILL
+    for below, tokens in CHUNKED_PREFILL_BY_MEMORY:
+        if memory_mib < below:
+            return tokens
+    return LARGEST_CHUNKED_PREFILL
+
+
+def device_memory_mib(device: str) -> float | None:
+    """The memory SGLang sizes its defaults by: a GPU's, or a CPU's smallest NUMA node's
+    (the machine's, shared out between its nodes, where sysfs lists none)."""
+    if device.startswith("cuda"):
+        return float(torch.cuda.get_device_properties(device).total_memory // 2**20)
+    if device != "cpu":
+        return None
+    from kiln.runtime.numa import node_memory_mib, nodes
+
+    sizes = node_memory_mib()
+    if sizes:
+        return float(min(sizes))
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
+    except (ValueError, OSError):
+        return None
+    return float(total // max(1, len(nodes())))

@@ -60,6 +60,20 @@ def nodes(root: Path = SYSFS) -> dict[int, set[int]]:
     return found
 
 
+def node_memory_mib(root: Path = SYSFS) -> list[int]:
+    """MemTotal of each NUMA node with CPUs, MiB (sysfs's "Node 0 MemTotal: N kB" line);
+    empty where sysfs has no nodes."""
+    sizes = []
+    for node in sorted(nodes(root)):
+        try:
+            parts = (root / f"node{node}" / "meminfo").read_text().split("\n", 1)[0].split()
+        except OSError:
+            continue
+        if len(parts) >= 4 and parts[2] == "MemTotal:" and parts[3].isdigit():
+            sizes.append(int(parts[3]) // 1024)
+    return sizes
+
+
 def check(numa_node: Sequence[int], processes: int, what: str, root: Path = SYSFS) -> list[int]:
     """The nodes of this machine's `processes` processes (`what` says which they are), or
     an ArgError naming --numa-node."""

@@ -56,7 +56,7 @@ SECTIONS: tuple[Section, ...] = (
         Flag('--max-running-requests', type='int', stage=RUNTIME, status=IMPLEMENTED, help="Most requests decoding at once."),
         Flag('--max-queued-requests', type='int', stage=RUNTIME, status=IMPLEMENTED, help='Most requests waiting to start; beyond it the server answers 503.'),
         Flag('--max-total-tokens', type='int', stage=RUNTIME, status=IMPLEMENTED, help="KV pool size in tokens; overrides --mem-fraction-static."),
-        Flag('--chunked-prefill-size', type='int', stage=RUNTIME, status=IMPLEMENTED, help='Prefill long prompts in chunks of this many tokens; -1: off (default 4096).'),
+        Flag('--chunked-prefill-size', type='int', stage=RUNTIME, status=IMPLEMENTED, help="Prefill long prompts in chunks of this many tokens; -1: off. Default, as SGLang sizes it by the device's memory (a CPU's: its smallest NUMA node's): 2048 under 35 GiB, 4096 under 60, 8192 under 160, else 16384."),
         Flag('--max-prefill-tokens', type='int', default=16384, stage=RUNTIME, status=IMPLEMENTED, help="Token budget of one prefill batch."),
         Flag('--schedule-policy', type='str', default='fcfs', choices=('lpm', 'random', 'fcfs', 'dfs-weight', 'lof', 'priority'), stage=RUNTIME, status=IMPLEMENTED, choice_status={"dfs-weight": PLANNED}, help="Order of waiting requests: fcfs, lpm (longest cached prefix), random, lof (longest output), priority."),
         Flag('--enable-priority-scheduling', type='bool', stage=RUNTIME, status=IMPLEMENTED, help='Order waiting requests by their `priority` field first.'),

@@ -15,6 +15,7 @@ import pytest
 from kiln import Engine
 from kiln.args import ArgError
 from kiln.runtime import numa
+from kiln.runtime.engine import chunked_prefill_for, device_memory_mib
 
 
 def _sysfs(tmp_path: Path, **cpulists: str) -> Path:
@@ -33,6 +34,28 @@ def test_cpulists_and_nodes(tmp_path) -> None:
     root = _sysfs(tmp_path, node0="0-1", node1="2-3", node3="")  # node3: memory only
     assert numa.nodes(root) == {0: {0, 1}, 1: {2, 3}}
     assert numa._short({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8"
+
+
+def test_chunked_prefill_defaults_to_sglangs_size_for_the_smallest_nodes_memory(
+    tmp_path, artefact
+) -> None:
+    root = _sysfs(tmp_path, node0="0-1", node1="2-3", node3="")
+    for name, kb in (("node0", 64 * 2**20), ("node1", 30 * 2**20), ("node3", 2**20)):
+        (root / name / "meminfo").write_text(f"Node {name[4:]} MemTotal: {kb} kB\nNode ...\n")
+    assert numa.node_memory_mib(root) == [64 * 1024, 30 * 1024]  # node3 runs nothing
+    # SGLang's table (server_args.py), in MiB of the device's memory
+    sizes = {20 * 1024 - 1: 2048, 34 * 1024: 2048, 35 * 1024: 4096, 59 * 1024: 4096}
+    sizes |= {60 * 1024: 8192, 159 * 1024: 8192, 160 * 1024: 16384, None: 4096}
+    assert {mib: chunked_prefill_for(mib) for mib in sizes} == sizes
+    engine = Engine(artefact("llama"), max_total_tokens=256)
+    expect = chunked_prefill_for(device_memory_mib("cpu"))
+    assert engine.scheduler.cfg.chunked_prefill_size == expect
+    assert (
+        Engine(
+            artefact("llama"), max_total_tokens=256, chunked_prefill_size=-1
+        ).scheduler.cfg.chunked_prefill_size
+        is None
+    )
 
 
 def test_the_list_is_checked_against_the_processes(tmp_path) -> None:
@@ -65,6 +88,7 @@ _BIND = """
 import json, os, sys, threading
 from pathlib import Path
 from kiln.runtime import numa
+from kiln.runtime.engine import chunked_prefill_for, device_memory_mib
 started, done = threading.Event(), threading.Event()
 def before():
     started.set()
