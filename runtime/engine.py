@@ -1425,8 +1425,8 @@ def chunked_prefill_for(memory_mib: float | None) -> int:
 def device_memory_mib(device: str) -> float | None:
     """The memory SGLang sizes its defaults by: a GPU's, or a CPU's smallest NUMA node's
     (the machine's, shared out between its nodes, where sysfs lists none)."""
-    if device.startswith("cuda"):
-        return float(torch.cuda.get_device_properties(device).total_memory // 2**20)
+    if device == "cuda":
+        return float(gpu_memory(0) // 2**20)  # the GPU the engine places on (_placement)
     if device != "cpu":
         return None
     from kiln.runtime.numa import node_memory_mib, nodes
