@@ -1426,7 +1426,7 @@ def device_memory_mib(device: str) -> float | None:
     """The memory SGLang sizes its defaults by: a GPU's, or a CPU's smallest NUMA node's
     (the machine's, shared out between its nodes, where sysfs lists none)."""
     if device == "cuda":
-        return float(gpu_memory(0) // 2**20)  # the GPU the engine places on (_placement)
+        return float(gpu_memory(0) // 2**20)  # the GPU the engine places on (_place)
     if device != "cpu":
         return None
     from kiln.runtime.numa import node_memory_mib, nodes
